@@ -1,0 +1,271 @@
+"""Exact n x k balanced assignment (Kool et al. 2021, eq. 4 and App. D.2).
+
+Problem: given scores ``s[i, j]`` for ``n`` tokens and ``k`` experts and a capacity ``c``,
+
+    maximise  sum_i s[i, z_i]   subject to   #{i : z_i = j} <= c  for every expert j.
+
+Algorithm (App. D.2, generalised to slack capacity):
+
+1. **Start.** A feasible assignment from a few rounds of vectorised proposals: every unplaced
+   token proposes to its best expert that still has room, each expert accepts the proposals with
+   the largest margins up to its free capacity (:func:`_initial_assignment`).
+2. **Expert graph.** Nodes are the ``k`` experts plus a sink node ``T``. The arc ``a -> b`` costs
+   ``min_{i: z_i = a} s[i, a] - s[i, b]``, the cheapest way to move one token from ``a`` to
+   ``b``; ``a -> T`` (cost 0) exists while ``a`` has a free slot, ``T -> b`` (cost 0) while ``b``
+   holds a token. A negative cycle is an improving exchange of tokens (through ``T`` it moves a
+   token into a free slot); the assignment is optimal iff there is none (min-cost-flow optimality).
+3. **Cycle cancelling.** Bellman-Ford from a virtual source on the ``(k+1)``-node graph; a cycle
+   in its predecessor graph is a negative cycle (and the predecessor graph's cycles are disjoint),
+   so every such cycle is cancelled at once, moving one token along each of its arcs. Repeat until
+   Bellman-Ford converges: then no negative cycle is left and the assignment is optimal.
+4. The converged graph's all-pairs shortest paths ``d*`` (Floyd-Warshall) are what
+   :func:`routelab.assignment.gumbel_matching` needs for its conditionals (App. D.3-D.4).
+
+Forbidden pairs (``-inf`` scores) are replaced by a large finite penalty: if the optimum still
+uses one, no feasible assignment exists and a ``ValueError`` is raised.
+Everything is batched over the leading dimensions; the only Python loops are over rounds of the
+algorithm (never over tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ._checks import check_score_matrix, resolve_capacity
+from ._groups import rank_within_groups, slot_table
+from .shortest_paths import floyd_warshall, functional_graph_cycles, relax
+
+__all__ = ["balanced_assignment", "solve_balanced", "BalancedSolution", "expert_graph"]
+
+
+@dataclass
+class BalancedSolution:
+    """Internal result of :func:`solve_balanced` (flattened batch).
+
+    Attributes:
+        expert: ``[B, n]`` optimal expert per token.
+        scores: ``[B, n, k]`` the finite working scores the solver optimised.
+        arc_cost: ``[B, k+1, k+1]`` expert-graph arc costs at the optimum (node ``k`` is the sink).
+        capacity: the capacity ``c``.
+        rounds: number of cycle-cancelling rounds that were run.
+    """
+
+    expert: Tensor
+    scores: Tensor
+    arc_cost: Tensor
+    capacity: int
+    rounds: int
+
+
+def balanced_assignment(scores: Tensor, capacity: int | None = None) -> Tensor:
+    """The exact maximiser of ``sum_i scores[i, z_i]`` with at most ``capacity`` tokens per expert.
+
+    Args:
+        scores: ``[..., n, k]`` floating scores of ``n`` tokens for ``k`` experts, batched over the
+            leading dimensions. ``-inf`` marks a forbidden (token, expert) pair.
+        capacity: tokens each expert may take; default ``n / k`` (then ``k`` must divide ``n``).
+
+    Returns:
+        ``[..., n]`` long tensor, the expert of every token.
+
+    Raises:
+        ValueError: NaN or +inf scores, fewer than two dimensions, ``capacity * k < n``,
+            ``n`` not divisible by ``k`` without an explicit capacity, or a pattern of ``-inf``
+            entries that leaves no feasible assignment.
+    """
+    sol = solve_balanced(scores, capacity)
+    return sol.expert.view(scores.shape[:-1])
+
+
+def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "scores") -> BalancedSolution:
+    """Validate, solve and certify; returns the flattened :class:`BalancedSolution`."""
+    check_score_matrix(scores, name)
+    n, k = scores.shape[-2], scores.shape[-1]
+    c = min(resolve_capacity(n, k, capacity), n)
+    S, forbidden = _working_scores(scores.detach().reshape(-1, n, k))
+    z = _initial_assignment(S, c)
+    z, arc_cost, rounds = _cancel_negative_cycles(S, z, c)
+    if forbidden is not None and bool(forbidden.gather(-1, z.unsqueeze(-1)).any()):
+        bad = forbidden.gather(-1, z.unsqueeze(-1)).squeeze(-1).any(-1).nonzero().flatten()
+        raise ValueError(
+            f"{name}: the -inf (forbidden) entries leave no feasible assignment with capacity {c} "
+            f"(batch instance(s) {bad.tolist()[:5]}): some set of tokens is allowed on too few experts. "
+            f"Allow more (token, expert) pairs or raise the capacity"
+        )
+    return BalancedSolution(expert=z, scores=S, arc_cost=arc_cost, capacity=c, rounds=rounds)
+
+
+def _working_scores(S: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Replace -inf by a finite penalty large enough that any feasible assignment beats one using it."""
+    forbidden = torch.isneginf(S)
+    if not bool(forbidden.any()):
+        return S, None
+    finite = S.masked_fill(forbidden, 0.0)
+    lo = S.masked_fill(forbidden, float("inf")).amin(dim=(-2, -1), keepdim=True)
+    hi = S.masked_fill(forbidden, float("-inf")).amax(dim=(-2, -1), keepdim=True)
+    lo = torch.where(torch.isinf(lo), torch.zeros_like(lo), lo)  # an all-forbidden instance
+    hi = torch.where(torch.isinf(hi), torch.zeros_like(hi), hi)
+    n = S.shape[-2]
+    penalty = lo - (hi - lo + 1.0) * (n + 1)
+    return torch.where(forbidden, penalty.expand_as(S), finite), forbidden
+
+
+def _tolerance(S: Tensor) -> Tensor:
+    """``[B, 1]`` threshold below which a cycle's cost counts as negative (rounding guard)."""
+    k = S.shape[-1]
+    scale = S.abs().amax(dim=(-2, -1)).clamp(min=1.0)
+    return (4 * (k + 1) * torch.finfo(S.dtype).eps * scale).unsqueeze(-1)
+
+
+def _initial_assignment(S: Tensor, c: int) -> Tensor:
+    """A feasible assignment by rounds of proposals (greedy, no token is moved once placed).
+
+    Every unplaced token proposes to its best expert with a free slot; each expert accepts the
+    proposals with the largest margin (best minus second best score) up to its free capacity.
+    At least one expert fills up per round unless all proposals are accepted, so this ends in at
+    most ``k`` rounds.
+
+    Args:
+        S: ``[B, n, k]`` finite scores.
+        c: capacity, ``c * k >= n``.
+
+    Returns:
+        ``[B, n]`` long expert per token.
+    """
+    B, n, k = S.shape
+    dev = S.device
+    z = torch.full((B, n), -1, dtype=torch.long, device=dev)
+    free = torch.full((B, k), c, dtype=torch.long, device=dev)
+    pb = torch.arange(B, device=dev).repeat_interleave(n)  # pending (batch, token) pairs
+    pi = torch.arange(n, device=dev).repeat(B)
+    neg_inf = torch.tensor(float("-inf"), dtype=S.dtype, device=dev)
+    while pb.numel() > 0:
+        W = S[pb, pi]
+        W = torch.where(free[pb] > 0, W, neg_inf)
+        w1, j = W.max(dim=-1)
+        w2 = W.scatter(-1, j.unsqueeze(-1), float("-inf")).amax(dim=-1)
+        margin = torch.where(torch.isinf(w2), torch.full_like(w1, float("inf")), w1 - w2)
+        group = pb * k + j
+        rank = rank_within_groups(group, margin, B * k)
+        ok = rank < free.view(-1)[group]
+        z[pb[ok], pi[ok]] = j[ok]
+        free.view(-1).scatter_add_(0, group[ok], torch.full_like(group[ok], -1))
+        pb, pi = pb[~ok], pi[~ok]
+    return z
+
+
+def _move_costs(S: Tensor, holder: Tensor) -> Tensor:
+    """``[B, k, c, k]`` cost ``s[i, a] - s[i, b]`` of moving the token in slot ``(a, t)`` to ``b``.
+
+    Empty slots cost ``+inf``.
+    """
+    B, n, k = S.shape
+    c = holder.shape[-1]
+    valid = holder < n
+    rows = S.gather(1, holder.clamp(max=n - 1).view(B, k * c, 1).expand(B, k * c, k)).view(B, k, c, k)
+    own = rows.diagonal(dim1=1, dim2=3).permute(0, 2, 1).unsqueeze(-1)  # [B, k, c, 1]: s[i, a]
+    cost = own - rows
+    return cost.masked_fill(~valid.unsqueeze(-1), float("inf"))
+
+
+def expert_graph(S: Tensor, holder: Tensor, counts: Tensor, c: int) -> tuple[Tensor, Tensor]:
+    """Arc costs of the expert graph for the assignment described by ``holder``.
+
+    Args:
+        S: ``[B, n, k]`` scores.
+        holder: ``[B, k, c]`` token ids per expert slot (``n`` for an empty slot).
+        counts: ``[B, k]`` tokens per expert.
+        c: capacity.
+
+    Returns:
+        ``(arc_cost, move_cost)``: ``arc_cost`` ``[B, k+1, k+1]`` with the sink as node ``k``
+        and a zero diagonal; ``move_cost`` ``[B, k, c, k]`` from :func:`_move_costs`.
+    """
+    B, n, k = S.shape
+    move = _move_costs(S, holder)
+    arc = torch.full((B, k + 1, k + 1), float("inf"), dtype=S.dtype, device=S.device)
+    arc[:, :k, :k] = move.amin(dim=2)
+    zero = torch.zeros((), dtype=S.dtype, device=S.device)
+    inf = torch.full((), float("inf"), dtype=S.dtype, device=S.device)
+    arc[:, :k, k] = torch.where(counts < c, zero, inf)
+    arc[:, k, :k] = torch.where(counts > 0, zero, inf)
+    arc.diagonal(dim1=-2, dim2=-1).zero_()
+    return arc, move
+
+
+def _cancel_negative_cycles(S: Tensor, z: Tensor, c: int, max_rounds: int | None = None) -> tuple[Tensor, Tensor, int]:
+    """Cycle cancelling until no negative cycle is left (App. D.2).
+
+    Args:
+        S: ``[B, n, k]`` finite scores.
+        z: ``[B, n]`` feasible assignment (modified copy is returned).
+        c: capacity.
+
+    Returns:
+        ``(z, arc_cost, rounds)`` with the optimal assignment, the expert graph at the optimum
+        ``[B, k+1, k+1]`` and the number of rounds.
+    """
+    B, n, k = S.shape
+    m = k + 1
+    dev = S.device
+    z = z.clone()
+    tol = _tolerance(S)
+    arc_final = torch.empty((B, m, m), dtype=S.dtype, device=dev)
+    active = torch.arange(B, device=dev)
+    nodes = torch.arange(m, device=dev)
+    rounds = 0
+    if max_rounds is None:
+        max_rounds = 10 * n * k + 100  # each round strictly improves; this only guards against bugs
+    while active.numel() > 0:
+        if rounds >= max_rounds:
+            raise RuntimeError("balanced_assignment: cycle cancelling did not terminate; please report this input")
+        rounds += 1
+        Sa, za, tola = S[active], z[active], tol[active]
+        holder, counts = slot_table(za, k, c)
+        arc, move = expert_graph(Sa, holder, counts, c)
+        # Bellman-Ford from a virtual source (all labels 0); stop per instance at convergence
+        # (optimal) or as soon as the predecessor graph has a cycle (a negative cycle).
+        A = active.numel()
+        dist = torch.zeros((A, m), dtype=S.dtype, device=dev)
+        pred = nodes.expand(A, m).clone()
+        status = torch.zeros(A, dtype=torch.long, device=dev)  # 0 running, 1 optimal, 2 cycle found
+        cycle_nodes = torch.zeros((A, m), dtype=torch.bool, device=dev)
+        for it in range(1, 2 * m + 2):
+            run = status == 0
+            cand, arg = relax(dist, arc)
+            better = (cand < dist - tola) & run.unsqueeze(-1)
+            status = torch.where(run & ~better.any(-1), torch.ones_like(status), status)
+            dist = torch.where(better, cand, dist)
+            pred = torch.where(better, arg, pred)
+            run = status == 0
+            if not bool(run.any()):
+                break
+            on_cycle = functional_graph_cycles(pred) & (pred != nodes) & run.unsqueeze(-1)
+            found = on_cycle.any(-1)
+            cycle_nodes |= on_cycle
+            status = torch.where(found, torch.full_like(status, 2), status)
+        else:
+            raise RuntimeError("balanced_assignment: Bellman-Ford found neither convergence nor a cycle")
+        done = status == 1
+        if bool(done.any()):
+            arc_final[active[done]] = arc[done]
+        if bool((~done).any()):
+            # Cancel every predecessor-graph cycle: for each cycle node v with predecessor u, move
+            # the cheapest token of arc u -> v (sources are distinct, so no token moves twice).
+            inst, v = cycle_nodes.nonzero(as_tuple=True)
+            u = pred[inst, v]
+            is_move = (u < k) & (v < k)
+            inst, u, v = inst[is_move], u[is_move], v[is_move]
+            slot = move[inst, u, :, v].argmin(dim=-1)
+            token = holder[inst, u, slot]
+            z[active[inst], token] = v
+        active = active[~done]
+    return z, arc_final, rounds
+
+
+def conditional_shortest_paths(arc_cost: Tensor) -> Tensor:
+    """All-pairs shortest paths ``d*`` ``[B, k+1, k+1]`` of an optimal expert graph (App. D.3)."""
+    return floyd_warshall(arc_cost)

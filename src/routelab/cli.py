@@ -1,0 +1,273 @@
+"""The ``routelab`` command.
+
+Subcommands::
+
+    routelab reproduce [NAME ...] [--quick] [--out DIR]   run experiments, write DIR/report.md
+    routelab bench assignment [--quick] [--threads N] [--device cpu|cuda] [--out FILE]
+    routelab list                                         list the registered experiments
+
+Exit codes: 0 on success, 2 on a usage error (unknown experiment, bad option).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import sys
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+import routelab
+from routelab import experiments
+from routelab.experiments.runner import atomic_write_text
+
+__all__ = ["main", "build_parser"]
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+
+BENCHMARKS: tuple[str, ...] = ("assignment",)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _error(message: str) -> int:
+    """Print ``routelab: error: message`` to stderr and return the usage exit code."""
+    print(f"routelab: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _run_assignment_benchmark(
+    *, quick: bool, threads: int | None = None, device: str | None = None
+) -> str:
+    """Run the balanced-assignment benchmark, streaming progress to stdout.
+
+    Returns:
+        The benchmark's markdown table.
+    """
+    from routelab.bench.assignment import run_benchmark  # lazy: heavy, and optional here
+
+    kwargs: dict[str, object] = {"quick": quick, "out": sys.stdout}
+    if threads is not None:
+        kwargs["threads"] = threads
+    if device is not None:
+        kwargs["device"] = device
+    return run_benchmark(**kwargs)
+
+
+def _demote_headings(markdown: str, levels: int = 2) -> str:
+    """Push every ATX heading outside fenced code blocks ``levels`` deeper (at most ``######``).
+
+    An experiment's report is embedded under a ``##`` section of the aggregated report, so its
+    own ``#`` title becomes ``###``.
+    """
+    lines = []
+    in_fence = False
+    for line in markdown.splitlines():
+        if line.lstrip().startswith(("```", "~~~")):
+            in_fence = not in_fence
+        elif not in_fence:
+            match = re.match(r"(#{1,6})(?= |$)", line)
+            if match:
+                depth = min(len(match.group(1)) + levels, 6)
+                line = "#" * depth + line[match.end():]
+        lines.append(line)
+    return "\n".join(lines)
+
+
+_RELATIVE_LINK = re.compile(r"(\]\()(?![a-zA-Z][a-zA-Z0-9+.-]*:|/|#)([^)\s]+)")
+
+
+def _rebase_links(markdown: str, prefix: str) -> str:
+    """Prefix relative markdown link targets (``](fig.png)``) with ``prefix/``."""
+    if prefix in ("", "."):
+        return markdown
+    return _RELATIVE_LINK.sub(lambda m: f"{m.group(1)}{prefix}/{m.group(2)}", markdown)
+
+
+def _report_header(quick: bool) -> list[str]:
+    """The first lines of the aggregated report: what ran, where and when."""
+    import torch
+
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return [
+        "# routelab reproduce report",
+        "",
+        f"- mode: {'quick' if quick else 'full'}",
+        f"- routelab {routelab.__version__}, torch {torch.__version__}, "
+        f"Python {platform.python_version()}, {platform.machine()} ({os.cpu_count()} CPUs)",
+        f"- generated: {stamp}",
+        "",
+    ]
+
+
+# ---------------------------------------------------------------------------- commands
+
+
+def _cmd_reproduce(args: argparse.Namespace) -> int:
+    """``routelab reproduce``: run experiments (or the benchmark stand-in), write the report."""
+    registry = experiments.REGISTRY
+    unknown = [name for name in args.names if name not in registry]
+    if unknown:
+        if registry:
+            valid = "valid names: " + ", ".join(sorted(registry))
+        else:
+            valid = (
+                "no experiment is registered yet; run `routelab reproduce` without a name "
+                "to run the balanced-assignment benchmark instead"
+            )
+        return _error(f"unknown experiment(s): {', '.join(unknown)} ({valid}).")
+
+    out_dir: Path = args.out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = _report_header(args.quick)
+
+    if not registry:
+        lines += [
+            "No experiment is registered yet, so the balanced-assignment benchmark "
+            f"({'quick' if args.quick else 'full'} form) stands in for the reproduction.",
+            "",
+            "## Benchmark: balanced assignment",
+            "",
+            _run_assignment_benchmark(quick=args.quick).strip(),
+            "",
+        ]
+    else:
+        names = list(args.names) or list(registry)
+        for name in dict.fromkeys(names):  # de-duplicate, keep order
+            exp = registry[name]
+            exp_dir = out_dir / name
+            exp_dir.mkdir(parents=True, exist_ok=True)
+            print(f"== {name}: {exp.description}", flush=True)
+            report_path = Path(exp.run(exp_dir, args.quick))
+            rel = Path(os.path.relpath(report_path, out_dir)).as_posix()
+            body = report_path.read_text(encoding="utf-8")
+            body = _rebase_links(body, Path(rel).parent.as_posix())
+            lines += [
+                f"## {name}",
+                "",
+                exp.description,
+                "",
+                f"Full report: [{rel}]({rel})",
+                "",
+                _demote_headings(body).strip(),
+                "",
+            ]
+
+    report = atomic_write_text(out_dir / "report.md", "\n".join(lines))
+    print(f"report: {report}")
+    return EXIT_OK
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    """``routelab bench NAME``: run a benchmark, optionally saving its markdown table."""
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return _error("--device cuda was requested but torch.cuda.is_available() is False.")
+    text = _run_assignment_benchmark(quick=args.quick, threads=args.threads, device=args.device)
+    if args.out is not None:
+        path = atomic_write_text(args.out, text.rstrip("\n") + "\n")
+        print(f"table: {path}")
+    return EXIT_OK
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    """``routelab list``: print the registered experiments, one per line."""
+    registry = experiments.REGISTRY
+    if not registry:
+        print(
+            "No experiment is registered yet; `routelab reproduce` runs the "
+            "balanced-assignment benchmark instead."
+        )
+        return EXIT_OK
+    width = max(len(name) for name in registry)
+    for name, exp in registry.items():
+        print(f"{name:<{width}}  {exp.description}")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``routelab`` command."""
+    parser = argparse.ArgumentParser(
+        prog="routelab",
+        description="Routing in mixtures of experts: reproduce experiments, run benchmarks.",
+    )
+    parser.add_argument("--version", action="version", version=f"routelab {routelab.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    rep = sub.add_parser(
+        "reproduce",
+        help="run registered experiments and write DIR/report.md",
+        description="Run the named experiments (all if none is named) and aggregate their "
+        "reports into DIR/report.md. While no experiment is registered, the "
+        "balanced-assignment benchmark stands in.",
+    )
+    rep.add_argument("names", nargs="*", metavar="NAME", help="experiments to run (default: all)")
+    rep.add_argument("--quick", action="store_true", help="reduced sizes and seeds (minutes)")
+    rep.add_argument(
+        "--out", type=Path, default=Path("results"), metavar="DIR",
+        help="output directory (default: results)",
+    )
+    rep.set_defaults(func=_cmd_reproduce)
+
+    bench = sub.add_parser("bench", help="run a benchmark", description="Run a benchmark.")
+    bench.add_argument("benchmark", choices=BENCHMARKS, help="which benchmark")
+    bench.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
+    bench.add_argument(
+        "--threads", type=_positive_int, default=None, metavar="N",
+        help="torch intra-op threads (default: leave torch's setting)",
+    )
+    bench.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="device (default: cpu)"
+    )
+    bench.add_argument(
+        "--out", type=Path, default=None, metavar="FILE",
+        help="also write the markdown table to FILE",
+    )
+    bench.set_defaults(func=_cmd_bench)
+
+    lst = sub.add_parser("list", help="list the registered experiments")
+    lst.set_defaults(func=_cmd_list)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``routelab`` command.
+
+    Args:
+        argv: the arguments without the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code: 0 on success, 2 on a usage error. (argparse's own usage errors raise
+        ``SystemExit(2)``.)
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

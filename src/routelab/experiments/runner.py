@@ -1,0 +1,214 @@
+"""Small file utilities every experiment uses: resumable JSONL results and atomic writes.
+
+Results are recorded as one JSON object per line, appended and fsync'ed as each run finishes.
+The trailing newline is the commit marker: whatever follows the last newline (a line cut short
+by an interrupted run) is ignored by :func:`read_jsonl` and removed by the next
+:func:`append_jsonl_atomic`. A sweep therefore resumes where it stopped::
+
+    done = completed_keys(path, ("method", "seed"))
+    for method, seed in product(methods, seeds):
+        if (method, seed) in done:
+            continue
+        append_jsonl_atomic(path, {"method": method, "seed": seed, **run(method, seed)})
+
+The functions assume a single writer per file (one sweep at a time).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "append_jsonl_atomic",
+    "read_jsonl",
+    "completed_keys",
+    "missing_keys",
+    "atomic_write_text",
+]
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Flush a directory entry to disk (so a newly created or renamed file survives a crash)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # not supported on this platform / filesystem
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def append_jsonl_atomic(path: str | os.PathLike[str], record: dict[str, Any]) -> None:
+    """Append ``record`` as one JSON line to ``path``, flushed and fsync'ed.
+
+    The line is serialised completely before anything is written, so a record that cannot be
+    encoded leaves the file untouched. If the file ends in a partial line (left by an
+    interrupted run), that partial line is cut off first, so it can never fuse with the new
+    record. Parent directories are created as needed.
+
+    Args:
+        path: the ``.jsonl`` file.
+        record: a JSON-serialisable dict (convert tensors with ``.item()`` / ``.tolist()``).
+
+    Raises:
+        TypeError: if ``record`` is not a dict or holds a value JSON cannot encode.
+    """
+    if not isinstance(record, dict):
+        raise TypeError(f"record must be a dict, got {type(record).__name__}.")
+    line = json.dumps(record, sort_keys=True, ensure_ascii=False) + "\n"
+    data = line.encode("utf-8")
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    created = not path.exists()
+    with open(path, "a+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size:
+            f.seek(size - 1)
+            if f.read(1) != b"\n":
+                f.truncate(_end_of_last_complete_line(f, size))
+        f.seek(0, os.SEEK_END)
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    if created:
+        _fsync_dir(path.parent)
+
+
+def _end_of_last_complete_line(f: Any, size: int, chunk: int = 1 << 16) -> int:
+    """Byte offset just after the last ``\\n`` in the open binary file ``f`` (0 if none)."""
+    end = size
+    while end > 0:
+        start = max(0, end - chunk)
+        f.seek(start)
+        block = f.read(end - start)
+        i = block.rfind(b"\n")
+        if i >= 0:
+            return start + i + 1
+        end = start
+    return 0
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Read the complete records of a JSONL file written by :func:`append_jsonl_atomic`.
+
+    A missing file reads as no records. Text after the last newline is an interrupted write
+    and is ignored; blank lines are skipped.
+
+    Returns:
+        The records, in file order.
+
+    Raises:
+        ValueError: if a complete (newline-terminated) line is not a JSON object — that is
+            corruption, not an interruption, and is not skipped silently.
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1].decode("utf-8")  # drop the partial tail, if any
+    records: list[dict[str, Any]] = []
+    for lineno, line in enumerate(complete.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"{path}:{lineno}: not valid JSON ({err.msg}); the file is corrupt, not just "
+                f"interrupted. Fix or delete that line."
+            ) from err
+        if not isinstance(record, dict):
+            raise ValueError(
+                f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}."
+            )
+        records.append(record)
+    return records
+
+
+def _freeze(value: Any) -> Any:
+    """Make a JSON value hashable (lists become tuples, dicts sorted item tuples)."""
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    return value
+
+
+def completed_keys(
+    path: str | os.PathLike[str], key_fields: Sequence[str] | str
+) -> set[tuple[Any, ...]]:
+    """The key tuples of the runs already recorded in ``path``, to skip them on resume.
+
+    Args:
+        path: the ``.jsonl`` results file (missing means nothing is done yet).
+        key_fields: the fields that identify one run, e.g. ``("method", "seed")``; a single
+            string is taken as one field.
+
+    Returns:
+        ``{(record[f] for f in key_fields), ...}``; JSON lists in keys become tuples.
+
+    Raises:
+        ValueError: if a record lacks one of ``key_fields`` (the file belongs to another
+            sweep, or the key changed: use a new file).
+    """
+    fields: tuple[str, ...] = (key_fields,) if isinstance(key_fields, str) else tuple(key_fields)
+    if not fields:
+        raise ValueError("key_fields must name at least one field, e.g. ('method', 'seed').")
+    keys: set[tuple[Any, ...]] = set()
+    for i, record in enumerate(read_jsonl(path)):
+        missing = [f for f in fields if f not in record]
+        if missing:
+            raise ValueError(
+                f"{path}: record {i} lacks key field(s) {missing} (has {sorted(record)}); "
+                f"results from a different sweep? Write to a new file."
+            )
+        keys.add(tuple(_freeze(record[f]) for f in fields))
+    return keys
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> Path:
+    """Write ``text`` to ``path`` atomically: readers see the old file or the new, never half.
+
+    Writes a temporary file in the same directory, fsyncs it, then ``os.replace``s it over
+    ``path``. Parent directories are created as needed.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding=encoding, newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        try:
+            os.unlink(tmp_name)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def missing_keys(
+    all_keys: Iterable[tuple[Any, ...]], path: str | os.PathLike[str], key_fields: Sequence[str]
+) -> list[tuple[Any, ...]]:
+    """The keys of ``all_keys`` not yet recorded in ``path``, in their original order.
+
+    A convenience over :func:`completed_keys` for the usual resume loop.
+    """
+    done = completed_keys(path, key_fields)
+    return [k for k in all_keys if _freeze(list(k)) not in done]

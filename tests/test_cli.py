@@ -1,0 +1,143 @@
+"""Tests for the routelab command (routelab.cli.main)."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+from typing import Any, TextIO
+
+import pytest
+
+from routelab import cli, experiments
+from routelab.experiments import FunctionExperiment, register
+
+TABLE = "| n | k | ms |\n|---|---|---|\n| 8 | 2 | 0.1 |\n"
+
+
+@pytest.fixture
+def fake_bench(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Replace routelab.bench.assignment with a fake that records its calls."""
+    calls: list[dict[str, Any]] = []
+
+    def run_benchmark(
+        quick: bool = False, threads: int | None = None, device: str = "cpu", out: TextIO | None = None
+    ) -> str:
+        calls.append({"quick": quick, "threads": threads, "device": device, "out": out})
+        if out is not None:
+            print("fake benchmark running", file=out)
+        return TABLE
+
+    fake = types.ModuleType("routelab.bench.assignment")
+    fake.run_benchmark = run_benchmark  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "routelab.bench.assignment", fake)
+    return calls
+
+
+@pytest.fixture
+def registry(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """An isolated, initially empty experiment registry."""
+    fresh: dict[str, Any] = {}
+    monkeypatch.setattr(experiments, "REGISTRY", fresh)
+    return fresh
+
+
+def toy_experiment(name: str) -> FunctionExperiment:
+    def fn(out_dir: Path, quick: bool) -> Path:
+        (out_dir / "fig.png").write_bytes(b"png")
+        report = out_dir / "report.md"
+        report.write_text(f"# {name}\n\nquick={quick}\n\n![plot](fig.png)\n", encoding="utf-8")
+        return report
+
+    return FunctionExperiment(name=name, description=f"Toy experiment {name}.", fn=fn)
+
+
+def test_unknown_experiment_exits_2_and_lists_valid_names(
+    registry: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    register(toy_experiment("alpha"))
+    register(toy_experiment("beta"))
+    code = cli.main(["reproduce", "gamma", "--out", str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "gamma" in err and "alpha" in err and "beta" in err
+    assert not (tmp_path / "report.md").exists()
+
+
+def test_unknown_experiment_with_empty_registry(
+    registry: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert cli.main(["reproduce", "nope", "--out", str(tmp_path)]) == 2
+    assert "no experiment is registered yet" in capsys.readouterr().err
+
+
+def test_list(registry: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["list"]) == 0
+    assert "No experiment is registered yet" in capsys.readouterr().out
+    register(toy_experiment("alpha"))
+    assert cli.main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "alpha" in out and "Toy experiment alpha." in out
+
+
+def test_reproduce_without_experiments_runs_the_benchmark(
+    registry: dict[str, Any],
+    fake_bench: list[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    out_dir = tmp_path / "results"
+    assert cli.main(["reproduce", "--quick", "--out", str(out_dir)]) == 0
+    assert len(fake_bench) == 1 and fake_bench[0]["quick"] is True
+    report = (out_dir / "report.md").read_text(encoding="utf-8")
+    assert "No experiment is registered yet" in report
+    assert "| 8 | 2 | 0.1 |" in report
+    stdout = capsys.readouterr().out
+    assert "fake benchmark running" in stdout
+    assert str(out_dir / "report.md") in stdout
+
+
+def test_reproduce_aggregates_registered_experiments(
+    registry: dict[str, Any], fake_bench: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    register(toy_experiment("alpha"))
+    register(toy_experiment("beta"))
+    assert cli.main(["reproduce", "beta", "--out", str(tmp_path)]) == 0
+    assert fake_bench == []  # the benchmark only stands in while nothing is registered
+    report = (tmp_path / "report.md").read_text(encoding="utf-8")
+    assert "## beta" in report and "## alpha" not in report
+    assert "### beta" in report  # the experiment's own title is demoted under its section
+    assert "quick=False" in report
+    assert "](beta/fig.png)" in report  # relative links still point at the file
+    assert (tmp_path / "beta" / "report.md").exists()
+
+    assert cli.main(["reproduce", "--quick", "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "report.md").read_text(encoding="utf-8")
+    assert report.index("## alpha") < report.index("## beta")
+    assert "- mode: quick" in report
+
+
+def test_bench_passes_options_and_writes_table(
+    fake_bench: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    table = tmp_path / "bench.md"
+    code = cli.main(["bench", "assignment", "--quick", "--threads", "2", "--out", str(table)])
+    assert code == 0
+    call = fake_bench[0]
+    assert call["quick"] is True and call["threads"] == 2 and call["device"] == "cpu"
+    assert call["out"] is sys.stdout
+    assert table.read_text(encoding="utf-8") == TABLE
+
+
+def test_bench_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "assignment", "--threads", "0"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "nonsense"])
+    assert exc.value.code == 2
+
+
+def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 2
+    assert "reproduce" in capsys.readouterr().err
