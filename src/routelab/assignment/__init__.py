@@ -1,5 +1,23 @@
-"""Pure balanced-assignment algorithms (layer 1 of routelab): no modules, no state."""
+"""Pure balanced-assignment algorithms (layer 1 of routelab): no modules, no state.
+
+* :func:`sinkhorn` — log-space Sinkhorn balancing of an n x k matrix (Kool et al. 2021, Sec. 2.3).
+* :func:`balanced_assignment` — the exact capacity-constrained maximiser (eq. 4, App. D.2).
+* :func:`gumbel_matching` — n x k Gumbel-Matching samples with their conditionals (App. D.3-D.5).
+* :func:`base_assignment` — the deterministic BASE-layers assignment, the ``tau -> 0`` limit.
+
+All functions are batched over leading dimensions, run on CPU and CUDA in float32 and float64,
+and draw randomness only from an explicit ``torch.Generator``.
+"""
 
 from .balanced import balanced_assignment
+from .gumbel import GumbelMatching, base_assignment, gumbel_matching, sample_gumbel
+from .sinkhorn import sinkhorn
 
-__all__ = ["balanced_assignment"]
+__all__ = [
+    "GumbelMatching",
+    "balanced_assignment",
+    "base_assignment",
+    "gumbel_matching",
+    "sample_gumbel",
+    "sinkhorn",
+]

@@ -6,9 +6,11 @@ Problem: given scores ``s[i, j]`` for ``n`` tokens and ``k`` experts and a capac
 
 Algorithm (App. D.2, generalised to slack capacity):
 
-1. **Start.** A feasible assignment from a few rounds of vectorised proposals: every unplaced
-   token proposes to its best expert that still has room, each expert accepts the proposals with
-   the largest margins up to its free capacity (:func:`_initial_assignment`).
+1. **Start.** Approximate expert prices from a few Newton steps on the entropy-smoothed dual
+   (:mod:`._prices`), then a feasible assignment from a few rounds of vectorised proposals under
+   those prices: every unplaced token proposes to its best expert that still has room, each
+   expert accepts the proposals with the largest margins up to its free capacity
+   (:func:`_initial_assignment`).
 2. **Expert graph.** Nodes are the ``k`` experts plus a sink node ``T``. The arc ``a -> b`` costs
    ``min_{i: z_i = a} s[i, a] - s[i, b]``, the cheapest way to move one token from ``a`` to
    ``b``; ``a -> T`` (cost 0) exists while ``a`` has a free slot, ``T -> b`` (cost 0) while ``b``
@@ -36,6 +38,7 @@ from torch import Tensor
 
 from ._checks import check_score_matrix, resolve_capacity
 from ._groups import rank_within_groups, slot_table
+from ._prices import approximate_prices
 from .shortest_paths import floyd_warshall, functional_graph_cycles, relax
 
 __all__ = ["balanced_assignment", "solve_balanced", "BalancedSolution", "expert_graph"]
@@ -86,8 +89,9 @@ def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "
     n, k = scores.shape[-2], scores.shape[-1]
     c = min(resolve_capacity(n, k, capacity), n)
     S, forbidden = _working_scores(scores.detach().reshape(-1, n, k))
-    z = _initial_assignment(S, c)
-    z, arc_cost, rounds = _cancel_negative_cycles(S, z, c)
+    prices = approximate_prices(S, c)
+    z = _initial_assignment(S - prices.unsqueeze(1), c)
+    z, arc_cost, rounds = _cancel_negative_cycles(S, z, c, prices)
     if forbidden is not None and bool(forbidden.gather(-1, z.unsqueeze(-1)).any()):
         bad = forbidden.gather(-1, z.unsqueeze(-1)).squeeze(-1).any(-1).nonzero().flatten()
         raise ValueError(
@@ -142,9 +146,10 @@ def _initial_assignment(S: Tensor, c: int) -> Tensor:
     pb = torch.arange(B, device=dev).repeat_interleave(n)  # pending (batch, token) pairs
     pi = torch.arange(n, device=dev).repeat(B)
     neg_inf = torch.tensor(float("-inf"), dtype=S.dtype, device=dev)
+    rows = S.reshape(B * n, k)
     while pb.numel() > 0:
-        W = S[pb, pi]
-        W = torch.where(free[pb] > 0, W, neg_inf)
+        W = rows.index_select(0, pb * n + pi)
+        W = torch.where(free.index_select(0, pb) > 0, W, neg_inf)
         w1, j = W.max(dim=-1)
         w2 = W.scatter(-1, j.unsqueeze(-1), float("-inf")).amax(dim=-1)
         margin = torch.where(torch.isinf(w2), torch.full_like(w1, float("inf")), w1 - w2)
@@ -157,18 +162,44 @@ def _initial_assignment(S: Tensor, c: int) -> Tensor:
     return z
 
 
-def _move_costs(S: Tensor, holder: Tensor) -> Tensor:
-    """``[B, k, c, k]`` cost ``s[i, a] - s[i, b]`` of moving the token in slot ``(a, t)`` to ``b``.
+def _move_costs(S: Tensor, holder: Tensor, inst: Tensor | None = None, experts: Tensor | None = None) -> Tensor:
+    """Cost ``s[i, a] - s[i, b]`` of moving the token in slot ``(a, t)`` to expert ``b``.
 
-    Empty slots cost ``+inf``.
+    Args:
+        S: ``[B, n, k]`` scores.
+        holder: ``[B, k, c]`` token ids per slot (``n`` for an empty slot).
+        inst, experts: optional ``[r]`` (instance, expert) pairs to compute only those rows.
+
+    Returns:
+        ``[B, k, c, k]`` (or ``[r, c, k]`` for selected rows); empty slots cost ``+inf``.
     """
     B, n, k = S.shape
     c = holder.shape[-1]
-    valid = holder < n
-    rows = S.gather(1, holder.clamp(max=n - 1).view(B, k * c, 1).expand(B, k * c, k)).view(B, k, c, k)
-    own = rows.diagonal(dim1=1, dim2=3).permute(0, 2, 1).unsqueeze(-1)  # [B, k, c, 1]: s[i, a]
-    cost = own - rows
-    return cost.masked_fill(~valid.unsqueeze(-1), float("inf"))
+    if inst is None:
+        inst = torch.arange(B, device=S.device).repeat_interleave(k)
+        experts = torch.arange(k, device=S.device).repeat(B)
+        shape = (B, k, c, k)
+    else:
+        shape = (inst.numel(), c, k)
+    tokens = holder[inst, experts]  # [r, c]
+    valid = tokens < n
+    rows = S[inst.unsqueeze(-1), tokens.clamp(max=n - 1)]  # [r, c, k]
+    own = rows.gather(-1, experts.view(-1, 1, 1).expand(-1, c, 1))  # [r, c, 1]: s[i, a]
+    cost = (own - rows).masked_fill_(~valid.unsqueeze(-1), float("inf"))
+    return cost.view(shape)
+
+
+def _sink_arcs(arc: Tensor, counts: Tensor, c: int, inst: Tensor, experts: Tensor) -> None:
+    """Set the sink arcs of the given (instance, expert) pairs in place.
+
+    ``a -> T`` costs 0 while ``a`` has a free slot, ``T -> a`` costs 0 while ``a`` holds a token.
+    """
+    k = counts.shape[-1]
+    cnt = counts[inst, experts]
+    zero = torch.zeros((), dtype=arc.dtype, device=arc.device)
+    inf = torch.full((), float("inf"), dtype=arc.dtype, device=arc.device)
+    arc[inst, experts, k] = torch.where(cnt < c, zero, inf)
+    arc[inst, k, experts] = torch.where(cnt > 0, zero, inf)
 
 
 def expert_graph(S: Tensor, holder: Tensor, counts: Tensor, c: int) -> tuple[Tensor, Tensor]:
@@ -188,82 +219,126 @@ def expert_graph(S: Tensor, holder: Tensor, counts: Tensor, c: int) -> tuple[Ten
     move = _move_costs(S, holder)
     arc = torch.full((B, k + 1, k + 1), float("inf"), dtype=S.dtype, device=S.device)
     arc[:, :k, :k] = move.amin(dim=2)
-    zero = torch.zeros((), dtype=S.dtype, device=S.device)
-    inf = torch.full((), float("inf"), dtype=S.dtype, device=S.device)
-    arc[:, :k, k] = torch.where(counts < c, zero, inf)
-    arc[:, k, :k] = torch.where(counts > 0, zero, inf)
+    inst = torch.arange(B, device=S.device).repeat_interleave(k)
+    experts = torch.arange(k, device=S.device).repeat(B)
+    _sink_arcs(arc, counts, c, inst, experts)
     arc.diagonal(dim1=-2, dim2=-1).zero_()
     return arc, move
 
 
-def _cancel_negative_cycles(S: Tensor, z: Tensor, c: int, max_rounds: int | None = None) -> tuple[Tensor, Tensor, int]:
+def _find_negative_cycles(
+    arc: Tensor, tol: Tensor, running: Tensor, dist: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Bellman-Ford from a virtual source, stopped early per instance.
+
+    The virtual source reaches every node ``v`` with an arc of cost ``dist[v]``: any initial
+    labels give a valid search, and labels close to the optimal potentials (the previous round's,
+    or the negated expert prices) make it converge in a few sweeps.
+
+    Args:
+        arc: ``[B, m, m]`` arc costs.
+        tol: ``[B, 1]`` improvement threshold (rounding guard).
+        running: ``[B]`` bool, instances to examine.
+        dist: ``[B, m]`` initial labels.
+
+    Returns:
+        ``(optimal, cycle_nodes, pred, dist)``: ``optimal`` ``[B]`` bool (Bellman-Ford converged:
+        no negative cycle); ``cycle_nodes`` ``[B, m]`` bool, the nodes on the cycles of the
+        predecessor graph (each such cycle is negative, and they are node-disjoint);
+        ``pred`` ``[B, m]`` the predecessor of every node; ``dist`` the final labels.
+    """
+    B, m, _ = arc.shape
+    nodes = torch.arange(m, device=arc.device)
+    pred = nodes.expand(B, m).clone()
+    optimal = torch.zeros(B, dtype=torch.bool, device=arc.device)
+    cycle_nodes = torch.zeros((B, m), dtype=torch.bool, device=arc.device)
+    run = running.clone()
+    for _ in range(2 * m + 2):
+        cand, arg = relax(dist, arc)
+        better = (cand < dist - tol) & run.unsqueeze(-1)
+        converged = run & ~better.any(-1)
+        optimal |= converged
+        run &= ~converged
+        dist = torch.where(better, cand, dist)
+        pred = torch.where(better, arg, pred)
+        if not bool(run.any()):
+            return optimal, cycle_nodes, pred, dist
+        on_cycle = functional_graph_cycles(pred) & (pred != nodes) & run.unsqueeze(-1)
+        cycle_nodes |= on_cycle
+        run &= ~on_cycle.any(-1)
+        if not bool(run.any()):
+            return optimal, cycle_nodes, pred, dist
+    raise RuntimeError("balanced_assignment: Bellman-Ford found neither convergence nor a cycle; please report this input")
+
+
+def _cancel_negative_cycles(
+    S: Tensor, z: Tensor, c: int, prices: Tensor | None = None, max_rounds: int | None = None
+) -> tuple[Tensor, Tensor, int]:
     """Cycle cancelling until no negative cycle is left (App. D.2).
+
+    The expert graph is kept up to date incrementally: a cancelled cycle changes the token sets of
+    the experts on it only, so only their rows of the move-cost table are recomputed.
 
     Args:
         S: ``[B, n, k]`` finite scores.
-        z: ``[B, n]`` feasible assignment (modified copy is returned).
+        z: ``[B, n]`` feasible assignment (a modified copy is returned).
         c: capacity.
+        prices: optional ``[B, k]`` approximate expert prices; their negation (0 for the sink)
+            starts the Bellman-Ford labels near the optimal potentials.
 
     Returns:
         ``(z, arc_cost, rounds)`` with the optimal assignment, the expert graph at the optimum
         ``[B, k+1, k+1]`` and the number of rounds.
     """
     B, n, k = S.shape
-    m = k + 1
-    dev = S.device
     z = z.clone()
     tol = _tolerance(S)
-    arc_final = torch.empty((B, m, m), dtype=S.dtype, device=dev)
-    active = torch.arange(B, device=dev)
-    nodes = torch.arange(m, device=dev)
+    holder, counts = slot_table(z, k, c)
+    arc, move = expert_graph(S, holder, counts, c)
+    running = torch.ones(B, dtype=torch.bool, device=S.device)
+    dist = torch.zeros((B, k + 1), dtype=S.dtype, device=S.device)
+    if prices is not None:
+        dist[:, :k] = -prices
     rounds = 0
     if max_rounds is None:
         max_rounds = 10 * n * k + 100  # each round strictly improves; this only guards against bugs
-    while active.numel() > 0:
-        if rounds >= max_rounds:
-            raise RuntimeError("balanced_assignment: cycle cancelling did not terminate; please report this input")
+    while True:
+        optimal, cycle_nodes, pred, dist = _find_negative_cycles(arc, tol, running, dist)
+        running &= ~optimal
+        if not bool(running.any()):
+            return z, arc, rounds
         rounds += 1
-        Sa, za, tola = S[active], z[active], tol[active]
-        holder, counts = slot_table(za, k, c)
-        arc, move = expert_graph(Sa, holder, counts, c)
-        # Bellman-Ford from a virtual source (all labels 0); stop per instance at convergence
-        # (optimal) or as soon as the predecessor graph has a cycle (a negative cycle).
-        A = active.numel()
-        dist = torch.zeros((A, m), dtype=S.dtype, device=dev)
-        pred = nodes.expand(A, m).clone()
-        status = torch.zeros(A, dtype=torch.long, device=dev)  # 0 running, 1 optimal, 2 cycle found
-        cycle_nodes = torch.zeros((A, m), dtype=torch.bool, device=dev)
-        for it in range(1, 2 * m + 2):
-            run = status == 0
-            cand, arg = relax(dist, arc)
-            better = (cand < dist - tola) & run.unsqueeze(-1)
-            status = torch.where(run & ~better.any(-1), torch.ones_like(status), status)
-            dist = torch.where(better, cand, dist)
-            pred = torch.where(better, arg, pred)
-            run = status == 0
-            if not bool(run.any()):
-                break
-            on_cycle = functional_graph_cycles(pred) & (pred != nodes) & run.unsqueeze(-1)
-            found = on_cycle.any(-1)
-            cycle_nodes |= on_cycle
-            status = torch.where(found, torch.full_like(status, 2), status)
-        else:
-            raise RuntimeError("balanced_assignment: Bellman-Ford found neither convergence nor a cycle")
-        done = status == 1
-        if bool(done.any()):
-            arc_final[active[done]] = arc[done]
-        if bool((~done).any()):
-            # Cancel every predecessor-graph cycle: for each cycle node v with predecessor u, move
-            # the cheapest token of arc u -> v (sources are distinct, so no token moves twice).
-            inst, v = cycle_nodes.nonzero(as_tuple=True)
-            u = pred[inst, v]
-            is_move = (u < k) & (v < k)
-            inst, u, v = inst[is_move], u[is_move], v[is_move]
-            slot = move[inst, u, :, v].argmin(dim=-1)
-            token = holder[inst, u, slot]
-            z[active[inst], token] = v
-        active = active[~done]
-    return z, arc_final, rounds
+        if rounds > max_rounds:
+            raise RuntimeError("balanced_assignment: cycle cancelling did not terminate; please report this input")
+        # Every cycle node v with predecessor u (both experts) receives the cheapest token of arc
+        # u -> v. Cycle sources are distinct, so no token moves twice.
+        inst, v = cycle_nodes.nonzero(as_tuple=True)
+        u = pred[inst, v]
+        is_move = (u < k) & (v < k)
+        inst, u, v = inst[is_move], u[is_move], v[is_move]
+        slot_u = move[inst, u, :, v].argmin(dim=-1)
+        token = holder[inst, u, slot_u]
+        # The token takes the slot that v's own outgoing token leaves, or a free slot of v when v
+        # absorbs it (v -> T on the cycle, which exists only while v has a free slot).
+        vacated = torch.full((B, k), -1, dtype=torch.long, device=S.device)
+        vacated[inst, u] = slot_u
+        slot_v = vacated[inst, v]
+        first_free = (holder[inst, v] == n).long().argmax(dim=-1)
+        slot_v = torch.where(slot_v < 0, first_free, slot_v)
+        holder[inst, u, slot_u] = n
+        holder[inst, v, slot_v] = token
+        z[inst, token] = v
+        counts.index_put_((inst, u), torch.full_like(u, -1), accumulate=True)
+        counts.index_put_((inst, v), torch.ones_like(v), accumulate=True)
+        # Refresh the rows of the experts whose tokens changed.
+        key = torch.unique(torch.cat([inst * k + u, inst * k + v]))
+        ci, ce = key // k, key % k
+        rows = _move_costs(S, holder, ci, ce)
+        move[ci, ce] = rows
+        arc[ci, ce, :k] = rows.amin(dim=1)
+        arc[ci, ce, ce] = 0.0
+        # Sink arcs change with the counts of the experts whose tokens changed.
+        _sink_arcs(arc, counts, c, ci, ce)
 
 
 def conditional_shortest_paths(arc_cost: Tensor) -> Tensor:

@@ -1,0 +1,92 @@
+"""Log-space Sinkhorn balancing of an n x k probability matrix (Kool et al. 2021, Sec. 2.3)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._checks import check_score_matrix
+
+__all__ = ["sinkhorn"]
+
+
+def sinkhorn(
+    log_p: Tensor,
+    *,
+    col_sum: float | Tensor | None = None,
+    tol: float = 1e-6,
+    max_iter: int = 1000,
+) -> Tensor:
+    """Balance ``p = exp(log_p)`` so rows sum to 1 and columns to ``col_sum``, in log space.
+
+    Finds ``log q[i, j] = log_p[i, j] - f_i - g_j`` (alternately normalising rows and columns),
+    the matrix closest to ``p`` in KL divergence with the given marginals. The row sums of the
+    result are exactly 1 (the last step normalises rows); the iteration stops when every column
+    sum is within ``tol`` of its target.
+
+    Args:
+        log_p: ``[..., n, k]`` log-probabilities (any per-row scale is fine: only ratios within a
+            row and column matter). ``-inf`` entries (impossible pairs) stay ``-inf``.
+        col_sum: target column sums, a number or a ``[..., k]`` tensor (broadcast over the batch);
+            default ``n / k``. They must be non-negative and add up to ``n``.
+        tol: maximum absolute error of any column sum at convergence.
+        max_iter: maximum number of row+column normalisation sweeps.
+
+    Returns:
+        ``[..., n, k]`` log of the balanced matrix ``q`` (``q.exp().sum(-1) == 1``,
+        ``q.exp().sum(-2) == col_sum``).
+
+    Raises:
+        ValueError: NaN/+inf input, marginals that cannot be met (negative targets, targets that
+            do not add up to ``n``, a row that is all ``-inf``, a column that is all ``-inf`` with a
+            positive target), or no convergence within ``max_iter`` (the message gives the error).
+    """
+    check_score_matrix(log_p, "log_p")
+    n, k = log_p.shape[-2], log_p.shape[-1]
+    if not (isinstance(max_iter, int) and max_iter >= 1):
+        raise ValueError(f"max_iter must be a positive integer, got {max_iter!r}")
+    if not tol > 0:
+        raise ValueError(f"tol must be positive, got {tol!r}")
+    target = _target_columns(col_sum, log_p, n, k)
+    log_target = target.log()
+
+    finite = torch.isfinite(log_p)
+    if bool((~finite.any(-1)).any()):
+        raise ValueError("log_p has a row that is all -inf: that token has no expert, so rows cannot sum to 1")
+    if bool(((~finite.any(-2)) & (target > 0)).any()):
+        raise ValueError("log_p has a column that is all -inf but a positive col_sum: that target cannot be met")
+
+    x = log_p - torch.logsumexp(log_p, dim=-1, keepdim=True)
+    err = float("inf")
+    for _ in range(max_iter):
+        col = torch.logsumexp(x, dim=-2, keepdim=True)
+        x = x + torch.where(torch.isinf(col), torch.zeros_like(col), log_target.unsqueeze(-2) - col)
+        x = x - torch.logsumexp(x, dim=-1, keepdim=True)
+        err = float((x.exp().sum(-2) - target).abs().amax())
+        if err <= tol:
+            return x
+    raise ValueError(
+        f"sinkhorn did not converge in max_iter={max_iter} sweeps: column sums are off by up to {err:.3g} "
+        f"(tol={tol:g}). The -inf pattern may make the marginals infeasible; otherwise raise max_iter or tol"
+    )
+
+
+def _target_columns(col_sum: float | Tensor | None, log_p: Tensor, n: int, k: int) -> Tensor:
+    """Column targets as a ``[..., k]`` tensor (broadcastable to the batch), validated."""
+    if col_sum is None:
+        target = torch.full((k,), n / k, dtype=log_p.dtype, device=log_p.device)
+    else:
+        target = torch.as_tensor(col_sum, dtype=log_p.dtype, device=log_p.device)
+        if target.ndim == 0:
+            target = target.expand(k)
+        if target.shape[-1] != k:
+            raise ValueError(f"col_sum must be a number or have last dimension k={k}, got shape {tuple(target.shape)}")
+    if bool(torch.isnan(target).any()) or bool((target < 0).any()):
+        raise ValueError("col_sum must be non-negative and not NaN")
+    total = target.sum(-1)
+    if bool(((total - n).abs() > 1e-6 * max(n, 1)).any()):
+        raise ValueError(
+            f"col_sum must add up to n={n} (every row sums to 1), got {total.flatten()[:4].tolist()}; "
+            f"for equal columns use col_sum=n/k={n / k:g}"
+        )
+    return target

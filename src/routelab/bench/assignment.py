@@ -1,0 +1,560 @@
+"""Benchmark of the n x k assignment algorithms (``routelab bench assignment``).
+
+For every size ``(n, k)`` of a grid, on float32 scores ``torch.randn(n, k)`` from a seeded
+generator and capacity ``c = n / k``, it measures
+
+* :func:`routelab.assignment.balanced_assignment`, the exact capacity-constrained maximiser;
+* :func:`scipy.optimize.linear_sum_assignment` on the column-expanded ``n x (k*c) = n x n``
+  float64 matrix (every expert's column repeated ``c`` times), i.e. the same problem posed as a
+  general assignment problem, and whether both reach the same optimum;
+* :func:`routelab.assignment.gumbel_matching` (``tau = 1``, with its conditionals);
+* :func:`routelab.assignment.sinkhorn` of ``log_softmax`` of the scores (``tol = 1e-4``).
+
+Every reported time is the median of several timed calls after one untimed warm-up call, all
+taken in the same run. The report is markdown; it is written to ``out`` line by line while it is
+being measured, and returned whole.
+
+Entry point: :func:`run_benchmark`. The measuring itself is :func:`_benchmark`, which takes the
+grid and the number of repeats as parameters (the tests run it on a tiny grid).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, TextIO
+
+import numpy as np
+import scipy
+import torch
+from scipy.optimize import linear_sum_assignment
+
+import routelab
+from routelab.assignment import balanced_assignment, gumbel_matching, sinkhorn
+
+__all__ = ["run_benchmark"]
+
+#: The grid of the full benchmark: every n with every k.
+FULL_NS: tuple[int, ...] = (256, 1024, 4096, 16384)
+QUICK_NS: tuple[int, ...] = (256, 1024, 4096)
+KS: tuple[int, ...] = (4, 16, 64)
+
+#: Timed calls per measurement (after one warm-up), by n.
+FULL_REPEATS: dict[int, int] = {256: 7, 1024: 7, 4096: 5, 16384: 3}
+QUICK_REPEATS: dict[int, int] = {256: 5, 1024: 5, 4096: 3}
+
+#: Time budget of one measurement: fewer timed calls (at least one) when the warm-up shows that
+#: the requested number would take longer.
+FULL_BUDGET_S = 10.0
+QUICK_BUDGET_S = 3.0
+
+#: scipy is skipped where one call is estimated to take longer than this ...
+SCIPY_LIMIT_S = 60.0
+#: ... and always from this n on (the n x n float64 matrix alone is 2 GiB at n = 16384).
+SCIPY_NEVER_N = 16384
+
+#: Relative tolerance of the "same optimum" check (objectives in float64).
+OPTIMUM_RTOL = 1e-6
+
+SINKHORN_TOL = 1e-4
+SINKHORN_MAX_ITER = 1000
+GUMBEL_TAU = 1.0
+
+#: The batched CUDA timing: this many instances of size (n, k) in one call.
+CUDA_BATCH: tuple[int, int, int] = (64, 4096, 64)
+
+DTYPE = torch.float32
+
+
+# ---------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class Timing:
+    """A measured time.
+
+    Attributes:
+        median_ms: median wall time of the timed calls, in milliseconds.
+        runs: number of timed calls (the untimed warm-up call not counted).
+    """
+
+    median_ms: float
+    runs: int
+
+
+@dataclass
+class Row:
+    """Everything measured at one size ``(n, k)``.
+
+    Attributes:
+        n: tokens.
+        k: experts (capacity ``n / k``).
+        routelab: timing of :func:`balanced_assignment`.
+        gumbel: timing of :func:`gumbel_matching`.
+        sinkhorn: timing of :func:`sinkhorn` (of every call, converged or not).
+        sinkhorn_error: ``None`` when sinkhorn converged, else its message's column error.
+        scipy: timing of ``linear_sum_assignment``; ``None`` when skipped.
+        scipy_skip: why scipy was skipped (``"est. 96 s"``), else ``None``.
+        same_optimum: whether routelab's assignment is feasible and has scipy's objective;
+            ``None`` when scipy was skipped.
+        objectives: ``(routelab, scipy)`` objectives in float64, when scipy ran.
+        requested: timed calls asked for per method (fewer are made when over the time budget).
+    """
+
+    n: int
+    k: int
+    routelab: Timing
+    gumbel: Timing
+    sinkhorn: Timing
+    sinkhorn_error: str | None = None
+    scipy: Timing | None = None
+    scipy_skip: str | None = None
+    same_optimum: bool | None = None
+    objectives: tuple[float, float] | None = None
+    requested: int = 0
+
+
+class _Report:
+    """Collects markdown lines and streams each to ``out`` (flushed) as it is added."""
+
+    def __init__(self, out: TextIO | None) -> None:
+        self.lines: list[str] = []
+        self.out = out
+
+    def emit(self, *lines: str) -> None:
+        """Append ``lines`` to the report and write them to ``out``."""
+        for line in lines:
+            self.lines.append(line)
+            if self.out is not None:
+                print(line, file=self.out, flush=True)
+
+    def text(self) -> str:
+        """The report so far, newline-terminated."""
+        return "\n".join(self.lines) + "\n"
+
+
+# ---------------------------------------------------------------------------- timing
+
+
+def _synchronize(device: str) -> None:
+    """Wait for queued CUDA work (no-op on CPU)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_calls(fn: Callable[[], Any], *, repeats: int, budget_s: float, device: str) -> tuple[Timing, Any]:
+    """Median wall time of ``fn()`` over up to ``repeats`` calls after one untimed warm-up.
+
+    The warm-up call's duration sets how many timed calls fit in ``budget_s``: at most
+    ``repeats``, at least one.
+
+    Returns:
+        The :class:`Timing` and the warm-up call's result.
+    """
+    _synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    _synchronize(device)
+    warmup_s = time.perf_counter() - start
+    runs = max(1, min(repeats, int(budget_s / max(warmup_s, 1e-9))))
+    times = []
+    for _ in range(runs):
+        _synchronize(device)
+        start = time.perf_counter()
+        fn()
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    return Timing(median_ms=1e3 * statistics.median(times), runs=runs), result
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def _objective(scores64: np.ndarray, expert: np.ndarray) -> float:
+    """``sum_i scores[i, expert[i]]`` in float64."""
+    return float(scores64[np.arange(len(expert)), expert].sum())
+
+
+def _is_feasible(expert: np.ndarray, k: int, capacity: int) -> bool:
+    """Every token has an expert in ``[0, k)`` and no expert holds more than ``capacity``."""
+    if expert.min() < 0 or expert.max() >= k:
+        return False
+    return bool((np.bincount(expert, minlength=k) <= capacity).all())
+
+
+def _same_value(a: float, b: float) -> bool:
+    """``a`` and ``b`` agree to relative :data:`OPTIMUM_RTOL`."""
+    return math.isclose(a, b, rel_tol=OPTIMUM_RTOL, abs_tol=1e-12)
+
+
+def _scipy_estimate_s(n: int, k: int, measured: Mapping[tuple[int, int], float]) -> float | None:
+    """Estimated seconds of one scipy call at ``(n, k)`` from measured smaller sizes (``~n^3``).
+
+    Uses the largest measured ``n0 < n`` at the same ``k`` (or, if none, at any ``k``, the
+    slowest), scaled by ``(n / n0) ** 3``; ``None`` when nothing smaller was measured.
+    """
+    same_k = [(n0, t) for (n0, k0), t in measured.items() if k0 == k and n0 < n]
+    pool = same_k or [(n0, t) for (n0, _), t in measured.items() if n0 < n]
+    if not pool:
+        return None
+    n0 = max(n0 for n0, _ in pool)
+    t0 = max(t for m, t in pool if m == n0)
+    return t0 * (n / n0) ** 3
+
+
+_SINKHORN_ERROR = re.compile(r"off by up to ([0-9.eE+\-]+)")
+
+
+def _sinkhorn_or_error(log_p: torch.Tensor) -> torch.Tensor | str:
+    """Run :func:`sinkhorn`; on non-convergence return its column error (as text) instead."""
+    try:
+        return sinkhorn(log_p, tol=SINKHORN_TOL, max_iter=SINKHORN_MAX_ITER)
+    except ValueError as exc:
+        if "did not converge" not in str(exc):
+            raise
+        match = _SINKHORN_ERROR.search(str(exc))
+        return match.group(1) if match else "?"
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+def _measure(
+    n: int,
+    k: int,
+    *,
+    repeats: int,
+    budget_s: float,
+    device: str,
+    seed: int,
+    scipy_measured: dict[tuple[int, int], float],
+    scipy_limit_s: float,
+) -> Row:
+    """Measure every method at one size ``(n, k)``; updates ``scipy_measured`` (seconds)."""
+    capacity = n // k
+    cpu_scores = torch.randn(n, k, generator=torch.Generator().manual_seed(seed), dtype=DTYPE)
+    scores = cpu_scores.to(device)
+    kw: dict[str, Any] = {"repeats": repeats, "budget_s": budget_s, "device": device}
+
+    routelab_t, expert = _time_calls(lambda: balanced_assignment(scores), **kw)
+
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    gumbel_t, _ = _time_calls(lambda: gumbel_matching(scores, tau=GUMBEL_TAU, generator=gen), **kw)
+
+    log_p = torch.log_softmax(scores, dim=-1)
+    sinkhorn_t, sk = _time_calls(lambda: _sinkhorn_or_error(log_p), **kw)
+
+    row = Row(n=n, k=k, routelab=routelab_t, gumbel=gumbel_t, sinkhorn=sinkhorn_t,
+              sinkhorn_error=sk if isinstance(sk, str) else None, requested=repeats)
+
+    estimate = _scipy_estimate_s(n, k, scipy_measured)
+    if n >= SCIPY_NEVER_N:
+        row.scipy_skip = f"est. {estimate:.0f} s" if estimate is not None else f"n >= {SCIPY_NEVER_N}"
+        return row
+    if estimate is not None and estimate > scipy_limit_s:
+        row.scipy_skip = f"est. {estimate:.0f} s"
+        return row
+
+    scores64 = cpu_scores.double().numpy()
+    expanded = np.repeat(scores64, capacity, axis=1)  # n x (k*c): column j*c + r is expert j
+    scipy_t, (rows_idx, cols_idx) = _time_calls(lambda: linear_sum_assignment(-expanded), **kw)
+    scipy_measured[(n, k)] = scipy_t.median_ms / 1e3
+    row.scipy = scipy_t
+
+    scipy_expert = np.empty(n, dtype=np.int64)
+    scipy_expert[rows_idx] = cols_idx // capacity
+    ours = expert.cpu().numpy().astype(np.int64)
+    row.objectives = (_objective(scores64, ours), _objective(scores64, scipy_expert))
+    row.same_optimum = _is_feasible(ours, k, capacity) and _same_value(*row.objectives)
+    return row
+
+
+# ---------------------------------------------------------------------------- rendering
+
+
+TABLE_HEADER = (
+    "| n | k | routelab ms | scipy ms | speed-up | same optimum | gumbel_matching ms | sinkhorn ms |",
+    "|---:|---:|---:|---:|---:|:---:|---:|---:|",
+)
+
+
+def _ms(value: float) -> str:
+    """Milliseconds with about three significant digits."""
+    return f"{value:.2f}" if value < 10 else f"{value:.1f}" if value < 1000 else f"{value:.0f}"
+
+
+def _speedup(ratio: float) -> str:
+    """``"123x"``, ``"4.5x"``, ``"0.82x"``, ``"0.0013x"`` (always parses as ``float(s[:-1])``)."""
+    if ratio >= 10:
+        return f"{ratio:.0f}x"
+    return f"{ratio:.1f}x" if ratio >= 1 else f"{ratio:.2g}x"
+
+
+def _render_row(row: Row) -> str:
+    """One markdown table row."""
+    if row.scipy is not None:
+        scipy_cell = _ms(row.scipy.median_ms)
+        speedup = _speedup(row.scipy.median_ms / row.routelab.median_ms)
+        same = "yes" if row.same_optimum else "no"
+    else:
+        scipy_cell, speedup, same = f"skipped ({row.scipy_skip})", "—", "—"
+    sink = _ms(row.sinkhorn.median_ms)
+    if row.sinkhorn_error is not None:
+        sink += " (not converged)"
+    cells = [str(row.n), str(row.k), _ms(row.routelab.median_ms), scipy_cell, speedup, same,
+             _ms(row.gumbel.median_ms), sink]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _growth_sentence(rows: Sequence[Row]) -> str:
+    """How routelab's median time grows with n at fixed k, computed from ``rows``."""
+    parts = []
+    for k in sorted({r.k for r in rows}):
+        col = sorted((r.n, r.routelab.median_ms) for r in rows if r.k == k)
+        if len(col) < 2:
+            continue
+        steps = []
+        for (n0, t0), (n1, t1) in zip(col, col[1:]):
+            per4 = (t1 / t0) ** (math.log(4) / math.log(n1 / n0))  # normalised to a 4x step
+            steps.append(f"{per4:.1f}x")
+        logn = np.log([n for n, _ in col])
+        logt = np.log([t for _, t in col])
+        slope = float(np.polyfit(logn, logt, 1)[0])
+        parts.append(f"k={k}: {', '.join(steps)} (fitted time ~ n^{slope:.2f})")
+    if not parts:
+        return "Growth in n: too few sizes per k to say."
+    return (
+        "Growth of routelab's median time per 4x n at fixed k, between consecutive sizes of the "
+        "grid (a 2x step is scaled to 4x as ratio^2): " + "; ".join(parts) + "."
+    )
+
+
+def _notes(rows: Sequence[Row], *, device: str) -> list[str]:
+    """The explanatory notes under the table, all derived from ``rows``."""
+    lines = ["", _growth_sentence(rows), ""]
+    where = "on CPU" if device == "cpu" else f"on {device} (scipy always on CPU)"
+    lines += [
+        "Notes:",
+        "",
+        f"- Times are wall-clock medians {where}, in ms, of the timed calls after one untimed "
+        "warm-up call; every number above was measured in this run.",
+        f"- scipy: `linear_sum_assignment(-E)` where `E` is the `n x n` float64 matrix of the "
+        "scores with each expert's column repeated `c = n/k` times: it solves the general `n x n` "
+        "assignment problem in float64 (single-threaded), while `balanced_assignment` works on "
+        "the `n x k` float32 scores. Building `E` is not timed. speed-up = scipy ms / routelab ms"
+        + ("." if device == "cpu" else f" (scipy on CPU vs routelab on {device})."),
+        f"- same optimum: routelab's assignment respects the capacity and its objective "
+        f"`sum_i s[i, z_i]` (float64, from the float32 scores) equals scipy's to relative "
+        f"{OPTIMUM_RTOL:g}.",
+        f"- scipy is skipped where one call is estimated to exceed {SCIPY_LIMIT_S:.0f} s "
+        f"(measured time at the largest smaller n of the same k, times (n/n0)^3) and never run "
+        f"for n >= {SCIPY_NEVER_N}.",
+        f"- gumbel_matching: tau = {GUMBEL_TAU:g}, seeded generator; the time includes sampling "
+        "the Gumbel noise, the solve and the conditionals.",
+        f"- sinkhorn: input `log_softmax` of the scores, default `col_sum = n/k`, "
+        f"tol = {SINKHORN_TOL:g} (not the default 1e-6, to keep the benchmark fast), "
+        f"max_iter = {SINKHORN_MAX_ITER}.",
+    ]
+    failed = [r for r in rows if r.sinkhorn_error is not None]
+    if failed:
+        eps = torch.finfo(DTYPE).eps
+        detail = "; ".join(
+            f"n={r.n}, k={r.k}: column error {r.sinkhorn_error}, float32 eps * n/k = "
+            f"{eps * r.n / r.k:.2g}" for r in failed
+        )
+        lines.append(
+            f"- sinkhorn did not converge to tol = {SINKHORN_TOL:g} within {SINKHORN_MAX_ITER} "
+            f"sweeps at: {detail}. Its time there is that of the full {SINKHORN_MAX_ITER} sweeps "
+            "(the call raises ValueError)."
+        )
+    reduced = [
+        f"{name} at n={r.n}, k={r.k}: {t.runs}"
+        for r in rows
+        for name, t in (("routelab", r.routelab), ("scipy", r.scipy), ("gumbel_matching", r.gumbel),
+                        ("sinkhorn", r.sinkhorn))
+        if t is not None and t.runs < r.requested
+    ]
+    if reduced:
+        lines.append("- Fewer timed calls than requested (time budget per measurement): "
+                     + "; ".join(reduced) + ".")
+    not_same = [r for r in rows if r.same_optimum is False]
+    for r in not_same:
+        ours, theirs = r.objectives or (float("nan"), float("nan"))
+        lines.append(f"- n={r.n}, k={r.k}: objectives differ: routelab {ours:.9g}, scipy {theirs:.9g}.")
+    return lines
+
+
+
+# ---------------------------------------------------------------------------- driver
+
+
+def _benchmark(
+    grid: Iterable[tuple[int, int]],
+    repeats: int | Mapping[int, int],
+    *,
+    device: str = "cpu",
+    budget_s: float = FULL_BUDGET_S,
+    scipy_limit_s: float = SCIPY_LIMIT_S,
+    seed: int = 0,
+    out: TextIO | None = None,
+) -> str:
+    """Measure every size of ``grid`` and return the markdown table with its notes.
+
+    Args:
+        grid: ``(n, k)`` sizes; ``k`` must divide ``n``. Measured in increasing ``n`` (so that
+            scipy's time at large ``n`` can be estimated from the smaller ones).
+        repeats: timed calls per measurement after the warm-up, a number or a map from ``n``.
+        device: ``"cpu"`` or ``"cuda"`` for the routelab functions (scipy runs on CPU).
+        budget_s: time budget of one measurement (see :func:`_time_calls`).
+        scipy_limit_s: skip scipy where one call is estimated to take longer.
+        seed: seed of the score generator (the same for every size).
+        out: where to stream the table, row by row as measured.
+
+    Returns:
+        The markdown: table, growth sentence and notes.
+    """
+    report = _Report(out)
+    report.emit(*TABLE_HEADER)
+    rows: list[Row] = []
+    scipy_measured: dict[tuple[int, int], float] = {}
+    for n, k in sorted(set(grid)):
+        if n % k:
+            raise ValueError(f"grid size (n={n}, k={k}): k must divide n (capacity n/k)")
+        r = repeats if isinstance(repeats, int) else repeats[n]
+        row = _measure(n, k, repeats=r, budget_s=budget_s, device=device, seed=seed,
+                       scipy_measured=scipy_measured, scipy_limit_s=scipy_limit_s)
+        rows.append(row)
+        report.emit(_render_row(row))
+    report.emit(*_notes(rows, device=device))
+    return report.text()
+
+
+def _batched_timing(
+    batch: int, n: int, k: int, *, repeats: int, budget_s: float, device: str, seed: int = 0,
+    out: TextIO | None = None,
+) -> str:
+    """Time ``balanced_assignment`` on ``batch`` instances in one call against one instance.
+
+    Returns:
+        A markdown table with a row for 1 instance and one for ``batch`` instances.
+    """
+    report = _Report(out)
+    report.emit(
+        "| instances | shape | median ms | ms per instance | feasible |",
+        "|---:|---|---:|---:|:---:|",
+    )
+    cpu_scores = torch.randn(batch, n, k, generator=torch.Generator().manual_seed(seed), dtype=DTYPE)
+    scores = cpu_scores.to(device)
+    capacity = n // k
+    for b in (1, batch):
+        x = scores[:b].contiguous()
+        timing, expert = _time_calls(lambda: balanced_assignment(x), repeats=repeats,
+                                     budget_s=budget_s, device=device)
+        counts = torch.zeros(b, k, dtype=torch.long, device=expert.device)
+        counts.scatter_add_(1, expert, torch.ones_like(expert))
+        feasible = "yes" if bool((counts <= capacity).all()) else "no"
+        report.emit(f"| {b} | {b} x {n} x {k} | {_ms(timing.median_ms)} | "
+                    f"{_ms(timing.median_ms / b)} | {feasible} |")
+    return report.text()
+
+
+def _cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, else :func:`platform.processor`."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _load_average() -> str:
+    """The 1-minute load average (other work on the machine skews timings), if available."""
+    try:
+        return f"{os.getloadavg()[0]:.2f}"
+    except (AttributeError, OSError):
+        return "unavailable"
+
+
+def _header(*, quick: bool, device: str) -> list[str]:
+    """Markdown lines stating what runs where, all facts read at run time."""
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    lines = [
+        f"**routelab assignment benchmark** ({'quick' if quick else 'full'} mode)",
+        "",
+        f"- CPU: {_cpu_model()} ({os.cpu_count()} logical CPUs)",
+        f"- routelab {routelab.__version__}, torch {torch.__version__}, scipy {scipy.__version__}, "
+        f"numpy {np.__version__}, Python {platform.python_version()}",
+        f"- torch threads: {torch.get_num_threads()} (set for this run; scipy's "
+        "linear_sum_assignment is single-threaded)",
+        f"- device: {device}"
+        + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else "")
+        + f"; dtype: {str(DTYPE).removeprefix('torch.')} (scipy: float64 on CPU)",
+        f"- date: {stamp}; 1-minute load average at start: {_load_average()}",
+        "",
+    ]
+    return lines
+
+
+def run_benchmark(
+    *, quick: bool = False, threads: int = 1, device: str = "cpu", out: TextIO | None = None
+) -> str:
+    """Run the assignment benchmark and return its markdown report.
+
+    Args:
+        quick: the smaller grid (n up to 4096) with fewer repeats.
+        threads: torch intra-op threads for the run (restored afterwards).
+        device: ``"cpu"`` or ``"cuda"``; on CUDA a batched timing is added (scipy stays on CPU).
+        out: stream to write the report to as it is measured (each line flushed).
+
+    Returns:
+        The markdown report: machine facts, the results table, notes, and on CUDA the batched
+        timing.
+
+    Raises:
+        ValueError: an unknown device, ``device="cuda"`` without CUDA, or ``threads < 1``.
+    """
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but torch.cuda.is_available() is False "
+                         "(this torch build or machine has no usable CUDA GPU); use device='cpu'")
+    if not (isinstance(threads, int) and threads >= 1):
+        raise ValueError(f"threads must be a positive integer, got {threads!r}")
+
+    ns = QUICK_NS if quick else FULL_NS
+    repeats = QUICK_REPEATS if quick else FULL_REPEATS
+    budget_s = QUICK_BUDGET_S if quick else FULL_BUDGET_S
+
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        report = _Report(out)
+        report.emit(*_header(quick=quick, device=device))
+        report.emit(f"Sizes: n in {list(ns)}, k in {list(KS)}, capacity n/k, scores "
+                    "`torch.randn(n, k)` (seed 0). Timed calls per size after one warm-up: "
+                    + ", ".join(f"{r} at n={n}" for n, r in repeats.items()) + ".", "")
+        text = report.text()
+        text += _benchmark([(n, k) for n in ns for k in KS], repeats, device=device,
+                           budget_s=budget_s, out=out)
+        if device == "cuda":
+            b, n, k = CUDA_BATCH
+            cuda = _Report(out)
+            cuda.emit("", f"Batched on {device}: {b} instances of n={n}, k={k} in one call of "
+                      "`balanced_assignment` against one instance (torch.cuda.synchronize "
+                      "around every timed call).", "")
+            text += cuda.text()
+            text += _batched_timing(b, n, k, repeats=3 if quick else 5, budget_s=budget_s,
+                                    device=device, out=out)
+        return text
+    finally:
+        torch.set_num_threads(previous_threads)
