@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 # Temperatures relative to the spread (standard deviation) of the scores, one Newton step each.
-DEFAULT_SCHEDULE = (0.3, 0.1, 0.03, 0.01)
+DEFAULT_SCHEDULE = (0.3, 0.1, 0.03, 0.01, 0.003)
 
 
 def approximate_prices(S: Tensor, c: int, schedule: tuple[float, ...] = DEFAULT_SCHEDULE) -> Tensor:
@@ -38,9 +38,10 @@ def approximate_prices(S: Tensor, c: int, schedule: tuple[float, ...] = DEFAULT_
     spread = S[:, :512].std(dim=(-2, -1)).nan_to_num(0.0).clamp(min=torch.finfo(S.dtype).eps).view(B, 1, 1)
     u = torch.zeros(B, 1, k, dtype=S.dtype, device=S.device)
     eye = torch.eye(k, dtype=S.dtype, device=S.device)
+    X = torch.empty_like(S)  # reused: large temporaries are costly to allocate on CPU
     for frac in schedule:
         T = spread * frac
-        P = torch.softmax((S - u) / T, dim=-1)  # [B, n, k]
+        P = torch.softmax(torch.sub(S, u, out=X).div_(T), dim=-1)  # [B, n, k]
         col = P.sum(dim=1)  # [B, k]
         grad = c - col
         H = (torch.diag_embed(col) - P.transpose(1, 2) @ P) / T

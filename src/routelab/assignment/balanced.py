@@ -145,11 +145,10 @@ def _initial_assignment(S: Tensor, c: int) -> Tensor:
     free = torch.full((B, k), c, dtype=torch.long, device=dev)
     pb = torch.arange(B, device=dev).repeat_interleave(n)  # pending (batch, token) pairs
     pi = torch.arange(n, device=dev).repeat(B)
-    neg_inf = torch.tensor(float("-inf"), dtype=S.dtype, device=dev)
     rows = S.reshape(B * n, k)
     while pb.numel() > 0:
-        W = rows.index_select(0, pb * n + pi)
-        W = torch.where(free.index_select(0, pb) > 0, W, neg_inf)
+        full = torch.zeros((B, k), dtype=S.dtype, device=dev).masked_fill_(free == 0, float("-inf"))
+        W = rows.index_select(0, pb * n + pi) + full.index_select(0, pb)
         w1, j = W.max(dim=-1)
         w2 = W.scatter(-1, j.unsqueeze(-1), float("-inf")).amax(dim=-1)
         margin = torch.where(torch.isinf(w2), torch.full_like(w1, float("inf")), w1 - w2)
@@ -183,7 +182,8 @@ def _move_costs(S: Tensor, holder: Tensor, inst: Tensor | None = None, experts: 
         shape = (inst.numel(), c, k)
     tokens = holder[inst, experts]  # [r, c]
     valid = tokens < n
-    rows = S[inst.unsqueeze(-1), tokens.clamp(max=n - 1)]  # [r, c, k]
+    flat = (inst.unsqueeze(-1) * n + tokens.clamp(max=n - 1)).view(-1)
+    rows = S.reshape(B * n, k).index_select(0, flat).view(-1, c, k)  # [r, c, k]
     own = rows.gather(-1, experts.view(-1, 1, 1).expand(-1, c, 1))  # [r, c, 1]: s[i, a]
     cost = (own - rows).masked_fill_(~valid.unsqueeze(-1), float("inf"))
     return cost.view(shape)
@@ -253,7 +253,7 @@ def _find_negative_cycles(
     optimal = torch.zeros(B, dtype=torch.bool, device=arc.device)
     cycle_nodes = torch.zeros((B, m), dtype=torch.bool, device=arc.device)
     run = running.clone()
-    for _ in range(2 * m + 2):
+    for sweep in range(2 * m + 2):
         cand, arg = relax(dist, arc)
         better = (cand < dist - tol) & run.unsqueeze(-1)
         converged = run & ~better.any(-1)
@@ -263,6 +263,8 @@ def _find_negative_cycles(
         pred = torch.where(better, arg, pred)
         if not bool(run.any()):
             return optimal, cycle_nodes, pred, dist
+        if sweep % 2 == 0:  # a predecessor cycle persists once formed: look every other sweep
+            continue
         on_cycle = functional_graph_cycles(pred) & (pred != nodes) & run.unsqueeze(-1)
         cycle_nodes |= on_cycle
         run &= ~on_cycle.any(-1)
