@@ -49,7 +49,9 @@ def resolve_capacity(n: int, k: int, capacity: int | None) -> int:
                 f"integer; pass capacity=ceil(n/k)={-(-n // k)} (or larger) explicitly"
             )
         return n // k
-    if isinstance(capacity, bool) or not isinstance(capacity, int):
+    if isinstance(capacity, bool):
+        raise ValueError(f"capacity must be a positive integer, got the bool {capacity!r}")
+    if not isinstance(capacity, int):
         try:
             as_int = int(capacity)
         except (TypeError, ValueError):

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 # Temperatures relative to the spread (standard deviation) of the scores, one Newton step each.
-DEFAULT_SCHEDULE = (0.3, 0.1, 0.03, 0.01, 0.003)
+DEFAULT_SCHEDULE = (0.1, 0.03, 0.01, 0.003)
 
 
 def approximate_prices(S: Tensor, c: int, schedule: tuple[float, ...] = DEFAULT_SCHEDULE) -> Tensor:
@@ -35,7 +35,8 @@ def approximate_prices(S: Tensor, c: int, schedule: tuple[float, ...] = DEFAULT_
     B, n, k = S.shape
     slack = c * k > n
     # The score spread sets the temperature scale; a few hundred tokens estimate it well.
-    spread = S[:, :512].std(dim=(-2, -1)).nan_to_num(0.0).clamp(min=torch.finfo(S.dtype).eps).view(B, 1, 1)
+    sample = S[:, :: max(1, n // 512)]
+    spread = sample.std(dim=(-2, -1), correction=0).clamp(min=torch.finfo(S.dtype).eps).view(B, 1, 1)
     u = torch.zeros(B, 1, k, dtype=S.dtype, device=S.device)
     eye = torch.eye(k, dtype=S.dtype, device=S.device)
     X = torch.empty_like(S)  # reused: large temporaries are costly to allocate on CPU
@@ -45,16 +46,18 @@ def approximate_prices(S: Tensor, c: int, schedule: tuple[float, ...] = DEFAULT_
         col = P.sum(dim=1)  # [B, k]
         grad = c - col
         H = (torch.diag_embed(col) - P.transpose(1, 2) @ P) / T
-        ridge = H.diagonal(dim1=-2, dim2=-1).mean(-1).clamp(min=1e-12).view(B, 1, 1)
+        # A ridge keeps H invertible when the softmax saturates (every token has a clear
+        # favourite): H -> 0 there, and the damped step below then bounds the move.
+        ridge = H.diagonal(dim1=-2, dim2=-1).mean(-1).view(B, 1, 1) + 1e-3 * c / T
         if slack:
             # Projected Newton: experts at price 0 that are under-full stay at 0.
             fixed = (u.view(B, k) <= 0) & (grad > 0)
             grad = grad.masked_fill(fixed, 0.0)
             keep = (~fixed).to(S.dtype)
             H = H * keep.unsqueeze(-1) * keep.unsqueeze(-2) + torch.diag_embed(1.0 - keep) * ridge
-            H = H + 1e-6 * ridge * eye
         else:
             H = H + ridge / k  # the prices are defined up to a common shift
+        H = H + 1e-6 * ridge * eye
         step = torch.linalg.solve(H, grad.unsqueeze(-1)).view(B, 1, k)
         # Damping: a Newton step beyond a few temperatures leaves the region where it is accurate.
         limit = 4.0 * T

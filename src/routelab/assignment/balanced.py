@@ -88,10 +88,11 @@ def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "
     check_score_matrix(scores, name)
     n, k = scores.shape[-2], scores.shape[-1]
     c = min(resolve_capacity(n, k, capacity), n)
-    S, forbidden = _working_scores(scores.detach().reshape(-1, n, k))
+    original = scores.detach().reshape(-1, n, k)
+    S, forbidden = _working_scores(original)
     prices = approximate_prices(S, c)
     z = _initial_assignment(S - prices.unsqueeze(1), c)
-    z, arc_cost, rounds = _cancel_negative_cycles(S, z, c, prices)
+    z, arc_cost, rounds = _cancel_negative_cycles(S, z, c, prices, scale=_scale(original))
     if forbidden is not None and bool(forbidden.gather(-1, z.unsqueeze(-1)).any()):
         bad = forbidden.gather(-1, z.unsqueeze(-1)).squeeze(-1).any(-1).nonzero().flatten()
         raise ValueError(
@@ -99,6 +100,11 @@ def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "
             f"(batch instance(s) {bad.tolist()[:5]}): some set of tokens is allowed on too few experts. "
             f"Allow more (token, expert) pairs or raise the capacity"
         )
+    if forbidden is not None:
+        # The graph for the conditionals must not move a token onto a forbidden expert: rebuild
+        # it from the original scores, where such a move costs +inf instead of the penalty.
+        holder, counts = slot_table(z, k, c)
+        arc_cost, _ = expert_graph(original, holder, counts, c)
     return BalancedSolution(expert=z, scores=S, arc_cost=arc_cost, capacity=c, rounds=rounds)
 
 
@@ -117,11 +123,18 @@ def _working_scores(S: Tensor) -> tuple[Tensor, Tensor | None]:
     return torch.where(forbidden, penalty.expand_as(S), finite), forbidden
 
 
-def _tolerance(S: Tensor) -> Tensor:
-    """``[B, 1]`` threshold below which a cycle's cost counts as negative (rounding guard)."""
-    k = S.shape[-1]
-    scale = S.abs().amax(dim=(-2, -1)).clamp(min=1.0)
-    return (4 * (k + 1) * torch.finfo(S.dtype).eps * scale).unsqueeze(-1)
+def _scale(scores: Tensor) -> Tensor:
+    """``[B]`` largest finite score magnitude of each instance (the size of its rounding errors)."""
+    return scores.masked_fill(torch.isinf(scores), 0.0).abs().amax(dim=(-2, -1))
+
+
+def _tolerance(scale: Tensor, k: int) -> Tensor:
+    """``[B, 1]`` threshold below which a cycle's cost counts as negative (rounding guard).
+
+    A cycle has at most ``k + 1`` arcs, each a difference of two scores of size at most
+    ``scale``; costs below a few rounding errors of that size are treated as zero.
+    """
+    return (4 * (k + 1) * torch.finfo(scale.dtype).eps * scale).unsqueeze(-1)
 
 
 def _initial_assignment(S: Tensor, c: int) -> Tensor:
@@ -274,7 +287,12 @@ def _find_negative_cycles(
 
 
 def _cancel_negative_cycles(
-    S: Tensor, z: Tensor, c: int, prices: Tensor | None = None, max_rounds: int | None = None
+    S: Tensor,
+    z: Tensor,
+    c: int,
+    prices: Tensor | None = None,
+    scale: Tensor | None = None,
+    max_rounds: int | None = None,
 ) -> tuple[Tensor, Tensor, int]:
     """Cycle cancelling until no negative cycle is left (App. D.2).
 
@@ -287,6 +305,8 @@ def _cancel_negative_cycles(
         c: capacity.
         prices: optional ``[B, k]`` approximate expert prices; their negation (0 for the sink)
             starts the Bellman-Ford labels near the optimal potentials.
+        scale: optional ``[B]`` magnitude of the finite scores (default: of ``S``), which sets
+            the rounding tolerance.
 
     Returns:
         ``(z, arc_cost, rounds)`` with the optimal assignment, the expert graph at the optimum
@@ -294,7 +314,7 @@ def _cancel_negative_cycles(
     """
     B, n, k = S.shape
     z = z.clone()
-    tol = _tolerance(S)
+    tol = _tolerance(_scale(S) if scale is None else scale, k)
     holder, counts = slot_table(z, k, c)
     arc, move = expert_graph(S, holder, counts, c)
     running = torch.ones(B, dtype=torch.bool, device=S.device)

@@ -80,7 +80,7 @@ def gumbel_matching(
             (no noise; the conditionals are then the one-hot limit).
         capacity: tokens per expert; default ``n / k`` (``k`` must divide ``n``).
         gumbels: ``[..., n, k]`` noise to use instead of sampling it (for reproducing a sample or
-            testing); must be finite.
+            testing); must be finite. Ignored when ``tau == 0``.
         generator: the only source of randomness when ``gumbels`` is not given.
 
     Returns:
@@ -96,6 +96,8 @@ def gumbel_matching(
         if not bool(torch.isfinite(gumbels).all()):
             raise ValueError("gumbels must be finite (sample them with routelab.assignment.sample_gumbel)")
         g = gumbels.to(dtype=logits.dtype, device=logits.device)
+        if t == 0.0:
+            g = torch.zeros_like(logits)  # the deterministic limit uses no noise
     elif t == 0.0:
         g = torch.zeros_like(logits)
     else:

@@ -256,7 +256,7 @@ def _measure(
 
     estimate = _scipy_estimate_s(n, k, scipy_measured)
     if n >= SCIPY_NEVER_N:
-        row.scipy_skip = f"est. {estimate:.0f} s" if estimate is not None else f"n >= {SCIPY_NEVER_N}"
+        row.scipy_skip = f"n >= {SCIPY_NEVER_N}" + (f"; est. {estimate:.0f} s" if estimate is not None else "")
         return row
     if estimate is not None and estimate > scipy_limit_s:
         row.scipy_skip = f"est. {estimate:.0f} s"
@@ -290,11 +290,19 @@ def _ms(value: float) -> str:
     return f"{value:.2f}" if value < 10 else f"{value:.1f}" if value < 1000 else f"{value:.0f}"
 
 
+def _sci(value: float) -> str:
+    """``1e-4`` rather than ``0.0001``."""
+    mantissa, exponent = f"{value:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
 def _speedup(ratio: float) -> str:
-    """``"123x"``, ``"4.5x"``, ``"0.82x"``, ``"0.0013x"`` (always parses as ``float(s[:-1])``)."""
+    """``"123x"``, ``"4.5x"``, ``"0.82x"``, ``"0.000099x"`` (always parses as ``float(s[:-1])``)."""
     if ratio >= 10:
         return f"{ratio:.0f}x"
-    return f"{ratio:.1f}x" if ratio >= 1 else f"{ratio:.2g}x"
+    if ratio >= 1:
+        return f"{ratio:.1f}x"
+    return np.format_float_positional(ratio, precision=2, unique=False, fractional=False, trim="-") + "x"
 
 
 def _render_row(row: Row) -> str:
@@ -316,12 +324,14 @@ def _render_row(row: Row) -> str:
 def _growth_sentence(rows: Sequence[Row]) -> str:
     """How routelab's median time grows with n at fixed k, computed from ``rows``."""
     parts = []
+    other_steps = False
     for k in sorted({r.k for r in rows}):
         col = sorted((r.n, r.routelab.median_ms) for r in rows if r.k == k)
         if len(col) < 2:
             continue
         steps = []
         for (n0, t0), (n1, t1) in zip(col, col[1:]):
+            other_steps |= n1 != 4 * n0
             per4 = (t1 / t0) ** (math.log(4) / math.log(n1 / n0))  # normalised to a 4x step
             steps.append(f"{per4:.1f}x")
         logn = np.log([n for n, _ in col])
@@ -330,9 +340,10 @@ def _growth_sentence(rows: Sequence[Row]) -> str:
         parts.append(f"k={k}: {', '.join(steps)} (fitted time ~ n^{slope:.2f})")
     if not parts:
         return "Growth in n: too few sizes per k to say."
+    scaled = " (steps other than 4x in n are scaled to 4x: ratio^(log 4 / log step))" if other_steps else ""
     return (
         "Growth of routelab's median time per 4x n at fixed k, between consecutive sizes of the "
-        "grid (a 2x step is scaled to 4x as ratio^2): " + "; ".join(parts) + "."
+        f"grid{scaled}: " + "; ".join(parts) + "."
     )
 
 
@@ -352,14 +363,14 @@ def _notes(rows: Sequence[Row], *, device: str) -> list[str]:
         + ("." if device == "cpu" else f" (scipy on CPU vs routelab on {device})."),
         f"- same optimum: routelab's assignment respects the capacity and its objective "
         f"`sum_i s[i, z_i]` (float64, from the float32 scores) equals scipy's to relative "
-        f"{OPTIMUM_RTOL:g}.",
+        f"{_sci(OPTIMUM_RTOL)}.",
         f"- scipy is skipped where one call is estimated to exceed {SCIPY_LIMIT_S:.0f} s "
         f"(measured time at the largest smaller n of the same k, times (n/n0)^3) and never run "
         f"for n >= {SCIPY_NEVER_N}.",
         f"- gumbel_matching: tau = {GUMBEL_TAU:g}, seeded generator; the time includes sampling "
         "the Gumbel noise, the solve and the conditionals.",
         f"- sinkhorn: input `log_softmax` of the scores, default `col_sum = n/k`, "
-        f"tol = {SINKHORN_TOL:g} (not the default 1e-6, to keep the benchmark fast), "
+        f"tol = {_sci(SINKHORN_TOL)} (not the default 1e-6, to keep the benchmark fast), "
         f"max_iter = {SINKHORN_MAX_ITER}.",
     ]
     failed = [r for r in rows if r.sinkhorn_error is not None]
@@ -370,7 +381,7 @@ def _notes(rows: Sequence[Row], *, device: str) -> list[str]:
             f"{eps * r.n / r.k:.2g}" for r in failed
         )
         lines.append(
-            f"- sinkhorn did not converge to tol = {SINKHORN_TOL:g} within {SINKHORN_MAX_ITER} "
+            f"- sinkhorn did not converge to tol = {_sci(SINKHORN_TOL)} within {SINKHORN_MAX_ITER} "
             f"sweeps at: {detail}. Its time there is that of the full {SINKHORN_MAX_ITER} sweeps "
             "(the call raises ValueError)."
         )
