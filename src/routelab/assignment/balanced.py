@@ -89,10 +89,10 @@ def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "
     n, k = scores.shape[-2], scores.shape[-1]
     c = min(resolve_capacity(n, k, capacity), n)
     original = scores.detach().reshape(-1, n, k)
-    S, forbidden = _working_scores(original)
+    S, forbidden, scale = _working_scores(original)
     prices = approximate_prices(S, c)
     z = _initial_assignment(S - prices.unsqueeze(1), c)
-    z, arc_cost, rounds = _cancel_negative_cycles(S, z, c, prices, scale=_scale(original))
+    z, arc_cost, rounds = _cancel_negative_cycles(S, z, c, prices, scale=scale)
     if forbidden is not None and bool(forbidden.gather(-1, z.unsqueeze(-1)).any()):
         bad = forbidden.gather(-1, z.unsqueeze(-1)).squeeze(-1).any(-1).nonzero().flatten()
         raise ValueError(
@@ -108,11 +108,19 @@ def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "
     return BalancedSolution(expert=z, scores=S, arc_cost=arc_cost, capacity=c, rounds=rounds)
 
 
-def _working_scores(S: Tensor) -> tuple[Tensor, Tensor | None]:
-    """Replace -inf by a finite penalty large enough that any feasible assignment beats one using it."""
+def _working_scores(S: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Replace -inf by a finite penalty large enough that any feasible assignment beats one using it.
+
+    Returns:
+        ``(working, forbidden, scale)``: the finite ``[B, n, k]`` scores, the ``[B, n, k]`` mask
+        of forbidden pairs (``None`` when there is none) and the ``[B]`` largest finite score
+        magnitude (the size of the rounding errors).
+    """
+    hi_all = S.amax(dim=(-2, -1))
+    lo_all = S.amin(dim=(-2, -1))
+    if not bool(torch.isneginf(lo_all).any()):
+        return S, None, torch.maximum(hi_all.abs(), lo_all.abs())
     forbidden = torch.isneginf(S)
-    if not bool(forbidden.any()):
-        return S, None
     finite = S.masked_fill(forbidden, 0.0)
     lo = S.masked_fill(forbidden, float("inf")).amin(dim=(-2, -1), keepdim=True)
     hi = S.masked_fill(forbidden, float("-inf")).amax(dim=(-2, -1), keepdim=True)
@@ -120,12 +128,8 @@ def _working_scores(S: Tensor) -> tuple[Tensor, Tensor | None]:
     hi = torch.where(torch.isinf(hi), torch.zeros_like(hi), hi)
     n = S.shape[-2]
     penalty = lo - (hi - lo + 1.0) * (n + 1)
-    return torch.where(forbidden, penalty.expand_as(S), finite), forbidden
-
-
-def _scale(scores: Tensor) -> Tensor:
-    """``[B]`` largest finite score magnitude of each instance (the size of its rounding errors)."""
-    return scores.masked_fill(torch.isinf(scores), 0.0).abs().amax(dim=(-2, -1))
+    scale = torch.maximum(hi.abs(), lo.abs()).view(-1)
+    return torch.where(forbidden, penalty.expand_as(S), finite), forbidden, scale
 
 
 def _tolerance(scale: Tensor, k: int) -> Tensor:
@@ -159,9 +163,13 @@ def _initial_assignment(S: Tensor, c: int) -> Tensor:
     pb = torch.arange(B, device=dev).repeat_interleave(n)  # pending (batch, token) pairs
     pi = torch.arange(n, device=dev).repeat(B)
     rows = S.reshape(B * n, k)
+    first = True
     while pb.numel() > 0:
-        full = torch.zeros((B, k), dtype=S.dtype, device=dev).masked_fill_(free == 0, float("-inf"))
-        W = rows.index_select(0, pb * n + pi) + full.index_select(0, pb)
+        if first:  # every expert is free and every token pending
+            W, first = rows, False
+        else:
+            full = torch.zeros((B, k), dtype=S.dtype, device=dev).masked_fill_(free == 0, float("-inf"))
+            W = rows.index_select(0, pb * n + pi) + full.index_select(0, pb)
         w1, j = W.max(dim=-1)
         w2 = W.scatter(-1, j.unsqueeze(-1), float("-inf")).amax(dim=-1)
         margin = torch.where(torch.isinf(w2), torch.full_like(w1, float("inf")), w1 - w2)
@@ -194,12 +202,12 @@ def _move_costs(S: Tensor, holder: Tensor, inst: Tensor | None = None, experts: 
     else:
         shape = (inst.numel(), c, k)
     tokens = holder[inst, experts]  # [r, c]
-    valid = tokens < n
     flat = (inst.unsqueeze(-1) * n + tokens.clamp(max=n - 1)).view(-1)
     rows = S.reshape(B * n, k).index_select(0, flat).view(-1, c, k)  # [r, c, k]
     own = rows.gather(-1, experts.view(-1, 1, 1).expand(-1, c, 1))  # [r, c, 1]: s[i, a]
-    cost = (own - rows).masked_fill_(~valid.unsqueeze(-1), float("inf"))
-    return cost.view(shape)
+    empty = torch.zeros(tokens.shape, dtype=S.dtype, device=S.device).masked_fill_(tokens >= n, float("inf"))
+    own.add_(empty.unsqueeze(-1))  # an empty slot moves nothing: +inf
+    return torch.sub(own, rows, out=rows).view(shape)
 
 
 def _sink_arcs(arc: Tensor, counts: Tensor, c: int, inst: Tensor, experts: Tensor) -> None:
@@ -240,50 +248,65 @@ def expert_graph(S: Tensor, holder: Tensor, counts: Tensor, c: int) -> tuple[Ten
 
 
 def _find_negative_cycles(
-    arc: Tensor, tol: Tensor, running: Tensor, dist: Tensor
+    arc: Tensor, tol: Tensor, running: Tensor, dist: Tensor, extra_sweeps: int = 4
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Bellman-Ford from a virtual source, stopped early per instance.
+    """Bellman-Ford from a virtual source, collecting node-disjoint negative cycles.
 
     The virtual source reaches every node ``v`` with an arc of cost ``dist[v]``: any initial
     labels give a valid search, and labels close to the optimal potentials (the previous round's,
-    or the negated expert prices) make it converge in a few sweeps.
+    or the negated expert prices) make it converge in a few sweeps. A cycle in the predecessor
+    graph is a negative cycle; once one is found its nodes are blocked and the search goes on for
+    up to ``extra_sweeps`` sweeps to collect more cycles among the remaining nodes, so that one
+    round of the caller cancels several.
 
     Args:
         arc: ``[B, m, m]`` arc costs.
         tol: ``[B, 1]`` improvement threshold (rounding guard).
         running: ``[B]`` bool, instances to examine.
         dist: ``[B, m]`` initial labels.
+        extra_sweeps: sweeps to continue after the first cycle of an instance is found.
 
     Returns:
-        ``(optimal, cycle_nodes, pred, dist)``: ``optimal`` ``[B]`` bool (Bellman-Ford converged:
-        no negative cycle); ``cycle_nodes`` ``[B, m]`` bool, the nodes on the cycles of the
-        predecessor graph (each such cycle is negative, and they are node-disjoint);
+        ``(optimal, cycle_nodes, pred, dist)``: ``optimal`` ``[B]`` bool (Bellman-Ford converged
+        without finding a cycle: no negative cycle exists); ``cycle_nodes`` ``[B, m]`` bool, the
+        nodes on the negative cycles found (node-disjoint, each cycle formed by ``pred``);
         ``pred`` ``[B, m]`` the predecessor of every node; ``dist`` the final labels.
     """
     B, m, _ = arc.shape
-    nodes = torch.arange(m, device=arc.device)
+    dev = arc.device
+    nodes = torch.arange(m, device=dev)
     pred = nodes.expand(B, m).clone()
-    optimal = torch.zeros(B, dtype=torch.bool, device=arc.device)
-    cycle_nodes = torch.zeros((B, m), dtype=torch.bool, device=arc.device)
+    optimal = torch.zeros(B, dtype=torch.bool, device=dev)
+    found = torch.zeros(B, dtype=torch.bool, device=dev)
+    budget = torch.full((B,), extra_sweeps, dtype=torch.long, device=dev)
+    cycle_nodes = torch.zeros((B, m), dtype=torch.bool, device=dev)
     run = running.clone()
-    for sweep in range(2 * m + 2):
-        cand, arg = relax(dist, arc)
-        better = (cand < dist - tol) & run.unsqueeze(-1)
+    work = arc
+    for sweep in range(2 * m + 2 + extra_sweeps):
+        cand, arg = relax(dist, work)
+        better = (cand < dist - tol) & (run.unsqueeze(-1) & ~cycle_nodes)
         converged = run & ~better.any(-1)
-        optimal |= converged
+        optimal |= converged & ~found
         run &= ~converged
         dist = torch.where(better, cand, dist)
         pred = torch.where(better, arg, pred)
+        budget -= found.long()
+        run &= ~(found & (budget < 0))
         if not bool(run.any()):
             return optimal, cycle_nodes, pred, dist
-        if sweep % 2 == 0:  # a predecessor cycle persists once formed: look every other sweep
-            continue
-        on_cycle = functional_graph_cycles(pred) & (pred != nodes) & run.unsqueeze(-1)
-        cycle_nodes |= on_cycle
-        run &= ~on_cycle.any(-1)
-        if not bool(run.any()):
-            return optimal, cycle_nodes, pred, dist
-    raise RuntimeError("balanced_assignment: Bellman-Ford found neither convergence nor a cycle; please report this input")
+        if sweep % 2 == 0 and not bool(found.any()):
+            continue  # a predecessor cycle persists once formed: look every other sweep
+        on_cycle = functional_graph_cycles(pred) & (pred != nodes) & ~cycle_nodes & run.unsqueeze(-1)
+        new = on_cycle.any(-1)
+        if bool(new.any()):
+            found |= new
+            cycle_nodes |= on_cycle
+            work = arc.masked_fill(cycle_nodes.unsqueeze(-1) | cycle_nodes.unsqueeze(-2), float("inf"))
+    if bool((run & ~found).any()):
+        raise RuntimeError(
+            "balanced_assignment: Bellman-Ford found neither convergence nor a cycle; please report this input"
+        )
+    return optimal, cycle_nodes, pred, dist
 
 
 def _cancel_negative_cycles(
@@ -314,7 +337,9 @@ def _cancel_negative_cycles(
     """
     B, n, k = S.shape
     z = z.clone()
-    tol = _tolerance(_scale(S) if scale is None else scale, k)
+    if scale is None:
+        scale = torch.maximum(S.amax(dim=(-2, -1)).abs(), S.amin(dim=(-2, -1)).abs())
+    tol = _tolerance(scale, k)
     holder, counts = slot_table(z, k, c)
     arc, move = expert_graph(S, holder, counts, c)
     running = torch.ones(B, dtype=torch.bool, device=S.device)
