@@ -29,12 +29,12 @@ def check_score_matrix(x: Tensor, name: str, *, allow_neg_inf: bool = True) -> N
     if x.numel() == 0:
         return
     # One reduction each: amax propagates NaN and reveals +inf; amin reveals -inf.
-    hi = float(x.amax())
+    hi = float(x.detach().amax())
     if hi != hi:
         raise ValueError(f"{name} contains NaN; fix the upstream computation (NaN scores have no assignment)")
     if hi == float("inf"):
         raise ValueError(f"{name} contains +inf; clamp it to a finite value (only -inf, a forbidden pair, is allowed)")
-    if not allow_neg_inf and float(x.amin()) == float("-inf"):
+    if not allow_neg_inf and float(x.detach().amin()) == float("-inf"):
         raise ValueError(f"{name} contains -inf, which is not allowed here; clamp it to a finite value")
 
 

@@ -42,7 +42,11 @@ def approximate_prices(S: Tensor, c: int, schedule: tuple[float, ...] = DEFAULT_
     X = torch.empty_like(S)  # reused: large temporaries are costly to allocate on CPU
     for frac in schedule:
         T = spread * frac
-        P = torch.softmax(torch.sub(S, u, out=X).div_(T), dim=-1)  # [B, n, k]
+        torch.sub(S, u, out=X).div_(T)
+        # Entries below exp(-40) of their row's maximum change nothing, but as denormal numbers
+        # (and products of them in the Hessian) they slow the CPU down several-fold: clamp them.
+        X.sub_(X.amax(dim=-1, keepdim=True)).clamp_(min=-40.0)
+        P = torch.softmax(X, dim=-1)  # [B, n, k]
         col = P.sum(dim=1)  # [B, k]
         grad = c - col
         H = (torch.diag_embed(col) - P.transpose(1, 2) @ P) / T

@@ -281,27 +281,29 @@ def _find_negative_cycles(
     budget = torch.full((B,), extra_sweeps, dtype=torch.long, device=dev)
     cycle_nodes = torch.zeros((B, m), dtype=torch.bool, device=dev)
     run = running.clone()
+    gate = run.unsqueeze(-1).expand(B, m).clone()  # labels that may still change
     work = arc
-    for sweep in range(2 * m + 2 + extra_sweeps):
-        cand, arg = relax(dist, work)
-        better = (cand < dist - tol) & (run.unsqueeze(-1) & ~cycle_nodes)
+    for sweep in range(1, 2 * m + 4 + extra_sweeps):
+        cand, arg = (dist.unsqueeze(-1) + work).min(dim=-2)
+        better = (cand < dist - tol) & gate
+        dist = torch.where(better, cand, dist)
+        pred = torch.where(better, arg, pred)
+        if sweep % 2 == 1:
+            continue  # book-keeping every other sweep: a converged instance just idles meanwhile
         converged = run & ~better.any(-1)
         optimal |= converged & ~found
         run &= ~converged
-        dist = torch.where(better, cand, dist)
-        pred = torch.where(better, arg, pred)
-        budget -= found.long()
+        budget -= 2 * found.long()
         run &= ~(found & (budget < 0))
-        if not bool(run.any()):
-            return optimal, cycle_nodes, pred, dist
-        if sweep % 2 == 0 and not bool(found.any()):
-            continue  # a predecessor cycle persists once formed: look every other sweep
         on_cycle = functional_graph_cycles(pred) & (pred != nodes) & ~cycle_nodes & run.unsqueeze(-1)
         new = on_cycle.any(-1)
         if bool(new.any()):
             found |= new
             cycle_nodes |= on_cycle
             work = arc.masked_fill(cycle_nodes.unsqueeze(-1) | cycle_nodes.unsqueeze(-2), float("inf"))
+        gate = run.unsqueeze(-1) & ~cycle_nodes
+        if not bool(run.any()):
+            return optimal, cycle_nodes, pred, dist
     if bool((run & ~found).any()):
         raise RuntimeError(
             "balanced_assignment: Bellman-Ford found neither convergence nor a cycle; please report this input"
