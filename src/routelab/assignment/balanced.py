@@ -43,6 +43,9 @@ from .shortest_paths import floyd_warshall, functional_graph_cycles, relax
 
 __all__ = ["balanced_assignment", "solve_balanced", "BalancedSolution", "expert_graph"]
 
+# Bellman-Ford sweeps between two looks for predecessor cycles (a look costs about two sweeps).
+CHECK_EVERY = 2
+
 
 @dataclass
 class BalancedSolution:
@@ -288,12 +291,12 @@ def _find_negative_cycles(
         better = (cand < dist - tol) & gate
         dist = torch.where(better, cand, dist)
         pred = torch.where(better, arg, pred)
-        if sweep % 2 == 1:
+        if sweep % CHECK_EVERY:
             continue  # book-keeping every other sweep: a converged instance just idles meanwhile
         converged = run & ~better.any(-1)
         optimal |= converged & ~found
         run &= ~converged
-        budget -= 2 * found.long()
+        budget -= CHECK_EVERY * found.long()
         run &= ~(found & (budget < 0))
         on_cycle = functional_graph_cycles(pred) & (pred != nodes) & ~cycle_nodes & run.unsqueeze(-1)
         new = on_cycle.any(-1)
