@@ -251,7 +251,7 @@ def expert_graph(S: Tensor, holder: Tensor, counts: Tensor, c: int) -> tuple[Ten
 
 
 def _find_negative_cycles(
-    arc: Tensor, tol: Tensor, running: Tensor, dist: Tensor, extra_sweeps: int = 4
+    arc: Tensor, tol: Tensor, running: Tensor, dist: Tensor, extra_sweeps: int = 8
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Bellman-Ford from a virtual source, collecting node-disjoint negative cycles.
 
@@ -277,41 +277,44 @@ def _find_negative_cycles(
     """
     B, m, _ = arc.shape
     dev = arc.device
-    nodes = torch.arange(m, device=dev)
-    pred = nodes.expand(B, m).clone()
+    # Nodes whose label never improved point to an extra node m (a self-loop there), so that
+    # every cycle of the predecessor graph among the real nodes is a negative cycle.
+    pred = torch.full((B, m + 1), m, dtype=torch.long, device=dev)
     optimal = torch.zeros(B, dtype=torch.bool, device=dev)
     found = torch.zeros(B, dtype=torch.bool, device=dev)
-    budget = torch.full((B,), extra_sweeps, dtype=torch.long, device=dev)
     cycle_nodes = torch.zeros((B, m), dtype=torch.bool, device=dev)
     run = running.clone()
     gate = run.unsqueeze(-1).expand(B, m).clone()  # labels that may still change
     work = arc
+    stop_collecting = None  # sweep after which instances with a cycle stop looking for more
     for sweep in range(1, 2 * m + 4 + extra_sweeps):
         cand, arg = (dist.unsqueeze(-1) + work).min(dim=-2)
         better = (cand < dist - tol) & gate
         dist = torch.where(better, cand, dist)
-        pred = torch.where(better, arg, pred)
+        pred[:, :m] = torch.where(better, arg, pred[:, :m])
         if sweep % CHECK_EVERY:
-            continue  # book-keeping every other sweep: a converged instance just idles meanwhile
-        converged = run & ~better.any(-1)
-        optimal |= converged & ~found
-        run &= ~converged
-        budget -= CHECK_EVERY * found.long()
-        run &= ~(found & (budget < 0))
-        on_cycle = functional_graph_cycles(pred) & (pred != nodes) & ~cycle_nodes & run.unsqueeze(-1)
+            continue  # book-keeping every few sweeps: a converged instance just idles meanwhile
+        moved = better.any(-1)
+        optimal |= run & ~moved & ~found
+        run &= moved
+        on_cycle = functional_graph_cycles(pred)[:, :m] & gate & run.unsqueeze(-1)
         new = on_cycle.any(-1)
         if bool(new.any()):
             found |= new
             cycle_nodes |= on_cycle
             work = arc.masked_fill(cycle_nodes.unsqueeze(-1) | cycle_nodes.unsqueeze(-2), float("inf"))
+            if stop_collecting is None:
+                stop_collecting = sweep + extra_sweeps
+        if stop_collecting is not None and sweep >= stop_collecting:
+            run &= ~found
         gate = run.unsqueeze(-1) & ~cycle_nodes
         if not bool(run.any()):
-            return optimal, cycle_nodes, pred, dist
+            return optimal, cycle_nodes, pred[:, :m], dist
     if bool((run & ~found).any()):
         raise RuntimeError(
             "balanced_assignment: Bellman-Ford found neither convergence nor a cycle; please report this input"
         )
-    return optimal, cycle_nodes, pred, dist
+    return optimal, cycle_nodes, pred[:, :m], dist
 
 
 def _cancel_negative_cycles(
