@@ -109,7 +109,7 @@ def test_expert_is_balanced_assignment_of_perturbed_scores(n, k, capacity, tau, 
     assert m.tau == tau and m.capacity == resolved_capacity(n, k, capacity)
     assert m.expert.dtype == torch.long and m.expert.shape == (20, n)
     assert m.conditional_log_probs.shape == (20, n, k) and m.conditional_log_probs.dtype == dtype
-    assert m.shortest_paths.shape == (20, k + 1, k + 1)
+    assert m.shortest_paths.shape == (20, k, k)
     assert torch.equal(m.expert, balanced_assignment(m.scores, capacity=capacity))
     # and that assignment is optimal for the perturbed scores (independent solver)
     c = resolved_capacity(n, k, capacity)

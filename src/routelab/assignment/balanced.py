@@ -4,22 +4,23 @@ Problem: given scores ``s[i, j]`` for ``n`` tokens and ``k`` experts and a capac
 
     maximise  sum_i s[i, z_i]   subject to   #{i : z_i = j} <= c  for every expert j.
 
-Algorithm (App. D.2, generalised to slack capacity):
+Algorithm (App. D.2, generalised to slack capacity and to an infeasible start):
 
-1. **Start.** Approximate expert prices from a few Newton steps on the entropy-smoothed dual
-   (:mod:`._prices`), then a feasible assignment from a few rounds of vectorised proposals under
-   those prices: every unplaced token proposes to its best expert that still has room, each
-   expert accepts the proposals with the largest margins up to its free capacity
-   (:func:`_initial_assignment`).
-2. **Expert graph.** Nodes are the ``k`` experts plus a sink node ``T``. The arc ``a -> b`` costs
-   ``min_{i: z_i = a} s[i, a] - s[i, b]``, the cheapest way to move one token from ``a`` to
-   ``b``; ``a -> T`` (cost 0) exists while ``a`` has a free slot, ``T -> b`` (cost 0) while ``b``
-   holds a token. A negative cycle is an improving exchange of tokens (through ``T`` it moves a
-   token into a free slot); the assignment is optimal iff there is none (min-cost-flow optimality).
-3. **Cycle cancelling.** Bellman-Ford from a virtual source on the ``(k+1)``-node graph; a cycle
-   in its predecessor graph is a negative cycle (and the predecessor graph's cycles are disjoint),
-   so every such cycle is cancelled at once, moving one token along each of its arcs. Repeat until
-   Bellman-Ford converges: then no negative cycle is left and the assignment is optimal.
+1. **Start.** Approximate expert prices ``u`` from a few Newton steps on the entropy-smoothed dual
+   (:mod:`._prices`); every token starts at its best expert under those prices,
+   ``argmax_j s[i, j] - u_j``. This start may put more than ``c`` tokens on some experts.
+2. **Expert graph** on the ``k`` experts. The *move* arc ``a -> b`` costs
+   ``min_{i: z_i = a} s[i, a] - s[i, b]``, the cheapest way to move one token from ``a`` to ``b``.
+   The *release* arc ``a -> b`` (an expert ``a`` with a free slot, a non-empty ``b``) stands for
+   ending a chain of moves in ``a``'s free slot and starting one at ``b``: it costs 0, and
+   ``-M`` (a large constant) when ``b`` holds more than ``c`` tokens, so that shedding overflow
+   comes first. The arc cost is the cheaper of the two. (This is the classic graph with a sink
+   node ``T`` — ``a -> T -> b`` — with ``T`` contracted, so that cycles through the sink need not
+   share a node and several can be cancelled at once.) The assignment is feasible and optimal iff
+   the graph has no negative cycle (min-cost-flow optimality).
+3. **Cycle cancelling.** Bellman-Ford from a virtual source; a cycle in its predecessor graph is a
+   negative cycle. Node-disjoint negative cycles are collected for a few more sweeps and all
+   cancelled at once (one token moves along each move arc). Repeat until Bellman-Ford converges.
 4. The converged graph's all-pairs shortest paths ``d*`` (Floyd-Warshall) are what
    :func:`routelab.assignment.gumbel_matching` needs for its conditionals (App. D.3-D.4).
 
@@ -43,8 +44,9 @@ from .shortest_paths import floyd_warshall, functional_graph_cycles, relax
 
 __all__ = ["balanced_assignment", "solve_balanced", "BalancedSolution", "expert_graph"]
 
-# Bellman-Ford sweeps between two looks for predecessor cycles (a look costs about two sweeps).
-CHECK_EVERY = 2
+# Bellman-Ford sweeps between two looks for predecessor cycles (a look costs about two sweeps;
+# tuned on random instances, n = 1024 to 16384, k = 64).
+CHECK_EVERY = 3
 
 
 @dataclass
@@ -54,7 +56,7 @@ class BalancedSolution:
     Attributes:
         expert: ``[B, n]`` optimal expert per token.
         scores: ``[B, n, k]`` the finite working scores the solver optimised.
-        arc_cost: ``[B, k+1, k+1]`` expert-graph arc costs at the optimum (node ``k`` is the sink).
+        arc_cost: ``[B, k, k]`` expert-graph arc costs at the optimum (move and release arcs).
         capacity: the capacity ``c``.
         rounds: number of cycle-cancelling rounds that were run.
     """
@@ -107,7 +109,7 @@ def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "
         # The graph for the conditionals must not move a token onto a forbidden expert: rebuild
         # it from the original scores, where such a move costs +inf instead of the penalty.
         holder, counts = slot_table(z, k, c)
-        arc_cost, _ = expert_graph(original, holder, counts, c)
+        arc_cost, _, _ = expert_graph(original, holder, counts, c)
     return BalancedSolution(expert=z, scores=S, arc_cost=arc_cost, capacity=c, rounds=rounds)
 
 
@@ -213,45 +215,61 @@ def _move_costs(S: Tensor, holder: Tensor, inst: Tensor | None = None, experts: 
     return torch.sub(own, rows, out=rows).view(shape)
 
 
-def _sink_arcs(arc: Tensor, counts: Tensor, c: int, inst: Tensor, experts: Tensor) -> None:
-    """Set the sink arcs of the given (instance, expert) pairs in place.
+def _release_arcs(counts: Tensor, c: int, big: Tensor) -> Tensor:
+    """``[B, k, k]`` costs of the release arcs (the sink node contracted away).
 
-    ``a -> T`` costs 0 while ``a`` has a free slot, ``T -> a`` costs 0 while ``a`` holds a token.
+    ``a -> b`` exists when ``a`` has a free slot and ``b`` holds a token: it costs 0, or ``-big``
+    when ``b`` is over capacity; ``+inf`` otherwise and on the diagonal.
     """
-    k = counts.shape[-1]
-    cnt = counts[inst, experts]
-    zero = torch.zeros((), dtype=arc.dtype, device=arc.device)
-    inf = torch.full((), float("inf"), dtype=arc.dtype, device=arc.device)
-    arc[inst, experts, k] = torch.where(cnt < c, zero, inf)
-    arc[inst, k, experts] = torch.where(cnt > 0, zero, inf)
+    B, k = counts.shape
+    room = (counts < c).unsqueeze(-1)
+    cost = torch.where(counts > c, -big.view(B, 1), torch.zeros((), dtype=big.dtype, device=big.device))
+    cost = torch.where(counts > 0, cost, torch.full((), float("inf"), dtype=big.dtype, device=big.device))
+    arcs = torch.where(room, cost.unsqueeze(-2), torch.full((), float("inf"), dtype=big.dtype, device=big.device))
+    arcs.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))
+    return arcs
 
 
-def expert_graph(S: Tensor, holder: Tensor, counts: Tensor, c: int) -> tuple[Tensor, Tensor]:
+def _release_weight(S: Tensor) -> Tensor:
+    """``[B]`` a release reward larger than any chain of moves can cost (float64).
+
+    A chain of at most ``k`` moves costs less than ``k * spread``; the floor keeps the reward
+    positive (and above the rounding tolerance) when all scores are equal.
+    """
+    k = S.shape[-1]
+    hi, lo = S.amax(dim=(-2, -1)).to(torch.float64), S.amin(dim=(-2, -1)).to(torch.float64)
+    floor = torch.maximum(hi.abs(), lo.abs()) * 1e-3 + torch.finfo(torch.float64).tiny
+    return 4.0 * (k + 1) * (hi - lo) + floor
+
+
+def expert_graph(
+    S: Tensor, holder: Tensor, counts: Tensor, c: int, big: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """Arc costs of the expert graph for the assignment described by ``holder``.
 
     Args:
-        S: ``[B, n, k]`` scores.
-        holder: ``[B, k, c]`` token ids per expert slot (``n`` for an empty slot).
+        S: ``[B, n, k]`` scores (``-inf`` makes moves onto that expert impossible).
+        holder: ``[B, k, C]`` token ids per expert slot (``n`` for an empty slot).
         counts: ``[B, k]`` tokens per expert.
         c: capacity.
+        big: ``[B]`` release reward for over-full experts (default from :func:`_release_weight`).
 
     Returns:
-        ``(arc_cost, move_cost)``: ``arc_cost`` ``[B, k+1, k+1]`` with the sink as node ``k``
-        and a zero diagonal; ``move_cost`` ``[B, k, c, k]`` from :func:`_move_costs`.
+        ``(arc, move_arc, move)`` in float64 except ``move``: ``arc`` ``[B, k, k]`` the graph (the
+        cheaper of the move and the release arc), ``move_arc`` ``[B, k, k]`` the move arcs alone
+        (``+inf`` on the diagonal) and ``move`` ``[B, k, C, k]`` the per-slot move costs.
     """
     B, n, k = S.shape
     move = _move_costs(S, holder)
-    arc = torch.full((B, k + 1, k + 1), float("inf"), dtype=S.dtype, device=S.device)
-    arc[:, :k, :k] = move.amin(dim=2)
-    inst = torch.arange(B, device=S.device).repeat_interleave(k)
-    experts = torch.arange(k, device=S.device).repeat(B)
-    _sink_arcs(arc, counts, c, inst, experts)
-    arc.diagonal(dim1=-2, dim2=-1).zero_()
-    return arc, move
+    move_arc = move.amin(dim=2).to(torch.float64)
+    move_arc.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))
+    if big is None:
+        big = _release_weight(S.masked_fill(torch.isinf(S), 0.0))
+    return torch.minimum(move_arc, _release_arcs(counts, c, big)), move_arc, move
 
 
 def _find_negative_cycles(
-    arc: Tensor, tol: Tensor, running: Tensor, dist: Tensor, extra_sweeps: int = 8
+    arc: Tensor, tol: Tensor, running: Tensor, dist: Tensor, extra_sweeps: int = 6
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Bellman-Ford from a virtual source, collecting node-disjoint negative cycles.
 
@@ -332,28 +350,32 @@ def _cancel_negative_cycles(
 
     Args:
         S: ``[B, n, k]`` finite scores.
-        z: ``[B, n]`` feasible assignment (a modified copy is returned).
+        z: ``[B, n]`` any assignment, possibly over capacity (a modified copy is returned).
         c: capacity.
-        prices: optional ``[B, k]`` approximate expert prices; their negation (0 for the sink)
-            starts the Bellman-Ford labels near the optimal potentials.
+        prices: optional ``[B, k]`` approximate expert prices; their negation starts the
+            Bellman-Ford labels near the optimal potentials.
         scale: optional ``[B]`` magnitude of the finite scores (default: of ``S``), which sets
             the rounding tolerance.
 
     Returns:
-        ``(z, arc_cost, rounds)`` with the optimal assignment, the expert graph at the optimum
-        ``[B, k+1, k+1]`` and the number of rounds.
+        ``(z, arc_cost, rounds)`` with the optimal assignment, the float64 expert graph at the
+        optimum ``[B, k, k]`` and the number of rounds.
     """
     B, n, k = S.shape
+    dev = S.device
     z = z.clone()
     if scale is None:
         scale = torch.maximum(S.amax(dim=(-2, -1)).abs(), S.amin(dim=(-2, -1)).abs())
-    tol = _tolerance(scale, k)
-    holder, counts = slot_table(z, k, c)
-    arc, move = expert_graph(S, holder, counts, c)
-    running = torch.ones(B, dtype=torch.bool, device=S.device)
-    dist = torch.zeros((B, k + 1), dtype=S.dtype, device=S.device)
+    tol = _tolerance(scale, k).to(torch.float64)  # rounding errors of the scores' dtype
+    big = _release_weight(S)
+    counts = torch.zeros((B, k), dtype=torch.long, device=dev).scatter_add_(-1, z, torch.ones_like(z))
+    slots = max(c, int(counts.max()))  # over-full experts need room for their extra tokens
+    holder, counts = slot_table(z, k, slots)
+    arc, move_arc, move = expert_graph(S, holder, counts, c, big)
+    running = torch.ones(B, dtype=torch.bool, device=dev)
+    dist = torch.zeros((B, k), dtype=torch.float64, device=dev)
     if prices is not None:
-        dist[:, :k] = -prices
+        dist -= prices.to(torch.float64)
     rounds = 0
     if max_rounds is None:
         max_rounds = 10 * n * k + 100  # each round strictly improves; this only guards against bugs
@@ -361,21 +383,24 @@ def _cancel_negative_cycles(
         optimal, cycle_nodes, pred, dist = _find_negative_cycles(arc, tol, running, dist)
         running &= ~optimal
         if not bool(running.any()):
+            if bool((counts > c).any()):
+                raise RuntimeError("balanced_assignment: over-full expert left without a negative cycle")
             return z, arc, rounds
         rounds += 1
         if rounds > max_rounds:
             raise RuntimeError("balanced_assignment: cycle cancelling did not terminate; please report this input")
-        # Every cycle node v with predecessor u (both experts) receives the cheapest token of arc
-        # u -> v. Cycle sources are distinct, so no token moves twice.
+        # Every cycle node v whose in-arc u -> v is a move arc receives the cheapest token of
+        # u (cycle nodes have one out-arc each, so no token moves twice); release arcs move
+        # nothing: their tail absorbs a token, their head sends one without receiving.
         inst, v = cycle_nodes.nonzero(as_tuple=True)
         u = pred[inst, v]
-        is_move = (u < k) & (v < k)
+        is_move = move_arc[inst, u, v] <= arc[inst, u, v]
         inst, u, v = inst[is_move], u[is_move], v[is_move]
         slot_u = move[inst, u, :, v].argmin(dim=-1)
         token = holder[inst, u, slot_u]
         # The token takes the slot that v's own outgoing token leaves, or a free slot of v when v
-        # absorbs it (v -> T on the cycle, which exists only while v has a free slot).
-        vacated = torch.full((B, k), -1, dtype=torch.long, device=S.device)
+        # absorbs it (its out-arc is a release arc, which exists only while v has a free slot).
+        vacated = torch.full((B, k), -1, dtype=torch.long, device=dev)
         vacated[inst, u] = slot_u
         slot_v = vacated[inst, v]
         first_free = (holder[inst, v] == n).long().argmax(dim=-1)
@@ -385,17 +410,17 @@ def _cancel_negative_cycles(
         z[inst, token] = v
         counts.index_put_((inst, u), torch.full_like(u, -1), accumulate=True)
         counts.index_put_((inst, v), torch.ones_like(v), accumulate=True)
-        # Refresh the rows of the experts whose tokens changed.
+        # Refresh the move rows of the experts whose tokens changed, and the release arcs.
         key = torch.unique(torch.cat([inst * k + u, inst * k + v]))
         ci, ce = key // k, key % k
         rows = _move_costs(S, holder, ci, ce)
         move[ci, ce] = rows
-        arc[ci, ce, :k] = rows.amin(dim=1)
-        arc[ci, ce, ce] = 0.0
-        # Sink arcs change with the counts of the experts whose tokens changed.
-        _sink_arcs(arc, counts, c, ci, ce)
+        row_arc = rows.amin(dim=1).to(torch.float64)
+        row_arc[torch.arange(ce.numel(), device=dev), ce] = float("inf")
+        move_arc[ci, ce] = row_arc
+        arc = torch.minimum(move_arc, _release_arcs(counts, c, big))
 
 
 def conditional_shortest_paths(arc_cost: Tensor) -> Tensor:
-    """All-pairs shortest paths ``d*`` ``[B, k+1, k+1]`` of an optimal expert graph (App. D.3)."""
+    """All-pairs shortest paths ``d*`` ``[B, k, k]`` of an optimal expert graph (App. D.3)."""
     return floyd_warshall(arc_cost)

@@ -37,8 +37,8 @@ class GumbelMatching:
             normalised distribution over experts; ``-inf`` for forbidden pairs.
         scores: ``[..., n, k]`` the perturbed scores ``logits / tau + gumbels`` that were maximised.
         gumbels: ``[..., n, k]`` the Gumbel noise used (zeros when ``tau == 0``).
-        shortest_paths: ``[..., k+1, k+1]`` ``d*`` of the optimal expert graph (node ``k`` is
-            the sink for unused capacity).
+        shortest_paths: ``[..., k, k]`` ``d*`` of the optimal expert graph (float64), whose
+            arcs move one token or release a free slot (:mod:`routelab.assignment.balanced`).
         capacity: capacity per expert that was enforced.
         tau: the temperature.
     """
@@ -107,25 +107,25 @@ def gumbel_matching(
     scores = scaled if t == 0.0 else scaled + g
     sol = solve_balanced(scores, capacity, name="logits")
     n, k = logits.shape[-2], logits.shape[-1]
-    d = floyd_warshall(sol.arc_cost)  # [B, k+1, k+1]
+    d = floyd_warshall(sol.arc_cost)  # [B, k, k], float64
     z = sol.expert  # [B, n]
     # d_to[b, i, j] = d*[j, z_i]: cheapest way to refill the slot token i leaves.
-    d_to = d[..., :k, :k].transpose(-1, -2).gather(1, z.unsqueeze(-1).expand(-1, -1, k))
+    d_to = d.transpose(-1, -2).gather(1, z.unsqueeze(-1).expand(-1, -1, k))
     if t == 0.0:
         # tau -> 0 limit of log_softmax((a - tau * d) / tau): mass on the maximisers of a - d.
-        val = scaled.reshape(-1, n, k) - d_to
+        val = scaled.reshape(-1, n, k).to(torch.float64) - d_to
         best = val.amax(-1, keepdim=True)
         hit = (val >= best - 1e-9 * best.abs().clamp(min=1.0))
-        log_q = torch.where(hit, -torch.log(hit.sum(-1, keepdim=True).to(a.dtype)), torch.full_like(val, float("-inf")))
+        log_q = torch.where(hit, -torch.log(hit.sum(-1, keepdim=True).to(torch.float64)), torch.full_like(val, float("-inf")))
     else:
-        log_q = torch.log_softmax(scaled.reshape(-1, n, k) - d_to, dim=-1)
+        log_q = torch.log_softmax(scaled.reshape(-1, n, k).to(torch.float64) - d_to, dim=-1)
     batch = logits.shape[:-2]
     return GumbelMatching(
         expert=z.view(*batch, n),
-        conditional_log_probs=log_q.view(*batch, n, k),
+        conditional_log_probs=log_q.to(logits.dtype).view(*batch, n, k),
         scores=scores,
         gumbels=g,
-        shortest_paths=d.view(*batch, k + 1, k + 1),
+        shortest_paths=d.view(*batch, k, k),
         capacity=sol.capacity,
         tau=t,
     )
