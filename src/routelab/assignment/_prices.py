@@ -18,16 +18,27 @@ import torch
 from torch import Tensor
 
 # Temperatures relative to the spread (standard deviation) of the scores, one Newton step each.
-DEFAULT_SCHEDULE = (0.1, 0.03, 0.01, 0.003)
+DEFAULT_SCHEDULE = (0.3, 0.03, 0.01, 0.003)
+# At most this many Newton steps in all (the schedule plus repeats after clipped steps).
+MAX_STEPS = 12
 
 
-def approximate_prices(S: Tensor, c: int, schedule: tuple[float, ...] = DEFAULT_SCHEDULE) -> Tensor:
+def approximate_prices(
+    S: Tensor,
+    c: int,
+    schedule: tuple[float, ...] = DEFAULT_SCHEDULE,
+    center: bool = True,
+    max_steps: int = MAX_STEPS,
+) -> Tensor:
     """Damped Newton on the smoothed dual along a temperature schedule.
 
     Args:
         S: ``[B, n, k]`` finite scores.
         c: capacity per expert.
-        schedule: temperatures as fractions of each instance's score spread.
+        schedule: temperatures as fractions of each instance's score spread (standard deviation).
+        center: start from the centred column means (removes additive expert biases at once).
+        max_steps: total Newton steps allowed; a step clipped by the damping is repeated at the
+            same temperature.
 
     Returns:
         ``[B, k]`` prices (``>= 0`` when there is slack capacity, ``c * k > n``).
@@ -38,10 +49,15 @@ def approximate_prices(S: Tensor, c: int, schedule: tuple[float, ...] = DEFAULT_
     sample = S[:, :: max(1, n // 512)]
     spread = sample.std(dim=(-2, -1), correction=0).clamp(min=torch.finfo(S.dtype).eps).view(B, 1, 1)
     u = torch.zeros(B, 1, k, dtype=S.dtype, device=S.device)
+    if center:
+        u = S.mean(dim=1, keepdim=True)
+        u = u - (u.amin(dim=-1, keepdim=True) if slack else u.mean(dim=-1, keepdim=True))
     eye = torch.eye(k, dtype=S.dtype, device=S.device)
     X = torch.empty_like(S)  # reused: large temporaries are costly to allocate on CPU
-    for frac in schedule:
-        T = spread * frac
+    level, steps = 0, 0
+    while level < len(schedule) and steps < max_steps:
+        T = spread * schedule[level]
+        steps += 1
         torch.sub(S, u, out=X).div_(T)
         # Entries below exp(-40) of their row's maximum change nothing, but as denormal numbers
         # (and products of them in the Hessian) they slow the CPU down several-fold: clamp them.
@@ -64,9 +80,14 @@ def approximate_prices(S: Tensor, c: int, schedule: tuple[float, ...] = DEFAULT_
         H = H + 1e-6 * ridge * eye
         step = torch.linalg.solve(H, grad.unsqueeze(-1)).view(B, 1, k)
         # Damping: a Newton step beyond a few temperatures leaves the region where it is accurate.
+        # A clipped step means the prices are still far from this temperature's optimum: stay at
+        # this temperature for another step (within the step budget) instead of cooling.
         limit = 4.0 * T
-        step = step * (limit / step.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)).clamp(max=1.0)
+        factor = limit / step.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
+        step = step * factor.clamp(max=1.0)
         u = u - step
+        if not bool((factor < 1.0).any()):
+            level += 1
         if slack:
             u = u.clamp(min=0.0)
     return u.view(B, k)
