@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 # Temperatures relative to the spread (standard deviation) of the scores, one Newton step each.
-DEFAULT_SCHEDULE = (0.3, 0.03, 0.01, 0.003)
+DEFAULT_SCHEDULE = (0.3, 0.05, 0.01, 0.002, 0.0004)
 # At most this many Newton steps in all (the schedule plus repeats after clipped steps).
 MAX_STEPS = 12
 
@@ -65,7 +65,7 @@ def approximate_prices(
         P = torch.softmax(X, dim=-1)  # [B, n, k]
         col = P.sum(dim=1)  # [B, k]
         grad = c - col
-        H = (torch.diag_embed(col) - P.transpose(1, 2) @ P) / T
+        H = _hessian(P, col) / T
         # A ridge keeps H invertible when the softmax saturates (every token has a clear
         # favourite): H -> 0 there, and the damped step below then bounds the move.
         ridge = H.diagonal(dim1=-2, dim2=-1).mean(-1).view(B, 1, 1) + 1e-3 * c / T
@@ -91,3 +91,24 @@ def approximate_prices(
         if slack:
             u = u.clamp(min=0.0)
     return u.view(B, k)
+
+
+def _hessian(P: Tensor, col: Tensor) -> Tensor:
+    """``[B, k, k]`` ``sum_i diag(p_i) - p_i p_i^T`` (the smoothed dual's Hessian times ``T``).
+
+    A row whose softmax has saturated (one entry within ``1e-6`` of 1) contributes almost
+    nothing; at low temperatures most rows have, so only the others enter the product.
+
+    Args:
+        P: ``[B, n, k]`` row-stochastic matrix.
+        col: ``[B, k]`` its column sums.
+    """
+    B, n, k = P.shape
+    live = P.amax(dim=-1) < 1.0 - 1e-6  # [B, n]
+    m = int(live.sum(-1).max())
+    if m > n // 2:
+        return torch.diag_embed(col) - P.transpose(1, 2) @ P
+    order = torch.argsort(live.to(torch.int8), dim=-1, descending=True, stable=True)[:, :m]
+    Q = P.gather(1, order.unsqueeze(-1).expand(B, m, k))
+    Q = Q * live.gather(1, order).unsqueeze(-1).to(P.dtype)  # instances with fewer live rows
+    return torch.diag_embed(Q.sum(dim=1)) - Q.transpose(1, 2) @ Q
