@@ -21,6 +21,10 @@ from torch import Tensor
 DEFAULT_SCHEDULE = (0.3, 0.05, 0.01, 0.002, 0.0004)
 # At most this many Newton steps in all (the schedule plus repeats after clipped steps).
 MAX_STEPS = 12
+# A Newton step moves no price by more than STEP_LIMIT temperatures; a clipped step is repeated
+# at the same temperature, up to LEVEL_STEPS steps per temperature.
+STEP_LIMIT = 4.0
+LEVEL_STEPS = 3
 
 
 def approximate_prices(
@@ -54,10 +58,11 @@ def approximate_prices(
         u = u - (u.amin(dim=-1, keepdim=True) if slack else u.mean(dim=-1, keepdim=True))
     eye = torch.eye(k, dtype=S.dtype, device=S.device)
     X = torch.empty_like(S)  # reused: large temporaries are costly to allocate on CPU
-    level, steps = 0, 0
+    level, steps, at_level = 0, 0, 0
     while level < len(schedule) and steps < max_steps:
         T = spread * schedule[level]
         steps += 1
+        at_level += 1
         torch.sub(S, u, out=X).div_(T)
         # Entries below exp(-40) of their row's maximum change nothing, but as denormal numbers
         # (and products of them in the Hessian) they slow the CPU down several-fold: clamp them.
@@ -82,12 +87,12 @@ def approximate_prices(
         # Damping: a Newton step beyond a few temperatures leaves the region where it is accurate.
         # A clipped step means the prices are still far from this temperature's optimum: stay at
         # this temperature for another step (within the step budget) instead of cooling.
-        limit = 4.0 * T
+        limit = STEP_LIMIT * T
         factor = limit / step.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
         step = step * factor.clamp(max=1.0)
         u = u - step
-        if not bool((factor < 1.0).any()):
-            level += 1
+        if at_level >= LEVEL_STEPS or not bool((factor < 1.0).any()):
+            level, at_level = level + 1, 0
         if slack:
             u = u.clamp(min=0.0)
     return u.view(B, k)
