@@ -83,7 +83,11 @@ def approximate_prices(
         else:
             H = H + ridge / k  # the prices are defined up to a common shift
         H = H + 1e-6 * ridge * eye
-        step = torch.linalg.solve(H, grad.unsqueeze(-1)).view(B, 1, k)
+        # Solved in float64 (k x k is cheap); should it still be singular, a diagonal step.
+        sol, info = torch.linalg.solve_ex(H.double(), grad.double().unsqueeze(-1))
+        diagonal = grad / H.diagonal(dim1=-2, dim2=-1).clamp(min=torch.finfo(S.dtype).tiny)
+        ok = (info == 0).unsqueeze(-1) & torch.isfinite(sol.squeeze(-1))
+        step = torch.where(ok, sol.squeeze(-1).to(S.dtype), diagonal).view(B, 1, k)
         # Damping: a Newton step beyond a few temperatures leaves the region where it is accurate.
         # A clipped step means the prices are still far from this temperature's optimum: stay at
         # this temperature for another step (within the step budget) instead of cooling.
