@@ -1,7 +1,8 @@
 """Benchmark of the n x k assignment algorithms (``routelab bench assignment``).
 
-For every size ``(n, k)`` of a grid, on float32 scores ``torch.randn(n, k)`` from a seeded
-generator and capacity ``c = n / k``, it measures
+For every size ``(n, k)`` of a grid, on float32 scores ``torch.randn(n, k)`` from seeded
+generators (a new instance for every timed call, the same instances for every method) and
+capacity ``c = n / k``, it measures
 
 * :func:`routelab.assignment.balanced_assignment`, the exact capacity-constrained maximiser;
 * :func:`scipy.optimize.linear_sum_assignment` on the column-expanded ``n x (k*c) = n x n``
@@ -10,8 +11,8 @@ generator and capacity ``c = n / k``, it measures
 * :func:`routelab.assignment.gumbel_matching` (``tau = 1``, with its conditionals);
 * :func:`routelab.assignment.sinkhorn` of ``log_softmax`` of the scores (``tol = 1e-4``).
 
-Every reported time is the median of several timed calls after one untimed warm-up call, all
-taken in the same run. The report is markdown; it is written to ``out`` line by line while it is
+Every reported time is the median over the timed calls (one per instance) after one untimed
+warm-up call, all taken in the same run. The report is markdown; it is written to ``out`` line by line while it is
 being measured, and returned whole.
 
 Entry point: :func:`run_benchmark`. The measuring itself is :func:`_benchmark`, which takes the
@@ -47,7 +48,7 @@ QUICK_NS: tuple[int, ...] = (256, 1024, 4096)
 KS: tuple[int, ...] = (4, 16, 64)
 
 #: Timed calls per measurement (after one warm-up), by n.
-FULL_REPEATS: dict[int, int] = {256: 7, 1024: 7, 4096: 5, 16384: 3}
+FULL_REPEATS: dict[int, int] = {256: 9, 1024: 9, 4096: 7, 16384: 5}
 QUICK_REPEATS: dict[int, int] = {256: 5, 1024: 5, 4096: 3}
 
 #: Time budget of one measurement: fewer timed calls (at least one) when the warm-up shows that
@@ -149,29 +150,32 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _time_calls(fn: Callable[[], Any], *, repeats: int, budget_s: float, device: str) -> tuple[Timing, Any]:
-    """Median wall time of ``fn()`` over up to ``repeats`` calls after one untimed warm-up.
+def _time_calls(
+    fn: Callable[[int], Any], *, repeats: int, budget_s: float, device: str
+) -> tuple[Timing, list[Any]]:
+    """Median wall time of ``fn(i)`` for instances ``i = 0, 1, ...`` after one untimed warm-up.
 
-    The warm-up call's duration sets how many timed calls fit in ``budget_s``: at most
-    ``repeats``, at least one.
+    Timed call ``r`` solves instance ``r`` (a fresh random problem each time, so the median is over
+    instances, not over one lucky or unlucky draw). The warm-up call's duration sets how many
+    timed calls fit in ``budget_s``: at most ``repeats``, at least one.
 
     Returns:
-        The :class:`Timing` and the warm-up call's result.
+        The :class:`Timing` and the results of the timed calls, in instance order.
     """
     _synchronize(device)
     start = time.perf_counter()
-    result = fn()
+    fn(0)
     _synchronize(device)
     warmup_s = time.perf_counter() - start
     runs = max(1, min(repeats, int(budget_s / max(warmup_s, 1e-9))))
-    times = []
-    for _ in range(runs):
+    times, results = [], []
+    for i in range(runs):
         _synchronize(device)
         start = time.perf_counter()
-        fn()
+        results.append(fn(i))
         _synchronize(device)
         times.append(time.perf_counter() - start)
-    return Timing(median_ms=1e3 * statistics.median(times), runs=runs), result
+    return Timing(median_ms=1e3 * statistics.median(times), runs=runs), results
 
 
 # ---------------------------------------------------------------------------- checks
@@ -239,20 +243,24 @@ def _measure(
 ) -> Row:
     """Measure every method at one size ``(n, k)``; updates ``scipy_measured`` (seconds)."""
     capacity = n // k
-    cpu_scores = torch.randn(n, k, generator=torch.Generator().manual_seed(seed), dtype=DTYPE)
-    scores = cpu_scores.to(device)
+    # Instance i: scores from seed + i (the same instances for every method and for scipy).
+    cpu_scores = [
+        torch.randn(n, k, generator=torch.Generator().manual_seed(seed + i), dtype=DTYPE) for i in range(repeats)
+    ]
+    scores = [x.to(device) for x in cpu_scores]
     kw: dict[str, Any] = {"repeats": repeats, "budget_s": budget_s, "device": device}
 
-    routelab_t, expert = _time_calls(lambda: balanced_assignment(scores), **kw)
+    routelab_t, experts = _time_calls(lambda i: balanced_assignment(scores[i]), **kw)
 
     gen = torch.Generator(device=device).manual_seed(seed + 1)
-    gumbel_t, _ = _time_calls(lambda: gumbel_matching(scores, tau=GUMBEL_TAU, generator=gen), **kw)
+    gumbel_t, _ = _time_calls(lambda i: gumbel_matching(scores[i], tau=GUMBEL_TAU, generator=gen), **kw)
 
-    log_p = torch.log_softmax(scores, dim=-1)
-    sinkhorn_t, sk = _time_calls(lambda: _sinkhorn_or_error(log_p), **kw)
+    log_p = [torch.log_softmax(x, dim=-1) for x in scores]
+    sinkhorn_t, sks = _time_calls(lambda i: _sinkhorn_or_error(log_p[i]), **kw)
+    sk = next((e for e in sks if isinstance(e, str)), None)
 
     row = Row(n=n, k=k, routelab=routelab_t, gumbel=gumbel_t, sinkhorn=sinkhorn_t,
-              sinkhorn_error=sk if isinstance(sk, str) else None, requested=repeats)
+              sinkhorn_error=sk, requested=repeats)
 
     estimate = _scipy_estimate_s(n, k, scipy_measured)
     if n >= SCIPY_NEVER_N:
@@ -262,17 +270,23 @@ def _measure(
         row.scipy_skip = f"est. {estimate:.0f} s"
         return row
 
-    scores64 = cpu_scores.double().numpy()
-    expanded = np.repeat(scores64, capacity, axis=1)  # n x (k*c): column j*c + r is expert j
-    scipy_t, (rows_idx, cols_idx) = _time_calls(lambda: linear_sum_assignment(-expanded), **kw)
+    scores64 = [x.double().numpy() for x in cpu_scores]
+    # n x (k*c): column j*c + r is expert j. Building it is not timed.
+    expanded = [np.repeat(x, capacity, axis=1) for x in scores64]
+    scipy_t, solutions = _time_calls(lambda i: linear_sum_assignment(-expanded[i]), **kw)
     scipy_measured[(n, k)] = scipy_t.median_ms / 1e3
     row.scipy = scipy_t
 
-    scipy_expert = np.empty(n, dtype=np.int64)
-    scipy_expert[rows_idx] = cols_idx // capacity
-    ours = expert.cpu().numpy().astype(np.int64)
-    row.objectives = (_objective(scores64, ours), _objective(scores64, scipy_expert))
-    row.same_optimum = _is_feasible(ours, k, capacity) and _same_value(*row.objectives)
+    same = True
+    for i, (rows_idx, cols_idx) in enumerate(solutions):
+        scipy_expert = np.empty(n, dtype=np.int64)
+        scipy_expert[rows_idx] = cols_idx // capacity
+        ours = experts[i].cpu().numpy().astype(np.int64) if i < len(experts) else (
+            balanced_assignment(scores[i]).cpu().numpy().astype(np.int64))
+        objectives = (_objective(scores64[i], ours), _objective(scores64[i], scipy_expert))
+        row.objectives = objectives
+        same = same and _is_feasible(ours, k, capacity) and _same_value(*objectives)
+    row.same_optimum = same
     return row
 
 
@@ -466,8 +480,9 @@ def _batched_timing(
     capacity = n // k
     for b in (1, batch):
         x = scores[:b].contiguous()
-        timing, expert = _time_calls(lambda: balanced_assignment(x), repeats=repeats,
-                                     budget_s=budget_s, device=device)
+        timing, experts = _time_calls(lambda i: balanced_assignment(x), repeats=repeats,
+                                      budget_s=budget_s, device=device)
+        expert = experts[-1]
         counts = torch.zeros(b, k, dtype=torch.long, device=expert.device)
         counts.scatter_add_(1, expert, torch.ones_like(expert))
         feasible = "yes" if bool((counts <= capacity).all()) else "no"
@@ -552,7 +567,8 @@ def run_benchmark(
         report = _Report(out)
         report.emit(*_header(quick=quick, device=device))
         report.emit(f"Sizes: n in {list(ns)}, k in {list(KS)}, capacity n/k, scores "
-                    "`torch.randn(n, k)` (seed 0). Timed calls per size after one warm-up: "
+                    "`torch.randn(n, k)`, a new instance (seed 0, 1, ...) for each timed call, the same instances "
+                    "for every method. Timed calls (instances) per size after one warm-up: "
                     + ", ".join(f"{r} at n={n}" for n, r in repeats.items()) + ".", "")
         text = report.text()
         text += _benchmark([(n, k) for n in ns for k in KS], repeats, device=device,
