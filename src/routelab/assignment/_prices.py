@@ -57,7 +57,9 @@ def approximate_prices(
         u = S.mean(dim=1, keepdim=True)
         u = u - (u.amin(dim=-1, keepdim=True) if slack else u.mean(dim=-1, keepdim=True))
     eye = torch.eye(k, dtype=S.dtype, device=S.device)
-    X = torch.empty_like(S)  # reused: large temporaries are costly to allocate on CPU
+    # Two buffers reused by every step: fresh large temporaries cost page faults on CPU.
+    X = torch.empty_like(S)
+    P = torch.empty_like(S)
     level, steps, at_level = 0, 0, 0
     while level < len(schedule) and steps < max_steps:
         T = spread * schedule[level]
@@ -67,7 +69,7 @@ def approximate_prices(
         # Entries below exp(-40) of their row's maximum change nothing, but as denormal numbers
         # (and products of them in the Hessian) they slow the CPU down several-fold: clamp them.
         X.sub_(X.amax(dim=-1, keepdim=True)).clamp_(min=-40.0)
-        P = torch.softmax(X, dim=-1)  # [B, n, k]
+        torch.softmax(X, dim=-1, out=P)  # [B, n, k]
         col = P.sum(dim=1)  # [B, k]
         grad = c - col
         H = _hessian(P, col) / T
