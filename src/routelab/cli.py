@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     bench.add_argument(
         "--threads", type=_positive_int, default=None, metavar="N",
-        help="torch intra-op threads (default: leave torch's setting)",
+        help="torch intra-op threads for the timed calls (default: 1, the single-thread comparison with scipy)",
     )
     bench.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="device (default: cpu)"
