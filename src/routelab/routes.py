@@ -6,7 +6,9 @@ weight (``weight``) and under what router log-probability (``log_prob``). Becaus
 returns the same :class:`Routes`, every layer accepts every method.
 
 All per-slot tensors share one shape ``[..., tokens, slots]``: optional leading batch
-dimensions, then tokens, then slots (``slots = k`` for top-k, ``1`` for sampling).
+dimensions, then tokens, then slots (``slots = k`` for top-k). Methods that choose exactly one
+expert per token (the sampling estimators of :mod:`routelab.estimators`) set ``single=True`` and
+drop the slot dimension: their tensors are ``[..., tokens]``.
 
 The property that makes a stochastic method *unbiased*: for any table ``h``,
 ``E[sum_i keep_i * weight_i * h(i, expert_i)] = sum_i sum_j p_ij * h_ij`` with ``p`` the
@@ -47,6 +49,8 @@ class Routes:
             ``"entropy"``, ``"threshold"``), each a tensor (usually a scalar).
         stats: named diagnostics that are not losses (e.g. tokens per expert, dropped
             fraction), each a tensor.
+        single: ``True`` when every token has exactly one slot and the tensors are
+            ``[..., tokens]`` (no slot dimension).
 
     Raises:
         TypeError: if a per-slot field is not a tensor, or ``aux``/``stats`` is not a dict of
@@ -71,6 +75,7 @@ class Routes:
     log_prob: Tensor
     aux: dict[str, Tensor] = field(default_factory=dict)
     stats: dict[str, Tensor] = field(default_factory=dict)
+    single: bool = False
 
     def __post_init__(self) -> None:
         for name in _SLOT_FIELDS:
@@ -82,7 +87,9 @@ class Routes:
                 )
 
         shape = self.expert.shape
-        if self.expert.dim() < 2:
+        if self.single and self.expert.dim() < 1:
+            raise ValueError("Routes.expert must have shape [..., tokens] when single=True, got a scalar.")
+        if not self.single and self.expert.dim() < 2:
             raise ValueError(
                 f"Routes.expert must have shape [..., tokens, slots] (at least 2 dims), got "
                 f"shape {tuple(shape)}; add a slot dim with expert.unsqueeze(-1) or build the "
@@ -212,17 +219,17 @@ class Routes:
     @property
     def num_slots(self) -> int:
         """Number of slots per token (``k`` for top-k, ``1`` for sampling)."""
-        return self.expert.shape[-1]
+        return 1 if self.single else self.expert.shape[-1]
 
     @property
     def num_tokens(self) -> int:
-        """Number of tokens (the second-to-last dim)."""
-        return self.expert.shape[-2]
+        """Number of tokens (the last dim when ``single``, else the second-to-last)."""
+        return self.expert.shape[-1] if self.single else self.expert.shape[-2]
 
     @property
     def batch_shape(self) -> torch.Size:
         """The leading batch dims ``[...]`` (empty for a plain ``[tokens, slots]`` record)."""
-        return self.expert.shape[:-2]
+        return self.expert.shape[:-1] if self.single else self.expert.shape[:-2]
 
     # ------------------------------------------------------------------ diagnostics
 
@@ -269,8 +276,8 @@ class Routes:
             ``float32 Tensor [...]`` (a scalar for a plain ``[tokens, slots]`` record), in
             ``[0, 1]``; ``0`` when there are no slots at all.
         """
-        total = self.expert.shape[-2] * self.expert.shape[-1]
-        dropped = (~self.keep).sum(dim=(-2, -1)).to(torch.float32)
+        total = self.num_tokens * self.num_slots
+        dropped = (~self.keep).sum(dim=(-1,) if self.single else (-2, -1)).to(torch.float32)
         return dropped / max(total, 1)
 
     # ------------------------------------------------------------------ movement
@@ -285,6 +292,7 @@ class Routes:
             **moved,
             aux={k: v.to(device) for k, v in self.aux.items()},
             stats={k: v.to(device) for k, v in self.stats.items()},
+            single=self.single,
         )
 
     def __repr__(self) -> str:

@@ -1,0 +1,207 @@
+"""Routing samples under expert capacity, with importance weights (Kool et al. 2021, Sec. 2-3).
+
+The router's distribution is ``p = softmax(logits)``. Tokens are routed by sampling from a
+*proposal*: ``softmax(logits / tau)``, first balanced by Sinkhorn when ``sinkhorn=True``
+(Sec. 2.3, App. E). Capacity is respected by skipping (Sec. 2.1) or by balanced Gumbel-Matching
+samples (Sec. 2.2). The importance weight of each routed token corrects for what the proposal
+and the capacity did, so that for the unbiased methods and any table ``h``
+
+    E[ sum_i keep_i * weight_i * h(i, expert_i) ] = sum_i sum_j p_ij h_ij.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..assignment import gumbel_matching, sample_gumbel, sinkhorn
+from ..assignment._checks import check_score_matrix, resolve_capacity
+from ..assignment._groups import rank_within_groups
+from ..routes import Routes
+
+__all__ = ["METHODS", "UNBIASED_METHODS", "CAPPED_METHODS", "sample_routes", "switch_balance_loss"]
+
+#: Every routing method, named as in Kool et al. (2021), Sec. 3.
+METHODS: tuple[str, ...] = (
+    "sample",
+    "sample_skip",
+    "sample_skip_iw",
+    "gumbel_matching",
+    "gumbel_matching_iw",
+    "gumbel_matching_sh",
+)
+#: The methods whose weights make the estimate unbiased (with or without Sinkhorn).
+UNBIASED_METHODS: tuple[str, ...] = ("sample", "sample_skip_iw", "gumbel_matching_iw")
+#: The methods that respect the expert capacity.
+CAPPED_METHODS: tuple[str, ...] = METHODS[1:]
+
+
+def sample_routes(
+    logits: Tensor,
+    method: str,
+    *,
+    tau: float | Tensor = 1.0,
+    capacity: int | None = None,
+    sinkhorn: bool = False,
+    generator: torch.Generator | None = None,
+) -> Routes:
+    """Route every token to one expert with ``method``, with importance weights.
+
+    Methods (Sec. 3):
+
+    * ``sample`` — independent samples from the proposal, no capacity (the ideal baseline);
+      weight ``p / q``.
+    * ``sample_skip`` — the same, then each expert keeps at most ``capacity`` of its tokens,
+      chosen uniformly at random (a uniform shuffle); the kept tokens are plainly averaged:
+      weight ``(p / q) * n / n_kept`` (biased).
+    * ``sample_skip_iw`` — as ``sample_skip`` with the correction of eq. 3: weight
+      ``(p / q) * n_z / min(n_z, capacity)`` (unbiased).
+    * ``gumbel_matching`` — a balanced n x k Gumbel-Matching sample (eq. 4) of the proposal;
+      weight ``p / q`` corrects for the temperature only, not the balancing (biased).
+    * ``gumbel_matching_iw`` — the same sample with weight ``p / q(z_i | A, G_-i)``, the
+      conditionals of eq. 6-9 (unbiased, App. D.5).
+    * ``gumbel_matching_sh`` — the same sample with the Sinkhorn marginals of the proposal as
+      ``q`` (a biased heuristic, Sec. 2.3).
+
+    Args:
+        logits: ``[..., n, k]`` router logits (``-inf`` forbids a pair); gradients flow into
+            ``gate``, ``log_prob`` and ``aux["balance"]``.
+        method: one of :data:`METHODS`.
+        tau: proposal temperature ``> 0``: a number, or a tensor of the batch shape ``[...]``
+            (one temperature per instance).
+        capacity: tokens per expert for the capped methods; default ``n / k`` (then ``k`` must
+            divide ``n``). Ignored by ``sample`` (validated all the same).
+        sinkhorn: balance the proposal with Sinkhorn (columns ``n / k``) before sampling.
+        generator: the only source of randomness.
+
+    Returns:
+        :class:`~routelab.routes.Routes` with ``single=True`` and tensors ``[..., n]``:
+        ``expert``; ``keep`` (False where capacity skipped the token); ``weight`` (detached
+        importance weight); ``gate = p[expert]`` and ``log_prob = log p[expert]``
+        (differentiable); ``aux["balance"]`` the Switch load-balancing loss ``[...]``;
+        ``stats["tokens_per_expert"]`` ``[..., k]`` and ``stats["dropped_fraction"]`` ``[...]``.
+
+    Raises:
+        ValueError: unknown method (lists the valid ones), ``tau <= 0`` or of the wrong shape,
+            bad logits, or a capacity that cannot hold the tokens.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    check_score_matrix(logits, "logits")
+    n, k = logits.shape[-2], logits.shape[-1]
+    batch = logits.shape[:-2]
+    if method == "sample":
+        c = None if capacity is None else resolve_capacity(n, k, capacity)
+    else:
+        if capacity is None and n % k != 0:
+            raise ValueError(
+                f"method {method!r} respects an expert capacity, and the default n/k needs k={k} to "
+                f"divide n={n}; pass capacity=ceil(n/k)={-(-n // k)} (or larger)"
+            )
+        c = min(resolve_capacity(n, k, capacity), n)
+    T = _temperature(tau, batch, logits)  # [..., 1, 1]
+
+    log_p = torch.log_softmax(logits, dim=-1)
+    a = logits.detach()
+    log_q = torch.log_softmax(a / T, dim=-1)
+    if sinkhorn:
+        log_q = _sinkhorn(log_q)
+
+    if method.startswith("sample"):
+        expert = (log_q + sample_gumbel(log_q.shape, dtype=log_q.dtype, device=log_q.device,
+                                        generator=generator)).argmax(dim=-1)
+        log_q_z = log_q.gather(-1, expert.unsqueeze(-1)).squeeze(-1)
+        keep = torch.ones_like(expert, dtype=torch.bool)
+        correction = torch.ones_like(log_q_z)
+        if method != "sample":
+            keep, load = _skip(expert, k, c, generator)
+            load = load.to(log_q.dtype)
+            kept = keep.sum(-1, keepdim=True).clamp(min=1).to(log_q.dtype)
+            if method == "sample_skip_iw":
+                correction = load / load.clamp(max=c)
+            else:
+                correction = (n / kept).expand_as(correction)
+    else:
+        gm = gumbel_matching(a / T, tau=1.0, capacity=c, generator=generator)
+        expert = gm.expert
+        if method == "gumbel_matching_iw":
+            q_ref = gm.conditional_log_probs
+        elif method == "gumbel_matching_sh":
+            q_ref = log_q if sinkhorn else _sinkhorn(log_q)
+        else:
+            q_ref = log_q
+        log_q_z = q_ref.gather(-1, expert.unsqueeze(-1)).squeeze(-1)
+        keep = torch.ones_like(expert, dtype=torch.bool)
+        correction = torch.ones_like(log_q_z)
+
+    log_p_z = log_p.gather(-1, expert.unsqueeze(-1)).squeeze(-1)
+    weight = (torch.exp(log_p_z.detach() - log_q_z) * correction).masked_fill(~keep, 0.0).detach()
+    counts = torch.zeros((*batch, k), dtype=torch.long, device=logits.device)
+    counts.scatter_add_(-1, expert, keep.long())
+    return Routes(
+        expert=expert,
+        gate=log_p_z.exp(),
+        keep=keep,
+        weight=weight,
+        log_prob=log_p_z,
+        aux={"balance": switch_balance_loss(log_p.exp(), expert, keep)},
+        stats={"tokens_per_expert": counts, "dropped_fraction": (~keep).float().mean(-1)},
+        single=True,
+    )
+
+
+def switch_balance_loss(probs: Tensor, expert: Tensor, keep: Tensor | None = None) -> Tensor:
+    """Switch-Transformer load-balancing loss ``k * sum_j f_j * P_j`` (Fedus et al. 2021).
+
+    Args:
+        probs: ``[..., n, k]`` router probabilities (differentiable).
+        expert: ``[..., n]`` chosen experts.
+        keep: optional ``[..., n]`` bool; dropped tokens do not count in ``f``.
+
+    Returns:
+        ``[...]``: ``f_j`` is the fraction of the ``n`` tokens routed to expert ``j`` (not
+        differentiable), ``P_j`` the mean router probability of ``j``. It is 1 when both are
+        uniform and grows as routing concentrates.
+    """
+    n, k = probs.shape[-2], probs.shape[-1]
+    routed = torch.zeros_like(probs).scatter_(-1, expert.unsqueeze(-1), 1.0)
+    if keep is not None:
+        routed = routed * keep.unsqueeze(-1).to(probs.dtype)
+    f = routed.sum(-2) / n
+    return k * (f.detach() * probs.mean(-2)).sum(-1)
+
+
+def _temperature(tau: float | Tensor, batch: torch.Size, like: Tensor) -> Tensor:
+    """``tau`` as a ``[..., 1, 1]`` tensor, validated ``> 0``."""
+    t = torch.as_tensor(tau, dtype=like.dtype, device=like.device)
+    if t.ndim > 0 and t.shape != batch:
+        raise ValueError(
+            f"tau must be a number or a tensor of the batch shape {tuple(batch)}, got shape {tuple(t.shape)}"
+        )
+    if not bool(torch.isfinite(t).all()) or bool((t <= 0).any()):
+        raise ValueError(f"tau must be finite and > 0, got {tau!r}; use a small positive value for near-greedy routing")
+    return t.reshape(*batch, 1, 1) if t.ndim > 0 else t.reshape(1, 1)
+
+
+def _sinkhorn(log_q: Tensor) -> Tensor:
+    """The proposal balanced by Sinkhorn: columns ``n / k`` (float32 runs use a 1e-4 tolerance)."""
+    tol = 1e-6 if log_q.dtype == torch.float64 else 1e-4
+    return sinkhorn(log_q, tol=tol * log_q.shape[-2] / log_q.shape[-1], max_iter=10_000)
+
+
+def _skip(expert: Tensor, k: int, c: int, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """Keep at most ``c`` tokens per expert, chosen uniformly at random.
+
+    Returns:
+        ``(keep [..., n] bool, load [..., n] long)`` with ``load`` the number of tokens that chose
+        each token's expert before skipping (``n_z`` of eq. 3).
+    """
+    shape = expert.shape
+    n = shape[-1]
+    flat = expert.reshape(-1, n)
+    B = flat.shape[0]
+    group = (torch.arange(B, device=expert.device).unsqueeze(-1) * k + flat).reshape(-1)
+    priority = torch.rand(group.shape, generator=generator, device=expert.device)
+    keep = rank_within_groups(group, priority, B * k) < c
+    load = torch.bincount(group, minlength=B * k)[group]
+    return keep.view(shape), load.view(shape)

@@ -1,0 +1,99 @@
+"""Training signals for routers (Kool et al. 2021, eq. 2, App. B and Sec. 3.1).
+
+Both objectives take the per-token loss ``f_i = f(x_i, z_i)`` of the routed expert and a
+:class:`~routelab.routes.Routes` from :func:`~routelab.estimators.sample_routes`, and average over
+the ``n`` tokens with the routes' importance weights (dropped tokens count 0):
+
+* REINFORCE (eq. 2, with a baseline): the gradient of
+  ``(1/n) sum_i keep_i w_i [f_i + (f_i - b) log p(z_i | x_i)]`` (the second term's factor is
+  detached) is the off-policy estimate of ``grad E_p[(1/n) sum_i f(x_i, z_i)]`` for the experts
+  and the router. ``b`` is an exponential moving average of the loss (decay 0.99).
+* Differentiable gating (Sec. 3.1): the expert's output is multiplied by the router probability
+  ``gate = p(z_i | x_i)`` before the loss, so the router gets a gradient through the loss itself;
+  exploration comes from sampling ``z`` at temperature ``tau`` (equivalently Gumbel noise of
+  scale ``tau`` on the log-probabilities). ``(1/n) sum_i keep_i w_i f_i``, with the importance
+  weights or, as in most MoE code, without them (``use_weights=False``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..routes import Routes
+
+__all__ = ["EMABaseline", "reinforce_objective", "gating_objective"]
+
+
+class EMABaseline:
+    """Exponential moving average of a loss, the REINFORCE baseline ``b``.
+
+    Args:
+        decay: weight of the old value, 0.99 in Kool et al. (2021).
+
+    The first update sets the average to the observed value. Works elementwise on batched values
+    (one baseline per independent run).
+    """
+
+    def __init__(self, decay: float = 0.99) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+        self.decay = decay
+        self.value: Tensor | None = None
+
+    def __call__(self, observed: Tensor) -> Tensor:
+        """Return the baseline to use now (before seeing ``observed``), then update it."""
+        observed = observed.detach()
+        current = observed if self.value is None else self.value
+        self.value = observed if self.value is None else self.decay * self.value + (1 - self.decay) * observed
+        return current
+
+
+def reinforce_objective(routes: Routes, loss: Tensor, baseline: Tensor | float = 0.0) -> Tensor:
+    """The off-policy REINFORCE surrogate of eq. 2, importance weighted.
+
+    Args:
+        routes: routing with ``single=True`` (``[..., n]`` fields).
+        loss: ``[..., n]`` per-token loss ``f(x_i, z_i)`` of the routed expert (differentiable in
+            the experts' parameters).
+        baseline: ``b``, a number or a tensor broadcastable to ``[..., 1]`` (e.g. one per run).
+
+    Returns:
+        ``[...]`` surrogate whose gradient estimates ``grad E_p[(1/n) sum_i f_i]``; its value is
+        the weighted mean loss.
+    """
+    _check(routes, loss)
+    w = routes.weight * routes.keep.to(routes.weight.dtype)
+    b = torch.as_tensor(baseline, dtype=loss.dtype, device=loss.device)
+    if b.ndim > 0:
+        b = b.unsqueeze(-1)
+    advantage = (loss - b).detach()
+    return (w * (loss + advantage * (routes.log_prob - routes.log_prob.detach()))).mean(-1)
+
+
+def gating_objective(routes: Routes, loss: Tensor, *, use_weights: bool = True) -> Tensor:
+    """Weighted mean of per-token losses computed from gated outputs (Sec. 3.1).
+
+    Args:
+        routes: routing with ``single=True``; compute ``loss`` from ``routes.gate * output``.
+        loss: ``[..., n]`` per-token loss of the gated output.
+        use_weights: multiply by the importance weights (False: plain mean over kept tokens
+            times ``n_kept / n``, as MoE code without importance weights does).
+
+    Returns:
+        ``[...]`` objective to minimise.
+    """
+    _check(routes, loss)
+    keep = routes.keep.to(loss.dtype)
+    w = routes.weight * keep if use_weights else keep
+    return (w * loss).mean(-1)
+
+
+def _check(routes: Routes, loss: Tensor) -> None:
+    if not routes.single:
+        raise ValueError("these objectives take single-choice routes ([..., n]) from sample_routes")
+    if loss.shape != routes.expert.shape:
+        raise ValueError(
+            f"loss must have the routes' shape {tuple(routes.expert.shape)} (one loss per token), "
+            f"got {tuple(loss.shape)}"
+        )
