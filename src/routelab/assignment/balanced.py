@@ -95,9 +95,16 @@ def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "
     c = min(resolve_capacity(n, k, capacity), n)
     original = scores.detach().reshape(-1, n, k)
     S, forbidden, scale = _working_scores(original)
-    prices = approximate_prices(S, c)
-    z = _initial_assignment(S - prices.unsqueeze(1), c)
-    z, arc_cost, rounds = _cancel_negative_cycles(S, z, c, prices, scale=scale)
+    if k <= 2:
+        z, rounds = _two_experts(S, c), 0
+        if k == 1:
+            arc_cost = torch.zeros((z.shape[0], 1, 1), dtype=torch.float64, device=S.device)
+        else:
+            arc_cost = _two_expert_graph(S, z, c, _release_weight(S))
+    else:
+        prices = approximate_prices(S, c)
+        z = _initial_assignment(S - prices.unsqueeze(1), c)
+        z, arc_cost, rounds = _cancel_negative_cycles(S, z, c, prices, scale=scale)
     if forbidden is not None and bool(forbidden.gather(-1, z.unsqueeze(-1)).any()):
         bad = forbidden.gather(-1, z.unsqueeze(-1)).squeeze(-1).any(-1).nonzero().flatten()
         raise ValueError(
@@ -105,11 +112,14 @@ def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "
             f"(batch instance(s) {bad.tolist()[:5]}): some set of tokens is allowed on too few experts. "
             f"Allow more (token, expert) pairs or raise the capacity"
         )
-    if forbidden is not None:
+    if forbidden is not None and k > 1:
         # The graph for the conditionals must not move a token onto a forbidden expert: rebuild
         # it from the original scores, where such a move costs +inf instead of the penalty.
-        holder, counts = slot_table(z, k, c)
-        arc_cost, _, _ = expert_graph(original, holder, counts, c)
+        if k == 2:
+            arc_cost = _two_expert_graph(original, z, c, _release_weight(S))
+        else:
+            holder, counts = slot_table(z, k, c)
+            arc_cost, _, _ = expert_graph(original, holder, counts, c)
     return BalancedSolution(expert=z, scores=S, arc_cost=arc_cost, capacity=c, rounds=rounds)
 
 
@@ -144,6 +154,53 @@ def _tolerance(scale: Tensor, k: int) -> Tensor:
     ``scale``; costs below a few rounding errors of that size are treated as zero.
     """
     return (4 * (k + 1) * torch.finfo(scale.dtype).eps * scale).unsqueeze(-1)
+
+
+def _two_experts(S: Tensor, c: int) -> Tensor:
+    """Exact solution for ``k <= 2`` by selection (no graph needed).
+
+    With two experts, putting ``m`` tokens on expert 0 is best done with the ``m`` largest
+    differences ``d_i = s[i, 0] - s[i, 1]``, and the capacities allow ``n - c <= m <= c``: take
+    every positive difference, clamped to that range. (``k = 1``: everything on expert 0.)
+
+    Args:
+        S: ``[B, n, k]`` finite scores, ``k <= 2``.
+        c: capacity.
+
+    Returns:
+        ``[B, n]`` long expert per token.
+    """
+    B, n, k = S.shape
+    if k == 1:
+        return torch.zeros((B, n), dtype=torch.long, device=S.device)
+    d = S[..., 0] - S[..., 1]
+    positive = d > 0
+    m = positive.sum(-1).clamp(min=n - c, max=c)  # tokens on expert 0
+    on_zero = positive.clone()
+    for bound in sorted({n - c, c}):
+        rows = ((m == bound) & (positive.sum(-1) != bound)).nonzero().flatten()
+        if rows.numel() == 0:
+            continue
+        dr = d[rows]
+        # The bound-th largest value; ties at it are taken in token order up to the bound.
+        t = torch.kthvalue(dr, n - bound + 1, dim=-1, keepdim=True).values
+        above = dr > t
+        tie = dr == t
+        room = bound - above.sum(-1, keepdim=True)
+        on_zero[rows] = above | (tie & (torch.cumsum(tie, -1) <= room))
+    return (~on_zero).long()
+
+
+def _two_expert_graph(S: Tensor, z: Tensor, c: int, big: Tensor) -> Tensor:
+    """The expert graph ``[B, 2, 2]`` (float64) of a two-expert assignment, without slot tables."""
+    d = (S[..., 0] - S[..., 1]).to(torch.float64)
+    inf = float("inf")
+    move_01 = d.masked_fill(z != 0, inf).amin(-1)  # cheapest move of a token from 0 to 1
+    move_10 = (-d).masked_fill(z != 1, inf).amin(-1)
+    move = torch.full((z.shape[0], 2, 2), inf, dtype=torch.float64, device=S.device)
+    move[:, 0, 1], move[:, 1, 0] = move_01, move_10
+    counts = torch.stack([(z == 0).sum(-1), (z == 1).sum(-1)], dim=-1)
+    return torch.minimum(move, _release_arcs(counts, c, big))
 
 
 def _initial_assignment(S: Tensor, c: int) -> Tensor:

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from ._checks import check_score_matrix, check_tau
 from .balanced import solve_balanced
+from ._ops import log_softmax
 from .shortest_paths import floyd_warshall
 
 __all__ = ["GumbelMatching", "gumbel_matching", "base_assignment", "sample_gumbel"]
@@ -118,7 +119,7 @@ def gumbel_matching(
         hit = (val >= best - 1e-9 * best.abs().clamp(min=1.0))
         log_q = torch.where(hit, -torch.log(hit.sum(-1, keepdim=True).to(torch.float64)), torch.full_like(val, float("-inf")))
     else:
-        log_q = torch.log_softmax(scaled.reshape(-1, n, k).to(torch.float64) - d_to, dim=-1)
+        log_q = log_softmax(scaled.reshape(-1, n, k).to(torch.float64) - d_to)
     batch = logits.shape[:-2]
     return GumbelMatching(
         expert=z.view(*batch, n),

@@ -17,6 +17,7 @@ from torch import Tensor
 from ..assignment import gumbel_matching, sample_gumbel, sinkhorn
 from ..assignment._checks import check_score_matrix, resolve_capacity
 from ..assignment._groups import rank_within_groups
+from ..assignment._ops import argmax, log_softmax
 from ..routes import Routes
 
 __all__ = ["METHODS", "UNBIASED_METHODS", "CAPPED_METHODS", "sample_routes", "switch_balance_loss"]
@@ -101,15 +102,15 @@ def sample_routes(
         c = min(resolve_capacity(n, k, capacity), n)
     T = _temperature(tau, batch, logits)  # [..., 1, 1]
 
-    log_p = torch.log_softmax(logits, dim=-1)
+    log_p = log_softmax(logits)
     a = logits.detach()
-    log_q = torch.log_softmax(a / T, dim=-1)
+    log_q = log_softmax(a / T)
     if sinkhorn:
         log_q = _sinkhorn(log_q)
 
     if method.startswith("sample"):
-        expert = (log_q + sample_gumbel(log_q.shape, dtype=log_q.dtype, device=log_q.device,
-                                        generator=generator)).argmax(dim=-1)
+        expert = argmax(log_q + sample_gumbel(log_q.shape, dtype=log_q.dtype, device=log_q.device,
+                                              generator=generator))
         log_q_z = log_q.gather(-1, expert.unsqueeze(-1)).squeeze(-1)
         keep = torch.ones_like(expert, dtype=torch.bool)
         correction = torch.ones_like(log_q_z)
