@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_score_matrix
+from ._ops import SMALL_K, logsumexp
 
 __all__ = ["sinkhorn"]
 
@@ -62,15 +63,24 @@ def sinkhorn(
     # cannot resolve column errors, so the tolerance is floored there.
     resolution = 4 * torch.finfo(log_p.dtype).eps * n**0.5 * max(1.0, float(target.max()))
     eff_tol = max(tol, resolution)
-    x = log_p - torch.logsumexp(log_p, dim=-1, keepdim=True)
+    # Columns are normalised over the tokens, rows over the experts. With few experts the
+    # iteration runs on the [..., k, n] transpose so both reductions stay fast (see _ops).
+    transpose = k <= SMALL_K
+    x = log_p - logsumexp(log_p).unsqueeze(-1)
+    if transpose:
+        x = x.transpose(-1, -2).contiguous()  # [..., k, n]
+    cols, rows = (-1, -2) if transpose else (-2, -1)
+    log_t = log_target.unsqueeze(cols)
     err = float("inf")
-    for _ in range(max_iter):
-        col = torch.logsumexp(x, dim=-2, keepdim=True)
-        x = x + torch.where(torch.isinf(col), torch.zeros_like(col), log_target.unsqueeze(-2) - col)
-        x = x - torch.logsumexp(x, dim=-1, keepdim=True)
-        err = float((x.exp().sum(-2) - target).abs().amax())
+    for _ in range(max_iter + 1):
+        col = torch.logsumexp(x, dim=cols, keepdim=True)
+        # The error of the current iterate (rows already sum to 1): stop before changing it.
+        err = float((col.exp().squeeze(cols) - target).abs().amax())
         if err <= eff_tol:
-            return x
+            return x.transpose(-1, -2) if transpose else x
+        x = x + torch.where(torch.isinf(col), torch.zeros_like(col), log_t - col)
+        row = logsumexp(x.transpose(-1, -2)) if transpose else logsumexp(x)
+        x = x - row.unsqueeze(rows)
     raise ValueError(
         f"sinkhorn did not converge in max_iter={max_iter} sweeps: column sums are off by up to {err:.3g} "
         f"(tol={eff_tol:g}). The -inf pattern may make the marginals infeasible; otherwise raise max_iter or tol"

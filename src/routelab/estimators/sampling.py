@@ -17,7 +17,7 @@ from torch import Tensor
 from ..assignment import gumbel_matching, sample_gumbel, sinkhorn
 from ..assignment._checks import check_score_matrix, resolve_capacity
 from ..assignment._groups import rank_within_groups
-from ..assignment._ops import argmax, log_softmax
+from ..assignment._ops import SMALL_K, argmax, log_softmax
 from ..routes import Routes
 
 __all__ = ["METHODS", "UNBIASED_METHODS", "CAPPED_METHODS", "sample_routes", "switch_balance_loss"]
@@ -201,8 +201,22 @@ def _skip(expert: Tensor, k: int, c: int, generator: torch.Generator | None) -> 
     n = shape[-1]
     flat = expert.reshape(-1, n)
     B = flat.shape[0]
+    priority = torch.rand(flat.shape, generator=generator, device=expert.device)
+    if k <= SMALL_K:
+        # Per expert, keep the c smallest priorities: one selection per expert, no sort.
+        keep = torch.zeros_like(flat, dtype=torch.bool)
+        load = torch.zeros(flat.shape, dtype=torch.long, device=expert.device)
+        for j in range(k):
+            mine = flat == j
+            count = mine.sum(-1, keepdim=True)
+            if c < n:
+                cut = torch.kthvalue(priority.masked_fill(~mine, 2.0), c, dim=-1, keepdim=True).values
+                keep |= mine & (priority <= cut)
+            else:
+                keep |= mine
+            load = torch.where(mine, count, load)
+        return keep.view(shape), load.view(shape)
     group = (torch.arange(B, device=expert.device).unsqueeze(-1) * k + flat).reshape(-1)
-    priority = torch.rand(group.shape, generator=generator, device=expert.device)
-    keep = rank_within_groups(group, priority, B * k) < c
+    keep = rank_within_groups(group, priority.reshape(-1), B * k) < c
     load = torch.bincount(group, minlength=B * k)[group]
     return keep.view(shape), load.view(shape)
