@@ -201,7 +201,7 @@ def _skip(expert: Tensor, k: int, c: int, generator: torch.Generator | None) -> 
     n = shape[-1]
     flat = expert.reshape(-1, n)
     B = flat.shape[0]
-    priority = torch.rand(flat.shape, generator=generator, device=expert.device)
+    priority = torch.rand(flat.shape, generator=generator, device=expert.device, dtype=torch.float64)
     if k <= SMALL_K:
         # Per expert, keep the c smallest priorities: one selection per expert, no sort.
         keep = torch.zeros_like(flat, dtype=torch.bool)
@@ -211,7 +211,11 @@ def _skip(expert: Tensor, k: int, c: int, generator: torch.Generator | None) -> 
             count = mine.sum(-1, keepdim=True)
             if c < n:
                 cut = torch.kthvalue(priority.masked_fill(~mine, 2.0), c, dim=-1, keepdim=True).values
-                keep |= mine & (priority <= cut)
+                below = mine & (priority < cut)
+                # Ties at the cut (possible at float resolution) are taken in token order.
+                tie = mine & (priority == cut)
+                room = c - below.sum(-1, keepdim=True)
+                keep |= below | (tie & (torch.cumsum(tie, -1) <= room))
             else:
                 keep |= mine
             load = torch.where(mine, count, load)

@@ -56,7 +56,8 @@ def reinforce_objective(routes: Routes, loss: Tensor, baseline: Tensor | float =
         routes: routing with ``single=True`` (``[..., n]`` fields).
         loss: ``[..., n]`` per-token loss ``f(x_i, z_i)`` of the routed expert (differentiable in
             the experts' parameters).
-        baseline: ``b``, a number or a tensor broadcastable to ``[..., 1]`` (e.g. one per run).
+        baseline: ``b``, a number, a ``[...]`` tensor (one per run) or a tensor broadcastable to
+            ``[..., n]`` (e.g. ``[..., 1]``).
 
     Returns:
         ``[...]`` surrogate whose gradient estimates ``grad E_p[(1/n) sum_i f_i]``; its value is
@@ -65,8 +66,8 @@ def reinforce_objective(routes: Routes, loss: Tensor, baseline: Tensor | float =
     _check(routes, loss)
     w = routes.weight * routes.keep.to(routes.weight.dtype)
     b = torch.as_tensor(baseline, dtype=loss.dtype, device=loss.device)
-    if b.ndim > 0:
-        b = b.unsqueeze(-1)
+    if 0 < b.ndim < loss.ndim:
+        b = b.unsqueeze(-1)  # one baseline per run, [...] -> [..., 1]
     advantage = (loss - b).detach()
     return (w * (loss + advantage * (routes.log_prob - routes.log_prob.detach()))).mean(-1)
 
