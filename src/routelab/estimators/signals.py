@@ -56,8 +56,9 @@ def reinforce_objective(routes: Routes, loss: Tensor, baseline: Tensor | float =
         routes: routing with ``single=True`` (``[..., n]`` fields).
         loss: ``[..., n]`` per-token loss ``f(x_i, z_i)`` of the routed expert (differentiable in
             the experts' parameters).
-        baseline: ``b``, a number, a ``[...]`` tensor (one per run) or a tensor broadcastable to
-            ``[..., n]`` (e.g. ``[..., 1]``).
+        baseline: ``b``: a number, a tensor of the batch shape ``[...]`` (one per run), or a
+            tensor with the loss's rank broadcastable to ``[..., n]`` (``[..., 1]`` per run,
+            ``[..., n]`` per token).
 
     Returns:
         ``[...]`` surrogate whose gradient estimates ``grad E_p[(1/n) sum_i f_i]``; its value is
@@ -67,6 +68,12 @@ def reinforce_objective(routes: Routes, loss: Tensor, baseline: Tensor | float =
     w = routes.weight * routes.keep.to(routes.weight.dtype)
     b = torch.as_tensor(baseline, dtype=loss.dtype, device=loss.device)
     if 0 < b.ndim < loss.ndim:
+        if b.shape != loss.shape[:-1]:
+            raise ValueError(
+                f"baseline of shape {tuple(b.shape)} is neither one per run (the batch shape "
+                f"{tuple(loss.shape[:-1])}) nor of the loss's rank; for one baseline per token pass a "
+                f"tensor of shape {tuple(loss.shape)} (e.g. b.expand_as(loss))"
+            )
         b = b.unsqueeze(-1)  # one baseline per run, [...] -> [..., 1]
     advantage = (loss - b).detach()
     return (w * (loss + advantage * (routes.log_prob - routes.log_prob.detach()))).mean(-1)
