@@ -51,7 +51,6 @@ def sinkhorn(
     if not tol > 0:
         raise ValueError(f"tol must be positive, got {tol!r}")
     target = _target_columns(col_sum, log_p, n, k)
-    log_target = target.log()
 
     finite = torch.isfinite(log_p)
     if bool((~finite.any(-1)).any()):
@@ -63,6 +62,30 @@ def sinkhorn(
     # cannot resolve column errors, so the tolerance is floored there.
     resolution = 4 * torch.finfo(log_p.dtype).eps * n**0.5 * max(1.0, float(target.max()))
     eff_tol = max(tol, resolution)
+    x, err = balance(log_p, target, tol=eff_tol, max_iter=max_iter)
+    if err <= eff_tol:
+        return x
+    raise ValueError(
+        f"sinkhorn did not converge in max_iter={max_iter} sweeps: column sums are off by up to {err:.3g} "
+        f"(tol={eff_tol:g}). The -inf pattern may make the marginals infeasible; otherwise raise max_iter or tol"
+    )
+
+
+def balance(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) -> tuple[Tensor, float]:
+    """The Sinkhorn iteration itself, without validation: at most ``max_iter`` sweeps.
+
+    Args:
+        log_p: ``[..., n, k]`` log-probabilities (finite rows).
+        target: ``[..., k]`` column targets.
+        tol: stop once every column sum is within ``tol`` of its target.
+        max_iter: most sweeps.
+
+    Returns:
+        ``(log_q, err)``: the iterate (rows sum to 1 exactly, whether or not it converged) and its
+        largest column error.
+    """
+    k = log_p.shape[-1]
+    log_target = target.log()
     # Columns are normalised over the tokens, rows over the experts. With few experts the
     # iteration runs on the [..., k, n] transpose so both reductions stay fast (see _ops).
     transpose = k <= SMALL_K
@@ -72,19 +95,16 @@ def sinkhorn(
     cols, rows = (-1, -2) if transpose else (-2, -1)
     log_t = log_target.unsqueeze(cols)
     err = float("inf")
-    for _ in range(max_iter + 1):
+    for sweep in range(max_iter + 1):
         col = torch.logsumexp(x, dim=cols, keepdim=True)
         # The error of the current iterate (rows already sum to 1): stop before changing it.
         err = float((col.exp().squeeze(cols) - target).abs().amax())
-        if err <= eff_tol:
-            return x.transpose(-1, -2) if transpose else x
+        if err <= tol or sweep == max_iter:
+            break
         x = x + torch.where(torch.isinf(col), torch.zeros_like(col), log_t - col)
         row = logsumexp(x.transpose(-1, -2)) if transpose else logsumexp(x)
         x = x - row.unsqueeze(rows)
-    raise ValueError(
-        f"sinkhorn did not converge in max_iter={max_iter} sweeps: column sums are off by up to {err:.3g} "
-        f"(tol={eff_tol:g}). The -inf pattern may make the marginals infeasible; otherwise raise max_iter or tol"
-    )
+    return (x.transpose(-1, -2) if transpose else x), err
 
 
 def _target_columns(col_sum: float | Tensor | None, log_p: Tensor, n: int, k: int) -> Tensor:
