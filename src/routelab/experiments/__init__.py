@@ -89,3 +89,8 @@ def register(exp: Experiment) -> Experiment:
         )
     REGISTRY[name] = exp
     return exp
+
+# Registered experiments (imported last: they call register() above).
+from . import kool_toy as _kool_toy  # noqa: E402
+
+register(_kool_toy.KoolToy())

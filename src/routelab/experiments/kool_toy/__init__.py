@@ -1,0 +1,221 @@
+"""Reproduction of the toy experiment of Kool, Maddison & Mnih (2021), Sec. 3, 3.1 and App. E.
+
+``routelab reproduce kool-toy [--quick] [--out DIR]`` trains a mixture of two linear experts with a
+Bernoulli router on a discontinuous 1-D function, with the six routing estimators of
+:func:`routelab.estimators.sample_routes`, REINFORCE or differentiable gating, over a sweep of
+proposal temperatures and seeds, and checks the paper's claims from the results.
+
+Layout:
+
+* :mod:`.model` — data, the batched model (all runs of a chunk in one set of ``[R]`` parameters),
+  training of one chunk;
+* :mod:`.sweep` — the sweep's size (:data:`FULL`, :data:`QUICK`) and its chunks;
+* :mod:`.marginals` — the Sec. 2.3 Sinkhorn vs Gumbel-Matching marginals check;
+* :mod:`.claims` — success criteria and the paper's claims as testable functions;
+* :mod:`.figures`, :mod:`.report` — the PNG figures, ``results.csv`` and ``report.md``;
+* here — the :class:`KoolToy` experiment and :func:`run_sweep`: each chunk is trained as one
+  batched model; a finished chunk appends one JSON line per run to ``DIR/runs.jsonl``, and a
+  rerun skips the chunks whose runs are all recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..runner import append_jsonl_atomic, atomic_write_text, read_jsonl
+from .figures import FIGURES, draw_figures
+from .marginals import marginals_check
+from .model import CONFIGS, Config, RunSpec, make_data, train_chunk
+from .report import provenance, render_report, results_csv
+from .sweep import FULL, QUICK, Chunk, Settings, log_taus, plan_chunks, record_key
+
+__all__ = [
+    "CONFIGS",
+    "FIGURES",
+    "FULL",
+    "QUICK",
+    "Chunk",
+    "Config",
+    "KoolToy",
+    "RunSpec",
+    "Settings",
+    "log_taus",
+    "make_data",
+    "marginals_check",
+    "plan_chunks",
+    "render_report",
+    "run_sweep",
+    "train_chunk",
+    "write_outputs",
+]
+
+
+@dataclass
+class KoolToy:
+    """The toy experiment as a registered :class:`~routelab.experiments.Experiment`.
+
+    Args:
+        full, quick_settings: the sweeps of ``run(out_dir, quick=False/True)``.
+    """
+
+    name: str = "kool-toy"
+    description: str = (
+        "Kool, Maddison & Mnih (2021), Sec. 3 / App. E toy experiment: capacity-constrained "
+        "routing estimators (Fig. 2, Fig. 3), balance losses, Sinkhorn vs Gumbel-Matching marginals."
+    )
+    full: Settings = field(default_factory=lambda: FULL)
+    quick_settings: Settings = field(default_factory=lambda: QUICK)
+
+    def run(self, out_dir: Path, quick: bool) -> Path:
+        """Run (or resume) the sweep into ``out_dir`` and write its report; see :func:`run_sweep`."""
+        return run_sweep(Path(out_dir), self.quick_settings if quick else self.full)
+
+
+def run_sweep(
+    out_dir: Path,
+    settings: Settings,
+    *,
+    progress: bool = True,
+    figures: bool = True,
+    skip_chunks: Sequence[str] = (),
+    skip_reason: str = "",
+) -> Path:
+    """Train every chunk not yet recorded in ``out_dir/runs.jsonl``, then write all outputs.
+
+    A chunk that raises a ``ValueError`` from the library (e.g. a Sinkhorn call that does not
+    converge) is recorded in ``errors.jsonl`` and reported; the other chunks go on, and a rerun
+    retries it. Any other exception (and Ctrl-C) stops the sweep; finished chunks stay recorded.
+
+    Args:
+        out_dir: where runs.jsonl, results.csv, the figures and report.md go.
+        settings: the sweep.
+        progress: show a tqdm bar (chunks x steps) on stderr.
+        figures: draw the PNG figures (tests switch them off for speed).
+        skip_chunks: names of chunks (see :func:`plan_chunks`) not to train in this invocation,
+            e.g. to fit a time budget; the report lists them with ``skip_reason``.
+        skip_reason: why they were skipped (printed in the report).
+
+    Returns:
+        ``out_dir / "report.md"``.
+    """
+    t_start = time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs_path = out_dir / "runs.jsonl"
+    chunks = plan_chunks(settings)
+    unknown = sorted(set(skip_chunks) - {c.name for c in chunks})
+    if unknown:
+        raise ValueError(f"unknown chunk(s) {unknown}; the chunks are {', '.join(c.name for c in chunks)}")
+    done = {record_key(r) for r in read_jsonl(runs_path)}
+    pending = [
+        c for c in chunks
+        if c.name not in skip_chunks and not all((*r.key, settings.steps) in done for r in c.runs)
+    ]
+    errors: list[dict] = []
+    old_threads = torch.get_num_threads()
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    try:
+        bar = _progress_bar(len(pending) * settings.steps, enabled=progress)
+        try:
+            for chunk in pending:
+                bar.set_description(chunk.name)
+                runs = [r for r in chunk.runs if (*r.key, settings.steps) not in done]
+                t0 = time.perf_counter()
+                timings: dict[str, float] = {}
+                try:
+                    results = train_chunk(
+                        chunk.runs, settings.steps, chunk_seed=chunk.seed, progress=bar.update, timings=timings
+                    )
+                except ValueError as err:
+                    rec = {"chunk": chunk.name, "error": f"{type(err).__name__}: {err}", "steps": settings.steps}
+                    errors.append(rec)
+                    append_jsonl_atomic(out_dir / "errors.jsonl", rec)
+                    print(f"kool-toy: chunk {chunk.name} failed: {err}", file=sys.stderr)
+                    continue
+                wall = time.perf_counter() - t0
+                wanted = {r.key for r in runs}
+                for res in results:
+                    if (res["config"], res["method"], res["tau"], res["seed"]) in wanted:
+                        res.update(chunk=chunk.name, chunk_wall_s=round(wall, 3))
+                        append_jsonl_atomic(runs_path, res)
+                append_jsonl_atomic(out_dir / "chunks.jsonl", {
+                    "chunk": chunk.name, "steps": settings.steps, "runs": len(chunk.runs),
+                    "wall_s": round(wall, 3), "timings_s": {k: round(v, 3) for k, v in timings.items()},
+                    "threads": torch.get_num_threads(), "routelab": provenance(),
+                })
+        finally:
+            bar.close()
+        marginals = _marginals(out_dir, settings)
+    finally:
+        torch.set_num_threads(old_threads)
+    skipped = {name: skip_reason for name in skip_chunks}
+    return write_outputs(out_dir, settings, marginals=marginals, errors=errors,
+                         wall_s=time.perf_counter() - t_start, figures=figures, skipped=skipped)
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None: ...
+    def set_description(self, s: str) -> None: ...
+    def close(self) -> None: ...
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled or total == 0:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="step", file=sys.stderr, mininterval=1.0, dynamic_ncols=True)
+
+
+def _marginals(out_dir: Path, settings: Settings) -> list[dict] | None:
+    """Run the marginals check (or reuse ``marginals.json`` written by an identical earlier call)."""
+    if not settings.marginal_ns:
+        return None
+    spec = {"ns": list(settings.marginal_ns), "matrices": settings.marginal_matrices,
+            "samples": settings.marginal_samples}
+    path = out_dir / "marginals.json"
+    if path.exists():
+        old = json.loads(path.read_text(encoding="utf-8"))
+        if old.get("spec") == spec:
+            return old["rows"]
+    rows = marginals_check(settings.marginal_ns, matrices=settings.marginal_matrices,
+                           samples=settings.marginal_samples)
+    atomic_write_text(path, json.dumps({"spec": spec, "rows": rows}, indent=1))
+    return rows
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def write_outputs(
+    out_dir: Path,
+    settings: Settings,
+    *,
+    marginals: list[dict] | None = None,
+    errors: Sequence[dict] = (),
+    wall_s: float | None = None,
+    figures: bool = True,
+    skipped: dict[str, str] | None = None,
+) -> Path:
+    """Write results.csv, the figures and report.md from the records in ``out_dir/runs.jsonl``."""
+    planned = {(*r.key, settings.steps) for c in plan_chunks(settings) for r in c.runs}
+    records = [r for r in read_jsonl(out_dir / "runs.jsonl") if record_key(r) in planned]
+    order = {k: i for i, k in enumerate(
+        (*r.key, settings.steps) for c in plan_chunks(settings) for r in c.runs)}
+    records.sort(key=lambda r: order[record_key(r)])
+    names = {c.name for c in plan_chunks(settings)}
+    chunks = [c for c in read_jsonl(out_dir / "chunks.jsonl") if c.get("chunk") in names and c.get("steps") == settings.steps]
+    atomic_write_text(out_dir / "results.csv", results_csv(records))
+
+    if figures:
+        draw_figures(out_dir, records, marginals)
+    text = render_report(settings, records, marginals=marginals, errors=errors, wall_s=wall_s,
+                         n_planned=len(planned), skipped=skipped or {}, chunks=chunks)
+    return atomic_write_text(out_dir / "report.md", text)

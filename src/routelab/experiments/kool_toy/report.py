@@ -1,0 +1,326 @@
+"""The markdown report and the CSV table of the toy experiment, rendered from the run records."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import platform
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ...estimators import METHODS
+from . import claims as cl
+from .claims import METHOD_LABELS, tau_str
+from .figures import FIGURES
+from .model import CAPACITY, CONFIGS, INIT_STD, LR, N_POINTS, SUCCESS_MSE
+from .sweep import Settings, plan_chunks, record_key
+
+__all__ = ["diagnostics_markdown", "iw_markdown", "provenance", "render_report", "results_csv", "success_markdown"]
+
+
+def results_csv(records: Sequence[Mapping]) -> str:
+    """One CSV row per run (config details, method, tau, seed, metrics)."""
+    cols = [
+        "config", "signal", "balance", "sinkhorn", "importance_weights", "method", "tau", "seed",
+        "steps", "mse", "argmax_mse", "mse_ungated", "success", "load", "tokens_expert0",
+        "tokens_expert1", "iw_mean", "iw_max", "iw_mean_max", "dropped", "w0", "w1", "b0", "b1",
+        "a", "c", "chunk", "chunk_wall_s",
+    ]
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(cols)
+    for r in records:
+        cfg = CONFIGS.get(r["config"])
+        p = r.get("params", {})
+        tpe = r.get("tokens_per_expert", [None, None])
+        row = {
+            **r,
+            "signal": cfg.signal if cfg else "",
+            "balance": cfg.balance if cfg else "",
+            "sinkhorn": cfg.sinkhorn if cfg else "",
+            "importance_weights": cfg.importance_weights if cfg else "",
+            "tokens_expert0": tpe[0], "tokens_expert1": tpe[1],
+            "w0": p.get("w", [None, None])[0], "w1": p.get("w", [None, None])[1],
+            "b0": p.get("b", [None, None])[0], "b1": p.get("b", [None, None])[1],
+            "a": p.get("a"), "c": p.get("c"),
+        }
+        w.writerow([_fmt(row.get(c)) for c in cols])
+    return buf.getvalue()
+
+
+def _fmt(v: object) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def success_markdown(table: cl.SuccessTable, config: str) -> str:
+    """Markdown table: methods x tau, entries ``successes/seeds`` (bold when solved)."""
+    taus = table.taus(config)
+    lines = [
+        "| method | " + " | ".join(f"τ={tau_str(t)}" for t in taus) + " |",
+        "|---|" + "---|" * len(taus),
+    ]
+    for m in table.methods(config):
+        cells = []
+        for t in taus:
+            c = table.cells.get((config, m, t))
+            if c is None:
+                cells.append("–")
+            else:
+                s = f"{c[0]}/{c[1]}"
+                cells.append(f"**{s}**" if table.solved(config, m, t) else s)
+        lines.append(f"| {METHOD_LABELS.get(m, m)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def iw_markdown(records: Sequence[Mapping], config: str) -> str:
+    """Median over seeds of the largest importance weight seen in training, per method x tau."""
+    vals: dict[tuple[str, float], list[float]] = defaultdict(list)
+    means: dict[str, list[float]] = defaultdict(list)
+    for r in records:
+        if r["config"] == config:
+            vals[(r["method"], float(r["tau"]))].append(float(r["iw_max"]))
+            means[r["method"]].append(float(r["iw_mean"]))
+    taus = sorted({t for _, t in vals})
+    methods = [m for m in METHODS if m in means]
+    lines = [
+        "| method | mean weight | " + " | ".join(f"max, τ={tau_str(t)}" for t in taus) + " |",
+        "|---|---|" + "---|" * len(taus),
+    ]
+    for m in methods:
+        row = [f"{np.mean(means[m]):.3g}"]
+        for t in taus:
+            v = vals.get((m, t))
+            row.append("–" if not v else f"{np.median(v):.3g}")
+        lines.append(f"| {METHOD_LABELS.get(m, m)} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def diagnostics_markdown(records: Sequence[Mapping], configs: Sequence[str]) -> str:
+    """Per configuration: medians of |a|, final load, MSE, argmax MSE and ungated MSE."""
+    lines = ["| configuration | runs | median abs(a) | median minority load | median MSE | median argmax MSE | "
+             "median ungated MSE |", "|---|---|---|---|---|---|---|"]
+    for c in configs:
+        rs = [r for r in records if r["config"] == c]
+        if not rs:
+            continue
+
+        def med(f) -> float:
+            return float(np.median([f(r) for r in rs]))
+
+        lines.append(
+            f"| `{c}` | {len(rs)} | {med(lambda r: abs(r['params']['a'])):.2f} | {med(lambda r: min(r['load'], 1 - r['load'])):.2f} | "
+            f"{med(lambda r: r['mse']):.4f} | {med(lambda r: r['argmax_mse']):.4f} | {med(lambda r: r['mse_ungated']):.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def _chunk_walls(records: Sequence[Mapping], chunks: Sequence[Mapping]) -> dict[str, tuple[float, int, dict, str]]:
+    """``{chunk: (wall seconds, runs, seconds per phase, routelab version)}``, the last record of each chunk."""
+    out: dict[str, tuple[float, int, dict, str]] = {}
+    for r in records:  # runs recorded without a chunks.jsonl entry
+        out[r.get("chunk", "?")] = (float(r.get("chunk_wall_s", float("nan"))), 0, {}, "?")
+    for c in chunks:
+        out[c["chunk"]] = (float(c["wall_s"]), int(c["runs"]), dict(c.get("timings_s", {})), c.get("routelab", "?"))
+    return out
+
+
+def provenance() -> str:
+    """The routelab version and, when run from a git checkout, its commit (``+dirty`` if modified)."""
+    import subprocess
+    from pathlib import Path
+
+    import routelab
+
+    text = routelab.__version__
+    root = Path(routelab.__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "src"], capture_output=True,
+                               text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return text
+    return f"{text} (commit {commit}{'+dirty' if dirty else ''})" if commit else text
+
+
+def _balance_note() -> str:
+    """A line on what the library's balance loss does for balanced (Gumbel-Matching) assignments,
+    measured now (so the report stays true if the library changes)."""
+    from ...estimators import sample_routes
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, N_POINTS, 2, generator=g).requires_grad_(True)
+    r = sample_routes(logits, "gumbel_matching_iw", tau=1.0, capacity=CAPACITY, generator=g)
+    (grad,) = torch.autograd.grad(r.aux["balance"].sum(), logits)
+    value, gmax = float(r.aux["balance"].detach().mean()), float(grad.abs().max())
+    if gmax < 1e-6:
+        return (
+            "- Balance loss and Gumbel-Matching (measured): `aux[\"balance\"]` counts the tokens each "
+            "expert keeps, and a Gumbel-Matching assignment keeps exactly n/2 per expert, so with k = 2 "
+            f"the loss is constant ({value:.3f}) and its gradient vanishes (largest |∂/∂logits| = "
+            f"{gmax:.1e}): **the balance weight has no effect on the three Gumbel-Matching methods** in "
+            "this library (it acts on Sample and the skip methods only)."
+        )
+    return (f"- Balance loss and Gumbel-Matching (measured): value {value:.3f}, largest gradient "
+            f"{gmax:.2e} (non-zero).")
+
+
+def render_report(
+    settings: Settings,
+    records: Sequence[dict],
+    *,
+    marginals: list[dict] | None,
+    errors: Sequence[dict],
+    wall_s: float | None,
+    n_planned: int,
+    skipped: dict[str, str] | None = None,
+    chunks: Sequence[Mapping] | None = None,
+) -> str:
+    """The markdown report (setup, wall time, success tables, claims, figures)."""
+    table = cl.success_table(records)
+    claims = cl.evaluate_claims(records, marginals)
+    walls = _chunk_walls(records, chunks or ())
+    train_s = sum(w for w, *_ in walls.values() if math.isfinite(w))
+    marg_s = sum(r["seconds"] for r in marginals) if marginals else 0.0
+    n_seeds = len(settings.seeds)
+    need = math.ceil(cl.SOLVED_FRACTION * n_seeds - 1e-9)
+    L: list[str] = []
+    L += ["# Kool et al. (2021) toy experiment: capacity-constrained routing estimators", ""]
+    if settings.quick:
+        L += [
+            f"> **Quick form** ({settings.steps} steps instead of 10K, {len(settings.taus)} temperatures, "
+            f"{n_seeds} seeds): the verdicts below are indicative only. Run `routelab reproduce kool-toy` "
+            "for the full reproduction.",
+            "",
+        ]
+    wall_txt = "n/a" if wall_s is None else f"{wall_s:.1f} s"
+    counts = {v: sum(c.verdict.split(" (")[0] == v for c in claims)
+              for v in (cl.HOLDS, cl.PARTLY, cl.NOT_HOLD, cl.NOT_MEASURED)}
+    disagree = [str(c.number) for c in claims if c.verdict.split(" (")[0] in (cl.NOT_HOLD, cl.PARTLY)]
+    partial = [str(c.number) for c in claims
+               if c.verdict != cl.NOT_MEASURED and ("only (" in c.verdict or "not run" in c.measured)]
+    L += [
+        f"**Summary:** of the paper's 9 claims checked here, {counts[cl.HOLDS]} hold, {counts[cl.PARTLY]} "
+        f"hold partly, {counts[cl.NOT_HOLD]} do not hold and {counts[cl.NOT_MEASURED]} were not measured"
+        + (f"; routelab's results disagree with the paper, fully or in part, on claim(s) {', '.join(disagree)}."
+           if disagree else ".")
+        + (f" Claim(s) {', '.join(partial)} are judged on partial data (some runs were not made; see "
+           "below)." if partial else "")
+        + " The criteria are stated with each claim below.",
+        "",
+    ]
+    L += [
+        f"- **Wall time of this invocation: {wall_txt}** (training recorded in runs.jsonl: "
+        f"{train_s:.1f} s over {len(walls)} chunks; marginals check {marg_s:.1f} s; chunks already "
+        "recorded by an earlier invocation are not re-run).",
+        f"- routelab {provenance()}, torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}, "
+        f"{settings.threads if settings.threads is not None else torch.get_num_threads()} torch thread(s).",
+        f"- Runs recorded: {len(records)} of {n_planned} planned.",
+        "",
+        "## Setup",
+        "",
+        f"- Data (per seed): {N_POINTS} points x ~ U(−1, 1), y = 1[x<0.5](0.8x − 0.2) + 1[x≥0.5](−2x + 2) "
+        "+ N(0, 0.1²), from `torch.Generator().manual_seed(seed)`.",
+        "- Model: two linear experts out_j(x) = w_j x + b_j and a Bernoulli router p(z=1|x) = "
+        f"sigmoid(a x + c) (logits [0, a x + c]); k = 2 experts, capacity n/k = {CAPACITY}. "
+        f"Parameters initialised i.i.d. N(0, {INIT_STD}²) from a generator seeded by the seed (the same "
+        "initialisation for every configuration, method and τ of a seed).",
+        f"- Training: Adam, lr {LR}, {settings.steps} full-batch steps. REINFORCE: per-token loss "
+        "f_i = (y_i − out_{z_i}(x_i))², eq. 2 surrogate (`reinforce_objective`) with an EMA baseline "
+        "(decay 0.99) of the run's mean loss over the kept tokens. Gating (Sec. 3.1): f_i = "
+        "(y_i − p(z_i|x_i)·out_{z_i}(x_i))², `gating_objective`. Plus balance weight × the Switch "
+        "load-balancing loss k·Σ_j f_j P_j. \"No IW\": every kept token gets weight 1 "
+        "(`use_weights=False` for gating; `weight=keep` for REINFORCE).",
+        f"- Temperatures τ: {', '.join(f'{t:g}' for t in settings.taus)}; seeds: {n_seeds}; methods: "
+        f"{', '.join(cl.METHOD_LABELS[m] for m in settings.methods)}.",
+        "- Final MSE = training MSE under sampling the expert from the router, mean_i Σ_j p_ij "
+        "(y_i − pred_ij)², with pred_ij = out_j(x_i) for REINFORCE and p_ij·out_j(x_i) for gating "
+        "(the model's output when expert j is chosen). Also recorded: the MSE of the argmax expert, "
+        "the final expert load, importance-weight statistics. **Success: final MSE < "
+        f"{SUCCESS_MSE}.** A (method, τ) cell is **solved** when ≥ {cl.SOLVED_FRACTION:.0%} of its "
+        f"seeds succeed ({need} of {n_seeds}). Low τ: τ < 1; high τ: τ > 1.",
+        _balance_note(),
+        "- All runs of a chunk are one batched model (parameters [R], one Adam, one `sample_routes` "
+        "call per method and step with one τ per run); sampling noise comes from generators seeded by "
+        "the chunk name, so a rerun is bit-identical on CPU.",
+        "",
+        "Configurations:",
+        "",
+        "| configuration | signal | balance weight | Sinkhorn | importance weights | runs recorded |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in settings.configs:
+        cfg = CONFIGS[c]
+        n = sum(1 for r in records if r["config"] == c)
+        L.append(f"| `{c}` | {cfg.signal} | {cfg.balance:g} | {'yes' if cfg.sinkhorn else 'no'} | "
+                 f"{'yes' if cfg.importance_weights else 'no'} | {n} |")
+    L.append("")
+    have = {record_key(r) for r in records}
+    missing = [(c, sum((*r.key, settings.steps) not in have for r in c.runs)) for c in plan_chunks(settings)]
+    missing = [(c, n) for c, n in missing if n]
+    if missing:
+        L += ["## Runs not in these results", "",
+              "These chunks of the planned sweep have no (or not all) results here; the claims that need "
+              "them are marked *not measured* or are judged on the part that was run.", ""]
+        for c, n in missing:
+            why = (skipped or {}).get(c.name) or "not run yet (or failed; see below)"
+            configs = sorted({r.config for r in c.runs})
+            methods = [m for m in METHODS if any(r.method == m for r in c.runs)]
+            L.append(f"- `{c.name}`: {n} of {len(c.runs)} runs missing (configurations {', '.join(configs)}; "
+                     f"methods {', '.join(methods)}). Reason: {why}")
+        L.append("")
+    if errors:
+        L += ["## Chunks that failed in this invocation", "",
+              "These chunks raised an error inside the library and are not in the results; a rerun retries them.", ""]
+        for e in errors:
+            L.append(f"- `{e['chunk']}`: {e['error'][:400]}")
+        L.append("")
+    L += ["## Claims", "", cl.claims_markdown(claims), ""]
+    L += ["## Router diagnostics", "",
+          "Medians over all runs of a configuration (all methods and τ): the router slope |a| (a router "
+          "that ignores x has a ≈ 0), the minority load (the smaller of the two experts' mean router "
+          "probabilities; the right-hand piece x ≥ 0.5 holds about 25 % of the points, so a solution "
+          "has about 0.25, a router that ignores x 0.5), the final MSE, the MSE of the argmax "
+          "expert, and the MSE of the ungated expert outputs Σ_j p_ij (y_i − out_j(x_i))².", "",
+          diagnostics_markdown(records, settings.configs), ""]
+    L += ["## Figures", "",
+          f"![data]({FIGURES['data']}) ![REINFORCE]({FIGURES['reinforce']}) ![gating]({FIGURES['gating']})", "",
+          f"![Fig. 3]({FIGURES['appendix']})", "", f"![balance]({FIGURES['balance']})", "",
+          f"![importance weights]({FIGURES['iw']})", ""]
+    if marginals:
+        L += [f"![marginals]({FIGURES['marginals']})", ""]
+    L += ["## Success rates", "",
+          f"Seeds with final MSE < {SUCCESS_MSE}, per method and τ; **bold** = solved.", ""]
+    for c in settings.configs:
+        if table.has(c):
+            L += [f"### `{c}`: {CONFIGS[c].title}", "", success_markdown(table, c), ""]
+    L += ["## Importance weights (REINFORCE, `reinforce`)", "",
+          "Mean weight of the kept tokens over training, and the median over seeds of the largest "
+          "weight seen in training, per τ.", "", iw_markdown(records, "reinforce"), ""]
+    if marginals:
+        L += ["## Sinkhorn vs Gumbel-Matching marginals (Sec. 2.3)", "",
+              f"k = 2, capacity n/2, {marginals[0]['matrices']} random logit matrices (entries N(0, 1)) per n, "
+              f"{marginals[0]['samples']} Gumbel-Matching samples (τ = 1) each; s.e. = Monte Carlo standard error "
+              "of an empirical marginal.", "",
+              "| n | mean abs. diff. GM vs Sinkhorn | max abs. diff. | s.e. at max | mean s.e. | mean abs. diff. GM vs softmax |",
+              "|---|---|---|---|---|---|"]
+        for r in marginals:
+            L.append(f"| {r['n']} | {r['mean_abs_diff']:.4f} | {r['max_abs_diff']:.4f} | {r['se_of_max']:.4f} | "
+                     f"{r['mean_se']:.4f} | {r['mean_abs_diff_unbalanced']:.4f} |")
+        L.append("")
+    L += ["## Cost", "", "| chunk | runs | wall s | sample s | objective s | backward s | adam s | routelab |",
+          "|---|---|---|---|---|---|---|---|"]
+    for name, (w, n, tm, version) in walls.items():
+        L.append(f"| `{name}` | {n} | {w:.1f} | " + " | ".join(f"{tm.get(k, float('nan')):.1f}"
+                 for k in ("sample", "objective", "backward", "adam")) + f" | {version} |")
+    L += ["", "`sample` is the `sample_routes` calls (and the router logits); `objective` the losses, "
+          "`reinforce_objective` / `gating_objective`; `backward` autograd; `adam` the optimiser step.", ""]
+    return "\n".join(L)

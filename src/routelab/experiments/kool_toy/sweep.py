@@ -1,0 +1,123 @@
+"""The sweep of the toy experiment: its size (:class:`Settings`, the :data:`FULL` and :data:`QUICK`
+forms) and how it is cut into chunks of runs trained together (:func:`plan_chunks`)."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from ...estimators import METHODS
+from .model import CONFIGS, RunSpec, check_method, check_tau, get_config
+
+__all__ = ["FULL", "QUICK", "SINKHORN_METHODS", "Chunk", "Settings", "log_taus", "plan_chunks", "record_key"]
+
+#: the methods that call Sinkhorn even in the configurations without Sinkhorn
+SINKHORN_METHODS = ("gumbel_matching_sh",)
+
+
+def log_taus(m: int, lo: float = 0.1, hi: float = 10.0) -> tuple[float, ...]:
+    """``m`` log-spaced temperatures from ``lo`` to ``hi``, rounded to 4 significant digits."""
+    if m == 1:
+        return (lo,)
+    return tuple(float(f"{lo * (hi / lo) ** (i / (m - 1)):.4g}") for i in range(m))
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The size of a sweep.
+
+    Attributes:
+        configs: configuration names (see :data:`CONFIGS`).
+        methods: routing methods (see :data:`routelab.estimators.METHODS`).
+        taus: proposal temperatures.
+        seeds: seeds (data and initialisation).
+        steps: Adam steps per run.
+        marginal_ns, marginal_matrices, marginal_samples: the marginals check (``()`` skips it).
+        threads: torch intra-op threads while training (restored afterwards); the tensors are
+            small, so one thread avoids synchronisation overhead; ``None`` leaves torch alone.
+        quick: whether this is the quick form (said in the report).
+    """
+
+    configs: tuple[str, ...] = tuple(CONFIGS)
+    methods: tuple[str, ...] = METHODS
+    taus: tuple[float, ...] = log_taus(7)
+    seeds: tuple[int, ...] = tuple(range(10))
+    steps: int = 10_000
+    marginal_ns: tuple[int, ...] = (2, 4, 8, 16, 32)
+    marginal_matrices: int = 16
+    marginal_samples: int = 40_000
+    threads: int | None = 1
+    quick: bool = False
+
+    def __post_init__(self) -> None:
+        for c in self.configs:
+            get_config(c)
+        for m in self.methods:
+            check_method(m)
+        object.__setattr__(self, "taus", tuple(check_tau(t) for t in self.taus))
+        if not (self.configs and self.methods and self.taus and self.seeds):
+            raise ValueError("configs, methods, taus and seeds must all be non-empty")
+        if len(set(self.taus)) != len(self.taus) or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError("taus and seeds must not repeat")
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+
+
+FULL = Settings()
+QUICK = Settings(
+    taus=log_taus(4),
+    seeds=(0, 1, 2),
+    steps=1_000,
+    marginal_matrices=4,
+    marginal_samples=5_000,
+    quick=True,
+)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Runs trained together as one batched model (and recorded together)."""
+
+    name: str
+    runs: tuple[RunSpec, ...]
+
+    @property
+    def seed(self) -> int:
+        """Seeds the chunk's sampling generators (a function of the chunk's name)."""
+        return zlib.crc32(self.name.encode())
+
+
+def plan_chunks(settings: Settings) -> list[Chunk]:
+    """Cut the sweep into chunks, each trained as one batched model.
+
+    Small batched steps cost mostly fixed per-call overhead, so runs are pooled: per training
+    signal (REINFORCE, then gating), one chunk holds the runs that never call Sinkhorn (every
+    configuration without Sinkhorn, every method but Gumbel-Matching SH), and one chunk the runs
+    that do (Gumbel-Matching SH, and every method of the Sinkhorn configurations), so that a slow
+    or failing Sinkhorn call cannot hold up or lose the others. Each chunk has one
+    ``sample_routes`` call per ``(sinkhorn, method)`` group and step.
+    """
+    chunks = []
+    for signal in ("reinforce", "gating"):
+        plain: list[RunSpec] = []
+        with_sk: list[RunSpec] = []
+        for name in settings.configs:
+            cfg = get_config(name)
+            if cfg.signal != signal:
+                continue
+            for m in settings.methods:
+                target = with_sk if (cfg.sinkhorn or m in SINKHORN_METHODS) else plain
+                target.extend(RunSpec(name, m, t, s) for t in settings.taus for s in settings.seeds)
+        for cname, runs in ((signal, plain), (f"{signal}+sinkhorn", with_sk)):
+            if runs:
+                # group by (sinkhorn, method) so every sample_routes call takes a contiguous slice
+                runs.sort(key=lambda r: (get_config(r.config).sinkhorn, METHODS.index(r.method)))
+                chunks.append(Chunk(cname, tuple(runs)))
+    return chunks
+
+
+
+def record_key(rec: dict[str, Any]) -> tuple[str, str, float, int, int]:
+    """The identity of a recorded run: ``(config, method, tau, seed, steps)``."""
+    return (rec["config"], rec["method"], float(rec["tau"]), int(rec["seed"]), int(rec["steps"]))
