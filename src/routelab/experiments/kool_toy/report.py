@@ -297,6 +297,9 @@ def render_report(
           f"![importance weights]({FIGURES['iw']})", ""]
     if marginals:
         L += [f"![marginals]({FIGURES['marginals']})", ""]
+    if any(r.get("mse_curve") for r in records):
+        L += ["Fraction of runs below the success threshold during training (all τ pooled):", "",
+              f"![training curves]({FIGURES['curves']})", ""]
     L += ["## Success rates", "",
           f"Seeds with final MSE < {SUCCESS_MSE}, per method and τ; **bold** = solved.", ""]
     for c in settings.configs:
