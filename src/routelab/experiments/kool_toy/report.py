@@ -197,8 +197,10 @@ def render_report(
     if settings.quick:
         L += [
             f"> **Quick form** ({settings.steps} steps instead of 10K, {len(settings.taus)} temperatures, "
-            f"{n_seeds} seeds): the verdicts below are indicative only. Run `routelab reproduce kool-toy` "
-            "for the full reproduction.",
+            f"{n_seeds} seeds): the verdicts below are indicative only. In the full run REINFORCE needs "
+            "several thousand steps to pass the success threshold (see the training curves there), so at "
+            "this length the verdicts mostly reflect runs that have not converged yet. Run "
+            "`routelab reproduce kool-toy` for the full reproduction.",
             "",
         ]
     wall_txt = "n/a" if wall_s is None else f"{wall_s:.1f} s"
