@@ -3,3 +3,7 @@ attentive experts."""
 
 # Each layer lives in its own module; add its public names here.
 __all__: list[str] = []
+
+from routelab.layers.mae import MixtureOfAttentiveExperts  # noqa: E402
+
+__all__ += ["MixtureOfAttentiveExperts"]

@@ -1,0 +1,529 @@
+"""Mixture of attentive experts (MAE), Peng et al. (2020), eq. 4-6.
+
+Multi-head attention with ``h`` heads is a uniform mixture of experts (eq. 5): with
+``H~_i = H_i W_i`` the output of head ``i`` projected by its slice of the output matrix,
+
+    Z = sum_i H~_i + b = sum_e (1/E) * f_e(X) + b,   f_e = h/(h - t) * sum_{i not in D_e} H~_i,
+
+where expert ``e`` drops the heads ``D_e`` (``t = |D_e|`` heads; ``E = C(h, t)`` experts). MAE
+replaces the uniform ``1/E`` by an input-dependent gate ``g(X)`` (eq. 6): a softmax over a
+two-layer tanh MLP of the mean of ``X`` over the sequence.
+
+The mixture is computed from the ``h`` head outputs once: ``sum_e g_e f_e`` is linear in the
+heads, so it equals ``sum_i w_i H~_i`` with per-head weights ``w = h/(h - t) * g @ K`` (``K``
+the ``[E, h]`` 0/1 matrix of the heads each expert keeps). The heads are scaled by ``w`` before
+the output projection; no expert is run separately. With uniform ``g``, ``w = 1`` for every
+head and the module is exactly :class:`torch.nn.MultiheadAttention`.
+
+How a module routes when no ``responsibilities`` are passed is its :attr:`routing` attribute,
+set by the block coordinate descent trainer (:mod:`routelab.layers.bcd`) or :func:`set_routing`:
+
+* ``"gate"`` (default): the learned mixture ``g(X)`` (eq. 6; G steps, test time);
+* ``"sample"``: one expert per instance drawn from ``g(X)`` without gradient (F steps, Alg. 2);
+* ``"top1"``: the expert maximising ``g(X)`` (Sec. 5.1, Table 5);
+* ``"uniform"``: uniform responsibilities (eq. 5: plain multi-head attention; BASE, UNI-MAE
+  at test time);
+* ``"uniform_sample"``: one expert drawn uniformly per instance (UNI-MAE training).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "ROUTINGS",
+    "MAEGate",
+    "MixtureOfAttentiveExperts",
+    "expert_head_mask",
+    "head_weights",
+    "mae_modules",
+    "set_routing",
+]
+
+ROUTINGS: tuple[str, ...] = ("gate", "sample", "top1", "uniform", "uniform_sample")
+"""The values :attr:`MixtureOfAttentiveExperts.routing` may take (see the module docstring)."""
+
+_SUM_TOL = 1e-4  # how far responsibilities may sum from 1
+
+
+def expert_head_mask(num_heads: int, drop_heads: int) -> tuple[Tensor, tuple[tuple[int, ...], ...]]:
+    """The heads each expert keeps.
+
+    Args:
+        num_heads: ``h``.
+        drop_heads: ``t``, heads each expert drops, ``1 <= t < h``.
+
+    Returns:
+        ``(keep, dropped)``: ``keep`` is a float ``[C(h, t), h]`` 0/1 matrix (row ``e`` marks the
+        heads expert ``e`` keeps); ``dropped[e]`` is the tuple of heads expert ``e`` drops, in
+        :func:`itertools.combinations` order (drop 1: expert ``i`` drops head ``i``).
+    """
+    if not 1 <= drop_heads < num_heads:
+        raise ValueError(
+            f"drop_heads must satisfy 1 <= drop_heads < num_heads (= {num_heads}), got "
+            f"{drop_heads}; every expert must keep at least one head."
+        )
+    dropped = tuple(itertools.combinations(range(num_heads), drop_heads))
+    keep = torch.ones(len(dropped), num_heads)
+    for e, heads in enumerate(dropped):
+        keep[e, list(heads)] = 0.0
+    return keep, dropped
+
+
+def head_weights(responsibilities: Tensor, keep: Tensor) -> Tensor:
+    """Per-head weights ``w = h/(h - t) * g @ keep`` of the mixture ``sum_e g_e f_e`` (eq. 6).
+
+    Args:
+        responsibilities: ``[..., E]``, rows summing to 1.
+        keep: ``[E, h]`` from :func:`expert_head_mask`.
+
+    Returns:
+        ``[..., h]``; all ones for uniform responsibilities (eq. 5).
+    """
+    num_heads = keep.shape[1]
+    kept = int(keep[0].sum().item())
+    return (responsibilities @ keep.to(responsibilities.dtype)) * num_heads / kept
+
+
+class MAEGate(nn.Module):
+    """The gate of eq. 6: ``softmax(W2 tanh(W1 x + b1) + b2)`` over ``E`` experts.
+
+    The last layer starts at zero, so a fresh gate is uniform and a fresh MAE is exactly
+    multi-head attention.
+
+    Args:
+        embed_dim: input size ``d``.
+        hidden: hidden size of the tanh layer.
+        num_experts: ``E``.
+    """
+
+    def __init__(self, embed_dim: int, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(embed_dim, hidden)
+        self.out = nn.Linear(hidden, num_experts)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, summary: Tensor) -> Tensor:
+        """``[..., d]`` summary of the input -> ``[..., E]`` responsibilities (rows sum to 1)."""
+        return torch.softmax(self.out(torch.tanh(self.hidden(summary))), dim=-1)
+
+
+class MixtureOfAttentiveExperts(nn.Module):
+    """Multi-head attention as a learned mixture of experts of ``h - t`` heads (eq. 5-6).
+
+    Args:
+        embed_dim: model dimension ``d`` (query, key and value all have it).
+        num_heads: ``h``; must divide ``embed_dim``.
+        drop_heads: ``t``, heads each expert drops: 1 gives ``h`` experts (MAE-7 for
+            ``h = 8``), 2 gives ``C(h, 2)`` experts (MAE-6). ``1 <= t < h``.
+        batch_first: inputs and outputs are ``[batch, seq, d]`` if True, else
+            ``[seq, batch, d]`` (as :class:`torch.nn.MultiheadAttention`).
+        gate_hidden: hidden size of the gate's tanh MLP (default ``embed_dim``).
+        gate_context: ``None``: one gate per instance, from the mean of the query over its
+            (unpadded) positions (translation). An integer ``c``: one gate per position, from
+            the mean of the ``c`` most recent query vectors up to and including that position
+            (language modelling; causal, so the gate never sees future tokens).
+        dropout: dropout on the attention weights (as in MHA), in training mode only.
+        bias: whether the input and output projections have biases (as in MHA).
+
+    Attributes:
+        in_proj_weight ``[3d, d]``, in_proj_bias ``[3d]``, out_proj (``Linear(d, d)``): the MHA
+            parameters, same layout as :class:`torch.nn.MultiheadAttention`.
+        gate: the :class:`MAEGate` (its parameters are the ``phi`` of the paper).
+        keep: buffer ``[E, h]``, the heads each expert keeps; ``dropped_heads[e]`` the ones it drops.
+        routing: how the forward routes when no responsibilities are given (:data:`ROUTINGS`).
+        generator: optional :class:`torch.Generator` for the ``*sample`` routings.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        drop_heads: int = 1,
+        batch_first: bool = False,
+        gate_hidden: int | None = None,
+        gate_context: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        if embed_dim <= 0 or num_heads <= 0:
+            raise ValueError(
+                f"embed_dim and num_heads must be positive, got {embed_dim} and {num_heads}."
+            )
+        if embed_dim % num_heads:
+            raise ValueError(
+                f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})."
+            )
+        if not isinstance(drop_heads, int) or not 1 <= drop_heads < num_heads:
+            raise ValueError(
+                f"drop_heads must be an int with 1 <= drop_heads < num_heads (= {num_heads}), "
+                f"got {drop_heads!r}; use drop_heads=1 for MAE-7-style experts of h - 1 heads."
+            )
+        if gate_hidden is not None and gate_hidden <= 0:
+            raise ValueError(f"gate_hidden must be positive, got {gate_hidden}.")
+        if gate_context is not None and gate_context <= 0:
+            raise ValueError(
+                f"gate_context must be None (mean over the sequence) or a positive number of "
+                f"positions, got {gate_context}."
+            )
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}.")
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.drop_heads = drop_heads
+        self.batch_first = batch_first
+        self.gate_context = gate_context
+        self.dropout = dropout
+
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim))
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * embed_dim)) if bias else None
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        nn.init.xavier_uniform_(self.in_proj_weight)
+        if bias:
+            nn.init.zeros_(self.out_proj.bias)
+
+        keep, dropped = expert_head_mask(num_heads, drop_heads)
+        self.register_buffer("keep", keep)
+        self.dropped_heads: tuple[tuple[int, ...], ...] = dropped
+        self.gate = MAEGate(embed_dim, gate_hidden or embed_dim, len(dropped))
+        self.routing: str = "gate"
+        self.generator: torch.Generator | None = None
+
+    # ------------------------------------------------------------------ construction
+
+    @property
+    def num_experts(self) -> int:
+        """``E = C(h, t)``."""
+        return len(self.dropped_heads)
+
+    @classmethod
+    def from_multihead_attention(
+        cls,
+        mha: nn.MultiheadAttention,
+        drop_heads: int = 1,
+        *,
+        gate_hidden: int | None = None,
+        gate_context: int | None = None,
+    ) -> "MixtureOfAttentiveExperts":
+        """An MAE with ``mha``'s weights (copied), ``batch_first`` and dropout.
+
+        With uniform responsibilities (``routing="uniform"``, or a fresh gate, which starts
+        uniform) its output equals ``mha``'s (eq. 5).
+
+        Raises:
+            ValueError: if ``mha`` has ``kdim``/``vdim`` other than ``embed_dim``, or
+                ``add_bias_kv`` / ``add_zero_attn`` (not part of eq. 2-4).
+        """
+        if not isinstance(mha, nn.MultiheadAttention):
+            raise ValueError(f"mha must be a torch.nn.MultiheadAttention, got {type(mha).__name__}.")
+        if not mha._qkv_same_embed_dim:
+            raise ValueError(
+                "mha has kdim/vdim different from embed_dim; MixtureOfAttentiveExperts needs "
+                "query, key and value of size embed_dim."
+            )
+        if mha.bias_k is not None or mha.add_zero_attn:
+            raise ValueError(
+                "mha uses add_bias_kv or add_zero_attn, which MixtureOfAttentiveExperts does not "
+                "support; build it with add_bias_kv=False, add_zero_attn=False."
+            )
+        ref = mha.in_proj_weight
+        new = cls(
+            mha.embed_dim,
+            mha.num_heads,
+            drop_heads=drop_heads,
+            batch_first=mha.batch_first,
+            gate_hidden=gate_hidden,
+            gate_context=gate_context,
+            dropout=mha.dropout,
+            bias=mha.in_proj_bias is not None,
+        ).to(device=ref.device, dtype=ref.dtype)
+        with torch.no_grad():
+            new.in_proj_weight.copy_(mha.in_proj_weight)
+            new.out_proj.weight.copy_(mha.out_proj.weight)
+            if mha.in_proj_bias is not None:
+                new.in_proj_bias.copy_(mha.in_proj_bias)
+                new.out_proj.bias.copy_(mha.out_proj.bias)
+        new.train(mha.training)
+        return new
+
+    def gate_parameters(self) -> Iterator[nn.Parameter]:
+        """The gate's parameters (``phi``)."""
+        return self.gate.parameters()
+
+    def expert_parameters(self) -> Iterator[nn.Parameter]:
+        """The attention parameters shared by the experts (``theta``): in/out projections."""
+        yield self.in_proj_weight
+        if self.in_proj_bias is not None:
+            yield self.in_proj_bias
+        yield from self.out_proj.parameters()
+
+    # ------------------------------------------------------------------ gate
+
+    def gate_summary(self, query: Tensor, query_padding_mask: Tensor | None = None) -> Tensor:
+        """The gate's input: mean of the query over the sequence (or causal window).
+
+        Args:
+            query: ``[batch, seq, d]`` (batch first).
+            query_padding_mask: ``[batch, seq]`` bool, True at padding (excluded from the mean).
+
+        Returns:
+            ``[batch, d]`` if ``gate_context`` is None, else ``[batch, seq, d]`` (position ``t``
+            averages positions ``max(0, t - c + 1) .. t``).
+        """
+        if self.gate_context is None:
+            if query_padding_mask is None:
+                return query.mean(dim=1)
+            valid = (~query_padding_mask).to(query.dtype).unsqueeze(-1)
+            return (query * valid).sum(1) / valid.sum(1).clamp_min(1.0)
+        c = self.gate_context
+        seq = query.shape[1]
+        csum = torch.cumsum(query, dim=1)
+        shifted = torch.zeros_like(csum)
+        if seq > c:
+            shifted[:, c:] = csum[:, :-c]
+        count = torch.arange(1, seq + 1, device=query.device, dtype=query.dtype).clamp_max(c)
+        return (csum - shifted) / count.view(1, seq, 1)
+
+    def _responsibilities(self, query: Tensor, query_padding_mask: Tensor | None) -> Tensor:
+        """Responsibilities for the current :attr:`routing`: ``[batch, E]`` or ``[batch, seq, E]``."""
+        routing = self.routing
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}.")
+        lead = (query.shape[0],) if self.gate_context is None else tuple(query.shape[:2])
+        n = self.num_experts
+        if routing == "uniform":
+            return query.new_full((*lead, n), 1.0 / n)
+        if routing == "uniform_sample":
+            idx = torch.randint(n, lead, generator=self.generator, device="cpu").to(query.device)
+            return F.one_hot(idx, n).to(query.dtype)
+        if routing == "gate":
+            return self.gate(self.gate_summary(query, query_padding_mask))
+        with torch.no_grad():  # sample / top1: non-differentiable choice, never a gate gradient
+            probs = self.gate(self.gate_summary(query, query_padding_mask))
+            if routing == "top1":
+                idx = probs.argmax(-1)
+            else:
+                flat = probs.reshape(-1, n).float().cpu()
+                idx = torch.multinomial(flat, 1, generator=self.generator).view(lead)
+                idx = idx.to(query.device)
+        return F.one_hot(idx, n).to(query.dtype)
+
+    def _check_responsibilities(self, r: Tensor, batch: int, seq: int) -> Tensor:
+        n = self.num_experts
+        shapes = [(batch, n), (batch, seq, n)]
+        if not isinstance(r, Tensor) or tuple(r.shape) not in shapes:
+            got = tuple(r.shape) if isinstance(r, Tensor) else type(r).__name__
+            raise ValueError(
+                f"responsibilities must have shape [batch, num_experts] = {shapes[0]} (or "
+                f"[batch, seq, num_experts] = {shapes[1]} for one mixture per position), got "
+                f"{got}."
+            )
+        if not torch.isfinite(r).all() or (r < 0).any():
+            raise ValueError("responsibilities must be finite and non-negative.")
+        sums = r.sum(-1)
+        if not torch.allclose(sums, torch.ones_like(sums), atol=_SUM_TOL, rtol=0):
+            worst = float((sums - 1).abs().max())
+            raise ValueError(
+                f"responsibilities must sum to 1 over the experts (last dim); off by up to "
+                f"{worst:.3g}. Normalise them, e.g. r / r.sum(-1, keepdim=True)."
+            )
+        return r
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        responsibilities: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Mixture of attentive experts ``sum_e g_e f_e(X)`` (eq. 6).
+
+        Args:
+            query: ``[L, N, d]`` (``[N, L, d]`` if ``batch_first``), or unbatched ``[L, d]``.
+            key, value: ``[S, N, d]`` (``[N, S, d]`` if ``batch_first``), or ``[S, d]``.
+            key_padding_mask: ``[N, S]`` (``[S]`` unbatched); bool True = ignore that key, or
+                float added to the scores (MHA semantics). When ``query is key`` (self-attention)
+                it also removes the padded positions from the gate's mean.
+            attn_mask: ``[L, S]`` or ``[N * h, L, S]``; bool True = not allowed, or float added
+                (MHA semantics; e.g. ``nn.Transformer.generate_square_subsequent_mask``).
+            responsibilities: ``[N, E]`` (or ``[N, L, E]``), rows summing to 1; overrides the
+                gate and :attr:`routing` (uniform: MHA; one-hot: a single expert).
+
+        Returns:
+            ``(attn_output, responsibilities)``: ``attn_output`` has the query's shape (as
+            ``nn.MultiheadAttention(...)[0]``); ``responsibilities`` are the expert weights used,
+            ``[N, E]`` (``[N, L, E]`` with ``gate_context``; ``[E]`` / ``[L, E]`` unbatched),
+            differentiable w.r.t. the gate only under ``routing="gate"``.
+
+        Raises:
+            ValueError: on inputs of the wrong rank or size, or bad ``responsibilities``.
+        """
+        if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
+            raise ValueError(
+                f"query, key and value must all be 3-D (batched) or 2-D (unbatched), got "
+                f"{query.dim()}-D, {key.dim()}-D, {value.dim()}-D."
+            )
+        unbatched = query.dim() == 2
+        self_attention = query is key
+        if unbatched:
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+            if responsibilities is not None:
+                responsibilities = responsibilities.unsqueeze(0)
+        elif not self.batch_first:
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        batch, seq, d = query.shape
+        src = key.shape[1]
+        if d != self.embed_dim or key.shape[-1] != d or value.shape[-1] != d:
+            raise ValueError(
+                f"query, key and value must have last dim embed_dim={self.embed_dim}, got "
+                f"{d}, {key.shape[-1]}, {value.shape[-1]}."
+            )
+        if key.shape[:2] != value.shape[:2] or key.shape[0] != batch:
+            raise ValueError(
+                f"key and value must share [batch, src] with batch = query's ({batch}); got "
+                f"{tuple(key.shape[:2])} and {tuple(value.shape[:2])} (batch first)."
+            )
+        if key_padding_mask is not None and tuple(key_padding_mask.shape) != (batch, src):
+            raise ValueError(
+                f"key_padding_mask must be [batch, src] = {(batch, src)}, got "
+                f"{tuple(key_padding_mask.shape)}."
+            )
+
+        if responsibilities is None:
+            qpm = None
+            if self_attention and key_padding_mask is not None and key_padding_mask.dtype == torch.bool:
+                qpm = key_padding_mask
+            resp = self._responsibilities(query, qpm)
+        else:
+            resp = self._check_responsibilities(responsibilities, batch, seq).to(query.dtype)
+        w = head_weights(resp, self.keep)  # [N, h] or [N, L, h]
+
+        heads = self._heads(query, key, value, key_padding_mask, attn_mask)  # [N, h, L, hd]
+        if w.dim() == 2:
+            heads = heads * w[:, :, None, None]
+        else:
+            heads = heads * w.transpose(1, 2).unsqueeze(-1)
+        out = self.out_proj(heads.transpose(1, 2).reshape(batch, seq, d))
+
+        if unbatched:
+            return out.squeeze(0), resp.squeeze(0)
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, resp
+
+    def _heads(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+    ) -> Tensor:
+        """Per-head attention outputs ``H_i`` (eq. 2), ``[N, h, L, head_dim]`` (batch-first inputs)."""
+        batch, seq, d = query.shape
+        src = key.shape[1]
+        h, hd = self.num_heads, self.head_dim
+        w_q, w_k, w_v = self.in_proj_weight.chunk(3)
+        b_q = b_k = b_v = None
+        if self.in_proj_bias is not None:
+            b_q, b_k, b_v = self.in_proj_bias.chunk(3)
+        q = F.linear(query, w_q, b_q).view(batch, seq, h, hd).transpose(1, 2)
+        k = F.linear(key, w_k, b_k).view(batch, src, h, hd).transpose(1, 2)
+        v = F.linear(value, w_v, b_v).view(batch, src, h, hd).transpose(1, 2)
+
+        mask = _additive_mask(key_padding_mask, attn_mask, batch, h, seq, src, query.dtype)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
+        if mask is not None:
+            scores = scores + mask
+        attn = torch.softmax(scores, dim=-1)
+        if self.training and self.dropout > 0:
+            attn = F.dropout(attn, p=self.dropout)
+        return attn @ v
+
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, drop_heads={self.drop_heads}, "
+            f"num_experts={self.num_experts}, batch_first={self.batch_first}, "
+            f"gate_context={self.gate_context}"
+        )
+
+
+def _additive_mask(
+    key_padding_mask: Tensor | None,
+    attn_mask: Tensor | None,
+    batch: int,
+    heads: int,
+    seq: int,
+    src: int,
+    dtype: torch.dtype,
+) -> Tensor | None:
+    """MHA's two masks as one additive float mask broadcastable to ``[N, h, L, S]``."""
+
+    def to_float(m: Tensor) -> Tensor:
+        if m.dtype == torch.bool:
+            return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, float("-inf"))
+        return m.to(dtype)
+
+    mask: Tensor | None = None
+    if attn_mask is not None:
+        if attn_mask.dim() == 2:
+            if tuple(attn_mask.shape) != (seq, src):
+                raise ValueError(
+                    f"attn_mask must be [L, S] = {(seq, src)} or [N*h, L, S], got "
+                    f"{tuple(attn_mask.shape)}."
+                )
+            mask = to_float(attn_mask).view(1, 1, seq, src)
+        elif attn_mask.dim() == 3 and tuple(attn_mask.shape) == (batch * heads, seq, src):
+            mask = to_float(attn_mask).view(batch, heads, seq, src)
+        else:
+            raise ValueError(
+                f"attn_mask must be [L, S] = {(seq, src)} or [N*h, L, S] = "
+                f"{(batch * heads, seq, src)}, got {tuple(attn_mask.shape)}."
+            )
+    if key_padding_mask is not None:
+        kpm = to_float(key_padding_mask).view(batch, 1, 1, src)
+        mask = kpm if mask is None else mask + kpm
+    return mask
+
+
+def mae_modules(model: nn.Module) -> list[MixtureOfAttentiveExperts]:
+    """All :class:`MixtureOfAttentiveExperts` inside ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, MixtureOfAttentiveExperts)]
+
+
+def set_routing(
+    model: nn.Module, routing: str, generator: torch.Generator | None = None
+) -> list[MixtureOfAttentiveExperts]:
+    """Set :attr:`~MixtureOfAttentiveExperts.routing` (and the sampling generator) everywhere.
+
+    Args:
+        model: a model containing MAE layers (or one MAE layer).
+        routing: one of :data:`ROUTINGS`.
+        generator: used by the ``"sample"`` / ``"uniform_sample"`` routings (None: global RNG).
+
+    Returns:
+        The MAE modules touched.
+    """
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}.")
+    mods = mae_modules(model)
+    for m in mods:
+        m.routing = routing
+        m.generator = generator
+    return mods

@@ -1,0 +1,216 @@
+"""Tests for routelab.layers.MixtureOfAttentiveExperts (Peng et al. 2020, eq. 5-6).
+
+Oracles: torch.nn.MultiheadAttention (the identity of eq. 5), and a per-expert loop that
+builds each expert from an MHA whose dropped heads' output columns are zeroed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from routelab.layers import MixtureOfAttentiveExperts
+from routelab.layers.mae import expert_head_mask, set_routing
+
+torch.set_num_threads(1)
+
+D, H = 16, 4
+
+
+def _mha(batch_first: bool, seed: int = 0, bias: bool = True) -> nn.MultiheadAttention:
+    torch.manual_seed(seed)
+    mha = nn.MultiheadAttention(D, H, batch_first=batch_first, bias=bias).eval()
+    with torch.no_grad():  # non-zero biases so that they are checked too
+        for p in mha.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return mha
+
+
+def _inputs(batch_first: bool, n: int = 3, length: int = 5, src: int = 6, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, length, D, generator=g)
+    kv = torch.randn(n, src, D, generator=g)
+    if not batch_first:
+        q, kv = q.transpose(0, 1), kv.transpose(0, 1)
+    return q, kv
+
+
+def _uniform(n: int, e: int) -> torch.Tensor:
+    return torch.full((n, e), 1.0 / e)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("drop", [1, 2])
+def test_uniform_responsibilities_equal_multihead_attention(batch_first: bool, drop: int) -> None:
+    mha = _mha(batch_first)
+    mae = MixtureOfAttentiveExperts.from_multihead_attention(mha, drop_heads=drop).eval()
+    assert mae.num_experts == math.comb(H, drop)
+    assert mae.batch_first == batch_first
+    q, kv = _inputs(batch_first)
+    want = mha(q, kv, kv)[0]
+    got, resp = mae(q, kv, kv, responsibilities=_uniform(3, mae.num_experts))
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    # a fresh gate is uniform too, and so is routing="uniform"
+    torch.testing.assert_close(mae(q, kv, kv)[0], want, atol=1e-6, rtol=1e-5)
+    set_routing(mae, "uniform")
+    torch.testing.assert_close(mae(q, kv, kv)[0], want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("drop", [1, 2])
+def test_identity_with_padding_and_causal_masks(batch_first: bool, drop: int) -> None:
+    mha = _mha(batch_first, seed=3)
+    mae = MixtureOfAttentiveExperts.from_multihead_attention(mha, drop_heads=drop).eval()
+    n, length = 3, 5
+    q, _ = _inputs(batch_first, n=n, length=length, src=length)
+    pad = torch.zeros(n, length, dtype=torch.bool)
+    pad[0, 3:] = True
+    pad[2, 4:] = True
+    causal = nn.Transformer.generate_square_subsequent_mask(length)  # float -inf above diagonal
+    causal_bool = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)
+    r = _uniform(n, mae.num_experts)
+    for kwargs in (
+        {"key_padding_mask": pad},
+        {"attn_mask": causal},
+        {"attn_mask": causal_bool},
+        {"key_padding_mask": pad, "attn_mask": causal_bool},
+    ):
+        want = mha(q, q, q, need_weights=False, **kwargs)[0]
+        got = mae(q, q, q, responsibilities=r, **kwargs)[0]
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=str(list(kwargs)))
+
+
+def test_identity_without_bias_and_unbatched() -> None:
+    mha = _mha(True, bias=False)
+    mae = MixtureOfAttentiveExperts.from_multihead_attention(mha).eval()
+    q, kv = _inputs(True)
+    torch.testing.assert_close(mae(q, kv, kv)[0], mha(q, kv, kv)[0], atol=1e-6, rtol=1e-5)
+    out, resp = mae(q[0], kv[0], kv[0])
+    assert out.shape == q[0].shape and resp.shape == (mae.num_experts,)
+    torch.testing.assert_close(out, mha(q[0], kv[0], kv[0])[0], atol=1e-6, rtol=1e-5)
+
+
+def _expert_reference(mha: nn.MultiheadAttention, dropped: tuple[int, ...], q, kv) -> torch.Tensor:
+    """f_e by a separate MHA whose dropped heads are cut out of W (eq. 5): scale * (sum kept H~_i) + b."""
+    ref = nn.MultiheadAttention(D, H, batch_first=mha.batch_first).eval()
+    ref.load_state_dict(mha.state_dict())
+    hd = D // H
+    with torch.no_grad():
+        for i in dropped:
+            ref.out_proj.weight[:, i * hd:(i + 1) * hd] = 0.0
+    b = mha.out_proj.bias
+    return H / (H - len(dropped)) * (ref(q, kv, kv)[0] - b) + b
+
+
+@pytest.mark.parametrize("drop", [1, 2])
+def test_one_hot_and_mixture_match_a_per_expert_loop(drop: int) -> None:
+    mha = _mha(True, seed=5)
+    mae = MixtureOfAttentiveExperts.from_multihead_attention(mha, drop_heads=drop).eval()
+    q, kv = _inputs(True, n=4)
+    experts = [_expert_reference(mha, dropped, q, kv) for dropped in itertools.combinations(range(H), drop)]
+    assert mae.dropped_heads == tuple(itertools.combinations(range(H), drop))
+    e_count = mae.num_experts
+    for e in range(e_count):
+        r = torch.nn.functional.one_hot(torch.full((4,), e), e_count).float()
+        torch.testing.assert_close(mae(q, kv, kv, responsibilities=r)[0], experts[e], atol=1e-5, rtol=1e-5)
+    g = torch.softmax(torch.randn(4, e_count, generator=torch.Generator().manual_seed(0)), -1)
+    want = sum(g[:, e, None, None] * experts[e] for e in range(e_count))
+    torch.testing.assert_close(mae(q, kv, kv, responsibilities=g)[0], want, atol=1e-5, rtol=1e-5)
+
+
+def test_gate_is_softmax_of_tanh_mlp_of_the_mean() -> None:
+    torch.manual_seed(0)
+    mae = MixtureOfAttentiveExperts(D, H, batch_first=True, gate_hidden=7)
+    with torch.no_grad():
+        mae.gate.out.weight.normal_()
+    q, kv = _inputs(True)
+    pad = torch.zeros(3, 5, dtype=torch.bool)
+    pad[1, 2:] = True
+    _, resp = mae(q, q, q, key_padding_mask=pad)
+    lin1, lin2 = mae.gate.hidden, mae.gate.out
+    for b in range(3):
+        mean = q[b][~pad[b]].mean(0)
+        want = torch.softmax(lin2(torch.tanh(lin1(mean))), -1)
+        torch.testing.assert_close(resp[b], want)
+    assert torch.allclose(resp.sum(-1), torch.ones(3))
+
+
+def test_causal_gate_context_uses_the_recent_positions_only() -> None:
+    torch.manual_seed(0)
+    c = 3
+    mae = MixtureOfAttentiveExperts(D, H, batch_first=True, gate_context=c)
+    with torch.no_grad():
+        mae.gate.out.weight.normal_()
+    q, _ = _inputs(True, length=7)
+    _, resp = mae(q, q, q)
+    assert resp.shape == (3, 7, H)
+    for t in range(7):
+        mean = q[:, max(0, t - c + 1): t + 1].mean(1)
+        torch.testing.assert_close(resp[:, t], mae.gate(mean))
+    # changing a future token never changes an earlier gate
+    q2 = q.clone()
+    q2[:, 5] += 1.0
+    _, resp2 = mae(q2, q2, q2)
+    torch.testing.assert_close(resp2[:, :5], resp[:, :5])
+
+
+def test_sample_and_top1_routings_are_one_hot_and_seeded() -> None:
+    mae = MixtureOfAttentiveExperts(D, H, batch_first=True, drop_heads=2)
+    q, _ = _inputs(True, n=50)
+    for routing in ("sample", "uniform_sample", "top1"):
+        outs = []
+        for _ in range(2):
+            set_routing(mae, routing, torch.Generator().manual_seed(7))
+            _, r = mae(q, q, q)
+            assert ((r == 0) | (r == 1)).all() and (r.sum(-1) == 1).all()
+            outs.append(r)
+        assert torch.equal(outs[0], outs[1])
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_bad_drop_heads_raises() -> None:
+    for drop in (0, H, H + 1):
+        with pytest.raises(ValueError, match="drop_heads"):
+            MixtureOfAttentiveExperts(D, H, drop_heads=drop)
+    with pytest.raises(ValueError, match="drop_heads"):
+        MixtureOfAttentiveExperts.from_multihead_attention(_mha(True), drop_heads=H)
+    with pytest.raises(ValueError, match="drop_heads"):
+        expert_head_mask(4, 4)
+
+
+def test_bad_responsibilities_raise() -> None:
+    mae = MixtureOfAttentiveExperts(D, H, batch_first=True)
+    q, kv = _inputs(True)
+    with pytest.raises(ValueError, match="shape"):
+        mae(q, kv, kv, responsibilities=_uniform(3, H + 1))
+    with pytest.raises(ValueError, match="shape"):
+        mae(q, kv, kv, responsibilities=_uniform(2, H))
+    with pytest.raises(ValueError, match="sum to 1"):
+        mae(q, kv, kv, responsibilities=torch.full((3, H), 0.3))
+    with pytest.raises(ValueError, match="non-negative"):
+        mae(q, kv, kv, responsibilities=torch.tensor([[1.5, -0.5, 0.0, 0.0]] * 3))
+
+
+def test_other_bad_arguments_raise() -> None:
+    with pytest.raises(ValueError, match="divisible"):
+        MixtureOfAttentiveExperts(10, 4)
+    with pytest.raises(ValueError, match="gate_context"):
+        MixtureOfAttentiveExperts(D, H, gate_context=0)
+    mae = MixtureOfAttentiveExperts(D, H, batch_first=True)
+    q, kv = _inputs(True)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        mae(q, kv, kv, key_padding_mask=torch.zeros(3, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attn_mask"):
+        mae(q, kv, kv, attn_mask=torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="embed_dim"):
+        mae(q[..., :8], kv, kv)
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        MixtureOfAttentiveExperts.from_multihead_attention(nn.MultiheadAttention(D, H, add_bias_kv=True))
+    with pytest.raises(ValueError, match="routing"):
+        set_routing(mae, "nope")
