@@ -1,0 +1,224 @@
+"""DSelect-k (Hazimeh et al. 2021): a continuously differentiable, sparse gate with binary codes.
+
+Functional core :func:`dselect_weights` and the module :class:`DSelectK` (static, Sec. 3.1, and
+per-example, Sec. 3.2), with the entropy regularizer, the App. B.2 penalty for a number of
+experts that is not a power of 2, and convergence reporting. Defaults follow the official
+TensorFlow implementation: gamma = 1, Z (or the bias and weights of W) uniform in
+±gamma/100, selector logits alpha (or G) uniform in ±0.05, entropy -sum p log(p + 1e-6).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from routelab.gates.mtl_gate import MTLGate, check_positive_int
+from routelab.gates.smooth_step import check_gamma, smooth_step
+
+__all__ = ["dselect_weights", "selector_outputs", "num_code_bits", "DSelectK", "ENTROPY_EPS"]
+
+ENTROPY_EPS = 1e-6
+"""The epsilon of the official entropy regularizer, -sum p log(p + eps)."""
+
+ALPHA_INIT = 0.05
+"""Half-width of the uniform init of the selector logits (Keras RandomUniform default)."""
+
+
+def num_code_bits(num_experts: int) -> int:
+    """m = ceil(log2 n): the bits of one selector's code (0 for a single expert)."""
+    check_positive_int("num_experts", num_experts)
+    return (num_experts - 1).bit_length()
+
+
+def _bit_table(m: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``[2^m, m]``: entry (e, j) is bit j (least significant first) of code e."""
+    codes = torch.arange(2**m, device=device)
+    return ((codes[:, None] >> torch.arange(m, device=device)[None, :]) & 1).to(dtype)
+
+
+def selector_outputs(z: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """The single expert selectors r(S(z)) of eq. 4 over all 2^m codes.
+
+    Args:
+        z: ``[..., m]`` code logits.
+        gamma: smooth-step width.
+
+    Returns:
+        ``[..., 2^m]``: entry e is prod_j (S(z_j) if bit j of e is set else 1 - S(z_j)); each
+        row is a probability vector (Prop. 2).
+    """
+    s = smooth_step(z, gamma)
+    m = z.shape[-1]
+    bits = _bit_table(m, z.device, z.dtype)                      # [2^m, m]
+    s = s.unsqueeze(-2)                                          # [..., 1, m]
+    factors = s * bits + (1.0 - s) * (1.0 - bits)                # [..., 2^m, m]
+    return factors.prod(dim=-1)
+
+
+def _check_dselect_args(alpha: torch.Tensor, z: torch.Tensor, num_experts: int) -> int:
+    if not isinstance(alpha, torch.Tensor) or not isinstance(z, torch.Tensor):
+        raise ValueError("alpha and z must be torch tensors ([..., k] and [..., k, m]).")
+    check_positive_int("num_experts", num_experts)
+    if alpha.dim() < 1:
+        raise ValueError(f"alpha must have shape [..., k], got a scalar.")
+    k = alpha.shape[-1]
+    if k < 1:
+        raise ValueError("alpha must have k >= 1 entries in its last dim.")
+    if k > num_experts:
+        raise ValueError(f"k = {k} (alpha's last dim) must be <= num_experts = {num_experts}.")
+    m = num_code_bits(num_experts)
+    if z.dim() != alpha.dim() + 1 or z.shape[:-1] != alpha.shape or z.shape[-1] != m:
+        raise ValueError(
+            f"z must have shape [..., k, m] = {tuple(alpha.shape) + (m,)} for alpha of shape "
+            f"{tuple(alpha.shape)} and num_experts = {num_experts} (m = ceil(log2 n) = {m}); "
+            f"got {tuple(z.shape)}."
+        )
+    return m
+
+
+def dselect_weights(alpha: torch.Tensor, z: torch.Tensor, num_experts: int,
+                    gamma: float = 1.0) -> torch.Tensor:
+    """DSelect-k's expert weights, eq. 6: sum_i softmax(alpha)_i r(S(z^(i))).
+
+    Args:
+        alpha: ``[..., k]`` selector logits.
+        z: ``[..., k, m]`` code logits, m = ceil(log2 num_experts).
+        num_experts: n. When n is not a power of 2 only the first n of the 2^m codes have an
+            expert; the result keeps those n entries (it sums to <= 1; see the App. B.2 penalty
+            in :class:`DSelectK`).
+        gamma: smooth-step width (> 0).
+
+    Returns:
+        ``[..., num_experts]`` nonnegative weights; at most k nonzero when S(z) is binary.
+
+    Raises:
+        ValueError: on mismatched shapes, k > num_experts or gamma <= 0.
+    """
+    check_gamma(gamma)
+    _check_dselect_args(alpha, z, num_experts)
+    r = selector_outputs(z, gamma)                               # [..., k, 2^m]
+    w = torch.softmax(alpha, dim=-1).unsqueeze(-1)               # [..., k, 1]
+    return (w * r).sum(dim=-2)[..., :num_experts]
+
+
+class DSelectK(MTLGate):
+    """The DSelect-k gate, static (Sec. 3.1) or per-example (Sec. 3.2).
+
+    Static: parameters ``alpha [k]`` and ``z [k, m]``; per-example: ``G = nn.Linear(p, k)``
+    (alpha = Gx) and ``W = nn.Linear(p, k*m)`` (z^(i) = W^(i) x), both with a bias.
+
+    ``forward(x)`` returns weights ``[batch, num_experts]`` (``x``: ``[batch, input_dim]``; a
+    static gate only uses the batch size, or takes an int). The penalties of that call are in
+    :attr:`aux` / :meth:`regularization`:
+
+    * ``entropy``: entropy_reg * sum_i h(r(S(z^(i)))), h(p) = -sum p log(p + 1e-6), averaged
+      over the batch for the per-example gate;
+    * ``unused_codes`` (only when n is not a power of 2): unused_penalty * sum_i 1 / (sum of
+      selector i's weight on the n real experts), batch-averaged for per-example gates.
+
+    Reporting (:meth:`report`): experts selected per example and on average, whether S(Z) is
+    binary, and the first step passed to :meth:`track` at which it was.
+
+    Args:
+        num_experts: n >= 1.
+        k: number of selectors, 1 <= k <= n.
+        gamma: smooth-step width > 0.
+        per_example: static (False) or per-example (True) gating.
+        input_dim: width p of x, required when per_example.
+        entropy_reg: coefficient of the entropy regularizer (>= 0).
+        unused_penalty: coefficient of the App. B.2 penalty (>= 0; the official code uses 1).
+        generator: optional torch.Generator for the initialisation (reproducible).
+    """
+
+    def __init__(self, num_experts: int, k: int, *, gamma: float = 1.0, per_example: bool = False,
+                 input_dim: int | None = None, entropy_reg: float = 0.0,
+                 unused_penalty: float = 1.0, generator: torch.Generator | None = None) -> None:
+        super().__init__(num_experts, per_example=per_example, input_dim=input_dim)
+        check_positive_int("k", k)
+        if k > num_experts:
+            raise ValueError(f"k = {k} must be <= num_experts = {num_experts} (select at most n).")
+        self.k = k
+        self.gamma = check_gamma(gamma)
+        for name, v in (("entropy_reg", entropy_reg), ("unused_penalty", unused_penalty)):
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}.")
+        self.entropy_reg = float(entropy_reg)
+        self.unused_penalty = float(unused_penalty)
+        self.m = num_code_bits(num_experts)
+        self.power_of_2 = 2**self.m == num_experts
+        zr = self.gamma / 100.0
+
+        def uni(shape: tuple[int, ...], r: float) -> torch.Tensor:
+            return (torch.rand(shape, generator=generator) * 2.0 - 1.0) * r
+
+        if self.per_example:
+            p = self.input_dim
+            assert p is not None
+            self.G = nn.Linear(p, k)
+            self.W = nn.Linear(p, k * self.m)
+            with torch.no_grad():
+                self.G.weight.copy_(uni((k, p), ALPHA_INIT))
+                self.G.bias.copy_(uni((k,), ALPHA_INIT))
+                self.W.weight.copy_(uni((k * self.m, p), zr))
+                self.W.bias.copy_(uni((k * self.m,), zr))
+        else:
+            self.alpha = nn.Parameter(uni((k,), ALPHA_INIT))
+            self.z = nn.Parameter(uni((k, self.m), zr))
+        self.binary_step: int | None = None
+        self._last_s: torch.Tensor | None = None
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, k={self.k}, gamma={self.gamma}, "
+                f"per_example={self.per_example}, entropy_reg={self.entropy_reg}")
+
+    def codes(self, x: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
+        """alpha ``[batch or 1, k]`` and z ``[batch or 1, k, m]`` for the input ``x``."""
+        b = self._check_x(x)
+        if self.per_example:
+            assert isinstance(x, torch.Tensor)
+            return self.G(x), self.W(x).view(b, self.k, self.m)
+        return self.alpha.unsqueeze(0), self.z.unsqueeze(0)
+
+    def forward(self, x: torch.Tensor | int) -> torch.Tensor:
+        """Expert weights ``[batch, num_experts]`` for ``x`` ``[batch, input_dim]``."""
+        b = self._check_x(x)
+        alpha, z = self.codes(x)                                   # [B', k], [B', k, m]
+        r = selector_outputs(z, self.gamma)                        # [B', k, 2^m]
+        w = torch.softmax(alpha, dim=-1).unsqueeze(-1)
+        weights = (w * r).sum(dim=-2)[..., : self.num_experts]     # [B', n]
+        aux: dict[str, torch.Tensor] = {}
+        if self.entropy_reg > 0:
+            ent = -(r * torch.log(r + ENTROPY_EPS)).sum(dim=-1).sum(dim=-1)   # [B']
+            aux["entropy"] = self.entropy_reg * ent.mean()
+        if not self.power_of_2 and self.unused_penalty > 0:
+            real = r[..., : self.num_experts].sum(dim=-1)          # [B', k]
+            aux["unused_codes"] = self.unused_penalty * (1.0 / real).sum(dim=-1).mean()
+        self.aux = aux
+        self._last_s = smooth_step(z.detach(), self.gamma)
+        if weights.shape[0] != b:
+            weights = weights.expand(b, self.num_experts)
+        return self._remember(weights)
+
+    def is_binary(self) -> bool:
+        """Whether S(Z) (static: the parameters; per-example: the last batch) is all 0/1."""
+        if self.per_example:
+            if self._last_s is None:
+                return False
+            s = self._last_s
+        else:
+            s = smooth_step(self.z.detach(), self.gamma)
+        return bool(((s == 0) | (s == 1)).all())
+
+    def track(self, step: int) -> None:
+        """Record ``step`` as :attr:`binary_step` the first time S(Z) is binary."""
+        if self.binary_step is None and self.is_binary():
+            self.binary_step = int(step)
+
+    def report(self) -> dict[str, Any]:
+        out = super().report()
+        out["binary"] = self.is_binary()
+        out["binary_step"] = self.binary_step
+        return out

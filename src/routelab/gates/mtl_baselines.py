@@ -1,0 +1,252 @@
+"""The baseline gates DSelect-k is compared with (Hazimeh et al. 2021, Sec. 2, 4, App. C.1, D).
+
+All share the :class:`~routelab.gates.mtl_gate.MTLGate` interface, so each is a drop-in
+replacement for :class:`~routelab.gates.dselect.DSelectK` in
+:class:`routelab.layers.MultiGateMoE`:
+
+* :class:`SoftmaxGate` — softmax(Ax + b) (static: softmax(b)); dense.
+* :class:`TopKGate` — softmax(KeepTopK(Ax + b, k)) (Shazeer et al. 2017, no noise);
+  static or per-example.
+* :class:`GumbelSoftmaxGate` — App. D: d_i = softmax(alpha)_i U_i with binary U_i ~ Bernoulli(pi_i)
+  learned by the Gumbel-softmax trick (straight-through, so U is exactly binary in the forward
+  pass); sparsity penalty lambda * sum_i log pi_i. Static.
+* :class:`SoftmaxSelectorGate` — the App. C.1 ablation: DSelect-k with each binary-code selector
+  replaced by softmax(beta_i / T); :func:`ablation_annealing` anneals T log-linearly,
+  :func:`ablation_entropy` adds the entropy regularizer instead. Static.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from routelab.gates.dselect import ALPHA_INIT, ENTROPY_EPS
+from routelab.gates.mtl_gate import MTLGate, check_positive_int
+
+__all__ = [
+    "SoftmaxGate",
+    "TopKGate",
+    "GumbelSoftmaxGate",
+    "SoftmaxSelectorGate",
+    "ablation_annealing",
+    "ablation_entropy",
+    "keep_top_k",
+]
+
+
+def _check_nonneg(name: str, v: float) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {v!r}.")
+    return float(v)
+
+
+def _check_pos(name: str, v: float) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {v!r}.")
+    return float(v)
+
+
+def keep_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """KeepTopK: ``logits [..., n]`` with all but the k largest entries set to -inf (ties: lowest index)."""
+    n = logits.shape[-1]
+    if not 1 <= k <= n:
+        raise ValueError(f"k = {k} must be in [1, {n}] (the number of experts).")
+    idx = logits.topk(k, dim=-1).indices
+    mask = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, idx, True)
+    return logits.masked_fill(~mask, float("-inf"))
+
+
+class _LogitGate(MTLGate):
+    """Shared logits: a parameter ``[n]`` (static) or ``nn.Linear(p, n)`` (per-example)."""
+
+    def __init__(self, num_experts: int, *, per_example: bool, input_dim: int | None,
+                 generator: torch.Generator | None) -> None:
+        super().__init__(num_experts, per_example=per_example, input_dim=input_dim)
+        n = num_experts
+        if self.per_example:
+            assert self.input_dim is not None
+            self.A = nn.Linear(self.input_dim, n)
+            with torch.no_grad():
+                self.A.weight.copy_((torch.rand((n, self.input_dim), generator=generator) * 2 - 1) * ALPHA_INIT)
+                self.A.bias.copy_((torch.rand((n,), generator=generator) * 2 - 1) * ALPHA_INIT)
+        else:
+            self.logits = nn.Parameter((torch.rand((n,), generator=generator) * 2 - 1) * ALPHA_INIT)
+
+    def scores(self, x: torch.Tensor | int) -> tuple[torch.Tensor, int]:
+        b = self._check_x(x)
+        if self.per_example:
+            assert isinstance(x, torch.Tensor)
+            return self.A(x), b
+        return self.logits.unsqueeze(0), b
+
+
+class SoftmaxGate(_LogitGate):
+    """Dense softmax gate: ``[batch, p] -> [batch, n]`` weights softmax(Ax + b) (static: softmax(b)).
+
+    Args:
+        num_experts: n. per_example / input_dim: as :class:`MTLGate`.
+        generator: optional torch.Generator for the (uniform ±0.05) initialisation.
+    """
+
+    def __init__(self, num_experts: int, *, per_example: bool = False, input_dim: int | None = None,
+                 generator: torch.Generator | None = None) -> None:
+        super().__init__(num_experts, per_example=per_example, input_dim=input_dim, generator=generator)
+
+    def forward(self, x: torch.Tensor | int) -> torch.Tensor:
+        s, b = self.scores(x)
+        self.aux = {}
+        return self._remember(torch.softmax(s, dim=-1).expand(b, self.num_experts))
+
+
+class TopKGate(_LogitGate):
+    """Top-k gate: ``[batch, p] -> [batch, n]`` weights softmax(KeepTopK(Ax + b, k)).
+
+    Args:
+        num_experts: n. k: experts kept, 1 <= k <= n. per_example / input_dim: as :class:`MTLGate`.
+        generator: optional torch.Generator for the initialisation.
+    """
+
+    def __init__(self, num_experts: int, k: int, *, per_example: bool = False,
+                 input_dim: int | None = None, generator: torch.Generator | None = None) -> None:
+        check_positive_int("num_experts", num_experts)
+        check_positive_int("k", k)
+        if k > num_experts:
+            raise ValueError(f"k = {k} must be <= num_experts = {num_experts}.")
+        super().__init__(num_experts, per_example=per_example, input_dim=input_dim, generator=generator)
+        self.k = k
+
+    def forward(self, x: torch.Tensor | int) -> torch.Tensor:
+        s, b = self.scores(x)
+        self.aux = {}
+        return self._remember(torch.softmax(keep_top_k(s, self.k), dim=-1).expand(b, self.num_experts))
+
+
+class GumbelSoftmaxGate(MTLGate):
+    """Gumbel-softmax gate of App. D (static): d_i = softmax(alpha)_i U_i, U_i in {0, 1}.
+
+    In training, U_i is a straight-through Gumbel-softmax sample of Bernoulli(pi_i),
+    pi = sigmoid(beta), at temperature ``temperature`` (exactly binary forward, relaxed
+    gradient); in eval mode U_i = 1[pi_i > 1/2]. Penalty: ``aux["sparsity"] = sparsity_reg *
+    sum_i log pi_i``. :meth:`report` adds the expected number of nonzeros sum_i pi_i.
+
+    Args:
+        num_experts: n.
+        temperature: Gumbel-softmax temperature (> 0).
+        sparsity_reg: lambda >= 0.
+        seed: seed of the gate's own torch.Generator for the Gumbel noise (same seed, same run).
+        generator: optional generator for the initialisation.
+        input_dim: accepted for interchangeability (ignored: the gate is static).
+    """
+
+    def __init__(self, num_experts: int, *, temperature: float = 1.0, sparsity_reg: float = 0.0,
+                 seed: int = 0, generator: torch.Generator | None = None,
+                 input_dim: int | None = None) -> None:
+        super().__init__(num_experts, per_example=False, input_dim=input_dim)
+        self.temperature = _check_pos("temperature", temperature)
+        self.sparsity_reg = _check_nonneg("sparsity_reg", sparsity_reg)
+        n = num_experts
+        self.alpha = nn.Parameter((torch.rand((n,), generator=generator) * 2 - 1) * ALPHA_INIT)
+        # start with every expert likely on (pi ~ 0.73), as a sparsifying penalty then prunes
+        self.beta = nn.Parameter(1.0 + (torch.rand((n,), generator=generator) * 2 - 1) * ALPHA_INIT)
+        self.noise = torch.Generator().manual_seed(int(seed))
+
+    def probabilities(self) -> torch.Tensor:
+        """pi = P(U_i = 1): ``[n]``."""
+        return torch.sigmoid(self.beta)
+
+    def forward(self, x: torch.Tensor | int) -> torch.Tensor:
+        b = self._check_x(x)
+        if self.training:
+            # two-class Gumbel-softmax on logits [log pi, log(1 - pi)] = [logsigmoid(b), logsigmoid(-b)]
+            logits = torch.stack([nn.functional.logsigmoid(self.beta),
+                                  nn.functional.logsigmoid(-self.beta)], dim=-1)     # [n, 2]
+            u = torch.rand(logits.shape, generator=self.noise).clamp_(1e-10, 1 - 1e-10)
+            g = -torch.log(-torch.log(u)).to(logits.dtype)
+            soft = torch.softmax((logits + g) / self.temperature, dim=-1)[..., 0]
+            hard = (soft > 0.5).to(soft.dtype)
+            u_bin = hard + soft - soft.detach()
+        else:
+            u_bin = (self.probabilities() > 0.5).to(self.alpha.dtype)
+        weights = torch.softmax(self.alpha, dim=-1) * u_bin
+        self.aux = {}
+        if self.sparsity_reg > 0:
+            self.aux["sparsity"] = self.sparsity_reg * nn.functional.logsigmoid(self.beta).sum()
+        return self._remember(weights.unsqueeze(0).expand(b, self.num_experts))
+
+    def report(self) -> dict[str, Any]:
+        out = super().report()
+        out["expected_nonzeros"] = float(self.probabilities().detach().sum())
+        return out
+
+
+class SoftmaxSelectorGate(MTLGate):
+    """App. C.1 ablation (static): h = sum_i softmax(alpha)_i softmax(beta^(i) / T).
+
+    Args:
+        num_experts: n. k: number of selectors (1 <= k <= n).
+        temperature: initial T (> 0).
+        final_temperature: if given, T is annealed log-linearly from ``temperature`` to it over
+            training (via :meth:`on_step`); "Ablation (Annealing)".
+        entropy_reg: coefficient of sum_i h(softmax(beta^(i)/T)) (>= 0); "Ablation (Entropy)".
+        generator: optional generator for the initialisation (alpha, beta uniform ±0.05).
+        input_dim: accepted for interchangeability (ignored: the gate is static).
+    """
+
+    def __init__(self, num_experts: int, k: int, *, temperature: float = 1.0,
+                 final_temperature: float | None = None, entropy_reg: float = 0.0,
+                 generator: torch.Generator | None = None, input_dim: int | None = None) -> None:
+        super().__init__(num_experts, per_example=False, input_dim=input_dim)
+        check_positive_int("k", k)
+        if k > num_experts:
+            raise ValueError(f"k = {k} must be <= num_experts = {num_experts}.")
+        self.k = k
+        self.initial_temperature = _check_pos("temperature", temperature)
+        self.final_temperature = (None if final_temperature is None
+                                  else _check_pos("final_temperature", final_temperature))
+        self.temperature = self.initial_temperature
+        self.entropy_reg = _check_nonneg("entropy_reg", entropy_reg)
+        self.alpha = nn.Parameter((torch.rand((k,), generator=generator) * 2 - 1) * ALPHA_INIT)
+        self.beta = nn.Parameter((torch.rand((k, num_experts), generator=generator) * 2 - 1) * ALPHA_INIT)
+
+    def on_step(self, step: int, total_steps: int) -> None:
+        """Anneal T log-linearly: T = T0 (T1 / T0)^(step / (total_steps - 1))."""
+        if self.final_temperature is None:
+            return
+        frac = min(max(step / max(total_steps - 1, 1), 0.0), 1.0)
+        self.temperature = self.initial_temperature * (self.final_temperature / self.initial_temperature) ** frac
+
+    def selectors(self) -> torch.Tensor:
+        """The k softmax selectors ``[k, n]``."""
+        return torch.softmax(self.beta / self.temperature, dim=-1)
+
+    def forward(self, x: torch.Tensor | int) -> torch.Tensor:
+        b = self._check_x(x)
+        r = self.selectors()
+        weights = (torch.softmax(self.alpha, dim=-1).unsqueeze(-1) * r).sum(dim=0)
+        self.aux = {}
+        if self.entropy_reg > 0:
+            self.aux["entropy"] = self.entropy_reg * (-(r * torch.log(r + ENTROPY_EPS)).sum())
+        return self._remember(weights.unsqueeze(0).expand(b, self.num_experts))
+
+    def report(self) -> dict[str, Any]:
+        out = super().report()
+        w = self._last_weights
+        if w is not None:  # softmax never gives exact zeros; also count weights >= 1e-3
+            out["experts_above_1e-3"] = float((w[0] >= 1e-3).sum())
+        out["argmax_experts"] = sorted(set(self.selectors().argmax(dim=-1).tolist()))
+        return out
+
+
+def ablation_annealing(num_experts: int, k: int, *, temperature: float = 1.0,
+                       final_temperature: float = 1e-3, **kw: Any) -> SoftmaxSelectorGate:
+    """Ablation (Annealing) of App. C.1: softmax selectors whose temperature is annealed."""
+    return SoftmaxSelectorGate(num_experts, k, temperature=temperature,
+                               final_temperature=final_temperature, **kw)
+
+
+def ablation_entropy(num_experts: int, k: int, *, entropy_reg: float = 0.01, **kw: Any) -> SoftmaxSelectorGate:
+    """Ablation (Entropy) of App. C.1: softmax selectors with the entropy regularizer."""
+    return SoftmaxSelectorGate(num_experts, k, entropy_reg=entropy_reg, **kw)

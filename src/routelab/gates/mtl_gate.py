@@ -1,0 +1,118 @@
+"""The small interface every multi-task gate of routelab shares (DSelect-k and its baselines).
+
+A gate is an ``nn.Module`` that maps a batch of inputs to expert weights::
+
+    weights = gate(x)              # x [batch, input_dim] -> weights [batch, num_experts]
+    loss = task_loss + gate.regularization()   # the gate's own penalties, from that forward
+    gate.track(step)               # optional, after the optimizer step: convergence bookkeeping
+    gate.report()                  # dict of plain numbers (experts selected, binary S(Z), ...)
+
+* Static gates (``per_example=False``) ignore the values of ``x``: they use only its batch
+  size (``x`` may also be an ``int`` batch size) and return the same weights for every row.
+* ``regularization()`` returns the scalar sum of the penalties of the most recent forward
+  call (entropy, the DSelect-k unused-code penalty, Gumbel sparsity ...), already multiplied by
+  their coefficients; ``aux`` holds them by name. It is 0 when the gate has none.
+* ``selected_experts(weights)`` counts the experts with nonzero weight per row: ``[batch]``.
+* ``on_step(step, total_steps)`` lets gates with schedules (temperature annealing) update
+  themselves; the default does nothing.
+
+Every gate here is interchangeable inside :class:`routelab.layers.MultiGateMoE`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["MTLGate", "check_positive_int", "batch_size_of"]
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """Return ``value`` if it is an int >= 1, else raise a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+    return value
+
+
+def batch_size_of(x: torch.Tensor | int) -> int:
+    """The batch size of ``x`` (``[batch, ...]`` tensor) or ``x`` itself if it is an int."""
+    if isinstance(x, int) and not isinstance(x, bool):
+        if x < 1:
+            raise ValueError(f"batch size must be >= 1, got {x}.")
+        return x
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError(
+            "x must be a tensor [batch, input_dim] (or an int batch size for a static gate), "
+            f"got {type(x).__name__}{'' if not isinstance(x, torch.Tensor) else tuple(x.shape)}."
+        )
+    return int(x.shape[0])
+
+
+class MTLGate(nn.Module):
+    """Base class of the multi-task gates: shared bookkeeping, see the module docstring.
+
+    Args:
+        num_experts: n, the number of experts the gate weighs (>= 1).
+        per_example: whether the weights depend on the input (then ``input_dim`` is needed).
+        input_dim: p, the width of ``x`` for per-example gates.
+    """
+
+    def __init__(self, num_experts: int, *, per_example: bool = False,
+                 input_dim: int | None = None) -> None:
+        super().__init__()
+        self.num_experts = check_positive_int("num_experts", num_experts)
+        self.per_example = bool(per_example)
+        if self.per_example:
+            if input_dim is None:
+                raise ValueError("input_dim is required when per_example=True (the width of x).")
+            self.input_dim: int | None = check_positive_int("input_dim", input_dim)
+        else:
+            self.input_dim = None if input_dim is None else check_positive_int("input_dim", input_dim)
+        self.aux: dict[str, torch.Tensor] = {}
+        self._last_weights: torch.Tensor | None = None
+
+    # -- input checks -------------------------------------------------------------------------
+    def _check_x(self, x: torch.Tensor | int) -> int:
+        """Validate ``x`` and return the batch size."""
+        b = batch_size_of(x)
+        if self.per_example:
+            if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.input_dim:
+                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else x
+                raise ValueError(
+                    f"x must have shape [batch, {self.input_dim}] for this per-example gate, "
+                    f"got {shape}."
+                )
+        return b
+
+    # -- the shared interface -----------------------------------------------------------------
+    def regularization(self) -> torch.Tensor:
+        """Scalar sum of the penalties of the last forward call (0 if none)."""
+        if not self.aux:
+            return torch.zeros(())
+        return torch.stack([v.reshape(()) for v in self.aux.values()]).sum()
+
+    @staticmethod
+    def selected_experts(weights: torch.Tensor) -> torch.Tensor:
+        """Number of experts with nonzero weight per row: ``[batch, n] -> [batch]`` (float)."""
+        return (weights != 0).sum(dim=-1).to(torch.float32)
+
+    def on_step(self, step: int, total_steps: int) -> None:  # noqa: B027 - optional hook
+        """Schedule hook called before training step ``step`` of ``total_steps`` (default: none)."""
+
+    def track(self, step: int) -> None:  # noqa: B027 - optional hook
+        """Bookkeeping hook called after training step ``step`` (default: none)."""
+
+    def report(self) -> dict[str, Any]:
+        """Plain-number summary of the last forward: experts selected per example and mean."""
+        out: dict[str, Any] = {}
+        if self._last_weights is not None:
+            sel = self.selected_experts(self._last_weights.detach())
+            out["experts_selected_mean"] = float(sel.mean())
+            out["experts_selected"] = sel.tolist() if self.per_example else float(sel[0])
+        return out
+
+    def _remember(self, weights: torch.Tensor) -> torch.Tensor:
+        self._last_weights = weights.detach()
+        return weights

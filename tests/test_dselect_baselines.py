@@ -1,0 +1,148 @@
+"""The baseline gates of the DSelect-k paper: Top-k, softmax, Gumbel-softmax, the C.1 ablations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from routelab.gates import (
+    DSelectK,
+    GumbelSoftmaxGate,
+    MTLGate,
+    SoftmaxGate,
+    SoftmaxSelectorGate,
+    TopKGate,
+    ablation_annealing,
+    ablation_entropy,
+)
+
+torch.set_num_threads(1)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 10), st.data())
+def test_topk_matches_bruteforce(n, data):
+    k = data.draw(st.integers(1, n))
+    perm = data.draw(st.permutations(list(range(n))))  # distinct logits (ties are float-ambiguous)
+    shift = data.draw(st.floats(-2, 2))
+    logits = [0.37 * p + shift for p in perm]
+    gate = TopKGate(n, k)
+    with torch.no_grad():
+        gate.logits.copy_(torch.tensor(logits))
+    w = gate(2)[0]
+    top = sorted(range(n), key=lambda i: -logits[i])[:k]
+    z = sum(math.exp(logits[i]) for i in top)
+    want = [math.exp(logits[i]) / z if i in top else 0.0 for i in range(n)]
+    torch.testing.assert_close(w, torch.tensor(want), rtol=1e-5, atol=1e-6)
+    assert gate.report()["experts_selected_mean"] == k
+
+
+def test_per_example_topk_and_softmax_depend_on_x():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 5, generator=g)
+    tk = TopKGate(8, 2, per_example=True, input_dim=5, generator=g)
+    w = tk(x)
+    assert w.shape == (6, 8) and ((w != 0).sum(1) == 2).all()
+    torch.testing.assert_close(w.sum(1), torch.ones(6))
+    w.pow(2).sum().backward()
+    assert tk.A.weight.grad.abs().sum() > 0
+    sm = SoftmaxGate(8, per_example=True, input_dim=5, generator=g)
+    ws = sm(x)
+    torch.testing.assert_close(ws, torch.softmax(sm.A(x), -1))
+
+
+def test_gumbel_gate_binary_u_and_penalty():
+    gate = GumbelSoftmaxGate(6, sparsity_reg=0.5, seed=0, generator=torch.Generator().manual_seed(0))
+    w = gate(3)
+    sm = torch.softmax(gate.alpha, 0)
+    u = (w[0] / sm).detach()
+    assert torch.all((u.round() - u).abs() < 1e-6) and set(u.round().tolist()) <= {0.0, 1.0}
+    assert gate.aux["sparsity"].item() == pytest.approx(0.5 * torch.log(torch.sigmoid(gate.beta)).sum().item())
+    # gradients reach both alpha and beta (straight-through)
+    (w.sum() + gate.regularization()).backward()
+    assert gate.alpha.grad is not None and gate.beta.grad.abs().sum() > 0
+    # the sparsity penalty alone switches experts off
+    opt = torch.optim.Adam(gate.parameters(), lr=0.1)
+    for _ in range(100):
+        opt.zero_grad()
+        gate(1)
+        gate.regularization().backward()
+        opt.step()
+    gate.eval()
+    assert (gate(1) == 0).all()
+    assert gate.report()["expected_nonzeros"] < 0.5
+
+
+def test_gumbel_same_seed_same_samples():
+    a = GumbelSoftmaxGate(8, seed=5, generator=torch.Generator().manual_seed(1))
+    b = GumbelSoftmaxGate(8, seed=5, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        assert torch.equal(a(2), b(2))
+
+
+def test_ablations():
+    ann = ablation_annealing(8, 2, temperature=1.0, final_temperature=1e-4,
+                             generator=torch.Generator().manual_seed(0))
+    ann.on_step(0, 11)
+    assert ann.temperature == pytest.approx(1.0)
+    ann.on_step(10, 11)
+    assert ann.temperature == pytest.approx(1e-4)
+    w = ann(1)[0]
+    # at T -> 0 each selector is (nearly) one-hot on its argmax
+    want = torch.zeros(8)
+    sm = torch.softmax(ann.alpha, 0)
+    for i, e in enumerate(ann.beta.argmax(1).tolist()):
+        want[e] += sm[i]
+    torch.testing.assert_close(w, want, atol=1e-4, rtol=0)
+    ent = ablation_entropy(8, 2, entropy_reg=0.2, generator=torch.Generator().manual_seed(0))
+    ent(1)
+    r = torch.softmax(ent.beta, -1)
+    assert ent.aux["entropy"].item() == pytest.approx(0.2 * -(r * torch.log(r + 1e-6)).sum().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: DSelectK(6, 2),
+        lambda: DSelectK(6, 2, per_example=True, input_dim=3),
+        lambda: TopKGate(6, 2),
+        lambda: TopKGate(6, 2, per_example=True, input_dim=3),
+        lambda: SoftmaxGate(6),
+        lambda: GumbelSoftmaxGate(6, sparsity_reg=0.01),
+        lambda: ablation_annealing(6, 2),
+        lambda: ablation_entropy(6, 2),
+    ],
+)
+def test_interchangeable_interface(make):
+    gate = make()
+    assert isinstance(gate, MTLGate)
+    x = torch.randn(4, 3)
+    gate.on_step(0, 10)
+    w = gate(x)
+    assert w.shape == (4, 6) and (w >= 0).all()
+    loss = w.sum() + gate.regularization()
+    loss.backward()
+    gate.track(0)
+    rep = gate.report()
+    assert 0 < rep["experts_selected_mean"] <= 6
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: TopKGate(4, 5), "k = 5"),
+        (lambda: TopKGate(4, 2, per_example=True), "input_dim"),
+        (lambda: SoftmaxSelectorGate(4, 5), "k = 5"),
+        (lambda: SoftmaxSelectorGate(4, 2, temperature=0.0), "temperature"),
+        (lambda: GumbelSoftmaxGate(4, sparsity_reg=-1.0), "sparsity_reg"),
+        (lambda: GumbelSoftmaxGate(4, temperature=-1.0), "temperature"),
+        (lambda: SoftmaxGate(0), "num_experts"),
+    ],
+)
+def test_bad_args_raise(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
