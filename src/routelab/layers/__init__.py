@@ -7,3 +7,7 @@ __all__: list[str] = []
 from routelab.layers.mae import MixtureOfAttentiveExperts  # noqa: E402
 
 __all__ += ["MixtureOfAttentiveExperts"]
+
+from routelab.layers.multigate import MultiGateMoE, SharedBottom, StackedLinear  # noqa: E402
+
+__all__ += ["MultiGateMoE", "SharedBottom", "StackedLinear"]

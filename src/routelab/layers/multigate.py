@@ -1,0 +1,219 @@
+"""Multi-gate mixture of experts for multi-task learning (Ma et al. 2018; Hazimeh et al. 2021,
+Fig. 1 right) and the shared-bottom baseline (Caruana 1997).
+
+::
+
+    x [batch, ...] -> experts           -> E [batch, n, d]     (shared by all tasks)
+    gate_t(x)      -> w_t [batch, n]                            (one gate per task, any MTLGate)
+    y_t = tower_t( sum_i w_t[:, i] E[:, i] )   [batch, out_t]
+
+Any gate of :mod:`routelab.gates` that follows the :class:`~routelab.gates.mtl_gate.MTLGate`
+interface (DSelect-k, Top-k, softmax, Gumbel-softmax, the ablations) can be used per task.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["MultiGateMoE", "SharedBottom", "StackedLinear"]
+
+
+class StackedLinear(nn.Module):
+    """n independent dense layers on the same input, in one batched matmul.
+
+    ``[batch, in_dim]`` (shared input) or ``[batch, n, in_dim]`` (one input per expert) ->
+    ``[batch, n, out_dim]``, then ``activation``. Initialised like ``nn.Linear`` (uniform
+    ±1/sqrt(in_dim)) unless ``init_std`` is given (then normal with that std, biases too).
+
+    Args:
+        num_experts: n. in_dim / out_dim: widths. activation: applied after (default none).
+        generator: optional torch.Generator for the initialisation.
+    """
+
+    def __init__(self, num_experts: int, in_dim: int, out_dim: int, *,
+                 activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 init_std: float | None = None, generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        for name, v in (("num_experts", num_experts), ("in_dim", in_dim), ("out_dim", out_dim)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}.")
+        self.num_experts, self.in_dim, self.out_dim = num_experts, in_dim, out_dim
+        if init_std is None:
+            bound = 1.0 / math.sqrt(in_dim)
+            w = (torch.rand((num_experts, in_dim, out_dim), generator=generator) * 2 - 1) * bound
+            b = (torch.rand((num_experts, out_dim), generator=generator) * 2 - 1) * bound
+        else:
+            w = torch.randn((num_experts, in_dim, out_dim), generator=generator) * init_std
+            b = torch.randn((num_experts, out_dim), generator=generator) * init_std
+        self.weight = nn.Parameter(w)
+        self.bias = nn.Parameter(b)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            if x.shape[1] != self.in_dim:
+                raise ValueError(f"x must be [batch, {self.in_dim}], got {tuple(x.shape)}.")
+            y = torch.einsum("bi,nio->bno", x, self.weight)
+        elif x.dim() == 3:
+            if x.shape[1:] != (self.num_experts, self.in_dim):
+                raise ValueError(f"x must be [batch, {self.num_experts}, {self.in_dim}], got {tuple(x.shape)}.")
+            y = torch.einsum("bni,nio->bno", x, self.weight)
+        else:
+            raise ValueError(f"x must be [batch, in_dim] or [batch, n, in_dim], got {tuple(x.shape)}.")
+        y = y + self.bias
+        return self.activation(y) if self.activation is not None else y
+
+
+def _as_tower_list(towers: Sequence[nn.Module] | None, num_tasks: int) -> nn.ModuleList:
+    if towers is None:
+        return nn.ModuleList([nn.Identity() for _ in range(num_tasks)])
+    towers = list(towers)
+    if len(towers) != num_tasks:
+        raise ValueError(f"towers must have one module per task ({num_tasks}), got {len(towers)}.")
+    return nn.ModuleList(towers)
+
+
+class MultiGateMoE(nn.Module):
+    """Shared experts, one gate per task, task towers.
+
+    Args:
+        experts: either one module mapping ``x -> [batch, n, d]`` (e.g. :class:`StackedLinear`;
+            it must have an int attribute ``num_experts``) or a sequence of n modules, each
+            ``x -> [batch, d]``. With a sequence, experts that no task's gate weighs (all
+            weights exactly 0 in the batch) are not evaluated: conditional computation once
+            sparse gates have converged.
+        gates: one gate per task (:class:`~routelab.gates.mtl_gate.MTLGate`), each with
+            ``num_experts == n``.
+        towers: one module per task mapping the mixture ``[batch, d]`` to the task output, or
+            None for identity towers.
+
+    ``forward(x, gate_x=None)`` returns a list with one tensor per task; the gates receive
+    ``gate_x`` if given, else ``x.flatten(1)``. After a forward, :attr:`last_weights` holds the
+    gates' weights (``[batch, n]`` per task) and :meth:`regularization` the sum of the gates'
+    penalties.
+    """
+
+    def __init__(self, experts: nn.Module | Sequence[nn.Module], gates: Sequence[nn.Module],
+                 towers: Sequence[nn.Module] | None = None) -> None:
+        super().__init__()
+        if isinstance(experts, nn.Module) and not isinstance(experts, (nn.ModuleList, list, tuple)):
+            n = getattr(experts, "num_experts", None)
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(
+                    "a single experts module must have an int attribute num_experts (and return "
+                    "[batch, n, d]); pass a list of expert modules otherwise."
+                )
+            self.experts: nn.Module = experts
+            self.stacked = True
+        else:
+            experts = list(experts)
+            if not experts:
+                raise ValueError("experts must not be empty.")
+            n = len(experts)
+            self.experts = nn.ModuleList(experts)
+            self.stacked = False
+        self.num_experts = n
+        gates = list(gates)
+        if not gates:
+            raise ValueError("gates must have one gate per task (at least one).")
+        for t, g in enumerate(gates):
+            if getattr(g, "num_experts", None) != n:
+                raise ValueError(
+                    f"gate {t} weighs {getattr(g, 'num_experts', None)} experts, but there are {n}; "
+                    "build every gate with num_experts = the number of experts."
+                )
+        self.gates = nn.ModuleList(gates)
+        self.num_tasks = len(gates)
+        self.towers = _as_tower_list(towers, self.num_tasks)
+        self.last_weights: list[torch.Tensor] = []
+
+    def expert_outputs(self, x: torch.Tensor, needed: torch.Tensor | None = None) -> torch.Tensor:
+        """``[batch, n, d]``; with a list of experts, rows of unneeded experts are zeros."""
+        if self.stacked:
+            return self.experts(x)
+        outs: list[torch.Tensor | None] = []
+        ref: torch.Tensor | None = None
+        for i, e in enumerate(self.experts):
+            if needed is not None and not bool(needed[i]):
+                outs.append(None)
+                continue
+            o = e(x)
+            ref = o
+            outs.append(o)
+        assert ref is not None
+        zero = torch.zeros_like(ref)
+        return torch.stack([zero if o is None else o for o in outs], dim=1)
+
+    def forward(self, x: torch.Tensor, gate_x: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Task outputs, a list of ``[batch, out_t]`` tensors."""
+        gx = x.flatten(1) if gate_x is None else gate_x
+        weights = [g(gx) for g in self.gates]                        # T x [batch, n]
+        needed = None
+        if not self.stacked:
+            needed = torch.stack([(w.detach() != 0).any(dim=0) for w in weights]).any(dim=0)
+        e = self.expert_outputs(x, needed)                           # [batch, n, d]
+        if e.dim() != 3 or e.shape[1] != self.num_experts:
+            raise ValueError(f"experts must produce [batch, {self.num_experts}, d], got {tuple(e.shape)}.")
+        self.last_weights = [w.detach() for w in weights]
+        return [tower(torch.einsum("bn,bnd->bd", w.to(e.dtype), e))
+                for w, tower in zip(weights, self.towers)]
+
+    def regularization(self) -> torch.Tensor:
+        """Sum of the gates' penalties from the last forward (scalar)."""
+        return torch.stack([g.regularization().reshape(()) for g in self.gates]).sum()
+
+    def on_step(self, step: int, total_steps: int) -> None:
+        """Forward the schedule hook to every gate."""
+        for g in self.gates:
+            g.on_step(step, total_steps)
+
+    def track(self, step: int) -> None:
+        """Forward the bookkeeping hook to every gate."""
+        for g in self.gates:
+            g.track(step)
+
+    def report(self) -> list[dict[str, Any]]:
+        """Every gate's :meth:`~routelab.gates.mtl_gate.MTLGate.report`, by task."""
+        return [g.report() for g in self.gates]
+
+
+class SharedBottom(nn.Module):
+    """Shared-bottom multi-task baseline: ``y_t = tower_t(bottom(x))``.
+
+    Args:
+        bottom: the shared module ``x -> [batch, d]``.
+        towers: one module per task ``[batch, d] -> [batch, out_t]``.
+    """
+
+    def __init__(self, bottom: nn.Module, towers: Sequence[nn.Module]) -> None:
+        super().__init__()
+        towers = list(towers)
+        if not towers:
+            raise ValueError("towers must have one module per task (at least one).")
+        self.bottom = bottom
+        self.towers = nn.ModuleList(towers)
+        self.num_tasks = len(towers)
+
+    def forward(self, x: torch.Tensor, gate_x: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Task outputs, a list of ``[batch, out_t]`` tensors (``gate_x`` is ignored)."""
+        h = self.bottom(x)
+        return [t(h) for t in self.towers]
+
+    def regularization(self) -> torch.Tensor:
+        """No gate, no penalty: 0."""
+        return torch.zeros(())
+
+    def on_step(self, step: int, total_steps: int) -> None:
+        """No schedule."""
+
+    def track(self, step: int) -> None:
+        """No bookkeeping."""
+
+    def report(self) -> list[dict[str, Any]]:
+        """No gates: an empty list."""
+        return []
