@@ -4,6 +4,8 @@ A gate only produces scores/weights; turning them into a :class:`routelab.Routes
 under capacity is the routers' job (:mod:`routelab.routers`).
 """
 
+from routelab.gates.batchwise import batchwise_mask, batchwise_threshold_loss, threshold_mask
+
 from routelab.gates.dselect import DSelectK, dselect_weights, selector_outputs
 from routelab.gates.mtl_baselines import (
     GumbelSoftmaxGate,
@@ -18,7 +20,7 @@ from routelab.gates.mtl_gate import MTLGate
 from routelab.gates.smooth_step import smooth_step
 
 # Each gate family lives in its own module; add its public names here.
-__all__: list[str] = []
+__all__: list[str] = ["batchwise_mask", "batchwise_threshold_loss", "threshold_mask"]
 __all__ += [
     "DSelectK", "dselect_weights", "selector_outputs", "smooth_step", "MTLGate",
     "SoftmaxGate", "TopKGate", "GumbelSoftmaxGate", "SoftmaxSelectorGate",

@@ -1,0 +1,118 @@
+"""Strictly balanced batchwise gating with learned thresholds (Shazeer et al. 2017, App. F).
+
+Functional forms of eq. 18-20, exactly as written in the paper. ``scores`` are the softmax
+gate values ``G_sigma(x) = softmax(x W_g)`` of a batch (eq. 15); the sparse gate of eq. 16 is
+``G = scores * M / sum(scores * M)`` for a mask ``M``:
+
+* :func:`batchwise_mask` (eq. 18) — training: every expert keeps its top ``m = k |X| / n``
+  scores over the batch, so each expert receives exactly ``m`` examples and each example an
+  average of ``k`` experts.
+* :func:`threshold_mask` (eq. 19) — inference: ``x_i > T_i`` with per-expert thresholds ``T``,
+  usable with any batch size (including 1).
+* :func:`batchwise_threshold_loss` (eq. 20) — trains ``T`` so that the two masks agree.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["batchwise_mask", "batchwise_threshold_loss", "threshold_mask"]
+
+
+def _check_scores(scores: Tensor) -> None:
+    if not isinstance(scores, Tensor):
+        raise TypeError(f"scores must be a torch.Tensor [batch, experts], got {type(scores).__name__}")
+    if scores.ndim != 2:
+        raise ValueError(
+            f"scores must have shape [batch, experts], got shape {tuple(scores.shape)}; "
+            f"flatten leading dims with scores.reshape(-1, scores.shape[-1])"
+        )
+    if not scores.is_floating_point():
+        raise ValueError(f"scores must be floating point, got {scores.dtype}; use scores.float()")
+    if scores.numel() and bool(torch.isnan(scores).any()):
+        raise ValueError("scores contain NaN; fix the upstream computation (NaN scores cannot be ranked)")
+
+
+def batchwise_mask(scores: Tensor, k: int) -> Tensor:
+    """The batchwise mask of eq. 18: the top ``m = k * batch / experts`` scores of every expert.
+
+    Args:
+        scores: ``[batch, experts]`` gate values (e.g. softmax probabilities).
+        k: average number of experts per example, ``1 <= k <= experts``.
+
+    Returns:
+        ``BoolTensor [batch, experts]`` with exactly ``m`` ``True`` entries in every column.
+        Ties within a column are broken towards the earlier example (deterministic).
+
+    Raises:
+        ValueError: ``k`` out of range, or ``k * batch`` not divisible by ``experts`` (then ``m``
+            is not an integer: choose a batch size that is a multiple of ``experts / gcd(k,
+            experts)``).
+    """
+    _check_scores(scores)
+    batch, n = scores.shape
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
+        raise ValueError(f"k must be an integer in [1, experts={n}], got {k!r}")
+    if (k * batch) % n != 0:
+        raise ValueError(
+            f"the batchwise mask keeps m = k*batch/experts = {k}*{batch}/{n} examples per expert, which "
+            f"is not an integer; use a batch size divisible by {n // _gcd(k, n)} (or pad the batch)"
+        )
+    m = k * batch // n
+    mask = torch.zeros_like(scores, dtype=torch.bool)
+    if m == 0:
+        return mask
+    # A stable descending sort over the batch dimension: ties go to the earlier example.
+    order = torch.argsort(scores, dim=0, descending=True, stable=True)
+    mask.scatter_(0, order[:m], True)
+    return mask
+
+
+def threshold_mask(scores: Tensor, thresholds: Tensor) -> Tensor:
+    """The threshold mask of eq. 19: ``scores[:, i] > thresholds[i]``.
+
+    Args:
+        scores: ``[batch, experts]`` gate values.
+        thresholds: ``[experts]`` per-expert thresholds ``T``.
+
+    Returns:
+        ``BoolTensor [batch, experts]``.
+    """
+    _check_scores(scores)
+    if not isinstance(thresholds, Tensor) or thresholds.shape != scores.shape[-1:]:
+        got = tuple(thresholds.shape) if isinstance(thresholds, Tensor) else type(thresholds).__name__
+        raise ValueError(f"thresholds must be a tensor of shape [experts] = ({scores.shape[-1]},), got {got}")
+    return scores > thresholds
+
+
+def batchwise_threshold_loss(scores: Tensor, thresholds: Tensor, mask: Tensor) -> Tensor:
+    """The threshold-learning loss of eq. 20, summed over the batch and the experts.
+
+    ``L = sum_j sum_i (M_threshold(x_j, T)_i - M_batchwise(X, m)_{j,i}) (X_{j,i} - T_i)``.
+    Every term is ``>= 0`` and vanishes exactly where the two masks agree; its gradient moves
+    ``T_i`` up for each example that passes the threshold but is not in the batchwise mask and
+    down for each example in the batchwise mask that does not pass it. Pass detached ``scores``
+    to train only ``T`` (as the paper intends); the loss is a sum, so scale it (e.g. by
+    ``1 / batch``) to make the learning rate independent of the batch size.
+
+    Args:
+        scores: ``[batch, experts]`` gate values ``X``.
+        thresholds: ``[experts]`` thresholds ``T`` (differentiable).
+        mask: ``BoolTensor [batch, experts]``, the batchwise mask of the same batch.
+
+    Returns:
+        A scalar tensor.
+    """
+    above = threshold_mask(scores, thresholds)
+    if not isinstance(mask, Tensor) or mask.shape != scores.shape:
+        got = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+        raise ValueError(f"mask must be a tensor with the shape of scores {tuple(scores.shape)}, got {got}")
+    diff = above.to(scores.dtype) - mask.to(scores.dtype)
+    return (diff * (scores - thresholds)).sum()
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a

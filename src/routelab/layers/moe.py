@@ -1,0 +1,178 @@
+"""The mixture-of-experts feed-forward layer: route, enforce capacity, dispatch, experts, combine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..routers import Router, make_router
+from ..routes import Routes
+from ..routing import DROP_POLICIES, DispatchPlan, apply_capacity, expert_capacity
+from .experts import StackedExperts
+
+__all__ = ["MoE"]
+
+
+class MoE(nn.Module):
+    """Token-level mixture of feed-forward experts with any routelab router.
+
+    ``y_t = sum_s keep[t, s] * c[t, s] * FFN_{expert[t, s]}(x_t)`` with ``c = gate`` (or ``gate *
+    weight`` with ``importance_weighting``). Steps, none with a Python loop over tokens or
+    experts:
+
+    1. the router proposes ``Routes`` (``[tokens, slots]``);
+    2. :func:`routelab.routing.apply_capacity` keeps at most ``C = ceil(capacity_factor *
+       tokens * k / E)`` pairs per expert (``drop_policy`` decides who stays) and multiplies
+       ``weight`` by the skip correction ``n_z / min(n_z, C)`` of Kool et al. eq. 3;
+    3. tokens are gathered into a ``[E, C, d_model]`` buffer, the experts run as two batched
+       matmuls on stacked weights, and outputs are gathered back and summed with the combine
+       weights.
+
+    Dropped pairs contribute nothing: a token whose every slot is dropped gets a zero output,
+    so put the layer in a residual branch (``x + moe(x)[0]``) to carry it.
+
+    Args:
+        d_model: token width.
+        d_hidden: hidden width of each expert.
+        num_experts: ``E``.
+        router: a name in :data:`routelab.routers.ROUTERS` (``"topk"``, ``"noisy_topk"``,
+            ``"softmax"``, ``"batchwise"``, ``"base"``, ``"sinkhorn"``, ``"gumbel_matching"``,
+            ``"switch"``) or a :class:`routelab.routers.Router` instance.
+        capacity_factor: ``> 0``, or ``None`` for dropless routing (the buffer then grows to the
+            largest expert load of the batch).
+        k: experts per token for routers that take it (with a router name only).
+        router_kwargs: options passed to the router's constructor (with a router name only).
+        drop_policy: one of :data:`routelab.routing.DROP_POLICIES` (``"position"``,
+            ``"score"``, ``"random"``).
+        importance_weighting: combine with ``gate * weight`` (importance weights of stochastic
+            routers and the skip correction of eq. 3) instead of ``gate``.
+        activation: expert activation (name or callable).
+        bias: expert biases.
+        generator: randomness of stochastic routers and of ``drop_policy="random"``.
+
+    Shapes:
+        input ``x [..., d_model]`` -> output ``[..., d_model]`` (same dtype) and a
+        :class:`~routelab.Routes` over the flattened ``[tokens, slots]``, whose ``aux`` holds
+        the router's weighted auxiliary losses and ``stats``: ``tokens_per_expert [E]``,
+        ``load_cv`` (coefficient of variation of the kept load), ``dropped_fraction`` (of the
+        proposed pairs), ``tokens_dropped`` (fraction of tokens with no expert at all),
+        ``capacity``.
+
+    Example:
+        >>> moe = MoE(16, 32, 4, router="topk", k=2)
+        >>> y, routes = moe(torch.randn(2, 5, 16))
+        >>> y.shape, routes.stats["tokens_per_expert"].sum().item()
+        (torch.Size([2, 5, 16]), 20)
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_hidden: int,
+        num_experts: int,
+        *,
+        router: str | Router = "topk",
+        capacity_factor: float | None = 1.0,
+        k: int | None = None,
+        router_kwargs: dict[str, Any] | None = None,
+        drop_policy: str = "position",
+        importance_weighting: bool = False,
+        activation: str | Callable[[Tensor], Tensor] = "gelu",
+        bias: bool = True,
+        generator: torch.Generator | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.experts = StackedExperts(d_model, d_hidden, num_experts, activation=activation, bias=bias,
+                                      device=device, dtype=dtype)
+        if isinstance(router, Router):
+            if k is not None or router_kwargs:
+                raise ValueError("pass k and router_kwargs only with a router name; configure a Router instance directly")
+            if router.d_model != d_model or router.num_experts != num_experts:
+                raise ValueError(
+                    f"router was built for d_model={router.d_model}, num_experts={router.num_experts} but the layer "
+                    f"has d_model={d_model}, num_experts={num_experts}"
+                )
+            self.router = router
+        elif isinstance(router, str):
+            self.router = make_router(router, d_model, num_experts, k=k, **(router_kwargs or {}))
+            if device is not None:
+                self.router.to(device)
+        else:
+            raise ValueError(f"router must be a router name or a Router instance, got {type(router).__name__}")
+        expert_capacity(1, num_experts, 1, capacity_factor)  # validates capacity_factor
+        if drop_policy not in DROP_POLICIES:
+            raise ValueError(f"drop_policy must be one of {', '.join(DROP_POLICIES)}, got {drop_policy!r}")
+        self.d_model, self.num_experts = d_model, num_experts
+        self.capacity_factor = capacity_factor
+        self.drop_policy = drop_policy
+        self.importance_weighting = bool(importance_weighting)
+        self.generator = generator
+        if generator is not None:
+            self.router.generator = generator
+
+    def capacity(self, num_tokens: int) -> int:
+        """Per-expert capacity for a batch of ``num_tokens`` (``num_tokens`` when dropless)."""
+        return expert_capacity(num_tokens, self.num_experts, self.router.slots, self.capacity_factor)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Routes]:
+        """Apply the layer.
+
+        Args:
+            x: ``[..., d_model]``.
+
+        Returns:
+            ``(y [..., d_model], routes)``; ``routes`` is over the flattened tokens.
+        """
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"x must have shape [..., d_model={self.d_model}], got {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.d_model)
+        n = flat.shape[0]
+        capacity = self.capacity(n)
+        proposed = self.router(flat, capacity)
+        routes, plan = self.plan(proposed, capacity)
+        combine = routes.gate * routes.weight if self.importance_weighting else routes.gate
+        if plan.capacity == 0:
+            y = torch.zeros_like(flat)
+        else:
+            out = self.experts(plan.dispatch(flat))
+            y = plan.combine(out, combine).to(x.dtype)
+        return y.reshape(*lead, self.d_model), routes
+
+    def plan(self, proposed: Routes, capacity: int) -> tuple[Routes, DispatchPlan]:
+        """Enforce capacity on a router's proposal and plan the dispatch.
+
+        Returns:
+            ``(routes, plan)``: ``routes`` with ``keep`` after capacity, ``weight`` times the
+            skip correction, and the layer's ``stats``.
+        """
+        E = self.num_experts
+        decision = apply_capacity(proposed.expert, proposed.keep, capacity, E, policy=self.drop_policy,
+                                  score=proposed.gate, generator=self.generator)
+        if self.capacity_factor is None:  # dropless: the buffer only needs the largest load
+            capacity = int(decision.load.max()) if decision.load.numel() else 0
+        keep = decision.keep
+        weight = proposed.weight * decision.skip_weight.to(proposed.weight.dtype)
+        plan = DispatchPlan.build(proposed.expert, keep, decision.position, E, capacity)
+        n = proposed.expert.shape[0]
+        proposed_pairs = proposed.keep.sum()
+        kept = decision.kept.to(torch.float32)
+        stats = {
+            "tokens_per_expert": decision.kept,
+            "load_cv": kept.std(unbiased=False) / kept.mean().clamp(min=1e-12) if E > 1 else kept.new_zeros(()),
+            "dropped_fraction": 1.0 - keep.sum() / proposed_pairs.clamp(min=1),
+            "tokens_dropped": (~keep.any(-1)).float().mean() if n else kept.new_zeros(()),
+            "capacity": torch.tensor(capacity),
+        }
+        routes = Routes(expert=proposed.expert, gate=proposed.gate, keep=keep, weight=weight,
+                        log_prob=proposed.log_prob, aux=dict(proposed.aux), stats=stats)
+        return routes, plan
+
+    def extra_repr(self) -> str:
+        return (f"capacity_factor={self.capacity_factor}, drop_policy={self.drop_policy!r}, "
+                f"importance_weighting={self.importance_weighting}")

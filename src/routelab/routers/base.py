@@ -1,0 +1,94 @@
+"""The router interface shared by every routing method.
+
+A router maps tokens ``x [tokens, d_model]`` to a :class:`~routelab.Routes` record with
+``slots`` columns. Its ``keep`` marks the slots it *proposes* (all of them for top-k, the mask
+for batchwise gating); the MoE layer then enforces the expert capacity on those candidates
+(:func:`routelab.routing.apply_capacity`). ``aux`` holds the router's auxiliary losses, already
+multiplied by their coefficients, so a training loss is ``task_loss + sum(routes.aux.values())``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..routes import Routes
+
+__all__ = ["Router", "check_positive_int", "expert_grid"]
+
+
+def check_positive_int(name: str, value: object, *, upper: int | None = None, upper_name: str = "") -> int:
+    """``value`` as an int in ``[1, upper]``, else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if upper is not None and value > upper:
+        raise ValueError(f"{name}={value} is larger than {upper_name}={upper}; use {name} <= {upper}")
+    return value
+
+
+def expert_grid(n: int, num_experts: int, device: torch.device) -> Tensor:
+    """``LongTensor [n, E]`` whose every row is ``0 .. E-1`` (one slot per expert)."""
+    return torch.arange(num_experts, device=device).expand(n, num_experts)
+
+
+class Router(nn.Module):
+    """Base class: a linear scoring layer ``logits = x W`` plus a routing rule.
+
+    Subclasses implement :meth:`route`. The scoring layer runs in float32 whatever the input
+    dtype (routing decisions in half precision are fragile), and the input is validated once.
+
+    Args:
+        d_model: token width.
+        num_experts: ``E >= 1``.
+        slots: average experts per token ``k`` (used by the layer to size the capacity).
+
+    Attributes:
+        proj: ``nn.Linear(d_model, E, bias=False)``, the router's scores.
+        generator: the source of randomness of stochastic routers (``None``: torch's global
+            generator); set it for bit-for-bit reproducible runs.
+    """
+
+    #: Whether the router's decision already respects the capacity it is given.
+    balanced: bool = False
+
+    def __init__(self, d_model: int, num_experts: int, slots: int) -> None:
+        super().__init__()
+        self.d_model = check_positive_int("d_model", d_model)
+        self.num_experts = check_positive_int("num_experts", num_experts)
+        self.slots = check_positive_int("k", slots, upper=num_experts, upper_name="num_experts")
+        self.proj = nn.Linear(d_model, num_experts, bias=False)
+        self.generator: torch.Generator | None = None
+
+    def logits(self, x: Tensor) -> Tensor:
+        """Router logits ``[tokens, E]`` in float32."""
+        return nn.functional.linear(x.float(), self.proj.weight.float())
+
+    def forward(self, x: Tensor, capacity: int | None = None) -> Routes:
+        """Route ``x``.
+
+        Args:
+            x: ``[tokens, d_model]``.
+            capacity: the layer's per-expert capacity (balanced routers solve under it; others
+                ignore it and leave dropping to the layer). ``None``: no limit.
+
+        Returns:
+            :class:`~routelab.Routes` ``[tokens, slots]`` (``slots`` may exceed ``k`` for
+            routers that choose a variable number of experts, e.g. batchwise gating uses ``E``
+            slots with ``keep`` as the mask).
+        """
+        if x.ndim != 2 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x must have shape [tokens, d_model={self.d_model}], got {tuple(x.shape)}")
+        logits = self.logits(x)
+        if logits.numel() and not bool(torch.isfinite(logits).all()):
+            raise ValueError(
+                "router logits are not finite (NaN or inf): the input x contains NaN/inf or the router "
+                "weights diverged; check the previous layer or lower the learning rate"
+            )
+        return self.route(logits, capacity)
+
+    def route(self, logits: Tensor, capacity: int | None) -> Routes:  # pragma: no cover - abstract
+        """The routing rule on float32 ``logits [tokens, E]``."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, num_experts={self.num_experts}, k={self.slots}"

@@ -1,0 +1,73 @@
+"""Strictly balanced batchwise gating with learned thresholds (Shazeer et al. 2017, App. F)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..gates.batchwise import batchwise_mask, batchwise_threshold_loss, threshold_mask
+from ..routes import Routes
+from .base import Router, expert_grid
+
+__all__ = ["BatchwiseRouter"]
+
+INFERENCE_MASKS: tuple[str, ...] = ("threshold", "batchwise")
+
+
+class BatchwiseRouter(Router):
+    """App. F gating: ``G = G_sigma * M / sum(G_sigma * M)`` (eq. 16) with ``G_sigma = softmax(x W_g)``.
+
+    * Training: ``M`` is the batchwise mask (eq. 18): every expert takes exactly
+      ``m = k * tokens / E`` tokens of the batch (``k * tokens`` must be divisible by ``E``).
+      The per-expert thresholds ``T`` learn from ``aux["threshold"] = threshold_coef *
+      L_batchwise(G_sigma, T, M) / tokens`` (eq. 20, on detached scores, so only ``T`` learns
+      from it; divided by the batch size so the step does not depend on it).
+    * Inference (``eval()``): ``M`` is the threshold mask ``G_sigma > T`` (eq. 19), which works
+      for any batch size, including 1; ``inference="batchwise"`` keeps the batchwise mask instead
+      (only meaningful for large, divisible batches).
+
+    Routes have ``E`` slots per token (slot ``e`` is expert ``e``) with ``keep`` = the mask, so a
+    token may use any number of experts (including none: its gate is then all zero).
+
+    Args:
+        d_model: token width.
+        num_experts: ``E``.
+        k: average experts per token, ``1 <= k <= E``.
+        threshold_coef: weight of the threshold loss.
+        inference: ``"threshold"`` (default) or ``"batchwise"``.
+    """
+
+    def __init__(self, d_model: int, num_experts: int, k: int = 1, *, threshold_coef: float = 1.0,
+                 inference: str = "threshold") -> None:
+        super().__init__(d_model, num_experts, k)
+        self.k = self.slots
+        if inference not in INFERENCE_MASKS:
+            raise ValueError(f"inference must be one of {INFERENCE_MASKS}, got {inference!r}")
+        self.inference = inference
+        self.threshold_coef = float(threshold_coef)
+        # Start at the uniform gate value: the median score of an untrained router.
+        self.thresholds = nn.Parameter(torch.full((num_experts,), 1.0 / num_experts))
+
+    def mask(self, probs: Tensor) -> Tensor:
+        """The mask in use: batchwise in training (or if ``inference="batchwise"``), else threshold."""
+        if self.training or self.inference == "batchwise":
+            return batchwise_mask(probs, self.k)
+        return threshold_mask(probs, self.thresholds.detach().to(probs.dtype))
+
+    def route(self, logits: Tensor, capacity: int | None) -> Routes:
+        n, E = logits.shape
+        log_p = torch.log_softmax(logits, -1)
+        probs = log_p.exp()
+        mask = self.mask(probs)
+        masked = probs * mask
+        total = masked.sum(-1, keepdim=True)
+        gate = torch.where(total > 0, masked / total.clamp(min=torch.finfo(probs.dtype).tiny), torch.zeros_like(masked))
+        aux = {}
+        if self.training and n and self.threshold_coef:
+            loss = batchwise_threshold_loss(probs.detach(), self.thresholds, mask)
+            aux["threshold"] = self.threshold_coef * loss / n
+        return Routes(expert=expert_grid(n, E, logits.device), gate=gate, keep=mask,
+                      weight=torch.ones_like(gate), log_prob=log_p, aux=aux)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", inference={self.inference!r}"

@@ -1,0 +1,45 @@
+"""Dense softmax gating: every token goes to every expert with weight ``softmax(x W)``."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..routes import Routes
+from .base import Router, expert_grid
+from .losses import cv_squared
+
+__all__ = ["SoftmaxRouter"]
+
+
+class SoftmaxRouter(Router):
+    """Dense gating ``G(x) = softmax(x W_g)`` (Shazeer et al. 2017, eq. 15), ``E`` slots per token.
+
+    Every slot is a candidate; with ``capacity_factor >= 1`` the layer drops nothing (capacity is
+    sized for ``E`` slots per token), so the MoE computes every expert on every token.
+
+    Args:
+        d_model: token width.
+        num_experts: ``E``.
+        importance_coef: weight of ``CV(sum_x G(x))^2`` in ``aux["importance"]`` (0: no loss).
+    """
+
+    def __init__(self, d_model: int, num_experts: int, *, importance_coef: float = 0.0) -> None:
+        super().__init__(d_model, num_experts, num_experts)
+        self.importance_coef = float(importance_coef)
+
+    def route(self, logits: Tensor, capacity: int | None) -> Routes:
+        n, E = logits.shape
+        log_p = torch.log_softmax(logits, -1)
+        probs = log_p.exp()
+        aux = {}
+        if self.importance_coef:
+            aux["importance"] = self.importance_coef * cv_squared(probs.sum(0))
+        return Routes(
+            expert=expert_grid(n, E, logits.device),
+            gate=probs,
+            keep=torch.ones(n, E, dtype=torch.bool, device=logits.device),
+            weight=torch.ones_like(probs),
+            log_prob=log_p,
+            aux=aux,
+        )

@@ -1,0 +1,118 @@
+"""Top-k gating (Switch for k = 1) and noisy top-k gating (Shazeer et al. 2017, Sec. 2-4, App. A)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..routes import Routes
+from .base import Router
+from .losses import cv_squared, noisy_topk_load, switch_balance
+
+__all__ = ["NoisyTopKRouter", "TopKRouter"]
+
+
+class TopKRouter(Router):
+    """Each token goes to the ``k`` experts with the largest logits.
+
+    Args:
+        d_model: token width.
+        num_experts: ``E``.
+        k: experts per token, ``1 <= k <= E`` (``k = 1`` is Switch routing).
+        renormalize: combine weights ``softmax`` over the ``k`` chosen logits (Shazeer et al.,
+            Mixtral) instead of the full-softmax probabilities of the chosen experts (Switch,
+            GShard). With ``k = 1`` renormalising makes every weight 1, so the router gets no
+            gradient; the default keeps the full-softmax probabilities.
+        balance_coef: weight of the Switch balance loss ``E sum_e f_e P_e`` in
+            ``aux["balance"]`` (Fedus et al. use 0.01; 0 disables it).
+    """
+
+    def __init__(self, d_model: int, num_experts: int, k: int = 1, *, renormalize: bool = False,
+                 balance_coef: float = 0.01) -> None:
+        super().__init__(d_model, num_experts, k)
+        self.k = self.slots
+        self.renormalize = bool(renormalize)
+        self.balance_coef = float(balance_coef)
+
+    def route(self, logits: Tensor, capacity: int | None) -> Routes:
+        log_p = torch.log_softmax(logits, -1)
+        top_logits, expert = logits.topk(self.k, dim=-1)
+        log_prob = log_p.gather(-1, expert)
+        gate = torch.softmax(top_logits, -1) if self.renormalize else log_prob.exp()
+        keep = torch.ones_like(expert, dtype=torch.bool)
+        aux = {}
+        if self.balance_coef:
+            aux["balance"] = self.balance_coef * switch_balance(log_p.exp(), expert, keep)
+        return Routes(expert=expert, gate=gate, keep=keep, weight=torch.ones_like(gate),
+                      log_prob=log_prob, aux=aux)
+
+
+class NoisyTopKRouter(Router):
+    """Noisy top-k gating with the importance and load losses of Shazeer et al. (2017).
+
+    ``H(x) = x W_g + eps * softplus(x W_noise)`` with ``eps ~ N(0, 1)`` in training (eq. 4),
+    ``G(x) = softmax(KeepTopK(H(x), k))`` (eq. 3, 5). ``W_g`` and ``W_noise`` start at zero, as
+    in the paper. Auxiliary losses (Sec. 4, App. A):
+
+    * ``aux["importance"] = importance_coef * CV(sum_x G(x))^2`` (eq. 6-7);
+    * ``aux["load"] = load_coef * CV(Load)^2`` with the smooth load estimator of App. A
+      (eq. 8-11), differentiable through ``W_g`` and ``W_noise``.
+
+    Without training (``eval()``) no noise is added; the losses use the clean logits.
+
+    Args:
+        d_model: token width.
+        num_experts: ``E``.
+        k: experts per token.
+        importance_coef, load_coef: loss weights (the paper uses 0.1 each).
+        noise_epsilon: added to the softplus so the noise never vanishes (reference
+            implementations use 1e-2).
+    """
+
+    def __init__(self, d_model: int, num_experts: int, k: int = 2, *, importance_coef: float = 0.1,
+                 load_coef: float = 0.1, noise_epsilon: float = 1e-2) -> None:
+        super().__init__(d_model, num_experts, k)
+        self.k = self.slots
+        self.noise = nn.Linear(d_model, num_experts, bias=False)
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.noise.weight)
+        if not noise_epsilon > 0:
+            raise ValueError(f"noise_epsilon must be > 0, got {noise_epsilon!r}")
+        self.importance_coef, self.load_coef = float(importance_coef), float(load_coef)
+        self.noise_epsilon = float(noise_epsilon)
+        self._noise_std: Tensor | None = None
+
+    def forward(self, x: Tensor, capacity: int | None = None) -> Routes:
+        """Route ``x [tokens, d_model]``; see :meth:`Router.forward`."""
+        if x.ndim == 2 and x.shape[-1] == self.d_model:
+            raw = F.linear(x.float(), self.noise.weight.float())
+            self._noise_std = F.softplus(raw) + self.noise_epsilon
+        try:
+            return super().forward(x, capacity)
+        finally:
+            self._noise_std = None
+
+    def route(self, logits: Tensor, capacity: int | None) -> Routes:
+        std = self._noise_std
+        if std is None:
+            raise RuntimeError("NoisyTopKRouter.route needs the noise std of forward(); call the router on x")
+        n, E = logits.shape
+        if self.training:
+            eps = torch.randn(logits.shape, generator=self.generator, device=logits.device, dtype=logits.dtype)
+            noisy = logits + eps * std
+        else:
+            noisy = logits
+        top_values, top_index = noisy.topk(min(self.k + 1, E), dim=-1)
+        expert = top_index[:, : self.k]
+        gate = torch.softmax(top_values[:, : self.k], -1)
+        log_prob = torch.log_softmax(noisy, -1).gather(-1, expert)
+        aux = {}
+        if n and self.importance_coef:
+            full = torch.zeros_like(logits).scatter(-1, expert, gate)
+            aux["importance"] = self.importance_coef * cv_squared(full.sum(0))
+        if n and self.load_coef:
+            load = noisy_topk_load(logits, noisy, std, top_values, self.k)
+            aux["load"] = self.load_coef * cv_squared(load)
+        return Routes(expert=expert, gate=gate, keep=torch.ones_like(expert, dtype=torch.bool),
+                      weight=torch.ones_like(gate), log_prob=log_prob, aux=aux)

@@ -1,0 +1,137 @@
+"""Expert capacity: how many (token, slot) pairs each expert may process, and who is dropped.
+
+Every MoE layer enforces capacity here, in one place, for every router: a router proposes
+slots (``Routes.keep`` marks its candidates), :func:`apply_capacity` keeps at most ``capacity``
+candidates per expert and records the skip importance weight of Kool et al. (2021), eq. 3.
+Balanced routers (BASE, Gumbel-Matching, batchwise) already respect the capacity, so nothing of
+theirs is dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..assignment._groups import rank_within_groups
+
+__all__ = ["DROP_POLICIES", "CapacityDecision", "apply_capacity", "expert_capacity"]
+
+#: How candidates compete for an expert's capacity.
+#: ``position``: first slots before second slots, then earlier tokens first (Switch / GShard);
+#: ``score``: larger combine weight first (batch-prioritised routing);
+#: ``random``: uniformly at random (the skip estimator of Kool et al., for which eq. 3 is unbiased).
+DROP_POLICIES: tuple[str, ...] = ("position", "score", "random")
+
+
+def expert_capacity(num_tokens: int, num_experts: int, slots: float, capacity_factor: float | None) -> int:
+    """Capacity ``C = ceil(capacity_factor * tokens * slots / experts)``, at most ``tokens``.
+
+    Args:
+        num_tokens: tokens in the batch, ``n >= 0``.
+        num_experts: ``E >= 1``.
+        slots: average experts per token ``k`` (``E`` for dense softmax gating).
+        capacity_factor: ``> 0``; ``None`` means dropless (``C = n``: an expert can take every
+            token, since a token never chooses the same expert twice).
+
+    Returns:
+        The capacity (``0`` only when there are no tokens). It never exceeds ``n``: a larger
+        capacity could not be filled, so the buffer is not padded beyond it.
+
+    Raises:
+        ValueError: ``capacity_factor <= 0`` or not finite.
+    """
+    if capacity_factor is None:
+        return num_tokens
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not (
+        math.isfinite(capacity_factor) and capacity_factor > 0
+    ):
+        raise ValueError(
+            f"capacity_factor must be a finite number > 0 (or None for dropless routing), got {capacity_factor!r}"
+        )
+    c = math.ceil(capacity_factor * num_tokens * slots / num_experts - 1e-9)
+    return min(max(c, 1 if num_tokens else 0), num_tokens)
+
+
+@dataclass(frozen=True)
+class CapacityDecision:
+    """The result of :func:`apply_capacity`.
+
+    Attributes:
+        keep: ``BoolTensor [tokens, slots]`` — candidates that fit in their expert.
+        position: ``LongTensor [tokens, slots]`` — slot in the expert's buffer (``0 .. C-1``) of
+            every kept pair; undefined (but in range ``[0, tokens*slots)``) elsewhere.
+        load: ``LongTensor [experts]`` — candidates per expert before dropping (``n_z``).
+        kept: ``LongTensor [experts]`` — pairs kept per expert (``min(n_z, C)``).
+        skip_weight: ``Tensor [tokens, slots]`` — ``n_z / min(n_z, C)`` for kept pairs, 0 for
+            dropped ones (eq. 3 of Kool et al.; unbiased when ``policy="random"``).
+    """
+
+    keep: Tensor
+    position: Tensor
+    load: Tensor
+    kept: Tensor
+    skip_weight: Tensor
+
+
+def apply_capacity(
+    expert: Tensor,
+    candidate: Tensor,
+    capacity: int,
+    num_experts: int,
+    *,
+    policy: str = "position",
+    score: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> CapacityDecision:
+    """Keep at most ``capacity`` candidate pairs per expert.
+
+    Args:
+        expert: ``LongTensor [tokens, slots]`` chosen expert of every slot.
+        candidate: ``BoolTensor [tokens, slots]`` the router's own selection (False: the slot is
+            not used at all, e.g. outside a batchwise mask).
+        capacity: ``C >= 0`` pairs per expert.
+        num_experts: ``E``.
+        policy: one of :data:`DROP_POLICIES`.
+        score: ``[tokens, slots]`` priority for ``policy="score"`` (larger kept first).
+        generator: randomness for ``policy="random"``.
+
+    Returns:
+        A :class:`CapacityDecision`; ties in priority go to the earlier (slot, token).
+    """
+    if policy not in DROP_POLICIES:
+        raise ValueError(f"unknown drop policy {policy!r}; choose one of {', '.join(DROP_POLICIES)}")
+    n, s = expert.shape
+    device = expert.device
+    # Slot-major flattening: all first choices come before all second choices.
+    flat_expert = expert.t().reshape(-1)
+    flat_cand = candidate.t().reshape(-1)
+    group = torch.where(flat_cand, flat_expert, torch.full_like(flat_expert, num_experts))
+    if policy == "position":
+        priority = -torch.arange(n * s, device=device, dtype=torch.float64)
+    elif policy == "score":
+        if score is None:
+            raise ValueError("policy='score' needs score= [tokens, slots] priorities")
+        priority = score.detach().t().reshape(-1).to(torch.float64)
+    else:
+        priority = torch.rand(n * s, generator=generator, device=device, dtype=torch.float64)
+    rank = rank_within_groups(group, priority, num_experts + 1)
+    keep_flat = flat_cand & (rank < capacity)
+    load = torch.bincount(group, minlength=num_experts + 1)[:num_experts]
+    kept = torch.minimum(load, torch.as_tensor(capacity, device=device))
+    n_z = load.to(torch.float32)
+    factor = n_z / kept.clamp(min=1).to(torch.float32)
+    skip_flat = torch.where(keep_flat, factor[flat_expert.clamp(max=num_experts - 1)], torch.zeros((), device=device))
+
+    def unflat(t: Tensor) -> Tensor:
+        return t.reshape(s, n).t()
+
+    return CapacityDecision(
+        keep=unflat(keep_flat),
+        position=unflat(rank),
+        load=load,
+        kept=kept,
+        skip_weight=unflat(skip_flat),
+    )
