@@ -11,3 +11,8 @@ __all__ += ["MixtureOfAttentiveExperts"]
 from routelab.layers.multigate import MultiGateMoE, SharedBottom, StackedLinear  # noqa: E402
 
 __all__ += ["MultiGateMoE", "SharedBottom", "StackedLinear"]
+
+from routelab.layers.experts import StackedExperts  # noqa: E402
+from routelab.layers.moe import MoE  # noqa: E402
+
+__all__ += ["MoE", "StackedExperts"]
