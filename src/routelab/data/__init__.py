@@ -9,3 +9,7 @@ from routelab.data.errors import DataUnavailable
 from routelab.data.mnist import load_fashion_mnist, load_mnist
 
 __all__ = ["DataUnavailable", "load_fashion_mnist", "load_mnist"]
+
+from routelab.data.parallel_text import VersePair, load_parallel_text  # noqa: E402
+
+__all__ += ["VersePair", "load_parallel_text"]

@@ -1,0 +1,280 @@
+"""Block coordinate descent (BCD) training for mixtures of attentive experts, Peng et al. (2020) Alg. 1-3.
+
+The parameters of a model with :class:`~routelab.layers.mae.MixtureOfAttentiveExperts` layers
+split into the gates' ``phi`` (every ``layer.gate``) and everything else ``theta`` (the experts'
+attention weights and the rest of the model: embeddings, feed-forward layers, ...).
+
+* **G step** (Alg. 1): the output is the gate-weighted mixture (``routing="gate"``); only
+  ``phi`` is updated, by plain SGD with its own learning rate (paper: lr 1, no momentum).
+* **F step** (Alg. 2): each MAE layer samples one expert per instance from its gate, without
+  gradient (``routing="sample"``), and computes with that expert only (the other heads are
+  weighted 0, so they get no gradient from that instance); ``theta`` is updated by Adam, ``phi``
+  never.
+* **BCD epoch** (Alg. 3): at epochs ``e`` with ``e % g_every == 0`` every batch gets a G step
+  then an F step; otherwise only F steps (paper: ``g_every = 5``).
+
+The same trainer runs the paper's baselines (``mode``):
+
+* ``"bcd"``: MAE (above);
+* ``"uni"``: UNI-MAE, no learned gate: F steps with one expert drawn uniformly per instance,
+  and the uniform mixture (plain multi-head attention) at test time; no G steps;
+* ``"nobcd"``: NOBCD, joint training: every step uses the gate mixture and updates ``phi`` (SGD)
+  and ``theta`` (Adam) together;
+* ``"base"``: BASE, the plain transformer: uniform responsibilities (= ``nn.MultiheadAttention``,
+  eq. 5), only ``theta`` is trained.
+
+The same trainer fine-tunes (Sec. 5.2) with ``trainable`` restricting ``theta``, e.g. FTG:
+``mode="nobcd", trainable=lambda name, p: False`` (gates only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from routelab.layers.mae import MixtureOfAttentiveExperts, mae_modules, set_routing
+
+__all__ = ["MODES", "BCDTrainer", "gate_parameter_names"]
+
+MODES: tuple[str, ...] = ("bcd", "uni", "nobcd", "base")
+"""Training modes of :class:`BCDTrainer`: MAE with BCD, UNI-MAE, NOBCD, BASE."""
+
+_EVAL_ROUTING = {"bcd": "gate", "nobcd": "gate", "uni": "uniform", "base": "uniform"}
+
+
+def gate_parameter_names(model: nn.Module) -> set[str]:
+    """Names (as in ``model.named_parameters()``) of every MAE gate's parameters (``phi``)."""
+    names: set[str] = set()
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, MixtureOfAttentiveExperts):
+            prefix = f"{mod_name}.gate." if mod_name else "gate."
+            names.update(prefix + n for n, _ in mod.gate.named_parameters())
+    return names
+
+
+@contextmanager
+def _no_grad_for(params: Iterable[nn.Parameter]) -> Iterator[None]:
+    """Temporarily set ``requires_grad=False`` on ``params`` (restoring each flag after)."""
+    params = list(params)
+    flags = [p.requires_grad for p in params]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p, f in zip(params, flags):
+            p.requires_grad_(f)
+
+
+class BCDTrainer:
+    """Trains a model with MAE layers by block coordinate descent (or a baseline mode).
+
+    Args:
+        model: the model; must contain at least one :class:`MixtureOfAttentiveExperts`.
+        loss_fn: ``loss_fn(model, batch) -> scalar Tensor`` (mean loss of the batch); the MAE
+            layers route according to the step being taken.
+        mode: one of :data:`MODES`.
+        g_every: G steps are taken in epochs ``e`` with ``e % g_every == 0`` (mode ``"bcd"``).
+        gate_lr: SGD learning rate of the gates (no momentum; paper: 1).
+        lr, betas, weight_decay: Adam's, for ``theta``.
+        clip_norm: if set, clip ``theta``'s gradient norm to it before each Adam step.
+        trainable: optional filter ``(name, param) -> bool`` over the non-gate parameters; the
+            ones it rejects are never updated (fine-tuning FTG / FTG+). Default: all.
+        train_gates: if False, the gates are never updated (e.g. ``mode="bcd"`` without G
+            steps). Ignored (False) in modes ``"uni"`` and ``"base"``.
+        generator: the :class:`torch.Generator` for the experts sampled in F steps.
+
+    Attributes:
+        optimizer: Adam over the trainable ``theta`` (None if there is none).
+        gate_optimizer: SGD over ``phi`` (None if the gates are not trained).
+        steps: counts of ``{"g": ..., "f": ..., "joint": ..., "base": ...}`` steps taken.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[[nn.Module, Any], Tensor],
+        *,
+        mode: str = "bcd",
+        g_every: int = 5,
+        gate_lr: float = 1.0,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.98),
+        weight_decay: float = 0.0,
+        clip_norm: float | None = None,
+        trainable: Callable[[str, nn.Parameter], bool] | None = None,
+        train_gates: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+        if not isinstance(g_every, int) or g_every < 1:
+            raise ValueError(f"g_every must be a positive int (paper: 5), got {g_every!r}.")
+        if gate_lr <= 0 or lr <= 0:
+            raise ValueError(f"gate_lr and lr must be positive, got {gate_lr} and {lr}.")
+        self.mae = mae_modules(model)
+        if not self.mae:
+            raise ValueError(
+                "model contains no MixtureOfAttentiveExperts layer; build it with "
+                "MixtureOfAttentiveExperts (or from_multihead_attention) first."
+            )
+        self.model = model
+        self.loss_fn = loss_fn
+        self.mode = mode
+        self.g_every = g_every
+        self.clip_norm = clip_norm
+        self.generator = generator
+        gate_names = gate_parameter_names(model)
+        named = dict(model.named_parameters())
+        self.gate_params: list[nn.Parameter] = [named[n] for n in sorted(gate_names)]
+        self.theta_params: list[nn.Parameter] = [
+            p
+            for n, p in model.named_parameters()
+            if n not in gate_names and (trainable is None or trainable(n, p))
+        ]
+        self.frozen_params: list[nn.Parameter] = [
+            p for n, p in model.named_parameters() if n not in gate_names and not (trainable is None or trainable(n, p))
+        ]
+        self.train_gates = train_gates and mode in ("bcd", "nobcd")
+        self.optimizer = (
+            torch.optim.Adam(self.theta_params, lr=lr, betas=betas, weight_decay=weight_decay)
+            if self.theta_params
+            else None
+        )
+        self.gate_optimizer = (
+            torch.optim.SGD(self.gate_params, lr=gate_lr, momentum=0.0) if self.train_gates else None
+        )
+        self.steps = {"g": 0, "f": 0, "joint": 0, "base": 0}
+
+    # ------------------------------------------------------------------ routing
+
+    @property
+    def eval_routing(self) -> str:
+        """The routing at test time: the gate mixture (bcd, nobcd) or uniform (uni, base)."""
+        return _EVAL_ROUTING[self.mode]
+
+    def set_eval_routing(self) -> None:
+        """Route every MAE layer as at test time (:attr:`eval_routing`)."""
+        set_routing(self.model, self.eval_routing)
+
+    # ------------------------------------------------------------------ steps
+
+    def _zero(self) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+
+    def _forward_backward(self, batch: Any) -> Tensor:
+        loss = self.loss_fn(self.model, batch)
+        if loss.dim() != 0:
+            raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}.")
+        loss.backward()
+        return loss.detach()
+
+    def _step_theta(self) -> None:
+        if self.optimizer is None:
+            return
+        if self.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.theta_params, self.clip_norm)
+        self.optimizer.step()
+
+    def g_step(self, batch: Any) -> float:
+        """Alg. 1: gate mixture forward, update only the gates (SGD). Returns the loss."""
+        if self.gate_optimizer is None:
+            raise ValueError(f"no G step in mode {self.mode!r} (the gates are not trained).")
+        self.model.train()
+        set_routing(self.model, "gate")
+        self._zero()
+        gate_ids = {id(p) for p in self.gate_params}
+        others = [p for p in self.model.parameters() if id(p) not in gate_ids]
+        with _no_grad_for(others):  # no weight gradients for theta: cheaper, nothing to leak
+            loss = self._forward_backward(batch)
+        self.gate_optimizer.step()
+        self._zero()
+        self.steps["g"] += 1
+        return float(loss)
+
+    def f_step(self, batch: Any) -> float:
+        """Alg. 2: one expert per instance sampled from the gates (uniformly in mode "uni"),
+        forward with it only, update ``theta`` (Adam), never the gates. Returns the loss."""
+        if self.mode not in ("bcd", "uni"):
+            raise ValueError(f"no F step in mode {self.mode!r}; use train_step().")
+        self.model.train()
+        set_routing(self.model, "sample" if self.mode == "bcd" else "uniform_sample", self.generator)
+        self._zero()
+        with _no_grad_for(self.gate_params + self.frozen_params):
+            loss = self._forward_backward(batch)
+        self._step_theta()
+        self._zero()
+        self.steps["f"] += 1
+        return float(loss)
+
+    def joint_step(self, batch: Any) -> float:
+        """NOBCD: gate mixture forward; gates (SGD) and ``theta`` (Adam) updated together."""
+        self.model.train()
+        set_routing(self.model, "gate" if self.mode == "nobcd" else "uniform")
+        self._zero()
+        with _no_grad_for(self.frozen_params):
+            loss = self._forward_backward(batch)
+        if self.gate_optimizer is not None:
+            self.gate_optimizer.step()
+        self._step_theta()
+        self._zero()
+        self.steps["joint" if self.mode == "nobcd" else "base"] += 1
+        return float(loss)
+
+    def train_step(self, batch: Any, epoch: int) -> dict[str, float]:
+        """One batch of Alg. 3 (or of the baseline mode) at epoch ``epoch`` (0-based).
+
+        Returns:
+            ``{"loss": ...}`` (the F / joint step's loss) plus ``"g_loss"`` if a G step was taken.
+        """
+        if self.mode == "bcd":
+            out: dict[str, float] = {}
+            if self.train_gates and epoch % self.g_every == 0:
+                out["g_loss"] = self.g_step(batch)
+            out["loss"] = self.f_step(batch)
+            return out
+        if self.mode == "uni":
+            return {"loss": self.f_step(batch)}
+        return {"loss": self.joint_step(batch)}
+
+    def train_epoch(self, batches: Iterable[Any], epoch: int) -> dict[str, float]:
+        """Alg. 3 over ``batches``. Returns mean ``loss`` (and ``g_loss``) and step counts."""
+        total, g_total, n, n_g = 0.0, 0.0, 0, 0
+        for batch in batches:
+            out = self.train_step(batch, epoch)
+            total += out["loss"]
+            n += 1
+            if "g_loss" in out:
+                g_total += out["g_loss"]
+                n_g += 1
+        self.set_eval_routing()
+        res = {"loss": total / max(n, 1), "batches": float(n), "g_steps": float(n_g)}
+        if n_g:
+            res["g_loss"] = g_total / n_g
+        return res
+
+    # ------------------------------------------------------------------ resume
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer states, step counts and the sampling generator's state (not the model)."""
+        return {
+            "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+            "gate_optimizer": None if self.gate_optimizer is None else self.gate_optimizer.state_dict(),
+            "steps": dict(self.steps),
+            "generator": None if self.generator is None else self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        if self.optimizer is not None and state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.gate_optimizer is not None and state.get("gate_optimizer") is not None:
+            self.gate_optimizer.load_state_dict(state["gate_optimizer"])
+        self.steps = dict(state.get("steps", self.steps))
+        if self.generator is not None and state.get("generator") is not None:
+            self.generator.set_state(state["generator"])
