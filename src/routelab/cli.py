@@ -4,6 +4,7 @@ Subcommands::
 
     routelab reproduce [NAME ...] [--quick] [--out DIR]   run experiments, write DIR/report.md
     routelab bench assignment [--quick] [--threads N] [--device cpu|cuda] [--out FILE]
+    routelab bench moe [--quick] [--threads N] [--device cpu|cuda] [--out FILE]
     routelab list                                         list the registered experiments
 
 Exit codes: 0 on success, 2 on a usage error (unknown experiment, bad option).
@@ -29,7 +30,7 @@ __all__ = ["main", "build_parser"]
 EXIT_OK = 0
 EXIT_USAGE = 2
 
-BENCHMARKS: tuple[str, ...] = ("assignment",)
+BENCHMARKS: tuple[str, ...] = ("assignment", "moe")
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -181,7 +182,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             return _error("--device cuda was requested but torch.cuda.is_available() is False.")
-    text = _run_assignment_benchmark(quick=args.quick, threads=args.threads, device=args.device)
+    if args.benchmark == "moe":
+        from routelab.bench.moe import run_benchmark as run_moe  # lazy: heavy
+
+        text = run_moe(quick=args.quick, threads=args.threads or 1, device=args.device, out=sys.stdout)
+    else:
+        text = _run_assignment_benchmark(quick=args.quick, threads=args.threads, device=args.device)
     if args.out is not None:
         path = atomic_write_text(args.out, text.rstrip("\n") + "\n")
         print(f"table: {path}")

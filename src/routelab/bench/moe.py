@@ -1,0 +1,613 @@
+"""Benchmark of the MoE layer (``routelab bench moe``): forward + backward throughput and memory.
+
+For every ``(E, k)`` of a grid (``d_model``, ``d_hidden`` and the number of tokens fixed), one
+:class:`routelab.layers.MoE` with the ``topk`` router (``capacity_factor`` 1, position drop
+policy) is compared with two references that use **the same router and the same stacked
+weights**, so that all three compute the same outputs (checked in the run):
+
+* ``moe`` — the layer itself: route, capacity, gather into ``[E, C, d]`` buffers, two batched
+  matmuls, gather back and combine.
+* ``naive`` — the loop of common reference implementations (e.g. the Mixtral sparse MoE block
+  of ``transformers``): the same routes and capacity decision, then ``for e in range(E)``: the
+  tokens of expert ``e`` by ``nonzero`` of a boolean mask, the expert as two ``addmm`` calls on
+  ``w1[e]``/``w2[e]``, the weighted output added back with ``index_add_``.
+* ``dense`` — every expert on every token (``baddbmm`` over ``[E, tokens, d]``), combined with a
+  ``[tokens, E]`` gate matrix that is zero outside the kept routes.
+
+Measured per size and implementation, all in the same run:
+
+* throughput: tokens / s of one forward + backward (``y.backward(grad)`` with a fixed random
+  ``grad``), median over timed calls after one untimed warm-up; the implementations are timed
+  round-robin (``moe, naive, dense, moe, ...``) so that a change of load on the machine hits
+  all of them alike;
+* the share of the layer's time that is not the experts: the experts alone (the
+  ``StackedExperts`` forward + backward on a ``[E, C, d]`` buffer of the layer's shape, i.e. the
+  two batched matmuls, biases and activation) are timed in the same round-robin, and
+  ``overhead = 1 - t_experts / t_moe`` is the fraction spent in routing, capacity, dispatch
+  and combine;
+* peak memory of one forward + backward above the memory held before it (weights, inputs):
+  ``torch.cuda.max_memory_allocated`` on CUDA; on CPU the peak resident set size (``VmHWM`` of
+  ``/proc/self/status``, reset through ``/proc/self/clear_refs``) with glibc's ``mmap``
+  threshold fixed at 64 KiB so that freed large tensors leave the resident set at once;
+* the largest relative difference of ``y`` and of the input gradient between each reference
+  and the layer.
+
+Entry point: :func:`run_benchmark`; the measuring is :func:`_benchmark`, parameterised by a
+:class:`BenchConfig` (the tests run it on tiny sizes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from typing import TextIO
+
+import torch
+from torch import Tensor
+
+import routelab
+from routelab.layers import MoE
+from routelab.routing import apply_capacity
+
+__all__ = ["FULL", "QUICK", "BenchConfig", "IMPLEMENTATIONS", "dense_forward", "naive_forward", "run_benchmark"]
+
+#: The compared implementations, in timing order.
+IMPLEMENTATIONS: tuple[str, ...] = ("moe", "naive", "dense")
+
+#: Relative tolerance of the "same outputs" check (float32, different summation orders).
+SAME_RTOL = 1e-4
+
+#: Target of the issue: routing + dispatch + combine below this share of the layer's time.
+OVERHEAD_TARGET = 0.15
+#: Target of the issue: at least this speed-up over the naive loop at E = 64 on GPU.
+SPEEDUP_TARGET = 2.0
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """The sizes and repeats of one benchmark run.
+
+    Attributes:
+        d_model, d_hidden: expert widths.
+        tokens: tokens per batch (``n``).
+        experts: the numbers of experts ``E`` measured.
+        ks: the top-k values measured.
+        repeats: timed calls per implementation after the warm-up.
+        budget_s: at most about this many seconds of timed calls per implementation and size
+            (fewer timed calls, at least one, when the warm-up shows the repeats do not fit).
+        capacity_factor: the layer's capacity factor.
+        dense_limit_gib: the dense reference is skipped where its ``[E, tokens, d_hidden]``
+            activations (pre-activation and activation, float32) would exceed this many GiB.
+        seed: seed of the inputs and of the weights.
+    """
+
+    d_model: int = 512
+    d_hidden: int = 2048
+    tokens: int = 8192
+    experts: tuple[int, ...] = (8, 64)
+    ks: tuple[int, ...] = (1, 2)
+    repeats: int = 3
+    budget_s: float = 30.0
+    capacity_factor: float = 1.0
+    dense_limit_gib: float = 4.0
+    seed: int = 0
+
+
+#: The issue's sizes: E in {8, 64}, d_model 512, d_hidden 2048, 8192 tokens, top-1 and top-2.
+FULL = BenchConfig()
+#: Small sizes for a smoke run (seconds).
+QUICK = BenchConfig(d_model=64, d_hidden=256, tokens=1024, experts=(8, 64), ks=(1, 2), repeats=3, budget_s=5.0)
+
+
+# ---------------------------------------------------------------------------- references
+
+
+def _routes_after_capacity(moe: MoE, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The layer's routing decision on ``x [tokens, d_model]``: ``(expert, combine, keep)``, each ``[tokens, slots]``."""
+    n = x.shape[0]
+    capacity = moe.capacity(n)
+    proposed = moe.router(x, capacity)
+    decision = apply_capacity(proposed.expert, proposed.keep, capacity, moe.num_experts, policy=moe.drop_policy,
+                              score=proposed.gate, generator=moe.generator)
+    combine = proposed.gate
+    if moe.importance_weighting:
+        combine = combine * proposed.weight * decision.skip_weight.to(proposed.weight.dtype)
+    return proposed.expert, combine, decision.keep
+
+
+def naive_forward(moe: MoE, x: Tensor) -> Tensor:
+    """The Mixtral-style reference: a Python loop over experts with boolean masks.
+
+    Same router, capacity decision and weights as ``moe`` (so the same output), but every
+    expert gathers its tokens with ``nonzero`` and runs as its own two ``addmm`` calls, and the
+    weighted outputs are added back with ``index_add_``.
+
+    Args:
+        moe: the layer whose router and ``experts`` weights are used.
+        x: ``[tokens, d_model]``.
+
+    Returns:
+        ``[tokens, d_model]``.
+    """
+    expert, combine, keep = _routes_after_capacity(moe, x)
+    ex = moe.experts
+    y = torch.zeros_like(x)
+    for e in range(moe.num_experts):
+        tok, slot = torch.nonzero((expert == e) & keep, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        xe = x[tok]
+        h = torch.addmm(ex.b1[e, 0], xe, ex.w1[e]) if ex.b1 is not None else xe @ ex.w1[e]
+        h = ex.activation(h)
+        ye = torch.addmm(ex.b2[e, 0], h, ex.w2[e]) if ex.b2 is not None else h @ ex.w2[e]
+        y.index_add_(0, tok, ye * combine[tok, slot, None].to(ye.dtype))
+    return y
+
+
+def dense_forward(moe: MoE, x: Tensor) -> Tensor:
+    """The dense reference: every expert on every token, combined with a masked gate.
+
+    Args:
+        moe: the layer whose router and weights are used.
+        x: ``[tokens, d_model]``.
+
+    Returns:
+        ``[tokens, d_model]``: ``sum_e W[t, e] FFN_e(x_t)`` with ``W [tokens, E]`` the combine
+        weights of the kept routes (zero elsewhere).
+    """
+    expert, combine, keep = _routes_after_capacity(moe, x)
+    n, E = x.shape[0], moe.num_experts
+    weights = torch.zeros(n, E, dtype=combine.dtype, device=x.device).scatter_add(
+        1, expert, torch.where(keep, combine, torch.zeros_like(combine)))
+    out = moe.experts(x.unsqueeze(0).expand(E, n, x.shape[-1]))  # [E, n, d]
+    return torch.einsum("ne,end->nd", weights.to(out.dtype), out)
+
+
+def _moe_forward(moe: MoE, x: Tensor) -> Tensor:
+    return moe(x)[0]
+
+
+FORWARDS: dict[str, Callable[[MoE, Tensor], Tensor]] = {
+    "moe": _moe_forward,
+    "naive": naive_forward,
+    "dense": dense_forward,
+}
+
+
+# ---------------------------------------------------------------------------- memory
+
+
+class _PeakMemory:
+    """Peak memory of a block of code above the memory in use when it starts, in bytes.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``. CPU: the
+    peak resident set size (``VmHWM``) after resetting it through ``/proc/self/clear_refs``,
+    minus the resident set size at the start (Linux only; ``None`` elsewhere).
+    """
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.available = device == "cuda" or _cpu_peak_supported()
+        self.start = 0
+
+    def __enter__(self) -> _PeakMemory:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.start = torch.cuda.memory_allocated()
+        elif self.available:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.start = _proc_status_kib("VmRSS") * 1024
+        return self
+
+    def peak(self) -> int | None:
+        """Peak bytes above the start (call after the block)."""
+        if not self.available:
+            return None
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.start
+        return _proc_status_kib("VmHWM") * 1024 - self.start
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _proc_status_kib(key: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        match = re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.MULTILINE)
+    if match is None:
+        raise OSError(f"/proc/self/status has no {key}")
+    return int(match.group(1))
+
+
+_MALLOPT_DONE = False
+
+
+def _cpu_peak_supported() -> bool:
+    """Whether the CPU peak can be measured here; fixes glibc's mmap threshold the first time."""
+    global _MALLOPT_DONE
+    try:
+        _proc_status_kib("VmHWM")
+        if not os.access("/proc/self/clear_refs", os.W_OK):
+            return False
+    except OSError:
+        return False
+    if not _MALLOPT_DONE:
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+            libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD = 64 KiB: large blocks go back to the OS on free
+        except OSError:
+            return False
+        _MALLOPT_DONE = True
+    return True
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+@dataclass
+class Row:
+    """Everything measured at one size ``(E, k)``.
+
+    Attributes:
+        experts, k: the size.
+        capacity: the layer's per-expert capacity ``C``.
+        dropped: fraction of the (token, slot) pairs dropped by the capacity.
+        ms: median ms of one forward + backward, by implementation (absent: skipped).
+        runs: timed calls, by implementation (and ``"experts"``).
+        experts_ms: median ms of the experts alone on the layer's ``[E, C, d]`` buffer.
+        peak_bytes: peak memory above the start, by implementation (``None``: not measurable).
+        max_rel_diff: by reference, ``max(rel. diff of y, rel. diff of dL/dx)`` against the layer.
+        skipped: why an implementation was not run, by implementation.
+    """
+
+    experts: int
+    k: int
+    capacity: int = 0
+    dropped: float = 0.0
+    ms: dict[str, float] = field(default_factory=dict)
+    runs: dict[str, int] = field(default_factory=dict)
+    experts_ms: float | None = None
+    peak_bytes: dict[str, int | None] = field(default_factory=dict)
+    max_rel_diff: dict[str, float] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def overhead(self) -> float | None:
+        """``1 - t_experts / t_moe``: the share of the layer's time outside the experts."""
+        if self.experts_ms is None or "moe" not in self.ms:
+            return None
+        return 1.0 - self.experts_ms / self.ms["moe"]
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _rel_diff(a: Tensor, b: Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def _measure(E: int, k: int, cfg: BenchConfig, device: str) -> Row:
+    """Measure every implementation at one size."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # the layer's initialisation
+    moe = MoE(cfg.d_model, cfg.d_hidden, E, router="topk", k=k, capacity_factor=cfg.capacity_factor).to(device)
+    moe.train()
+    x = torch.randn(cfg.tokens, cfg.d_model, generator=gen).to(device).requires_grad_(True)
+    grad_out = torch.randn(cfg.tokens, cfg.d_model, generator=gen).to(device)
+    params = list(moe.parameters())
+    row = Row(experts=E, k=k)
+
+    dense_gib = 2 * E * cfg.tokens * cfg.d_hidden * 4 / 2**30
+    impls = list(IMPLEMENTATIONS)
+    if dense_gib > cfg.dense_limit_gib:
+        impls.remove("dense")
+        row.skipped["dense"] = (f"its [E, tokens, d_hidden] activations alone need {dense_gib:.0f} GiB "
+                                f"(limit {cfg.dense_limit_gib:g} GiB)")
+
+    def clear() -> None:
+        x.grad = None
+        for p in params:
+            p.grad = None
+
+    def step(name: str) -> Tensor:
+        y = FORWARDS[name](moe, x)
+        y.backward(grad_out)
+        return y
+
+    # The layer's buffer shape, for the experts-alone timing.
+    with torch.no_grad():
+        _, routes = moe(x)
+    row.capacity = int(routes.stats["capacity"])
+    row.dropped = float(routes.stats["dropped_fraction"])
+    buffer = torch.randn(E, row.capacity, cfg.d_model, generator=gen).to(device).requires_grad_(True)
+    grad_buffer = torch.randn(E, row.capacity, cfg.d_model, generator=gen).to(device)
+
+    def experts_step() -> None:
+        buffer.grad = None
+        for p in moe.experts.parameters():
+            p.grad = None
+        moe.experts(buffer).backward(grad_buffer)
+
+    # Warm-up, which also checks the outputs (y and dL/dx) against the layer.
+    warm: dict[str, float] = {}
+    reference: tuple[Tensor, Tensor] | None = None
+    for name in impls:
+        clear()
+        _sync(device)
+        t0 = time.perf_counter()
+        y = step(name)
+        _sync(device)
+        warm[name] = time.perf_counter() - t0
+        result = (y.detach().clone(), x.grad.detach().clone())
+        if name == "moe":
+            reference = result
+        else:
+            assert reference is not None
+            row.max_rel_diff[name] = max(_rel_diff(result[0], reference[0]), _rel_diff(result[1], reference[1]))
+    _sync(device)
+    t0 = time.perf_counter()
+    experts_step()
+    _sync(device)
+    warm["experts"] = time.perf_counter() - t0
+
+    # Timed calls, round-robin.
+    runs = {name: max(1, min(cfg.repeats, int(cfg.budget_s / max(t, 1e-9)))) for name, t in warm.items()}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(max(runs.values())):
+        for name in runs:
+            if r >= runs[name]:
+                continue
+            if name == "experts":
+                _sync(device)
+                t0 = time.perf_counter()
+                experts_step()
+            else:
+                clear()
+                _sync(device)
+                t0 = time.perf_counter()
+                step(name)
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+    for name, ts in times.items():
+        ms = 1e3 * statistics.median(ts)
+        if name == "experts":
+            row.experts_ms = ms
+        else:
+            row.ms[name] = ms
+    row.runs = runs
+
+    # Peak memory, one call each.
+    for name in impls:
+        clear()
+        meter = _PeakMemory(device)
+        with meter:
+            step(name)
+        row.peak_bytes[name] = meter.peak()
+    clear()
+    return row
+
+
+# ---------------------------------------------------------------------------- rendering
+
+
+TABLE_HEADER = (
+    "| E | k | C | dropped | moe tok/s | naive tok/s | dense tok/s | moe / naive | moe / dense "
+    "| non-expert share of moe | moe peak MiB | naive peak MiB | dense peak MiB | same outputs |",
+    "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+)
+
+
+def _tok_s(tokens: int, ms: float | None) -> str:
+    if ms is None:
+        return "—"
+    v = tokens / (ms / 1e3)
+    return f"{v / 1e3:.1f}k" if v < 1e6 else f"{v / 1e6:.2f}M"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None:
+        return "—"
+    r = b / a  # time ratio = throughput ratio
+    return f"{r:.1f}x" if r < 100 else f"{r:.0f}x"
+
+
+def _mib(b: int | None) -> str:
+    return "—" if b is None else f"{b / 2**20:.0f}"
+
+
+def render_row(row: Row, tokens: int) -> str:
+    """One markdown table row."""
+    same = all(d <= SAME_RTOL for d in row.max_rel_diff.values())
+    diffs = ", ".join(f"{n} {d:.1e}" for n, d in row.max_rel_diff.items())
+    overhead = row.overhead
+    cells = [
+        str(row.experts), str(row.k), str(row.capacity), f"{row.dropped:.1%}",
+        _tok_s(tokens, row.ms.get("moe")), _tok_s(tokens, row.ms.get("naive")),
+        _tok_s(tokens, row.ms.get("dense")) if "dense" in row.ms else "skipped",
+        _ratio(row.ms.get("moe"), row.ms.get("naive")), _ratio(row.ms.get("moe"), row.ms.get("dense")),
+        "—" if overhead is None else f"{overhead:.1%}",
+        _mib(row.peak_bytes.get("moe")), _mib(row.peak_bytes.get("naive")),
+        _mib(row.peak_bytes.get("dense")) if "dense" in row.peak_bytes else "skipped",
+        ("yes" if same else "**no**") + f" ({diffs})",
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _verdicts(rows: Sequence[Row], device: str) -> list[str]:
+    """The two targets of the issue, judged from ``rows``."""
+    lines = ["", "Targets:", ""]
+    big = [r for r in rows if r.experts == 64 and "naive" in r.ms]
+    if device != "cuda":
+        measured = "; ".join(f"k={r.k}: {r.ms['naive'] / r.ms['moe']:.1f}x" for r in big)
+        lines.append(f"- at least {SPEEDUP_TARGET:g}x the naive loop at E = 64 **on GPU**: not measured "
+                     f"(this run is on {device}; on {device} at E = 64: {measured or 'not in this grid'}).")
+    elif big:
+        ok = all(r.ms["naive"] / r.ms["moe"] >= SPEEDUP_TARGET for r in big)
+        lines.append(f"- at least {SPEEDUP_TARGET:g}x the naive loop at E = 64 on GPU: "
+                     f"{'met' if ok else 'not met'} ("
+                     + "; ".join(f"k={r.k}: {r.ms['naive'] / r.ms['moe']:.1f}x" for r in big) + ").")
+    else:
+        lines.append(f"- at least {SPEEDUP_TARGET:g}x the naive loop at E = 64 on GPU: E = 64 not in this grid.")
+    shares = [(r, r.overhead) for r in rows if r.overhead is not None]
+    if shares:
+        ok = all(s < OVERHEAD_TARGET for _, s in shares)
+        lines.append(f"- routing + capacity + dispatch + combine below {OVERHEAD_TARGET:.0%} of the layer's time "
+                     f"(top-k, {device}): {'met' if ok else 'not met'} at "
+                     + ", ".join(f"E={r.experts} k={r.k}: {s:.1%}" for r, s in shares) + ".")
+    return lines
+
+
+def _notes(rows: Sequence[Row], cfg: BenchConfig, device: str) -> list[str]:
+    memory = ("`torch.cuda.max_memory_allocated` during the call minus `torch.cuda.memory_allocated` before it"
+              if device == "cuda" else
+              "the peak resident set size (`VmHWM`, reset through `/proc/self/clear_refs`) during the call minus "
+              "the resident set size before it, with glibc's mmap threshold fixed at 64 KiB so that freed "
+              "tensors leave the resident set; it includes the weight gradients "
+              f"({2 * cfg.d_model * cfg.d_hidden * 4 / 2**20:.1f} MiB per expert without biases) and allocator "
+              "slack, so compare the columns with each other rather than with a tensor count")
+    lines = [
+        "",
+        "Notes:",
+        "",
+        f"- One forward + backward (`y.backward(g)`, `g` fixed random) of {cfg.tokens} tokens, d_model "
+        f"{cfg.d_model}, d_hidden {cfg.d_hidden}, GELU experts with biases, float32, `topk` router "
+        f"(softmax probabilities of the chosen experts as combine weights), capacity factor "
+        f"{cfg.capacity_factor:g} (C = ceil(factor * tokens * k / E)), `position` drop policy. "
+        "tok/s = tokens / median time.",
+        "- naive: the same router and capacity decision, then `for e in range(E)`: `nonzero` of "
+        "`(expert == e) & keep`, `addmm` with `w1[e]`, GELU, `addmm` with `w2[e]`, `index_add_` of the "
+        "weighted output (the style of `transformers`' Mixtral sparse MoE block). dense: all E experts on "
+        "all tokens by `baddbmm` over `[E, tokens, d]`, combined with a `[tokens, E]` gate matrix that is "
+        "zero outside the kept routes. Both use the layer's own stacked weights.",
+        f"- same outputs: the largest relative difference (max |Δ| / max |reference|) of y and of dL/dx "
+        f"against the layer is at most {SAME_RTOL:g}; the measured differences are in brackets.",
+        "- non-expert share = 1 − t_experts / t_moe, where t_experts is the time of the experts alone "
+        "(`StackedExperts` forward + backward: the two batched matmuls, biases and GELU) on a buffer of "
+        "the layer's shape [E, C, d_model], timed in the same round-robin: the share of the layer spent "
+        "in the router, capacity, dispatch and combine (and their backward).",
+        f"- peak MiB: {memory}.",
+        "- Times are medians over timed calls after one untimed warm-up; the implementations are timed "
+        "round-robin. Timed calls per implementation: "
+        + "; ".join(f"E={r.experts} k={r.k}: " + ", ".join(f"{n} {c}" for n, c in r.runs.items()) for r in rows)
+        + ".",
+    ]
+    for r in rows:
+        for name, why in r.skipped.items():
+            lines.append(f"- {name} skipped at E={r.experts}, k={r.k}: {why}.")
+    return lines
+
+
+# ---------------------------------------------------------------------------- driver
+
+
+def _benchmark(cfg: BenchConfig, *, device: str = "cpu", out: TextIO | None = None) -> tuple[str, list[Row]]:
+    """Measure every ``(E, k)`` of ``cfg``; return the markdown table with notes, and the rows.
+
+    Rows are written to ``out`` as they are measured.
+    """
+    lines: list[str] = []
+
+    def emit(*new: str) -> None:
+        for line in new:
+            lines.append(line)
+            if out is not None:
+                print(line, file=out, flush=True)
+
+    emit(*TABLE_HEADER)
+    rows = []
+    for E in cfg.experts:
+        for k in cfg.ks:
+            if k > E:
+                raise ValueError(f"k={k} is larger than E={E} in the benchmark grid")
+            row = _measure(E, k, cfg, device)
+            rows.append(row)
+            emit(render_row(row, cfg.tokens))
+    emit(*_verdicts(rows, device))
+    emit(*_notes(rows, cfg, device))
+    return "\n".join(lines) + "\n", rows
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _header(quick: bool, device: str, cfg: BenchConfig) -> list[str]:
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    try:
+        load = f"{os.getloadavg()[0]:.2f}"
+    except (AttributeError, OSError):
+        load = "unavailable"
+    gpu = f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""
+    return [
+        f"**routelab MoE layer benchmark** ({'quick' if quick else 'full'} mode)",
+        "",
+        f"- CPU: {_cpu_model()} ({os.cpu_count()} logical CPUs); torch threads: {torch.get_num_threads()}",
+        f"- device: {device}{gpu}; routelab {routelab.__version__}, torch {torch.__version__}, "
+        f"Python {platform.python_version()}",
+        f"- date: {stamp}; 1-minute load average at start: {load}",
+        f"- sizes: E in {list(cfg.experts)}, top-k in {list(cfg.ks)}, d_model {cfg.d_model}, "
+        f"d_hidden {cfg.d_hidden}, {cfg.tokens} tokens",
+        "",
+    ]
+
+
+def run_benchmark(*, quick: bool = False, threads: int = 1, device: str = "cpu", out: TextIO | None = None,
+                  config: BenchConfig | None = None) -> str:
+    """Run the MoE benchmark and return its markdown report.
+
+    Args:
+        quick: small sizes (:data:`QUICK`) instead of the issue's (:data:`FULL`).
+        threads: torch intra-op threads for the run (restored afterwards).
+        device: ``"cpu"`` or ``"cuda"``.
+        out: stream the report to this file as it is measured.
+        config: explicit sizes (overrides ``quick``).
+
+    Returns:
+        The markdown report: machine facts, the table, targets and notes.
+
+    Raises:
+        ValueError: unknown device, ``device="cuda"`` without CUDA, or ``threads < 1``.
+    """
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but torch.cuda.is_available() is False "
+                         "(this torch build or machine has no usable CUDA GPU); use device='cpu'")
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a positive integer, got {threads!r}")
+    cfg = config if config is not None else (QUICK if quick else FULL)
+    if device == "cuda":  # the dense reference fits on a GPU
+        cfg = replace(cfg, dense_limit_gib=max(cfg.dense_limit_gib, 16.0))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    try:
+        head = _header(quick, device, cfg)
+        if out is not None:
+            print("\n".join(head), file=out, flush=True)
+        table, _ = _benchmark(cfg, device=device, out=out)
+        tail = f"\nWall time of the benchmark: {time.perf_counter() - t0:.0f} s.\n"
+        if out is not None:
+            print(tail, file=out, flush=True)
+        return "\n".join(head) + "\n" + table + tail
+    finally:
+        torch.set_num_threads(previous)

@@ -1,0 +1,116 @@
+"""Correctness tests of routelab.bench.moe on tiny sizes (never timing: seconds in all)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+
+from routelab import cli
+from routelab.bench import moe as bench
+from routelab.layers import MoE
+
+TINY = bench.BenchConfig(d_model=16, d_hidden=32, tokens=64, experts=(4, 8), ks=(1, 2), repeats=1, budget_s=1.0)
+
+
+def table_rows(markdown: str) -> tuple[list[str], list[list[str]]]:
+    """Header cells and body rows of the first markdown table in ``markdown``."""
+    lines = [line for line in markdown.splitlines() if line.startswith("|")]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    return cells[0], cells[2:]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.0, None])
+def test_references_match_the_layer(k: int, capacity_factor: float | None) -> None:
+    torch.manual_seed(0)
+    moe = MoE(8, 16, 4, router="topk", k=k, capacity_factor=capacity_factor)
+    x = torch.randn(40, 8, requires_grad=True)
+    y, routes = moe(x)
+    if capacity_factor == 0.5:
+        assert float(routes.stats["dropped_fraction"]) > 0  # the references must drop the same pairs
+    g = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, g)
+    for fn in (bench.naive_forward, bench.dense_forward):
+        y_ref = fn(moe, x)
+        (gx_ref,) = torch.autograd.grad(y_ref, x, g)
+        torch.testing.assert_close(y_ref, y, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gx_ref, gx, rtol=1e-5, atol=1e-6)
+
+
+def test_references_use_the_layer_weights() -> None:
+    torch.manual_seed(1)
+    moe = MoE(8, 16, 4, router="topk", k=2)
+    x = torch.randn(32, 8)
+    g = torch.randn(32, 8)
+    grads = []
+    for fn in (lambda m, t: m(t)[0], bench.naive_forward, bench.dense_forward):
+        moe.zero_grad(set_to_none=True)
+        fn(moe, x).backward(g)
+        grads.append((moe.experts.w1.grad.clone(), moe.router.proj.weight.grad.clone()))
+    for w1, proj in grads[1:]:
+        torch.testing.assert_close(w1, grads[0][0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(proj, grads[0][1], rtol=1e-5, atol=1e-6)
+
+
+def test_benchmark_tiny_grid() -> None:
+    out = io.StringIO()
+    text, rows = bench._benchmark(TINY, out=out)
+    assert out.getvalue() == text  # streamed as measured
+    header, body = table_rows(text)
+    col = {name: i for i, name in enumerate(header)}
+    assert [(int(r[col["E"]]), int(r[col["k"]])) for r in body] == [(4, 1), (4, 2), (8, 1), (8, 2)]
+    for r, row in zip(body, rows):
+        assert r[col["same outputs"]].startswith("yes")
+        assert set(row.ms) == set(bench.IMPLEMENTATIONS)
+        assert all(v > 0 for v in row.ms.values())
+        assert row.experts_ms is not None and row.overhead is not None and row.overhead < 1
+        assert row.capacity == -(-TINY.tokens * row.k // row.experts)
+        assert r[col["moe / naive"]].endswith("x")
+    assert "Targets:" in text and "not measured" in text  # the GPU target is not claimed on CPU
+
+
+def test_dense_is_skipped_over_its_memory_limit() -> None:
+    cfg = bench.BenchConfig(d_model=8, d_hidden=16, tokens=32, experts=(4,), ks=(1,), repeats=1, budget_s=1.0,
+                            dense_limit_gib=1e-9)
+    text, rows = bench._benchmark(cfg)
+    assert "dense" not in rows[0].ms and "dense" in rows[0].skipped
+    _, body = table_rows(text)
+    assert "skipped" in body[0]
+    assert "dense skipped at E=4, k=1" in text
+
+
+def test_run_benchmark_validates_and_restores_threads() -> None:
+    with pytest.raises(ValueError, match="device"):
+        bench.run_benchmark(device="tpu")
+    with pytest.raises(ValueError, match="threads"):
+        bench.run_benchmark(threads=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cuda"):
+            bench.run_benchmark(device="cuda")
+    before = torch.get_num_threads()
+    text = bench.run_benchmark(config=bench.BenchConfig(d_model=8, d_hidden=16, tokens=32, experts=(4,), ks=(1,),
+                                                        repeats=1, budget_s=1.0), threads=1)
+    assert torch.get_num_threads() == before
+    assert "routelab MoE layer benchmark" in text and "Wall time" in text
+
+
+def test_cli_bench_moe(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(bench, "QUICK", bench.BenchConfig(d_model=8, d_hidden=16, tokens=32, experts=(4,), ks=(2,),
+                                                          repeats=1, budget_s=1.0))
+    table = tmp_path / "moe.md"
+    assert cli.main(["bench", "moe", "--quick", "--out", str(table)]) == 0
+    assert "| 4 | 2 |" in table.read_text()
+    if not torch.cuda.is_available():
+        assert cli.main(["bench", "moe", "--device", "cuda"]) == 2
+        assert "cuda" in capsys.readouterr().err
