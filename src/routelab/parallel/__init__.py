@@ -1,0 +1,23 @@
+"""Expert parallelism over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
+
+* :class:`ExpertParallelMoE` — the MoE layer with experts sharded over a process group; equal
+  to the single-process :class:`routelab.layers.MoE` on the concatenated global batch.
+* :func:`all_to_all`, :func:`all_gather_rows`, :func:`exchange_counts` — differentiable
+  collectives with uneven splits.
+* :func:`init_distributed` (under ``torchrun``), :func:`run_workers` (local gloo workers).
+"""
+
+from routelab.parallel.comm import all_gather_rows, all_to_all, exchange_counts
+from routelab.parallel.launch import free_port, init_distributed, run_workers, under_torchrun
+from routelab.parallel.moe import ExpertParallelMoE
+
+__all__ = [
+    "ExpertParallelMoE",
+    "all_gather_rows",
+    "all_to_all",
+    "exchange_counts",
+    "free_port",
+    "init_distributed",
+    "run_workers",
+    "under_torchrun",
+]

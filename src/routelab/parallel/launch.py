@@ -1,0 +1,144 @@
+"""Starting process groups: under ``torchrun`` (any number of machines) or as local gloo workers.
+
+* :func:`init_distributed` — inside a script started by ``torchrun`` (it reads ``RANK``,
+  ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK`` from the environment):
+  NCCL when CUDA is available (and binds the process to GPU ``LOCAL_RANK``), gloo otherwise.
+* :func:`run_workers` — run ``fn(rank, world_size, *args)`` in ``world_size`` local processes
+  joined by gloo on ``127.0.0.1`` (tests, ``routelab bench moe --world-size N``). Children are
+  forked (cheap: torch is already imported) and single-threaded; every collective has a
+  timeout, the parent waits with a deadline, and the first failing rank's traceback is raised
+  in the parent after the other ranks are terminated, so a broken rank never hangs the caller.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "init_distributed", "run_workers", "under_torchrun"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by ``torchrun`` (or another env:// launcher)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def init_distributed(backend: str | None = None, *, timeout: float = 300.0) -> tuple[int, int]:
+    """Initialise the default process group from the ``torchrun`` environment.
+
+    Args:
+        backend: ``"nccl"``, ``"gloo"`` or ``None`` (NCCL if CUDA is available, else gloo).
+        timeout: seconds before a stuck collective raises instead of hanging.
+
+    Returns:
+        ``(rank, world_size)``. With NCCL the current CUDA device is set to ``LOCAL_RANK``.
+
+    Raises:
+        RuntimeError: not started by ``torchrun`` (the environment variables are missing).
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if not under_torchrun():
+        raise RuntimeError(
+            "init_distributed() reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment: start the "
+            "script with torchrun --nproc_per_node=N script.py (or use run_workers for local gloo workers)"
+        )
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _child(fn: Callable[..., Any], rank: int, world: int, port: int, timeout: float, threads: int,
+           results: Any, args: tuple) -> None:
+    try:
+        torch.set_num_threads(threads)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout))
+        try:
+            out = fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+        # Plain pickle (by value): torch's shared-memory reductions would need this process alive.
+        results.put((rank, True, pickle.dumps(out)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0, threads: int = 1,
+                start_method: str = "fork") -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo ranks; return the results by rank.
+
+    Args:
+        fn: a module-level function (picklable for ``start_method != "fork"``); its return
+            value must be picklable.
+        world_size: number of processes.
+        *args: passed to ``fn`` after ``rank, world_size``.
+        timeout: seconds: the collectives' timeout and the deadline for the whole run.
+        threads: ``torch.set_num_threads`` in every child.
+        start_method: ``"fork"`` (fast; default), ``"forkserver"`` or ``"spawn"``.
+
+    Raises:
+        RuntimeError: a rank raised (its traceback is in the message) or died.
+        TimeoutError: not every rank finished within ``timeout`` seconds.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    ctx = mp.get_context(start_method)
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, timeout, threads, results, args), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    out: dict[int, Any] = {}
+    error: str | None = None
+    try:
+        while len(out) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(out))
+                raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
+                if dead:
+                    error = f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
+                    break
+                continue
+            if not ok:
+                error = f"rank {rank} of {world_size} failed:\n{value}"
+                break
+            out[rank] = pickle.loads(value)
+    finally:
+        for p in procs:  # only the processes started here
+            if error is not None or len(out) < world_size:
+                if p.is_alive():
+                    p.terminate()
+            p.join(timeout=5)
+        results.close()
+    if error is not None:
+        raise RuntimeError(error)
+    return [out[r] for r in range(world_size)]

@@ -1,0 +1,380 @@
+"""Expert-parallel MoE: experts sharded over the ranks of a ``torch.distributed`` process group.
+
+Each rank holds the router (replicated) and ``E / world`` experts (rank ``r`` owns experts
+``r*E/W .. (r+1)*E/W - 1``). A forward pass on rank ``r`` with its local tokens ``x_r``:
+
+1. token counts ``n_s`` of every rank are exchanged (one tiny all-to-all); the global batch is
+   ``N = sum n_s`` tokens, the concatenation of the ranks' batches in rank order;
+2. every rank computes its local router logits ``[n_r, E]`` and all-gathers them
+   differentiably (:func:`~routelab.parallel.all_gather_rows`): every rank now holds the logits
+   of the global batch ``[N, E]``;
+3. every rank runs the *same* routing rule and capacity (:func:`routelab.routing.apply_capacity`,
+   with ``C`` from the global ``N``) on the global logits. The decision is a deterministic
+   function of the logits (and of the generator state for stochastic routers), so it is
+   identical on every rank and equal to the single-process layer's on the concatenated batch;
+   balanced assignment (BASE, Gumbel-Matching, batchwise, Sinkhorn) is solved over the whole
+   global batch, redundantly on every rank;
+4. each rank sends the rows of its kept (token, slot) pairs to the ranks owning their experts
+   (:func:`~routelab.parallel.all_to_all`, uneven splits; the receive counts are exchanged
+   first and checked against the plan, which catches ranks whose decisions diverged), runs its
+   local experts on ``[E/W, C, d]`` buffers laid out exactly like the single-process buffers,
+   and sends the outputs back with the inverse exchange;
+5. outputs are combined in token order with the combine weights of its own tokens.
+
+The forward output on rank ``r`` equals rows ``off_r .. off_r + n_r`` of the single-process
+layer's output on the global batch; the gradients are those of ``sum_r loss_r`` (see
+:meth:`ExpertParallelMoE.reduce_replicated_grads`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..layers.experts import StackedExperts
+from ..layers.moe import MoE
+from ..routers import NoisyTopKRouter, Router, make_router
+from ..routes import Routes
+from .comm import all_gather_rows, all_to_all, exchange_counts
+
+__all__ = ["ExpertParallelMoE"]
+
+
+def _require_initialized() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "ExpertParallelMoE needs an initialised torch.distributed process group: call "
+            "routelab.parallel.init_distributed() (or torch.distributed.init_process_group) first, "
+            "e.g. under torchrun --nproc_per_node=N"
+        )
+
+
+class ExpertParallelMoE(MoE):
+    """:class:`~routelab.layers.MoE` with its experts sharded over a process group.
+
+    Use it exactly like ``MoE`` inside a script that every rank runs (``torchrun``): each rank
+    passes its own tokens; the layer routes the *global* batch (the ranks' batches concatenated
+    in rank order), so outputs and gradients equal the single-process ``MoE`` on that batch.
+
+    Every router of :data:`routelab.routers.ROUTERS` works, in capacity and dropless modes.
+    Requirements:
+
+    * the router is replicated: the constructor broadcasts its parameters from the group's
+      rank 0 (``from_moe`` copies them from the given layer, which must be the same on every
+      rank);
+    * stochastic routers (``noisy_topk``, ``gumbel_matching``) and ``drop_policy="random"``
+      draw their noise for the global batch on every rank, so every rank must draw the same
+      numbers: pass a ``generator`` (its state is broadcast from rank 0 at construction and
+      then advances identically everywhere), or seed torch's global generator identically on
+      every rank. Diverging decisions are detected (the exchanged counts do not match the
+      plan) and raise ``RuntimeError``;
+    * every rank calls the layer the same number of times, and runs backward through the same
+      loss expression (the exchanges are collectives).
+
+    Cost of global routing: every rank receives the ``[N, E]`` logits (``N E`` floats, small
+    next to the ``N d`` activations) and solves the routing problem of the global batch;
+    for balanced assignment that is the exact solve on ``N`` tokens, repeated on every rank
+    (``W`` times the work of one solve, in parallel wall time the same as one solve).
+
+    Gradients: the gradient of the experts on rank ``r`` is already the full gradient of
+    ``sum_s loss_s`` (tokens of every rank flow back through the all-to-all). The router's
+    gradient on rank ``r`` only holds its share; :meth:`reduce_replicated_grads` sums it over
+    the ranks (call it after ``backward``, before the optimizer step). ``routes.aux`` holds the
+    auxiliary losses of the global batch, the same on every rank: add ``aux / world_size`` to
+    each rank's loss (or add it on one rank only) so the summed gradient counts it once.
+
+    Args:
+        d_model, d_hidden, num_experts: as :class:`~routelab.layers.MoE`; ``num_experts`` is
+            the global ``E`` and must be divisible by the group's size.
+        process_group: the group the experts are sharded over (``None``: the default group).
+        router, capacity_factor, k, router_kwargs, drop_policy, importance_weighting,
+            activation, bias, generator, device, dtype: as :class:`~routelab.layers.MoE`.
+        seed: base seed of the experts' initialisation; expert ``e`` is initialised from
+            ``seed + e``, so the weights do not depend on the world size. ``None``: drawn on
+            rank 0 from torch's global generator and broadcast.
+
+    Shapes:
+        input ``x [..., d_model]`` (this rank's tokens, any number, also 0) -> ``[...,
+        d_model]`` and a :class:`~routelab.Routes` whose per-slot tensors cover this rank's
+        tokens (``[n_r, slots]``) while ``aux`` and ``stats`` describe the global batch
+        (``stats["global_tokens"]`` is ``N``).
+
+    Example (every rank, under ``torchrun --nproc_per_node=2``)::
+
+        routelab.parallel.init_distributed()          # gloo on CPU, NCCL on GPU
+        moe = ExpertParallelMoE(512, 2048, 8, router="topk", k=2)
+        y, routes = moe(x_local)                       # experts 0-3 on rank 0, 4-7 on rank 1
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_hidden: int,
+        num_experts: int,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        router: str | Router = "topk",
+        capacity_factor: float | None = 1.0,
+        k: int | None = None,
+        router_kwargs: dict[str, Any] | None = None,
+        drop_policy: str = "position",
+        importance_weighting: bool = False,
+        activation: str | Callable[[Tensor], Tensor] = "gelu",
+        bias: bool = True,
+        generator: torch.Generator | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        seed: int | None = None,
+        _sync: bool = True,
+    ) -> None:
+        _require_initialized()
+        world = dist.get_world_size(process_group)
+        rank = dist.get_rank(process_group)
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"num_experts must be a positive integer, got {num_experts!r}")
+        if num_experts % world:
+            raise ValueError(
+                f"num_experts={num_experts} must be divisible by the process group's size {world} "
+                f"(each rank holds num_experts / world experts); use a multiple of {world}"
+            )
+        if isinstance(router, str):
+            router = make_router(router, d_model, num_experts, k=k, **(router_kwargs or {}))
+            if device is not None:
+                router.to(device)
+        elif k is not None or router_kwargs:
+            raise ValueError("pass k and router_kwargs only with a router name; configure a Router instance directly")
+        # The full expert stack is built on the meta device (no memory) and replaced by this
+        # rank's slice: only E / world experts are ever materialised.
+        super().__init__(d_model, d_hidden, num_experts, router=router, capacity_factor=capacity_factor,
+                         drop_policy=drop_policy, importance_weighting=importance_weighting,
+                         activation=activation, bias=bias, generator=generator, device="meta", dtype=dtype)
+        self.process_group = process_group
+        self.world_size, self.rank = world, rank
+        self.local_experts = num_experts // world
+        self.expert_offset = rank * self.local_experts
+        self.experts = StackedExperts(d_model, d_hidden, self.local_experts, activation=activation, bias=bias,
+                                      device=device, dtype=dtype)
+        if _sync:
+            if seed is None:
+                drawn = torch.randint(0, 2**62, (1,), dtype=torch.long)
+                seed = int(self._broadcast(drawn.to(self._comm_device())).item())
+            self.init_experts(seed)
+            self.sync_replicated()
+
+    # ------------------------------------------------------------------ construction helpers
+
+    @classmethod
+    def from_moe(cls, moe: MoE, process_group: dist.ProcessGroup | None = None) -> ExpertParallelMoE:
+        """Shard an existing single-process :class:`~routelab.layers.MoE` (same on every rank).
+
+        The router is copied (its ``generator``, if any, is shared with ``moe``, not copied);
+        this rank keeps a copy of its slice of the experts. Nothing is broadcast: ``moe`` must
+        hold the same weights on every rank (build it after an identical ``torch.manual_seed``,
+        or load one checkpoint).
+        """
+        _require_initialized()
+        if not isinstance(moe, MoE) or isinstance(moe, ExpertParallelMoE):
+            raise ValueError(f"moe must be a single-process routelab MoE, got {type(moe).__name__}")
+        memo: dict[int, Any] = {}
+        if moe.router.generator is not None:
+            memo[id(moe.router.generator)] = moe.router.generator
+        router = copy.deepcopy(moe.router, memo)
+        ex = moe.experts
+        param = ex.w1
+        out = cls(moe.d_model, ex.d_hidden, moe.num_experts, process_group=process_group, router=router,
+                  capacity_factor=moe.capacity_factor, drop_policy=moe.drop_policy,
+                  importance_weighting=moe.importance_weighting, activation=ex.activation,
+                  bias=ex.b1 is not None, generator=moe.generator, device=param.device, dtype=param.dtype,
+                  _sync=False)
+        lo, hi = out.expert_offset, out.expert_offset + out.local_experts
+        with torch.no_grad():
+            for name in ("w1", "w2", "b1", "b2"):
+                src = getattr(ex, name)
+                if src is not None:
+                    getattr(out.experts, name).copy_(src[lo:hi])
+        out.train(moe.training)
+        return out
+
+    def init_experts(self, seed: int) -> None:
+        """Initialise the local experts like ``nn.Linear``, expert ``e`` from ``seed + e``."""
+        ex = self.experts
+        with torch.no_grad():
+            for i in range(self.local_experts):
+                g = torch.Generator(device=ex.w1.device).manual_seed(int(seed) + self.expert_offset + i)
+                for w, b, fan_in in ((ex.w1, ex.b1, ex.d_model), (ex.w2, ex.b2, ex.d_hidden)):
+                    bound = fan_in ** -0.5
+                    w[i].uniform_(-bound, bound, generator=g)
+                    if b is not None:
+                        b[i].uniform_(-bound, bound, generator=g)
+
+    def _comm_device(self) -> torch.device:
+        """Device of small control tensors: CUDA for NCCL, else the CPU."""
+        backend = dist.get_backend(self.process_group)
+        if backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _broadcast(self, t: Tensor) -> Tensor:
+        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+        dist.broadcast(t, src, group=self.process_group)
+        return t
+
+    def sync_replicated(self) -> None:
+        """Broadcast the router's parameters, buffers and generator state from the group's rank 0."""
+        with torch.no_grad():
+            for t in list(self.router.parameters()) + list(self.router.buffers()):
+                if t.device.type == "meta":
+                    continue
+                moved = t.detach().to(self._comm_device()).clone()
+                t.copy_(self._broadcast(moved).to(t.device))
+        gen = self.router.generator
+        if gen is not None:
+            state = gen.get_state().to(self._comm_device())
+            gen.set_state(self._broadcast(state).cpu())
+        if self.generator is not None and self.generator is not gen:
+            state = self.generator.get_state().to(self._comm_device())
+            self.generator.set_state(self._broadcast(state).cpu())
+
+    def replicated_parameters(self) -> Iterator[nn.Parameter]:
+        """The router's parameters (the same on every rank; gradients need a sum over ranks)."""
+        return self.router.parameters()
+
+    def expert_parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's experts' parameters (sharded; their gradients are already complete)."""
+        return self.experts.parameters()
+
+    def reduce_replicated_grads(self) -> None:
+        """Sum the router's gradients over the ranks (call after ``backward``).
+
+        Afterwards every rank holds the router gradient of ``sum_r loss_r``, equal to the
+        single-process gradient of the same total loss on the global batch.
+        """
+        for p in self.replicated_parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            buf = p.grad.to(self._comm_device())
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.process_group)
+            if buf is not p.grad:
+                p.grad.copy_(buf)
+
+    # ------------------------------------------------------------------ forward
+
+    def _route_global(self, flat: Tensor, counts: list[int], capacity: int) -> Routes:
+        """The router's proposal for the global batch, from gathered local logits."""
+        router = self.router
+        noisy = isinstance(router, NoisyTopKRouter)
+        if not noisy and type(router).forward is not Router.forward:
+            raise ValueError(
+                f"{type(router).__name__} overrides Router.forward; ExpertParallelMoE routes the global batch "
+                "from gathered logits (Router.logits, then Router.route) and knows only NoisyTopKRouter's extra "
+                "noise input: move the extra computation into route() or logits()"
+            )
+        E = self.num_experts
+        feats = router.logits(flat)
+        if noisy:
+            std = F.softplus(F.linear(flat.float(), router.noise.weight.float())) + router.noise_epsilon
+            feats = torch.cat([feats, std], -1)
+        gathered = all_gather_rows(feats, counts, self.process_group)
+        logits = gathered[:, :E]
+        if logits.numel() and not bool(torch.isfinite(logits).all()):
+            raise ValueError(
+                "router logits are not finite (NaN or inf) on some rank: the input x contains NaN/inf or the "
+                "router weights diverged; check the previous layer or lower the learning rate"
+            )
+        if not noisy:
+            return router.route(logits, capacity)
+        router._noise_std = gathered[:, E:]
+        try:
+            return router.route(logits, capacity)
+        finally:
+            router._noise_std = None
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Routes]:
+        """Apply the layer to this rank's tokens.
+
+        Args:
+            x: ``[..., d_model]`` this rank's tokens.
+
+        Returns:
+            ``(y [..., d_model], routes)``: ``y`` equals this rank's rows of the single-process
+            layer's output on the global batch; ``routes`` covers this rank's tokens (``aux``
+            and ``stats`` the global batch).
+        """
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"x must have shape [..., d_model={self.d_model}], got {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.d_model)
+        n, d = flat.shape
+        W, r, group = self.world_size, self.rank, self.process_group
+        dev = flat.device
+        counts = exchange_counts([n] * W, group, device=self._comm_device())
+        N = sum(counts)
+        off = [0]
+        for c in counts:
+            off.append(off[-1] + c)
+        lo = off[r]
+
+        capacity = self.capacity(N)
+        proposed = self._route_global(flat, counts, capacity)
+        routes, plan = self.plan(proposed, capacity)
+        combine = routes.gate * routes.weight if self.importance_weighting else routes.gate
+        local_routes = Routes(
+            expert=routes.expert[lo:lo + n], gate=routes.gate[lo:lo + n], keep=routes.keep[lo:lo + n],
+            weight=routes.weight[lo:lo + n], log_prob=routes.log_prob[lo:lo + n], aux=routes.aux,
+            stats={**routes.stats, "global_tokens": torch.tensor(N)},
+        )
+        C = plan.capacity
+        if C == 0:
+            return torch.zeros_like(flat).reshape(*lead, d), local_routes
+
+        # Who sends what to whom: every rank derives it from the same global plan.
+        El = self.local_experts
+        rows_per_rank = El * C
+        tok = plan.token_of_row.to(dev)  # [E*C], N where the row is empty
+        bounds = torch.tensor(off[1:], device=dev)
+        src = torch.bucketize(tok, bounds, right=True)  # rank owning each row's token (W if empty)
+        row_ids = torch.arange(tok.numel(), device=dev)
+        mine = src == r  # rows holding my tokens, ascending = grouped by destination rank
+        send_rows = row_ids[mine]
+        send_tok = tok[mine] - lo
+        send_counts = torch.bincount(send_rows // rows_per_rank, minlength=W).tolist()
+        local = slice(r * rows_per_rank, (r + 1) * rows_per_rank)
+        local_src = src[local]
+        filled = local_src < W
+        recv_src = local_src[filled]
+        order = torch.argsort(recv_src, stable=True)
+        recv_rows = torch.arange(rows_per_rank, device=dev)[filled][order]  # receive order: by source rank
+        planned = torch.bincount(recv_src, minlength=W).tolist()
+        recv_counts = exchange_counts(send_counts, group, device=self._comm_device())
+        if recv_counts != planned:
+            raise RuntimeError(
+                f"rank {r}: the routing decisions differ across ranks (receiving {recv_counts} rows per rank, the "
+                f"plan says {planned}); stochastic routers and drop_policy='random' need the same generator "
+                "state on every rank (pass generator= with the same seed, or seed torch identically)"
+            )
+
+        # Tokens to the experts' ranks, experts on [E/W, C, d] buffers, outputs back.
+        recv_x = all_to_all(flat[send_tok], send_counts, recv_counts, group)
+        slot_of_row = torch.full((rows_per_rank,), recv_x.shape[0], dtype=torch.long, device=dev)
+        slot_of_row[recv_rows] = torch.arange(recv_rows.numel(), device=dev)
+        buffers = torch.cat([recv_x, recv_x.new_zeros(1, d)])[slot_of_row].view(El, C, d)
+        out = self.experts(buffers).reshape(rows_per_rank, -1)
+        back = all_to_all(out[recv_rows], recv_counts, send_counts, group)  # in send order
+
+        # Combine this rank's tokens, as DispatchPlan.combine does.
+        index_of_row = torch.full((tok.numel() + 1,), send_rows.numel(), dtype=torch.long, device=dev)
+        index_of_row[send_rows] = torch.arange(send_rows.numel(), device=dev)
+        pair = index_of_row[plan.row_of_slot[lo:lo + n].to(dev)]
+        picked = torch.cat([back, back.new_zeros(1, back.shape[-1])])[pair]  # [n, slots, d]
+        y = torch.einsum("ts,tsd->td", combine[lo:lo + n].to(picked.dtype), picked).to(x.dtype)
+        return y.reshape(*lead, d), local_routes
+
+    def extra_repr(self) -> str:
+        return (super().extra_repr() + f", world_size={self.world_size}, rank={self.rank}, "
+                f"experts={self.expert_offset}..{self.expert_offset + self.local_experts - 1} of {self.num_experts}")

@@ -1,0 +1,237 @@
+"""Expert parallelism on gloo: differentiable all-to-all, and ExpertParallelMoE == MoE on the global batch.
+
+Every test starts its ranks with routelab.parallel.run_workers (forked, single-threaded gloo
+processes on 127.0.0.1, a 60 s collective timeout, a deadline on the whole run); one launch
+checks many configurations so process start-up is paid once per world size.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from routelab.layers import MoE
+from routelab.parallel import ExpertParallelMoE, all_gather_rows, all_to_all, exchange_counts, run_workers
+from routelab.routers import ROUTERS
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is needed")
+
+D, H, E = 6, 10, 4
+ATOL = 1e-5
+
+# Uneven local batches (one rank has no token at all for world size 4); 16 tokens in all so that
+# batchwise gating (k * N divisible by E) and balanced assignment (C * E >= N) apply.
+COUNTS = {1: [16], 2: [7, 9], 4: [5, 0, 8, 3]}
+
+
+def _configs() -> list[dict]:
+    """Every router in capacity (factor 1) and dropless modes, plus drop-policy and weighting variants."""
+    out = []
+    for name in ROUTERS:
+        for cf in (1.0, None):
+            out.append({"router": name, "capacity_factor": cf})
+    out += [
+        {"router": "topk", "k": 2, "capacity_factor": 0.5, "drop_policy": "score"},
+        {"router": "topk", "k": 2, "capacity_factor": 0.75, "drop_policy": "random", "importance_weighting": True},
+        {"router": "noisy_topk", "k": 2, "capacity_factor": 0.5, "drop_policy": "position"},
+        {"router": "gumbel_matching", "capacity_factor": 1.5, "importance_weighting": True},
+        {"router": "gumbel_matching", "capacity_factor": 1.0, "router_kwargs": {"method": "sample_skip_iw"},
+         "importance_weighting": True},
+        {"router": "sinkhorn", "k": 2, "capacity_factor": 0.75, "drop_policy": "random"},
+        {"router": "batchwise", "k": 2, "capacity_factor": None},
+        {"router": "base", "capacity_factor": 1.0, "eval": True},
+        {"router": "topk", "capacity_factor": 1.0, "eval": True},
+    ]
+    return out
+
+
+def _build_reference(cfg: dict, seed: int) -> tuple[MoE, torch.Generator]:
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(1000 + seed)
+    moe = MoE(D, H, E, router=cfg["router"], k=cfg.get("k"), capacity_factor=cfg["capacity_factor"],
+              router_kwargs=cfg.get("router_kwargs"), drop_policy=cfg.get("drop_policy", "position"),
+              importance_weighting=cfg.get("importance_weighting", False), generator=gen)
+    with torch.no_grad():  # nontrivial router weights (noisy_topk starts at zero)
+        for p in moe.router.parameters():
+            p.normal_(0.0, 0.7) if p.dim() > 1 else p.uniform_(0.1, 0.4)
+    if cfg.get("eval"):
+        moe.eval()
+    return moe, gen
+
+
+def _loss(y: torch.Tensor, aux: dict, w: torch.Tensor, aux_scale: float) -> torch.Tensor:
+    total = (y * w).sum()
+    for v in aux.values():
+        total = total + aux_scale * v
+    return total
+
+
+def _close(name: str, got: torch.Tensor, want: torch.Tensor, errors: list[str]) -> None:
+    if got.shape != want.shape:
+        errors.append(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+    elif got.numel() and not torch.allclose(got, want, atol=ATOL, rtol=0):
+        errors.append(f"{name}: max |diff| {float((got - want).abs().max()):.3g}")
+
+
+def _equality_worker(rank: int, world: int, configs: list[dict]) -> int:
+    counts = COUNTS[world]
+    lo, n = sum(counts[:rank]), counts[rank]
+    N = sum(counts)
+    checked = 0
+    for i, cfg in enumerate(configs):
+        errors: list[str] = []
+        moe, gen = _build_reference(cfg, seed=i)
+        g_state = gen.get_state()
+        torch.manual_seed(10_000 + i)
+        x = torch.randn(N, D)
+        w = torch.randn(N, D)
+        # Single process on the concatenated global batch.
+        x_ref = x.clone().requires_grad_(True)
+        y_ref, r_ref = moe(x_ref)
+        _loss(y_ref, r_ref.aux, w, 1.0).backward()
+        # Expert parallel on this rank's tokens, same weights, same generator state.
+        gen.set_state(g_state)
+        ep = ExpertParallelMoE.from_moe(moe, None)
+        x_loc = x[lo:lo + n].clone().requires_grad_(True)
+        y, r = ep(x_loc)
+        _loss(y, r.aux, w[lo:lo + n], 1.0 / world).backward()
+        ep.reduce_replicated_grads()
+        tag = f"{cfg} rank {rank}/{world}"
+        _close("y", y, y_ref[lo:lo + n], errors)
+        for field in ("expert", "keep"):
+            if not torch.equal(getattr(r, field), getattr(r_ref, field)[lo:lo + n]):
+                errors.append(f"routes.{field} differ")
+        for field in ("gate", "weight", "log_prob"):
+            _close(f"routes.{field}", getattr(r, field), getattr(r_ref, field)[lo:lo + n], errors)
+        for key in r_ref.aux:
+            _close(f"aux[{key}]", r.aux[key], r_ref.aux[key], errors)
+        if not torch.equal(r.stats["tokens_per_expert"], r_ref.stats["tokens_per_expert"]):
+            errors.append("stats.tokens_per_expert differ")
+        _close("x.grad", x_loc.grad, x_ref.grad[lo:lo + n], errors)
+        e0, e1 = ep.expert_offset, ep.expert_offset + ep.local_experts
+        for pname, p in ep.experts.named_parameters():
+            ref = getattr(moe.experts, pname).grad
+            _close(f"experts.{pname}.grad", p.grad, ref[e0:e1], errors)
+        for (pname, p), (_, q) in zip(ep.router.named_parameters(), moe.router.named_parameters()):
+            if q.grad is None:
+                if p.grad is not None and p.grad.abs().max() > 0:
+                    errors.append(f"router.{pname}.grad should be zero")
+                continue
+            _close(f"router.{pname}.grad", p.grad, q.grad, errors)
+        if errors:
+            raise AssertionError(f"{tag}: " + "; ".join(errors))
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_equals_single_process(world):
+    configs = _configs()
+    assert {c["router"] for c in configs} == set(ROUTERS)
+    start = time.monotonic()
+    checked = run_workers(_equality_worker, world, configs, timeout=90)
+    assert checked == [len(configs)] * world
+    assert time.monotonic() - start < 60
+
+
+def _collectives_worker(rank: int, world: int) -> None:
+    # Uneven all-to-all: rank r sends (r + s) % 3 rows to rank s, row values encode (src, dst, i).
+    send = [(rank + s) % 3 for s in range(world)]
+    rows = [torch.tensor([[100.0 * rank + 10 * s + i, 1.0] for i in range(send[s])]).reshape(-1, 2)
+            for s in range(world)]
+    x = torch.cat(rows).requires_grad_(True)
+    recv = exchange_counts(send)
+    assert recv == [(s + rank) % 3 for s in range(world)]
+    out = all_to_all(x, send)  # counts exchanged inside
+    expect = torch.cat([torch.tensor([[100.0 * s + 10 * rank + i, 1.0] for i in range(recv[s])]).reshape(-1, 2)
+                        for s in range(world)])
+    assert torch.equal(out, expect), (out, expect)
+    # Backward = the exchange with the splits swapped: the receiver's weight reaches the sender's row.
+    (out * (out + 1)).sum().backward()
+    assert torch.equal(x.grad, 2 * x.detach() + 1)
+    # Differentiable all-gather with uneven rows (one rank may have none).
+    n = [2, 0, 3, 1][rank % 4]
+    z = torch.full((n, 3), float(rank), requires_grad=True)
+    g = all_gather_rows(z)
+    all_n = [[2, 0, 3, 1][s % 4] for s in range(world)]
+    assert g.shape == (sum(all_n), 3)
+    assert torch.equal(g[:, 0], torch.cat([torch.full((c,), float(s)) for s, c in enumerate(all_n)]))
+    # Each rank weighs the gathered rows by (its rank + 1): the grad of a row is sum_r (r + 1).
+    (g * (rank + 1)).sum().backward()
+    assert torch.allclose(z.grad, torch.full_like(z, world * (world + 1) / 2))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_differentiable_collectives(world):
+    run_workers(_collectives_worker, world, timeout=30)
+
+
+def _constructor_worker(rank: int, world: int) -> dict:
+    torch.manual_seed(rank)  # different global seeds: the constructor must still agree on the router
+    ep = ExpertParallelMoE(D, H, 4, router="topk", k=2, seed=7)
+    gathered = [torch.empty_like(ep.router.proj.weight) for _ in range(world)]
+    dist.all_gather(gathered, ep.router.proj.weight.detach())
+    assert all(torch.equal(g, gathered[0]) for g in gathered)
+    y, routes = ep(torch.randn(3 + rank, D))
+    assert y.shape == (3 + rank, D) and routes.expert.shape == (3 + rank, 2)
+    assert int(routes.stats["global_tokens"]) == sum(3 + s for s in range(world))
+    with pytest.raises(ValueError, match="divisible"):
+        ExpertParallelMoE(D, H, 3, router="topk")
+    return {"offset": ep.expert_offset, "w1": ep.experts.w1.detach().clone()}
+
+
+def test_constructor_shards_and_replicates():
+    out2 = run_workers(_constructor_worker, 2, timeout=30)
+    out4 = run_workers(_constructor_worker, 4, timeout=30)
+    # Expert e is initialised from seed + e: the same weights whatever the world size.
+    full2 = torch.cat([o["w1"] for o in out2])
+    full4 = torch.cat([o["w1"] for o in out4])
+    assert torch.equal(full2, full4)
+    assert [o["offset"] for o in out4] == [0, 1, 2, 3]
+    assert not torch.equal(full2[0], full2[1])
+
+
+def _diverging_worker(rank: int, world: int) -> None:
+    # Each rank seeds its generator differently: decisions diverge and must be detected.
+    gen = torch.Generator().manual_seed(rank)
+    torch.manual_seed(0)
+    moe = MoE(D, H, 4, router="topk", k=2, capacity_factor=0.5, drop_policy="random", generator=gen)
+    ep = ExpertParallelMoE.from_moe(moe)
+    torch.manual_seed(1)
+    ep(torch.randn(32, D))
+
+
+def test_diverging_decisions_raise_quickly():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="decisions differ across ranks"):
+        run_workers(_diverging_worker, 2, timeout=30)
+    assert time.monotonic() - start < 20
+
+
+def _failing_worker(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    dist.barrier()  # rank 0 would wait for rank 1 forever without the parent's termination
+
+
+def _hanging_worker(rank: int, world: int) -> None:
+    if rank == 0:
+        time.sleep(60)
+
+
+def test_run_workers_propagates_failures_and_timeouts():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="boom on rank 1"):
+        run_workers(_failing_worker, 2, timeout=30)
+    with pytest.raises(TimeoutError, match=r"ranks \[0\]"):
+        run_workers(_hanging_worker, 2, timeout=2)
+    assert time.monotonic() - start < 15
+
+
+def test_needs_a_process_group():
+    with pytest.raises(RuntimeError, match="init_process_group|init_distributed"):
+        ExpertParallelMoE(D, H, E)
