@@ -94,3 +94,6 @@ def register(exp: Experiment) -> Experiment:
 from . import kool_toy as _kool_toy  # noqa: E402
 
 register(_kool_toy.KoolToy())
+from . import mae as _mae  # noqa: E402
+
+register(_mae.MAEExperiment())

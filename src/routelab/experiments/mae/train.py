@@ -1,0 +1,242 @@
+"""Training of the five variants (BASE, MAE-7, MAE-6, UNI-MAE-7, NOBCD) and the fine-tuning
+runs (Sec. 5.2), resumable: a checkpoint after every epoch, one JSON line per finished run."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from routelab.layers.bcd import BCDTrainer
+from routelab.layers.mae import set_routing
+
+from .model import LMConfig, TransformerLM, lm_loss
+
+__all__ = [
+    "VARIANTS",
+    "Schedule",
+    "Variant",
+    "evaluate",
+    "finetune",
+    "train_variant",
+]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compared model (Sec. 4.1): its trainer mode and experts."""
+
+    name: str
+    mode: str  # BCDTrainer mode
+    drop_heads: int
+
+
+VARIANTS: tuple[Variant, ...] = (
+    Variant("BASE", "base", 1),
+    Variant("MAE-7", "bcd", 1),
+    Variant("MAE-6", "bcd", 2),
+    Variant("UNI-MAE-7", "uni", 1),
+    Variant("NOBCD", "nobcd", 1),
+)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How long and how fast to train.
+
+    Attributes:
+        epochs: training epochs; an epoch here is ``batches_per_epoch`` batches (a fixed slice
+            of the shuffled training windows, cycling through them).
+        batches_per_epoch, batch: batches per epoch and windows per batch.
+        lr, warmup: Adam's peak learning rate, linear warm-up steps, then cosine decay to 10%.
+        gate_lr: the gates' SGD learning rate (paper: 1).
+        g_every: G steps every ``g_every`` epochs (paper: 5).
+        clip_norm: gradient clipping of theta.
+        seed: seeds the initialisation, dropout, data order and the sampled experts.
+    """
+
+    epochs: int = 8
+    batches_per_epoch: int = 60
+    batch: int = 32
+    lr: float = 2e-3
+    warmup: int = 60
+    gate_lr: float = 1.0
+    g_every: int = 5
+    clip_norm: float = 1.0
+    seed: int = 0
+
+
+def _lr_at(step: int, total: int, s: Schedule) -> float:
+    if step < s.warmup:
+        return s.lr * (step + 1) / s.warmup
+    frac = (step - s.warmup) / max(1, total - s.warmup)
+    return s.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, windows: Tensor, routing: str, *, batch: int = 64,
+             generator: torch.Generator | None = None) -> float:
+    """Mean next-token cross-entropy (nats) over ``windows`` ``[n, seq + 1]`` under ``routing``."""
+    was = model.training
+    model.eval()
+    set_routing(model, routing, generator)
+    total, count = 0.0, 0
+    for i in range(0, windows.shape[0], batch):
+        b = windows[i: i + batch]
+        n = b[:, 1:].numel()
+        total += float(lm_loss(model, b)) * n
+        count += n
+    model.train(was)
+    return total / count
+
+
+def _batches(windows: Tensor, s: Schedule, epoch: int, gen: torch.Generator) -> list[Tensor]:
+    """The batches of ``epoch``: consecutive slices of a per-pass permutation of the windows."""
+    n = windows.shape[0]
+    per_pass = max(1, n // s.batch)
+    out = []
+    for j in range(s.batches_per_epoch):
+        k = epoch * s.batches_per_epoch + j
+        p, r = divmod(k, per_pass)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(s.seed * 1000 + p))
+        out.append(windows[perm[r * s.batch:(r + 1) * s.batch]])
+    return out
+
+
+def _log(msg: str) -> None:
+    print(f"[mae] {msg}", file=sys.stdout, flush=True)
+
+
+def _run_training(
+    model: TransformerLM,
+    trainer: BCDTrainer,
+    train: Tensor,
+    dev: Tensor,
+    s: Schedule,
+    ckpt: Path,
+    label: str,
+    extra_eval: dict[str, Tensor] | None = None,
+) -> dict[str, Any]:
+    """Epoch loop with a checkpoint after every epoch (resumes from ``ckpt``)."""
+    total = s.epochs * s.batches_per_epoch
+    state: dict[str, Any] = {"epoch": 0, "curve": [], "seconds": 0.0}
+    torch.manual_seed(s.seed)
+    if ckpt.exists():
+        saved = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(saved["model"])
+        trainer.load_state_dict(saved["trainer"])
+        torch.set_rng_state(saved["rng"])
+        state = saved["state"]
+        _log(f"{label}: resumed at epoch {state['epoch']}")
+    gen = torch.Generator().manual_seed(s.seed)
+    for epoch in range(state["epoch"], s.epochs):
+        t0 = time.perf_counter()
+        model.train()
+        batches = _batches(train, s, epoch, gen)
+        losses, g_losses = [], []
+        for j, b in enumerate(batches):
+            step = epoch * s.batches_per_epoch + j
+            if trainer.optimizer is not None:
+                for group in trainer.optimizer.param_groups:
+                    group["lr"] = _lr_at(step, total, s)
+            out = trainer.train_step(b, epoch)
+            losses.append(out["loss"])
+            if "g_loss" in out:
+                g_losses.append(out["g_loss"])
+        point = {
+            "epoch": epoch + 1,
+            "step": (epoch + 1) * s.batches_per_epoch,
+            "train_loss": sum(losses) / len(losses),
+            "g_steps": len(g_losses),
+            "dev_loss": evaluate(model, dev, trainer.eval_routing),
+        }
+        if g_losses:
+            point["g_loss"] = sum(g_losses) / len(g_losses)
+        for name, w in (extra_eval or {}).items():
+            point[f"{name}_loss"] = evaluate(model, w, trainer.eval_routing)
+        state["curve"].append(point)
+        state["epoch"] = epoch + 1
+        state["seconds"] += time.perf_counter() - t0
+        ckpt.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ckpt.with_suffix(".tmp")
+        torch.save({"model": model.state_dict(), "trainer": trainer.state_dict(),
+                    "rng": torch.get_rng_state(), "state": state}, tmp)
+        tmp.replace(ckpt)
+        extra = " ".join(f"{k}={v:.3f}" for k, v in point.items() if k.endswith("_loss"))
+        _log(f"{label}: epoch {epoch + 1}/{s.epochs} {extra} ({state['seconds']:.0f}s)")
+    return state
+
+
+def train_variant(
+    variant: Variant, cfg: LMConfig, train: Tensor, dev: Tensor, s: Schedule, work: Path
+) -> tuple[TransformerLM, dict[str, Any]]:
+    """Train one variant from scratch (or resume it); returns the model and its curve/time."""
+    torch.manual_seed(s.seed)
+    model = TransformerLM(replace(cfg, drop_heads=variant.drop_heads))
+    trainer = BCDTrainer(
+        model, lm_loss, mode=variant.mode, g_every=s.g_every, gate_lr=s.gate_lr, lr=s.lr,
+        clip_norm=s.clip_norm, generator=torch.Generator().manual_seed(s.seed + 17),
+    )
+    state = _run_training(model, trainer, train, dev, s, work / f"{variant.name}.pt", variant.name)
+    trainer.set_eval_routing()
+    model.eval()
+    return model, state
+
+
+FINETUNE_METHODS: dict[str, str] = {
+    "FTG": "gates only (phi), on the gate mixture, SGD",
+    "FTG+": "gates (SGD) + every attention output projection W (Adam), on the gate mixture",
+    "FTALL": "all parameters, by BCD (G steps every epoch + F steps)",
+}
+
+
+def finetune(
+    pretrained: TransformerLM,
+    method: str,
+    train: Tensor,
+    dev: Tensor,
+    test: Tensor,
+    s: Schedule,
+    work: Path,
+    label: str,
+) -> dict[str, Any]:
+    """Fine-tune a copy of the pretrained MAE-7 with ``method`` (FTG, FTG+, FTALL).
+
+    Returns:
+        the curve, the best dev loss, the test loss at that epoch, the step reached, and the
+        number of parameters updated.
+    """
+    if method not in FINETUNE_METHODS:
+        raise ValueError(f"method must be one of {tuple(FINETUNE_METHODS)}, got {method!r}.")
+    torch.manual_seed(s.seed)
+    model = TransformerLM(pretrained.cfg)
+    model.load_state_dict(pretrained.state_dict())
+    filters: dict[str, Callable[[str, nn.Parameter], bool]] = {
+        "FTG": lambda n, p: False,
+        "FTG+": lambda n, p: ".attn.out_proj." in n,
+    }
+    if method == "FTALL":
+        trainer = BCDTrainer(model, lm_loss, mode="bcd", g_every=1, gate_lr=s.gate_lr, lr=s.lr,
+                             clip_norm=s.clip_norm, generator=torch.Generator().manual_seed(s.seed + 17))
+    else:
+        trainer = BCDTrainer(model, lm_loss, mode="nobcd", gate_lr=s.gate_lr, lr=s.lr,
+                             clip_norm=s.clip_norm, trainable=filters[method])
+    updated = sum(p.numel() for p in trainer.theta_params) + sum(p.numel() for p in trainer.gate_params)
+    state = _run_training(model, trainer, train, dev, s, work / f"ft_{label}.pt", f"ft {label}",
+                          extra_eval={"test": test})
+    best = min(state["curve"], key=lambda c: c["dev_loss"])
+    return {
+        "curve": state["curve"],
+        "best_dev_loss": best["dev_loss"],
+        "test_loss_at_best": best["test_loss"],
+        "best_step": best["step"],
+        "updated_params": updated,
+        "seconds": state["seconds"],
+    }
