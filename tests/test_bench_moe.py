@@ -74,7 +74,7 @@ def test_benchmark_tiny_grid() -> None:
         assert r[col["same outputs"]].startswith("yes")
         assert set(row.ms) == set(bench.IMPLEMENTATIONS)
         assert all(v > 0 for v in row.ms.values())
-        assert row.experts_ms is not None and row.overhead is not None and row.overhead < 1
+        assert row.expert_share is not None and 0 < row.expert_share < 1 and row.overhead is not None
         assert row.capacity == -(-TINY.tokens * row.k // row.experts)
         assert r[col["moe / naive"]].endswith("x")
     assert "Targets:" in text and "not measured" in text  # the GPU target is not claimed on CPU
@@ -114,3 +114,20 @@ def test_cli_bench_moe(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: 
     if not torch.cuda.is_available():
         assert cli.main(["bench", "moe", "--device", "cuda"]) == 2
         assert "cuda" in capsys.readouterr().err
+
+
+def test_expert_timer_spans_forward_and_backward() -> None:
+    torch.manual_seed(0)
+    moe = MoE(8, 16, 4, router="topk", k=1)
+    x = torch.randn(32, 8, requires_grad=True)
+    timer = bench.ExpertTimer(moe, "cpu")
+    with timer:
+        moe(x)[0].sum().backward()
+    m = timer.marks
+    assert m["fwd_start"] <= m["fwd_end"] <= m["bwd_start"] <= m["bwd_end"]
+    assert timer.seconds > 0
+    assert not moe.experts._forward_hooks and not moe.experts._forward_pre_hooks  # removed on exit
+    with pytest.raises(RuntimeError, match="did not fire"):
+        with timer:
+            moe(x.detach())  # no backward
+        timer.seconds

@@ -20,11 +20,14 @@ Measured per size and implementation, all in the same run:
   ``grad``), median over timed calls after one untimed warm-up; the implementations are timed
   round-robin (``moe, naive, dense, moe, ...``) so that a change of load on the machine hits
   all of them alike;
-* the share of the layer's time that is not the experts: the experts alone (the
-  ``StackedExperts`` forward + backward on a ``[E, C, d]`` buffer of the layer's shape, i.e. the
-  two batched matmuls, biases and activation) are timed in the same round-robin, and
-  ``overhead = 1 - t_experts / t_moe`` is the fraction spent in routing, capacity, dispatch
-  and combine;
+* the share of the layer's time that is not the experts, measured inside every timed call of
+  the layer (so a change of load cannot skew it): hooks on ``moe.experts`` read the clock when
+  its forward starts and ends, and tensor hooks when the gradient reaches its output (the
+  experts' backward starts) and its input buffer (the experts' backward has finished; autograd
+  runs the expert nodes in between, as they were created after dispatch and before combine).
+  ``t_experts`` is the sum of the two spans (the two batched matmuls, biases and activation,
+  forward and backward) and ``1 - t_experts / t_call`` the share spent in the router,
+  capacity, dispatch and combine, forward and backward;
 * peak memory of one forward + backward above the memory held before it (weights, inputs):
   ``torch.cuda.max_memory_allocated`` on CUDA; on CPU the peak resident set size (``VmHWM`` of
   ``/proc/self/status``, reset through ``/proc/self/clear_refs``) with glibc's ``mmap``
@@ -181,6 +184,60 @@ FORWARDS: dict[str, Callable[[MoE, Tensor], Tensor]] = {
 }
 
 
+# ---------------------------------------------------------------------------- expert time
+
+
+class ExpertTimer:
+    """Wall time spent inside ``moe.experts`` (forward and backward) during one call of the layer.
+
+    Module hooks time the forward; tensor hooks on the experts' output (its gradient arrives:
+    backward of the experts begins) and input buffer (its gradient is ready: the experts'
+    backward nodes have run) time the backward. Use as a context manager around a forward +
+    backward of the layer; read :attr:`seconds` after it.
+    """
+
+    def __init__(self, moe: MoE, device: str) -> None:
+        self.moe, self.device = moe, device
+        self.marks: dict[str, float] = {}
+        self._handles: list = []
+
+    def _now(self, key: str) -> None:
+        _sync(self.device)
+        self.marks[key] = time.perf_counter()
+
+    def _pre(self, module: torch.nn.Module, args: tuple) -> None:
+        buffer = args[0]
+        if buffer.requires_grad:
+            buffer.register_hook(lambda g: self._now("bwd_end"))
+        self._now("fwd_start")
+
+    def _post(self, module: torch.nn.Module, args: tuple, out: Tensor) -> None:
+        self._now("fwd_end")
+        if out.requires_grad:
+            out.register_hook(lambda g: self._now("bwd_start"))
+
+    def __enter__(self) -> ExpertTimer:
+        self.marks = {}
+        self._handles = [self.moe.experts.register_forward_pre_hook(self._pre),
+                         self.moe.experts.register_forward_hook(self._post)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    @property
+    def seconds(self) -> float:
+        """Forward span + backward span of the experts, in seconds."""
+        m = self.marks
+        missing = {"fwd_start", "fwd_end", "bwd_start", "bwd_end"} - set(m)
+        if missing:
+            raise RuntimeError(f"the experts' hooks did not fire ({sorted(missing)}): run a forward and a backward "
+                               "of the layer, with an input that requires grad, inside the timer")
+        return (m["fwd_end"] - m["fwd_start"]) + (m["bwd_end"] - m["bwd_start"])
+
+
 # ---------------------------------------------------------------------------- memory
 
 
@@ -264,7 +321,8 @@ class Row:
         dropped: fraction of the (token, slot) pairs dropped by the capacity.
         ms: median ms of one forward + backward, by implementation (absent: skipped).
         runs: timed calls, by implementation (and ``"experts"``).
-        experts_ms: median ms of the experts alone on the layer's ``[E, C, d]`` buffer.
+        expert_share: median over the timed calls of the layer of ``t_experts / t_call``
+            (:class:`ExpertTimer`).
         peak_bytes: peak memory above the start, by implementation (``None``: not measurable).
         max_rel_diff: by reference, ``max(rel. diff of y, rel. diff of dL/dx)`` against the layer.
         skipped: why an implementation was not run, by implementation.
@@ -276,17 +334,17 @@ class Row:
     dropped: float = 0.0
     ms: dict[str, float] = field(default_factory=dict)
     runs: dict[str, int] = field(default_factory=dict)
-    experts_ms: float | None = None
+    expert_share: float | None = None
     peak_bytes: dict[str, int | None] = field(default_factory=dict)
     max_rel_diff: dict[str, float] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
 
     @property
     def overhead(self) -> float | None:
-        """``1 - t_experts / t_moe``: the share of the layer's time outside the experts."""
-        if self.experts_ms is None or "moe" not in self.ms:
+        """``1 - t_experts / t_call``: the share of the layer's time outside the experts."""
+        if self.expert_share is None:
             return None
-        return 1.0 - self.experts_ms / self.ms["moe"]
+        return 1.0 - self.expert_share
 
 
 def _sync(device: str) -> None:
@@ -326,19 +384,10 @@ def _measure(E: int, k: int, cfg: BenchConfig, device: str) -> Row:
         y.backward(grad_out)
         return y
 
-    # The layer's buffer shape, for the experts-alone timing.
     with torch.no_grad():
         _, routes = moe(x)
     row.capacity = int(routes.stats["capacity"])
     row.dropped = float(routes.stats["dropped_fraction"])
-    buffer = torch.randn(E, row.capacity, cfg.d_model, generator=gen).to(device).requires_grad_(True)
-    grad_buffer = torch.randn(E, row.capacity, cfg.d_model, generator=gen).to(device)
-
-    def experts_step() -> None:
-        buffer.grad = None
-        for p in moe.experts.parameters():
-            p.grad = None
-        moe.experts(buffer).backward(grad_buffer)
 
     # Warm-up, which also checks the outputs (y and dL/dx) against the layer.
     warm: dict[str, float] = {}
@@ -356,36 +405,34 @@ def _measure(E: int, k: int, cfg: BenchConfig, device: str) -> Row:
         else:
             assert reference is not None
             row.max_rel_diff[name] = max(_rel_diff(result[0], reference[0]), _rel_diff(result[1], reference[1]))
-    _sync(device)
-    t0 = time.perf_counter()
-    experts_step()
-    _sync(device)
-    warm["experts"] = time.perf_counter() - t0
 
-    # Timed calls, round-robin.
+    # Timed calls, round-robin; the layer's calls also time its experts from the inside.
     runs = {name: max(1, min(cfg.repeats, int(cfg.budget_s / max(t, 1e-9)))) for name, t in warm.items()}
     times: dict[str, list[float]] = {name: [] for name in runs}
+    shares: list[float] = []
+    timer = ExpertTimer(moe, device)
     for r in range(max(runs.values())):
         for name in runs:
             if r >= runs[name]:
                 continue
-            if name == "experts":
-                _sync(device)
-                t0 = time.perf_counter()
-                experts_step()
+            clear()
+            _sync(device)
+            if name == "moe":
+                with timer:
+                    t0 = time.perf_counter()
+                    step(name)
+                    _sync(device)
+                    dt = time.perf_counter() - t0
+                shares.append(timer.seconds / dt)
             else:
-                clear()
-                _sync(device)
                 t0 = time.perf_counter()
                 step(name)
-            _sync(device)
-            times[name].append(time.perf_counter() - t0)
+                _sync(device)
+                dt = time.perf_counter() - t0
+            times[name].append(dt)
     for name, ts in times.items():
-        ms = 1e3 * statistics.median(ts)
-        if name == "experts":
-            row.experts_ms = ms
-        else:
-            row.ms[name] = ms
+        row.ms[name] = 1e3 * statistics.median(ts)
+    row.expert_share = statistics.median(shares)
     row.runs = runs
 
     # Peak memory, one call each.
@@ -493,10 +540,11 @@ def _notes(rows: Sequence[Row], cfg: BenchConfig, device: str) -> list[str]:
         "zero outside the kept routes. Both use the layer's own stacked weights.",
         f"- same outputs: the largest relative difference (max |Δ| / max |reference|) of y and of dL/dx "
         f"against the layer is at most {SAME_RTOL:g}; the measured differences are in brackets.",
-        "- non-expert share = 1 − t_experts / t_moe, where t_experts is the time of the experts alone "
-        "(`StackedExperts` forward + backward: the two batched matmuls, biases and GELU) on a buffer of "
-        "the layer's shape [E, C, d_model], timed in the same round-robin: the share of the layer spent "
-        "in the router, capacity, dispatch and combine (and their backward).",
+        "- non-expert share = 1 − t_experts / t_call, median over the layer's timed calls, measured inside each "
+        "call: hooks read the clock where `moe.experts` (`StackedExperts`: the two batched matmuls, biases and "
+        "GELU) starts and ends its forward and its backward" + (" (with `torch.cuda.synchronize()` at each mark)"
+        if device == "cuda" else "") + "; the rest is the router, capacity, dispatch and combine, forward "
+        "and backward (and the hooks' own cost).",
         f"- peak MiB: {memory}.",
         "- Times are medians over timed calls after one untimed warm-up; the implementations are timed "
         "round-robin. Timed calls per implementation: "
