@@ -5,6 +5,7 @@ Subcommands::
     routelab reproduce [NAME ...] [--quick] [--out DIR]   run experiments, write DIR/report.md
     routelab bench assignment [--quick] [--threads N] [--device cpu|cuda] [--out FILE]
     routelab bench moe [--quick] [--threads N] [--device cpu|cuda] [--out FILE]
+    routelab bench moe --world-size N [N ...] [--quick] [--out FILE]   expert parallel, gloo workers
     routelab list                                         list the registered experiments
 
 Exit codes: 0 on success, 2 on a usage error (unknown experiment, bad option).
@@ -182,7 +183,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             return _error("--device cuda was requested but torch.cuda.is_available() is False.")
-    if args.benchmark == "moe":
+    if args.world_size is not None and args.benchmark != "moe":
+        return _error("--world-size applies to `routelab bench moe` only.")
+    if args.benchmark == "moe" and args.world_size is not None:
+        from routelab.bench.moe_parallel import run_benchmark as run_moe_parallel  # lazy: starts workers
+
+        if args.device == "cuda":
+            return _error("--world-size starts local gloo (CPU) workers; for GPUs use torchrun (see the README).")
+        text = run_moe_parallel(world_sizes=args.world_size, quick=args.quick, out=sys.stdout)
+    elif args.benchmark == "moe":
         from routelab.bench.moe import run_benchmark as run_moe  # lazy: heavy
 
         text = run_moe(quick=args.quick, threads=args.threads or 1, device=args.device, out=sys.stdout)
@@ -249,6 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--out", type=Path, default=None, metavar="FILE",
         help="also write the markdown table to FILE",
+    )
+    bench.add_argument(
+        "--world-size", type=_positive_int, nargs="+", default=None, metavar="N",
+        help="moe only: expert-parallel benchmark on N local gloo workers (several: 1 2 4), vs DeepSpeed if installed",
     )
     bench.set_defaults(func=_cmd_bench)
 

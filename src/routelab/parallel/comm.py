@@ -60,6 +60,8 @@ def exchange_counts(send_counts: Sequence[int] | Tensor, group: dist.ProcessGrou
     if isinstance(send_counts, Tensor):
         device = device if device is not None else send_counts.device
     values = _as_splits("send_counts", send_counts, world)
+    if world == 1:
+        return values
     send = torch.tensor(values, dtype=torch.long, device=device)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
@@ -106,6 +108,10 @@ def all_to_all(x: Tensor, send_counts: Sequence[int] | Tensor, recv_counts: Sequ
         raise ValueError(f"x has {x.shape[0]} rows but send_counts add up to {sum(send)}")
     recv = exchange_counts(send, group, device=x.device) if recv_counts is None else _as_splits(
         "recv_counts", recv_counts, world)
+    if world == 1:
+        if recv != send:
+            raise ValueError(f"a single rank receives what it sends, got send_counts={send}, recv_counts={recv}")
+        return x
     return _AllToAll.apply(x, send, recv, group)
 
 

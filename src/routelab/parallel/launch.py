@@ -129,7 +129,18 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
                     break
                 continue
             if not ok:
-                error = f"rank {rank} of {world_size} failed:\n{value}"
+                errors = {rank: value}
+                # The other ranks usually fail a moment later (their peer vanished): collect them
+                # briefly and report every traceback, the first failure first.
+                grace = time.monotonic() + 2.0
+                while len(errors) + len(out) < world_size and time.monotonic() < grace:
+                    try:
+                        r2, ok2, v2 = results.get(timeout=0.2)
+                    except queue.Empty:
+                        continue
+                    if not ok2:
+                        errors[r2] = v2
+                error = "\n".join(f"rank {r} of {world_size} failed:\n{tb}" for r, tb in errors.items())
                 break
             out[rank] = pickle.loads(value)
     finally:

@@ -15,8 +15,9 @@ Each rank holds the router (replicated) and ``E / world`` experts (rank ``r`` ow
    balanced assignment (BASE, Gumbel-Matching, batchwise, Sinkhorn) is solved over the whole
    global batch, redundantly on every rank;
 4. each rank sends the rows of its kept (token, slot) pairs to the ranks owning their experts
-   (:func:`~routelab.parallel.all_to_all`, uneven splits; the receive counts are exchanged
-   first and checked against the plan, which catches ranks whose decisions diverged), runs its
+   (:func:`~routelab.parallel.all_to_all`, uneven splits; the receive counts follow from the
+   global plan, and are also exchanged and checked against it unless
+   ``check_decisions=False``, which catches ranks whose decisions diverged), runs its
    local experts on ``[E/W, C, d]`` buffers laid out exactly like the single-process buffers,
    and sends the outputs back with the inverse exchange;
 5. outputs are combined in token order with the combine weights of its own tokens.
@@ -98,6 +99,9 @@ class ExpertParallelMoE(MoE):
         seed: base seed of the experts' initialisation; expert ``e`` is initialised from
             ``seed + e``, so the weights do not depend on the world size. ``None``: drawn on
             rank 0 from torch's global generator and broadcast.
+        check_decisions: exchange the per-rank dispatch counts (one small all-to-all per
+            forward) and raise if they differ from this rank's plan, i.e. if the ranks'
+            routing decisions diverged. ``False`` trusts the plan and saves the exchange.
 
     Shapes:
         input ``x [..., d_model]`` (this rank's tokens, any number, also 0) -> ``[...,
@@ -131,6 +135,7 @@ class ExpertParallelMoE(MoE):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         seed: int | None = None,
+        check_decisions: bool = True,
         _sync: bool = True,
     ) -> None:
         _require_initialized()
@@ -155,6 +160,7 @@ class ExpertParallelMoE(MoE):
                          drop_policy=drop_policy, importance_weighting=importance_weighting,
                          activation=activation, bias=bias, generator=generator, device="meta", dtype=dtype)
         self.process_group = process_group
+        self.check_decisions = bool(check_decisions)
         self.world_size, self.rank = world, rank
         self.local_experts = num_experts // world
         self.expert_offset = rank * self.local_experts
@@ -170,7 +176,8 @@ class ExpertParallelMoE(MoE):
     # ------------------------------------------------------------------ construction helpers
 
     @classmethod
-    def from_moe(cls, moe: MoE, process_group: dist.ProcessGroup | None = None) -> ExpertParallelMoE:
+    def from_moe(cls, moe: MoE, process_group: dist.ProcessGroup | None = None, *,
+                 check_decisions: bool = True) -> ExpertParallelMoE:
         """Shard an existing single-process :class:`~routelab.layers.MoE` (same on every rank).
 
         The router is copied (its ``generator``, if any, is shared with ``moe``, not copied);
@@ -191,7 +198,7 @@ class ExpertParallelMoE(MoE):
                   capacity_factor=moe.capacity_factor, drop_policy=moe.drop_policy,
                   importance_weighting=moe.importance_weighting, activation=ex.activation,
                   bias=ex.b1 is not None, generator=moe.generator, device=param.device, dtype=param.dtype,
-                  _sync=False)
+                  check_decisions=check_decisions, _sync=False)
         lo, hi = out.expert_offset, out.expert_offset + out.local_experts
         with torch.no_grad():
             for name in ("w1", "w2", "b1", "b2"):
@@ -351,7 +358,10 @@ class ExpertParallelMoE(MoE):
         order = torch.argsort(recv_src, stable=True)
         recv_rows = torch.arange(rows_per_rank, device=dev)[filled][order]  # receive order: by source rank
         planned = torch.bincount(recv_src, minlength=W).tolist()
-        recv_counts = exchange_counts(send_counts, group, device=self._comm_device())
+        if self.check_decisions:
+            recv_counts = exchange_counts(send_counts, group, device=self._comm_device())
+        else:
+            recv_counts = planned
         if recv_counts != planned:
             raise RuntimeError(
                 f"rank {r}: the routing decisions differ across ranks (receiving {recv_counts} rows per rank, the "
