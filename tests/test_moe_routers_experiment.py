@@ -1,0 +1,149 @@
+"""The moe-routers experiment on tiny settings: records, resume, determinism, report (seconds)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from routelab import experiments
+from routelab.experiments import moe_routers as mr
+from routelab.experiments.moe_routers import model as mr_model
+from routelab.experiments.moe_routers.report import claims, render_report
+
+TINY = mr.Settings(routers=("switch", "batchwise", "base"), seeds=(0,), epochs=1, train_images=400,
+                   test_images=200, batch_size=40, d_model=16, d_hidden=16, batch1_images=40,
+                   batchwise_eval_batches=(40, 8), log_every=2)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def tiny_data() -> tuple[torch.Tensor, ...]:
+    """Synthetic MNIST-shaped data (the loader itself is tested with the data package)."""
+    g = torch.Generator().manual_seed(0)
+    train_y = torch.randint(0, 10, (400,), generator=g)
+    test_y = torch.randint(0, 10, (200,), generator=g)
+    centers = torch.randn(10, 784, generator=g)
+    train_x = centers[train_y] + 0.5 * torch.randn(400, 784, generator=g)
+    test_x = centers[test_y] + 0.5 * torch.randn(200, 784, generator=g)
+    return train_x, train_y, test_x, test_y
+
+
+@pytest.fixture
+def fake_mnist(monkeypatch: pytest.MonkeyPatch, tiny_data):
+    calls = []
+
+    def prepare(settings):
+        calls.append(settings)
+        return tiny_data
+
+    monkeypatch.setattr(mr, "prepare_data", prepare)
+    return calls
+
+
+def test_registered() -> None:
+    assert isinstance(experiments.REGISTRY["moe-routers"], mr.MoeRouters)
+
+
+def test_settings_validation() -> None:
+    with pytest.raises(ValueError, match="unknown router spec"):
+        mr.Settings(routers=("nope",)).validate()
+    with pytest.raises(ValueError, match="multiples of batch_size"):
+        mr.Settings(batch_size=128).validate()
+    with pytest.raises(ValueError, match="divisible by num_experts"):
+        mr.Settings(batchwise_eval_batches=(200, 2)).validate()
+    mr.FULL.validate()
+    mr.QUICK.validate()
+
+
+def test_every_router_trains_through_the_moe_layer(tiny_data) -> None:
+    settings = mr.Settings(**{**TINY.__dict__, "routers": tuple(s.name for s in mr.ROUTER_SPECS),
+                              "batchwise_eval_batches": (40,)})
+    for spec in mr.ROUTER_SPECS:
+        rec = mr.train_run(spec, 0, settings, tiny_data)
+        assert rec["router"] == spec.name and rec["steps"] == 10
+        assert 0 <= rec["test"]["acc"] <= 1 and 0 <= rec["test_batch1"]["acc"] <= 1
+        assert len(rec["proposed_curve"]) == 5 and len(rec["proposed_curve"][0]) == settings.num_experts
+        if spec.router in ("base", "gumbel_matching", "batchwise"):  # balanced in training
+            assert rec["train"]["proposed_load_cv"] == pytest.approx(0.0, abs=1e-9)
+            assert rec["train"]["dropped_fraction"] == pytest.approx(0.0, abs=1e-9)
+        if spec.router == "softmax":
+            assert rec["test"]["experts_per_token"] == settings.num_experts
+
+
+def test_same_seed_same_record(tiny_data) -> None:
+    spec = TINY.spec("switch")
+    a = mr.train_run(spec, 3, TINY, tiny_data)
+    b = mr.train_run(spec, 3, TINY, tiny_data)
+    for key in ("test", "train", "proposed_curve", "test_batch1"):
+        assert a[key] == b[key]
+
+
+def test_batchwise_diagnostics(tiny_data) -> None:
+    rec = mr.train_run(TINY.spec("batchwise"), 0, TINY, tiny_data)
+    d = rec["batchwise"]
+    assert set(d["acc_batchwise"]) == {"40", "8"}
+    assert 0 <= d["mask_agreement"] <= 1 and len(d["thresholds"]) == TINY.num_experts
+    assert 0 <= d["acc_threshold_batch1"] <= 1
+
+
+def test_sweep_resumes_and_reports(tmp_path: Path, fake_mnist) -> None:
+    report = mr.run_sweep(tmp_path, TINY, figures=False, progress=False)
+    lines = (tmp_path / "runs.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and len(fake_mnist) == 1
+    assert {json.loads(line)["router"] for line in lines} == {"switch", "batchwise", "base"}
+    text = report.read_text()
+    assert "## Claims" in text and "Batchwise gating at inference" in text and "Wall time" in text
+    assert "| switch |" in text
+    csv = (tmp_path / "results.csv").read_text().splitlines()
+    assert len(csv) == 4 and csv[0].startswith("router,seed")
+
+    # A rerun trains nothing (no data load) and rewrites the same tables.
+    mr.run_sweep(tmp_path, TINY, figures=False, progress=False)
+    assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 3 and len(fake_mnist) == 1
+    assert "3 runs were already recorded" in report.read_text()
+
+    # Other settings do not reuse those records.
+    more = mr.Settings(**{**TINY.__dict__, "routers": ("switch",), "epochs": 2})
+    mr.run_sweep(tmp_path, more, figures=False, progress=False)
+    assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 4
+
+
+def test_figures_are_drawn(tmp_path: Path, fake_mnist) -> None:
+    pytest.importorskip("matplotlib")
+    mr.run_sweep(tmp_path, TINY, progress=False)
+    for name in ("fig_load.png", "fig_summary.png", "fig_batchwise.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+        assert f"]({name})" in (tmp_path / "report.md").read_text()
+
+
+def test_claim_verdicts_follow_the_criteria() -> None:
+    def rec(router, seed, acc, cv=0.0, drop=0.0, **extra):
+        return {"router": router, "seed": seed, "test": {"acc": acc},
+                "train": {"proposed_load_cv": cv, "load_cv": cv, "dropped_fraction": drop}, **extra}
+
+    bw = {"acc_batchwise": {"40": 0.95, "8": 0.90}, "acc_threshold_batch1": 0.952, "mask_agreement": 0.95,
+          "threshold_experts_per_token": 2.0}
+    records = [rec("switch", 0, 0.90, 0.4, 0.2), rec("batchwise", 0, 0.95, batchwise=bw), rec("base", 0, 0.93)]
+    verdicts = {c.claim[:30]: c.verdict for c in claims(records, TINY)}
+    assert list(verdicts.values()) == ["**holds**"] * 4
+    bw_bad = {**bw, "acc_threshold_batch1": 0.80, "mask_agreement": 0.5}
+    records[1] = rec("batchwise", 0, 0.95, cv=0.1, batchwise=bw_bad)
+    got = [c.verdict for c in claims(records, TINY)]
+    assert got[:2] == ["**does not hold**", "**does not hold**"]
+
+
+def test_quick_settings_fit_the_docs() -> None:
+    # The quick form says it is the quick form.
+    text = render_report(mr.QUICK, [], wall_s=1.0)
+    assert "quick form" in text
+    assert mr_model.Settings().batch_size % mr_model.Settings().num_experts == 0
