@@ -13,3 +13,8 @@ __all__ = ["DataUnavailable", "load_fashion_mnist", "load_mnist"]
 from routelab.data.parallel_text import VersePair, load_parallel_text  # noqa: E402
 
 __all__ += ["VersePair", "load_parallel_text"]
+
+from routelab.data.movielens import MovieLens100k, load_movielens100k  # noqa: E402
+from routelab.data.multimnist import make_overlays  # noqa: E402
+
+__all__ += ["MovieLens100k", "load_movielens100k", "make_overlays"]

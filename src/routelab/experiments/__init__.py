@@ -94,6 +94,10 @@ def register(exp: Experiment) -> Experiment:
 from . import kool_toy as _kool_toy  # noqa: E402
 
 register(_kool_toy.KoolToy())
+from . import dselect as _dselect  # noqa: E402
+
+for _exp in _dselect.EXPERIMENTS:
+    register(_exp)
 from . import mae as _mae  # noqa: E402
 
 register(_mae.MAEExperiment())

@@ -33,12 +33,6 @@ def num_code_bits(num_experts: int) -> int:
     return (num_experts - 1).bit_length()
 
 
-def _bit_table(m: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``[2^m, m]``: entry (e, j) is bit j (least significant first) of code e."""
-    codes = torch.arange(2**m, device=device)
-    return ((codes[:, None] >> torch.arange(m, device=device)[None, :]) & 1).to(dtype)
-
-
 def selector_outputs(z: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
     """The single expert selectors r(S(z)) of eq. 4 over all 2^m codes.
 
@@ -52,10 +46,14 @@ def selector_outputs(z: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
     """
     s = smooth_step(z, gamma)
     m = z.shape[-1]
-    bits = _bit_table(m, z.device, z.dtype)                      # [2^m, m]
-    s = s.unsqueeze(-2)                                          # [..., 1, m]
-    factors = s * bits + (1.0 - s) * (1.0 - bits)                # [..., 2^m, m]
-    return factors.prod(dim=-1)
+    # Built bit by bit (a Kronecker product): after bit j, entry e < 2^(j+1) holds
+    # prod_{j' <= j} (S(z_j') if bit j' of e is set else 1 - S(z_j')); m cheap ops instead of a
+    # [..., 2^m, m] product (whose backward is slow).
+    r = torch.ones(z.shape[:-1] + (1,), dtype=z.dtype, device=z.device)
+    for j in range(m):
+        sj = s[..., j: j + 1]
+        r = torch.cat([r * (1.0 - sj), r * sj], dim=-1)
+    return r
 
 
 def _check_dselect_args(alpha: torch.Tensor, z: torch.Tensor, num_experts: int) -> int:

@@ -28,7 +28,8 @@ class StackedLinear(nn.Module):
 
     ``[batch, in_dim]`` (shared input) or ``[batch, n, in_dim]`` (one input per expert) ->
     ``[batch, n, out_dim]``, then ``activation``. Initialised like ``nn.Linear`` (uniform
-    ±1/sqrt(in_dim)) unless ``init_std`` is given (then normal with that std, biases too).
+    ±1/sqrt(in_dim)) unless ``init_std`` is given (then normal with that std, biases too);
+    ``dropout`` (default 0) is applied after the activation.
 
     Args:
         num_experts: n. in_dim / out_dim: widths. activation: applied after (default none).
@@ -37,8 +38,12 @@ class StackedLinear(nn.Module):
 
     def __init__(self, num_experts: int, in_dim: int, out_dim: int, *,
                  activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 init_std: float | None = None, generator: torch.Generator | None = None) -> None:
+                 init_std: float | None = None, dropout: float = 0.0,
+                 generator: torch.Generator | None = None) -> None:
         super().__init__()
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}.")
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else None
         for name, v in (("num_experts", num_experts), ("in_dim", in_dim), ("out_dim", out_dim)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}.")
@@ -66,7 +71,8 @@ class StackedLinear(nn.Module):
         else:
             raise ValueError(f"x must be [batch, in_dim] or [batch, n, in_dim], got {tuple(x.shape)}.")
         y = y + self.bias
-        return self.activation(y) if self.activation is not None else y
+        y = self.activation(y) if self.activation is not None else y
+        return self.dropout(y) if self.dropout is not None else y
 
 
 def _as_tower_list(towers: Sequence[nn.Module] | None, num_tasks: int) -> nn.ModuleList:

@@ -1,0 +1,141 @@
+"""Helpers shared by the DSelect-k experiments: gate factories, statistics, markdown, provenance."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+import routelab
+from routelab.gates import (
+    DSelectK,
+    GumbelSoftmaxGate,
+    MTLGate,
+    SoftmaxGate,
+    TopKGate,
+    ablation_annealing,
+    ablation_entropy,
+)
+
+__all__ = [
+    "GATE_LABELS",
+    "make_gate",
+    "mean_se",
+    "fmt_mean_se",
+    "md_table",
+    "provenance",
+    "log",
+    "Timer",
+    "weights_matrix",
+]
+
+GATE_LABELS: dict[str, str] = {
+    "dselect_static": "DSelect-k (static)",
+    "topk_static": "Top-k (static)",
+    "gumbel_static": "Gumbel-softmax (static)",
+    "dselect_per_example": "DSelect-k (per-example)",
+    "topk_per_example": "Top-k (per-example)",
+    "softmax": "Softmax MoE",
+    "shared_bottom": "Shared bottom",
+    "ablation_annealing": "Ablation (annealing)",
+    "ablation_entropy": "Ablation (entropy)",
+}
+
+
+def make_gate(kind: str, num_experts: int, *, k: int, input_dim: int | None, seed: int,
+              gamma: float = 1.0, entropy_reg: float = 0.0, gumbel_reg: float = 0.0,
+              anneal: tuple[float, float] = (1.0, 1e-3), ablation_entropy_reg: float = 0.01) -> MTLGate:
+    """Build one gate of the comparison by name (see :data:`GATE_LABELS`)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "dselect_static":
+        return DSelectK(num_experts, k, gamma=gamma, entropy_reg=entropy_reg, generator=g)
+    if kind == "dselect_per_example":
+        return DSelectK(num_experts, k, gamma=gamma, entropy_reg=entropy_reg, per_example=True,
+                        input_dim=input_dim, generator=g)
+    if kind == "topk_static":
+        return TopKGate(num_experts, k, generator=g)
+    if kind == "topk_per_example":
+        return TopKGate(num_experts, k, per_example=True, input_dim=input_dim, generator=g)
+    if kind == "softmax":
+        return SoftmaxGate(num_experts, generator=g)
+    if kind == "gumbel_static":
+        return GumbelSoftmaxGate(num_experts, sparsity_reg=gumbel_reg, seed=seed + 7919, generator=g)
+    if kind == "ablation_annealing":
+        return ablation_annealing(num_experts, k, temperature=anneal[0], final_temperature=anneal[1], generator=g)
+    if kind == "ablation_entropy":
+        return ablation_entropy(num_experts, k, entropy_reg=ablation_entropy_reg, generator=g)
+    raise ValueError(f"unknown gate kind {kind!r}; one of {sorted(GATE_LABELS)}.")
+
+
+def mean_se(values: Iterable[float]) -> tuple[float, float, int]:
+    """Mean, standard error (sample std / sqrt(n); nan for n < 2) and n of finite values."""
+    v = [float(x) for x in values if x is not None and math.isfinite(float(x))]
+    n = len(v)
+    if n == 0:
+        return float("nan"), float("nan"), 0
+    m = sum(v) / n
+    if n < 2:
+        return m, float("nan"), n
+    var = sum((x - m) ** 2 for x in v) / (n - 1)
+    return m, math.sqrt(var / n), n
+
+
+def fmt_mean_se(values: Iterable[float], digits: int = 3, scale: float = 1.0) -> str:
+    """``mean ± se`` (scaled), or ``mean`` when only one value, or ``—`` when none."""
+    m, se, n = mean_se(values)
+    if n == 0:
+        return "—"
+    if n == 1 or not math.isfinite(se):
+        return f"{m * scale:.{digits}f}"
+    return f"{m * scale:.{digits}f} ± {se * scale:.{digits}f}"
+
+
+def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A GitHub markdown table."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _commit() -> str:
+    try:
+        root = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def provenance() -> str:
+    """One line: routelab version, commit, torch, Python, machine, threads, device."""
+    return (f"routelab {routelab.__version__} (commit {_commit()}), torch {torch.__version__}, "
+            f"Python {platform.python_version()}, {platform.machine()}, "
+            f"{torch.get_num_threads()} torch thread(s), CPU")
+
+
+def log(msg: str) -> None:
+    """Progress line with a timestamp, flushed."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class Timer:
+    """Wall-clock seconds since creation: ``Timer()()``."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def weights_matrix(gates: Sequence[MTLGate]) -> list[list[float]]:
+    """The static weights of each gate (one forward with batch size 1) as nested lists."""
+    with torch.no_grad():
+        return [g(1)[0].tolist() for g in gates]

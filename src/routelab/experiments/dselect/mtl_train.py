@@ -1,0 +1,72 @@
+"""The training loop shared by the MovieLens and Multi-MNIST experiments.
+
+A model maps ``x`` to a list of task outputs and has ``regularization()``, ``on_step``,
+``track`` and ``report`` (:class:`~routelab.layers.MultiGateMoE` and
+:class:`~routelab.layers.SharedBottom` both do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from routelab.layers import MultiGateMoE
+
+__all__ = ["train_mtl", "experts_selected"]
+
+
+def experts_selected(model: nn.Module, forward: Callable[[torch.Tensor], list[torch.Tensor]],
+                     x_batches: Sequence[torch.Tensor]) -> list[float] | None:
+    """Mean number of nonzero-weight experts per example, per task (None for shared bottom)."""
+    if not isinstance(model, MultiGateMoE):
+        return None
+    tot = [0.0] * model.num_tasks
+    n = 0
+    with torch.no_grad():
+        for xb in x_batches:
+            forward(xb)
+            for t, w in enumerate(model.last_weights):
+                tot[t] += float((w != 0).sum())
+            n += xb.shape[0]
+    return [v / n for v in tot]
+
+
+def train_mtl(model: nn.Module, forward: Callable[[torch.Tensor], list[torch.Tensor]],
+              loss_fn: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor],
+              x: torch.Tensor, y: torch.Tensor, *, epochs: int, batch: int, lr: float,
+              generator: torch.Generator, log_every: int = 0,
+              on_log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Adam on ``loss_fn(forward(xb), yb) + model.regularization()``; returns training info.
+
+    ``forward`` maps a batch of x to the model's outputs (it may embed ids first).
+    Records the first step at which every DSelect-k gate's S(Z) was binary, as reported by the
+    gates (``binary_step``; for per-example gates: binary on that step's batch).
+    """
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    n = x.shape[0]
+    steps_per_epoch = n // batch
+    total = epochs * steps_per_epoch
+    step = 0
+    model.train()
+    for ep in range(epochs):
+        perm = torch.randperm(n, generator=generator)
+        for i in range(steps_per_epoch):
+            idx = perm[i * batch:(i + 1) * batch]
+            model.on_step(step, total)
+            opt.zero_grad()
+            loss = loss_fn(forward(x[idx]), y[idx]) + model.regularization()
+            loss.backward()
+            opt.step()
+            model.track(step)
+            if log_every and on_log and step % log_every == 0:
+                on_log(f"epoch {ep + 1} step {step}/{total} loss {float(loss):.4f}")
+            step += 1
+    model.eval()
+    reports = model.report()
+    steps = [r.get("binary_step") for r in reports if "binary" in r]
+    binary_step = (max(steps) if steps and all(s is not None for s in steps) else None) if steps else None
+    return {"steps": total, "binary_step": binary_step,
+            "binary_all": (all(bool(r["binary"]) for r in reports if "binary" in r) if steps else None)}
