@@ -20,6 +20,7 @@ from ..assignment._checks import check_score_matrix, resolve_capacity
 from ..assignment._groups import rank_within_groups
 from ..assignment._ops import SMALL_K, argmax, log_softmax
 from ..routes import Routes
+from .two_experts import sample_two
 
 __all__ = ["METHODS", "UNBIASED_METHODS", "CAPPED_METHODS", "sample_routes", "switch_balance_loss"]
 
@@ -37,6 +38,9 @@ UNBIASED_METHODS: tuple[str, ...] = ("sample", "sample_skip_iw", "gumbel_matchin
 #: Sinkhorn balancing of the proposal: relative column tolerance and most sweeps per call.
 SINKHORN_TOL = 1e-6
 SINKHORN_SWEEPS = 100
+#: Use the closed forms of two_experts.py for k = 2 (tests switch it off to compare with the
+#: general path).
+_TWO_EXPERT_FAST_PATH = True
 #: The methods that respect the expert capacity.
 CAPPED_METHODS: tuple[str, ...] = METHODS[1:]
 
@@ -105,6 +109,10 @@ def sample_routes(
             )
         c = min(resolve_capacity(n, k, capacity), n)
     T = _temperature(tau, batch, logits)  # [..., 1, 1]
+    if k == 2 and _TWO_EXPERT_FAST_PATH and bool(torch.isfinite(logits).all()):
+        # Closed forms on the logit difference: same distributions, half the work (two_experts.py).
+        return sample_two(logits, method, T, c, sinkhorn, generator, sinkhorn_tol=SINKHORN_TOL,
+                          sinkhorn_sweeps=SINKHORN_SWEEPS)
 
     log_p = log_softmax(logits)
     a = logits.detach()

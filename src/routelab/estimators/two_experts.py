@@ -1,0 +1,176 @@
+"""The estimators of :func:`~routelab.estimators.sample_routes` for two experts, in closed form.
+
+With ``k = 2`` every distribution over the experts of a token is a Bernoulli, determined by one
+logit difference ``s = logits[..., 1] - logits[..., 0]``, and Gumbel noise enters only through
+the difference of two Gumbels, a standard logistic variable. Working on ``[..., n]`` differences
+instead of ``[..., n, 2]`` matrices halves the data and avoids reductions over a length-2 axis,
+which PyTorch's CPU kernels do slowly. Each method draws the same distribution as the general
+path (the tests compare them), so the contract of :func:`sample_routes` holds unchanged.
+
+* Sampling at temperature ``tau``: ``z = 1[s / tau + L > 0]`` with ``L ~ Logistic(0, 1)``.
+* Sinkhorn balancing of the proposal: ``s_q = s / tau + beta`` with the one dual variable
+  ``beta`` of :func:`routelab.assignment.sinkhorn._balance_two`.
+* Gumbel-Matching with capacity ``c`` (``n <= 2c``): with perturbed scores ``v = s_q + L``, the
+  optimal assignment sends to expert 1 the ``m`` largest ``v`` with ``m = clamp(#{v > 0}, n - c,
+  c)``. Given the other tokens' noise, token ``i`` goes to expert 1 exactly when ``v_i > t_i =
+  max(o_(c), min(0, o_(n - c)))`` where ``o_(j)`` is the ``j``-th largest ``v`` among the *other*
+  tokens, so its conditional (eq. 6) is ``q(z_i = 1 | G_-i) = sigmoid(s_q,i - t_i)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..assignment.sinkhorn import _balance_two
+from ..routes import Routes
+
+__all__ = ["sample_two"]
+
+
+def _logistic(shape: torch.Size, like: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Standard logistic noise ``log u - log(1 - u)`` (the difference of two Gumbels)."""
+    u = torch.rand(shape, dtype=like.dtype, device=like.device, generator=generator)
+    eps = torch.finfo(like.dtype).eps
+    u = u.clamp(min=eps, max=1.0 - eps)
+    return torch.log(u) - torch.log1p(-u)
+
+
+def _sinkhorn_shift(s_q: Tensor, tol_rel: float, sweeps: int) -> Tensor:
+    """``s_q + beta``: the logit difference of the Sinkhorn-balanced proposal (columns ``n / 2``)."""
+    n = s_q.shape[-1]
+    log_q = torch.stack([F.logsigmoid(-s_q), F.logsigmoid(s_q)], dim=-1)
+    target = torch.full((2,), n / 2, dtype=s_q.dtype, device=s_q.device)
+    rel = max(tol_rel, 4 * torch.finfo(s_q.dtype).eps * n**0.5)
+    out = _balance_two(log_q, target, tol=rel * n / 2, max_iter=sweeps)
+    assert out is not None  # finite input and a target strictly inside (0, n)
+    x, _ = out
+    return x[..., 1] - x[..., 0]
+
+
+def _skip_two(z: Tensor, c: int, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """Keep at most ``c`` tokens per expert, a uniformly random subset of each expert's tokens.
+
+    One stable sort of ``expert + u`` (``u ~ U[0, 1)`` in float64) orders the tokens by expert and
+    then by a uniform priority (exact ties, of probability ~1e-14, go to the earlier token).
+
+    Returns:
+        ``(keep [..., n] bool, load [..., n] long)``: ``load`` is ``n_z``, the number of tokens
+        that chose each token's expert.
+    """
+    n = z.shape[-1]
+    u = torch.rand(z.shape, dtype=torch.float64, device=z.device, generator=generator)
+    order = torch.argsort(z.to(torch.float64) + u, dim=-1, stable=True)
+    n1 = z.sum(-1, keepdim=True)
+    n0 = n - n1
+    pos = torch.arange(n, device=z.device).expand_as(order)
+    # sorted position p holds expert 0 for p < n0 (rank p) and expert 1 after (rank p - n0)
+    rank_sorted = torch.where(pos < n0, pos, pos - n0)
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, rank_sorted)
+    return rank < c, torch.where(z, n1, n0)
+
+
+def _matching(v: Tensor, c: int) -> tuple[Tensor, Tensor]:
+    """The optimal two-expert assignment of perturbed scores ``v [..., n]`` and each token's threshold.
+
+    Returns:
+        ``(z, t)``: ``z [..., n]`` bool (expert 1), ``t [..., n]`` the value ``v_i`` must exceed
+        for token ``i`` to be assigned to expert 1 given the others.
+    """
+    n = v.shape[-1]
+    sorted_v, order = torch.sort(v, dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(n, device=v.device).expand_as(order))
+    m = (v > 0).sum(-1, keepdim=True).clamp(min=n - c, max=c)
+    z = rank < m
+    # j-th largest among the others (1-based j): sorted[j-1] if i ranks below it, else sorted[j].
+    inf = torch.full(v.shape[:-1] + (1,), float("inf"), dtype=v.dtype, device=v.device)
+    ext = torch.cat([sorted_v, -inf, -inf], dim=-1)  # positions n, n+1: -inf (no constraint)
+
+    def other(j: int) -> Tensor:
+        if j <= 0:
+            return inf.expand_as(v)  # "at least 0 tokens above": never binding
+        at_j_minus_1 = ext[..., j - 1 : j]
+        at_j = ext[..., j : j + 1]
+        return torch.where(rank >= j, at_j_minus_1, at_j)
+
+    t = torch.maximum(other(c), torch.minimum(torch.zeros_like(v), other(n - c)))
+    return z, t
+
+
+def sample_two(
+    logits: Tensor,
+    method: str,
+    T: Tensor,
+    c: int | None,
+    sinkhorn: bool,
+    generator: torch.Generator | None,
+    *,
+    sinkhorn_tol: float,
+    sinkhorn_sweeps: int,
+) -> Routes:
+    """:func:`sample_routes` for ``logits [..., n, 2]`` with finite entries; see the module doc.
+
+    Args:
+        logits: ``[..., n, 2]`` finite router logits (differentiable).
+        method: a method of :data:`~routelab.estimators.METHODS`.
+        T: temperature, broadcastable to ``[..., 1, 1]``.
+        c: capacity (``None`` only for ``sample``).
+        sinkhorn: balance the proposal first.
+        generator: the only source of randomness.
+        sinkhorn_tol, sinkhorn_sweeps: relative tolerance and iteration cap of the balancing.
+    """
+    n = logits.shape[-2]
+    batch = logits.shape[:-2]
+    s = logits[..., 1] - logits[..., 0]  # [..., n], differentiable
+    tau = T.squeeze(-1)  # [..., 1] or [1]
+    s_q = s.detach() / tau
+    if sinkhorn:
+        s_q = _sinkhorn_shift(s_q, sinkhorn_tol, sinkhorn_sweeps)
+    noise = _logistic(s_q.shape, s_q, generator)
+    keep = torch.ones(s_q.shape, dtype=torch.bool, device=s_q.device)
+    correction = torch.ones_like(s_q)
+    if method.startswith("sample"):
+        z = s_q + noise > 0
+        s_ref = s_q
+        if method != "sample":
+            keep, load = _skip_two(z, c, generator)
+            load = load.to(s_q.dtype)
+            kept = keep.sum(-1, keepdim=True).clamp(min=1).to(s_q.dtype)
+            if method == "sample_skip_iw":
+                correction = load / load.clamp(max=c)
+            else:
+                correction = (n / kept).expand_as(correction)
+    else:
+        z, t = _matching(s_q + noise, c)
+        if method == "gumbel_matching_iw":
+            s_ref = s_q - t
+        elif method == "gumbel_matching_sh":
+            s_ref = s_q if sinkhorn else _sinkhorn_shift(s_q, sinkhorn_tol, sinkhorn_sweeps)
+        else:
+            s_ref = s_q
+    sign = torch.where(z, 1.0, -1.0).to(s.dtype)
+    log_q_z = F.logsigmoid(sign * s_ref)
+    log_p_z = F.logsigmoid(sign * s)
+    weight = (torch.exp(log_p_z.detach() - log_q_z) * correction).masked_fill(~keep, 0.0).detach()
+    expert = z.long()
+    # Switch balance loss 2 * sum_j f_j P_j with f over kept tokens.
+    p1 = torch.sigmoid(s)
+    f1 = (z & keep).to(s.dtype).sum(-1) / n
+    f0 = (~z & keep).to(s.dtype).sum(-1) / n
+    balance = 2 * (f0.detach() * (1 - p1).mean(-1) + f1.detach() * p1.mean(-1))
+    ones = keep.sum(-1)
+    on_one = (z & keep).sum(-1)
+    counts = torch.stack([ones - on_one, on_one], dim=-1)
+    return Routes(
+        expert=expert,
+        gate=log_p_z.exp(),
+        keep=keep,
+        weight=weight,
+        log_prob=log_p_z,
+        aux={"balance": balance.reshape(batch)},
+        stats={"tokens_per_expert": counts, "dropped_fraction": (~keep).float().mean(-1)},
+        single=True,
+    )
