@@ -241,7 +241,8 @@ def _header(cfg: ParallelBenchConfig, quick: bool, ds: tuple[bool, str], backend
         f"E={cfg.experts} experts in all (E/W per rank), top-1 (Switch) routing, capacity factor 1 or dropless",
         f"- forward + backward, median of {cfg.repeats} steps after {cfg.warmup} warm-up steps, slowest rank; "
         "tokens/s counts the global batch (W x tokens per rank)",
-        f"- {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; load average at the end "
+        f"{', '.join(f'{v:.1f}' for v in os.getloadavg())} (1, 5, 15 min; other work on the machine slows every column)",
         "",
     ]
 
