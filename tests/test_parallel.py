@@ -235,3 +235,44 @@ def test_run_workers_propagates_failures_and_timeouts():
 def test_needs_a_process_group():
     with pytest.raises(RuntimeError, match="init_process_group|init_distributed"):
         ExpertParallelMoE(D, H, E)
+
+
+def _subgroup_worker(rank: int, world: int) -> int:
+    # Two expert-parallel groups of 2 ranks ({0, 1} and {2, 3}), each routing its own global batch.
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = groups[rank // 2]
+    local_rank = rank % 2
+    counts = [4, 6] if rank < 2 else [7, 3]
+    lo, n = sum(counts[:local_rank]), counts[local_rank]
+    checked = 0
+    for i, cfg in enumerate([{"router": "topk", "k": 2, "capacity_factor": 0.75},
+                             {"router": "base", "capacity_factor": None},
+                             {"router": "gumbel_matching", "capacity_factor": 1.0}]):
+        moe, gen = _build_reference(cfg, seed=i)
+        state = gen.get_state()
+        torch.manual_seed(100 * (rank // 2) + i)  # each group its own data
+        x, w = torch.randn(sum(counts), D), torch.randn(sum(counts), D)
+        x_ref = x.clone().requires_grad_(True)
+        y_ref, r_ref = moe(x_ref)
+        _loss(y_ref, r_ref.aux, w, 1.0).backward()
+        gen.set_state(state)
+        ep = ExpertParallelMoE.from_moe(moe, group)
+        assert ep.world_size == 2 and ep.rank == local_rank
+        x_loc = x[lo:lo + n].clone().requires_grad_(True)
+        y, r = ep(x_loc)
+        _loss(y, r.aux, w[lo:lo + n], 0.5).backward()
+        ep.reduce_replicated_grads()
+        errors: list[str] = []
+        _close("y", y, y_ref[lo:lo + n], errors)
+        _close("x.grad", x_loc.grad, x_ref.grad[lo:lo + n], errors)
+        e0, e1 = ep.expert_offset, ep.expert_offset + ep.local_experts
+        _close("experts.w1.grad", ep.experts.w1.grad, moe.experts.w1.grad[e0:e1], errors)
+        _close("router.proj.weight.grad", ep.router.proj.weight.grad, moe.router.proj.weight.grad, errors)
+        if errors:
+            raise AssertionError(f"{cfg} rank {rank}: " + "; ".join(errors))
+        checked += 1
+    return checked
+
+
+def test_expert_parallel_over_subgroups():
+    assert run_workers(_subgroup_worker, 4, timeout=60) == [3] * 4
