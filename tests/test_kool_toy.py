@@ -34,6 +34,7 @@ TINY = kt.Settings(
     marginal_ns=(2, 4),
     marginal_matrices=2,
     marginal_samples=50,
+    workers=1,
 )
 
 
@@ -217,6 +218,19 @@ def test_interrupted_sweep_resumes_bit_identically(tmp_path: Path, monkeypatch: 
         ((r["config"], r["method"], r["tau"], r["seed"]), r["mse"], r["params"]["a"]) for r in rs
     )
     assert strip(resumed) == strip(clean)
+
+
+def test_worker_processes_give_the_same_results_as_one_process(tmp_path: Path) -> None:
+    """Chunks are seeded by name, so training them on 2 worker processes changes nothing."""
+    settings = replace(TINY, marginal_ns=())
+    kt.run_sweep(tmp_path / "one", settings, progress=False, figures=False)
+    kt.run_sweep(tmp_path / "two", replace(settings, workers=2), progress=False, figures=False)
+    key = lambda r: (r["config"], r["method"], r["tau"], r["seed"])  # noqa: E731
+    one = sorted(read_jsonl(tmp_path / "one" / "runs.jsonl"), key=key)
+    two = sorted(read_jsonl(tmp_path / "two" / "runs.jsonl"), key=key)
+    strip = lambda r: {k: v for k, v in r.items() if k not in ("chunk_wall_s",)}  # noqa: E731
+    assert [strip(r) for r in one] == [strip(r) for r in two]
+    assert {c["workers"] for c in read_jsonl(tmp_path / "two" / "chunks.jsonl")} == {2}
 
 
 def test_library_error_in_a_chunk_is_reported_not_fatal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

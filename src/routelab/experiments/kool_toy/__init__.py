@@ -33,6 +33,7 @@ from ..runner import append_jsonl_atomic, atomic_write_text, read_jsonl
 from .figures import FIGURES, draw_figures
 from .marginals import marginals_check
 from .model import CONFIGS, Config, RunSpec, make_data, train_chunk
+from .parallel import ChunkResult, train_chunks
 from .report import provenance, render_report, results_csv
 from .sweep import FULL, QUICK, Chunk, Settings, log_taus, plan_chunks, record_key
 
@@ -121,35 +122,36 @@ def run_sweep(
     old_threads = torch.get_num_threads()
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
+
+    def record(done_chunk: ChunkResult) -> None:
+        chunk = done_chunk.chunk
+        if done_chunk.error is not None:
+            rec = {"chunk": chunk.name, "error": done_chunk.error, "steps": settings.steps}
+            errors.append(rec)
+            append_jsonl_atomic(out_dir / "errors.jsonl", rec)
+            print(f"kool-toy: chunk {chunk.name} failed: {done_chunk.error}", file=sys.stderr)
+            return
+        wanted = {r.key for r in chunk.runs if (*r.key, settings.steps) not in done}
+        for res in done_chunk.results or []:
+            if (res["config"], res["method"], res["tau"], res["seed"]) in wanted:
+                res.update(chunk=chunk.name, chunk_wall_s=round(done_chunk.wall_s, 3))
+                append_jsonl_atomic(runs_path, res)
+        append_jsonl_atomic(out_dir / "chunks.jsonl", {
+            "chunk": chunk.name, "steps": settings.steps, "runs": len(chunk.runs),
+            "wall_s": round(done_chunk.wall_s, 3),
+            "timings_s": {k: round(v, 3) for k, v in done_chunk.timings.items()},
+            "threads": settings.threads if settings.threads is not None else torch.get_num_threads(),
+            "workers": workers, "routelab": provenance(),
+        })
+
+    workers = settings.resolved_workers(len(pending))
     try:
         bar = _progress_bar(len(pending) * settings.steps, enabled=progress)
         try:
-            for chunk in pending:
-                bar.set_description(chunk.name)
-                runs = [r for r in chunk.runs if (*r.key, settings.steps) not in done]
-                t0 = time.perf_counter()
-                timings: dict[str, float] = {}
-                try:
-                    results = train_chunk(
-                        chunk.runs, settings.steps, chunk_seed=chunk.seed, progress=bar.update, timings=timings
-                    )
-                except ValueError as err:
-                    rec = {"chunk": chunk.name, "error": f"{type(err).__name__}: {err}", "steps": settings.steps}
-                    errors.append(rec)
-                    append_jsonl_atomic(out_dir / "errors.jsonl", rec)
-                    print(f"kool-toy: chunk {chunk.name} failed: {err}", file=sys.stderr)
-                    continue
-                wall = time.perf_counter() - t0
-                wanted = {r.key for r in runs}
-                for res in results:
-                    if (res["config"], res["method"], res["tau"], res["seed"]) in wanted:
-                        res.update(chunk=chunk.name, chunk_wall_s=round(wall, 3))
-                        append_jsonl_atomic(runs_path, res)
-                append_jsonl_atomic(out_dir / "chunks.jsonl", {
-                    "chunk": chunk.name, "steps": settings.steps, "runs": len(chunk.runs),
-                    "wall_s": round(wall, 3), "timings_s": {k: round(v, 3) for k, v in timings.items()},
-                    "threads": torch.get_num_threads(), "routelab": provenance(),
-                })
+            if pending:
+                bar.set_description(f"{len(pending)} chunks on {workers} worker(s)")
+            train_chunks(pending, settings.steps, workers=workers, threads=settings.threads,
+                         on_progress=bar.update, on_done=record, train=train_chunk)
         finally:
             bar.close()
         marginals = _marginals(out_dir, settings)

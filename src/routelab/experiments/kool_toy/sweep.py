@@ -3,6 +3,7 @@ forms) and how it is cut into chunks of runs trained together (:func:`plan_chunk
 
 from __future__ import annotations
 
+import os
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,8 @@ class Settings:
         marginal_ns, marginal_matrices, marginal_samples: the marginals check (``()`` skips it).
         threads: torch intra-op threads while training (restored afterwards); the tensors are
             small, so one thread avoids synchronisation overhead; ``None`` leaves torch alone.
+        workers: processes training chunks side by side (one per CPU core helps: each chunk
+            runs on one thread); ``None``: ``min(2, os.cpu_count())``.
         quick: whether this is the quick form (said in the report).
     """
 
@@ -48,7 +51,13 @@ class Settings:
     marginal_matrices: int = 16
     marginal_samples: int = 40_000
     threads: int | None = 1
+    workers: int | None = None
     quick: bool = False
+
+    def resolved_workers(self, pending: int) -> int:
+        """Worker processes for ``pending`` chunks (at least 1)."""
+        wanted = self.workers if self.workers is not None else min(2, os.cpu_count() or 1)
+        return max(1, min(wanted, pending))
 
     def __post_init__(self) -> None:
         for c in self.configs:
