@@ -35,12 +35,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..layers.experts import StackedExperts
 from ..layers.moe import MoE
-from ..routers import NoisyTopKRouter, Router, make_router
+from ..routers import Router, make_router
+from ..routers.base import check_finite_features
 from ..routes import Routes
 from .comm import all_gather_rows, all_to_all, exchange_counts
 
@@ -273,34 +273,18 @@ class ExpertParallelMoE(MoE):
     # ------------------------------------------------------------------ forward
 
     def _route_global(self, flat: Tensor, counts: list[int], capacity: int) -> Routes:
-        """The router's proposal for the global batch, from gathered local logits."""
+        """The router's proposal for the global batch, from the gathered per-token features."""
         router = self.router
-        noisy = isinstance(router, NoisyTopKRouter)
-        if not noisy and type(router).forward is not Router.forward:
+        if type(router).forward is not Router.forward:
             raise ValueError(
                 f"{type(router).__name__} overrides Router.forward; ExpertParallelMoE routes the global batch "
-                "from gathered logits (Router.logits, then Router.route) and knows only NoisyTopKRouter's extra "
-                "noise input: move the extra computation into route() or logits()"
+                "from gathered per-token features (Router.features, then Router.route): put the token-local "
+                "computation in features() and the batch-level rule in route()"
             )
-        E = self.num_experts
-        feats = router.logits(flat)
-        if noisy:
-            std = F.softplus(F.linear(flat.float(), router.noise.weight.float())) + router.noise_epsilon
-            feats = torch.cat([feats, std], -1)
+        feats = router.features(flat)
         gathered = all_gather_rows(feats, counts, self.process_group)
-        logits = gathered[:, :E]
-        if logits.numel() and not bool(torch.isfinite(logits).all()):
-            raise ValueError(
-                "router logits are not finite (NaN or inf) on some rank: the input x contains NaN/inf or the "
-                "router weights diverged; check the previous layer or lower the learning rate"
-            )
-        if not noisy:
-            return router.route(logits, capacity)
-        router._noise_std = gathered[:, E:]
-        try:
-            return router.route(logits, capacity)
-        finally:
-            router._noise_std = None
+        check_finite_features(gathered)
+        return router.route(gathered, capacity)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Routes]:
         """Apply the layer to this rank's tokens.

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from ..routes import Routes
 
-__all__ = ["Router", "check_positive_int", "expert_grid"]
+__all__ = ["Router", "check_finite_features", "check_positive_int", "expert_grid"]
 
 
 def check_positive_int(name: str, value: object, *, upper: int | None = None, upper_name: str = "") -> int:
@@ -24,6 +24,15 @@ def check_positive_int(name: str, value: object, *, upper: int | None = None, up
     if upper is not None and value > upper:
         raise ValueError(f"{name}={value} is larger than {upper_name}={upper}; use {name} <= {upper}")
     return value
+
+
+def check_finite_features(features: Tensor) -> None:
+    """ValueError if router features (logits) contain NaN or inf."""
+    if features.numel() and not bool(torch.isfinite(features).all()):
+        raise ValueError(
+            "router logits are not finite (NaN or inf): the input x contains NaN/inf or the router "
+            "weights diverged; check the previous layer or lower the learning rate"
+        )
 
 
 def expert_grid(n: int, num_experts: int, device: torch.device) -> Tensor:
@@ -63,8 +72,18 @@ class Router(nn.Module):
         """Router logits ``[tokens, E]`` in float32."""
         return nn.functional.linear(x.float(), self.proj.weight.float())
 
+    def features(self, x: Tensor) -> Tensor:
+        """Everything the router computes token by token: ``[tokens, F]`` float32.
+
+        The default is the logits (``F = E``); a router with more per-token inputs appends them
+        (noisy top-k appends its noise scales). :meth:`route` then decides on the whole batch.
+        Splitting the two lets expert parallelism gather the features of every rank and route
+        the global batch (:mod:`routelab.parallel`).
+        """
+        return self.logits(x)
+
     def forward(self, x: Tensor, capacity: int | None = None) -> Routes:
-        """Route ``x``.
+        """Route ``x``: :meth:`features`, checked finite, then :meth:`route`.
 
         Args:
             x: ``[tokens, d_model]``.
@@ -78,16 +97,13 @@ class Router(nn.Module):
         """
         if x.ndim != 2 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [tokens, d_model={self.d_model}], got {tuple(x.shape)}")
-        logits = self.logits(x)
-        if logits.numel() and not bool(torch.isfinite(logits).all()):
-            raise ValueError(
-                "router logits are not finite (NaN or inf): the input x contains NaN/inf or the router "
-                "weights diverged; check the previous layer or lower the learning rate"
-            )
-        return self.route(logits, capacity)
+        feats = self.features(x)
+        check_finite_features(feats)
+        return self.route(feats, capacity)
 
-    def route(self, logits: Tensor, capacity: int | None) -> Routes:  # pragma: no cover - abstract
-        """The routing rule on float32 ``logits [tokens, E]``."""
+    def route(self, features: Tensor, capacity: int | None) -> Routes:  # pragma: no cover - abstract
+        """The routing rule on the float32 ``features [tokens, F]`` of the whole batch
+        (the logits ``[tokens, E]`` unless :meth:`features` says otherwise)."""
         raise NotImplementedError
 
     def extra_repr(self) -> str:

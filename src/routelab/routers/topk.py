@@ -81,22 +81,15 @@ class NoisyTopKRouter(Router):
             raise ValueError(f"noise_epsilon must be > 0, got {noise_epsilon!r}")
         self.importance_coef, self.load_coef = float(importance_coef), float(load_coef)
         self.noise_epsilon = float(noise_epsilon)
-        self._noise_std: Tensor | None = None
 
-    def forward(self, x: Tensor, capacity: int | None = None) -> Routes:
-        """Route ``x [tokens, d_model]``; see :meth:`Router.forward`."""
-        if x.ndim == 2 and x.shape[-1] == self.d_model:
-            raw = F.linear(x.float(), self.noise.weight.float())
-            self._noise_std = F.softplus(raw) + self.noise_epsilon
-        try:
-            return super().forward(x, capacity)
-        finally:
-            self._noise_std = None
+    def features(self, x: Tensor) -> Tensor:
+        """``[tokens, 2E]``: the clean logits, then the noise scales ``softplus(x W_noise) + eps``."""
+        raw = F.linear(x.float(), self.noise.weight.float())
+        return torch.cat([self.logits(x), F.softplus(raw) + self.noise_epsilon], dim=-1)
 
-    def route(self, logits: Tensor, capacity: int | None) -> Routes:
-        std = self._noise_std
-        if std is None:
-            raise RuntimeError("NoisyTopKRouter.route needs the noise std of forward(); call the router on x")
+    def route(self, features: Tensor, capacity: int | None) -> Routes:
+        E = self.num_experts
+        logits, std = features[:, :E], features[:, E:]
         n, E = logits.shape
         if self.training:
             eps = torch.randn(logits.shape, generator=self.generator, device=logits.device, dtype=logits.dtype)
