@@ -256,3 +256,9 @@ def test_make_router_validation() -> None:
         SinkhornRouter(D, 4, sweeps=0)
     with pytest.raises(ValueError, match="capacity_factor >= 1"):
         BaseRouter(D, 4)(torch.randn(9, D), capacity=2)
+
+
+def test_router_name_spellings() -> None:
+    assert isinstance(make_router("noisy-topk", D, 4), NoisyTopKRouter)
+    assert isinstance(make_router("Top_K", D, 4, k=2), TopKRouter)
+    assert isinstance(make_router("gumbel-matching", D, 4), GumbelMatchingRouter)

@@ -25,6 +25,7 @@ from routelab.routers.softmax import SoftmaxRouter
 from routelab.routers.topk import NoisyTopKRouter, TopKRouter
 
 __all__ = [
+    "ALIASES",
     "ROUTERS",
     "BaseRouter",
     "BatchwiseRouter",
@@ -49,6 +50,17 @@ ROUTERS: dict[str, type[Router]] = {
     "gumbel_matching": GumbelMatchingRouter,
 }
 
+#: Other spellings accepted by :func:`make_router` (``-`` and ``_`` are interchangeable too).
+ALIASES: dict[str, str] = {
+    "top_k": "topk",
+    "noisy_top_k": "noisy_topk",
+    "noisy": "noisy_topk",
+    "dense": "softmax",
+    "strictly_balanced": "batchwise",
+    "gumbel": "gumbel_matching",
+    "balanced": "base",
+}
+
 # Routers whose number of experts per token is fixed by the method, not by a k argument.
 _NO_K = {"softmax", "base", "gumbel_matching"}
 
@@ -68,8 +80,13 @@ def make_router(name: str, d_model: int, num_experts: int, *, k: int | None = No
     Raises:
         ValueError: unknown name, or a ``k`` the router cannot use.
     """
-    if name not in ROUTERS:
+    if not isinstance(name, str):
+        raise ValueError(f"router name must be a string, got {type(name).__name__}")
+    key = name.strip().lower().replace("-", "_")
+    key = ALIASES.get(key, key)
+    if key not in ROUTERS:
         raise ValueError(f"unknown router {name!r}; choose one of {', '.join(ROUTERS)}")
+    name = key
     cls = ROUTERS[name]
     if name in _NO_K:
         fixed = num_experts if name == "softmax" else 1
