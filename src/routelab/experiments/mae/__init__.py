@@ -189,6 +189,15 @@ def run(out_dir: Path, s: Settings) -> Path:
         rec["pmi"] = [pmi_tokens(tokens, g, corpus.itos, min_count=s.pmi_min_count) for g in gates]
         append_jsonl_atomic(an_path, rec)
         analyses["gates"] = rec
+    if "spread" not in analyses:
+        rec = {"name": "spread", "models": {}}
+        for name in ("MAE-7", "MAE-6", "NOBCD"):
+            _, gates = collect_gates(models[name], dev)
+            rec["models"][name] = [
+                {"mean_max": float(g.amax(-1).mean()), "mean_min": float(g.amin(-1).mean()),
+                 "uniform": 1.0 / g.shape[-1]} for g in gates]
+        append_jsonl_atomic(an_path, rec)
+        analyses["spread"] = rec
     if "top1" not in analyses:
         rec = {"name": "top1", "models": {}}
         for name in ("MAE-7", "MAE-6", "NOBCD"):
