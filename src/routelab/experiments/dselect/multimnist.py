@@ -64,7 +64,7 @@ class MultiMnistSettings:
     quick: bool = False
 
 
-FULL = MultiMnistSettings(reps=1, epochs=1, n_train=5_000, n_test=2_000)
+FULL = MultiMnistSettings(reps=2, epochs=1, n_train=5_000, n_test=2_000)
 QUICK = MultiMnistSettings(reps=1, epochs=1, n_train=512, n_test=500, quick=True)
 
 
