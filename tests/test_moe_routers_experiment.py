@@ -107,10 +107,16 @@ def test_sweep_resumes_and_reports(tmp_path: Path, fake_mnist) -> None:
     csv = (tmp_path / "results.csv").read_text().splitlines()
     assert len(csv) == 4 and csv[0].startswith("router,seed")
 
+    assert "Observations (computed from the tables)" in text
+    invocations = [json.loads(line) for line in (tmp_path / "invocations.jsonl").read_text().splitlines()]
+    assert len(invocations) == 1 and invocations[0]["trained"] == 3 and invocations[0]["wall_s"] > 0
+
     # A rerun trains nothing (no data load) and rewrites the same tables.
     mr.run_sweep(tmp_path, TINY, figures=False, progress=False)
     assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 3 and len(fake_mnist) == 1
     assert "3 runs were already recorded" in report.read_text()
+    assert len((tmp_path / "invocations.jsonl").read_text().splitlines()) == 1
+    assert "Invocations that trained runs: " in report.read_text()
 
     # Other settings do not reuse those records.
     more = mr.Settings(**{**TINY.__dict__, "routers": ("switch",), "epochs": 2})

@@ -16,8 +16,10 @@ finished (router, seed) run in ``DIR/runs.jsonl``; a rerun skips recorded runs).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from datetime import datetime, timezone
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,6 +79,8 @@ def run_sweep(out_dir: Path, settings: Settings, *, figures: bool = True, progre
     """
     settings.validate()
     t_start = time.perf_counter()
+    started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    load_start = _load_average()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs_path = out_dir / "runs.jsonl"
@@ -103,8 +107,19 @@ def run_sweep(out_dir: Path, settings: Settings, *, figures: bool = True, progre
                 f"{record['train_s']:.0f} s train + {record['eval_s']:.0f} s eval")
     finally:
         torch.set_num_threads(old_threads)
-    return write_outputs(out_dir, settings, wall_s=time.perf_counter() - t_start, figures=figures,
-                         resumed=len(plan) - len(pending))
+    wall_s = time.perf_counter() - t_start
+    if pending:
+        append_jsonl_atomic(out_dir / "invocations.jsonl", {
+            "started": started, "wall_s": round(wall_s, 1), "trained": len(pending), "settings": key,
+            "load_start": load_start, "load_end": _load_average(), "threads": settings.threads})
+    return write_outputs(out_dir, settings, wall_s=wall_s, figures=figures, resumed=len(plan) - len(pending))
+
+
+def _load_average() -> str:
+    try:
+        return f"{os.getloadavg()[0]:.2f}"
+    except (AttributeError, OSError):
+        return "unavailable"
 
 
 def _freeze(value):
@@ -126,6 +141,8 @@ def write_outputs(out_dir: Path, settings: Settings, *, wall_s: float | None = N
     records.sort(key=lambda r: order[(r["router"], r["seed"])])
     atomic_write_text(out_dir / "results.csv", results_csv(records))
     figure_files = draw_figures(out_dir, records, settings) if figures else []
-    text = render_report(settings, records, wall_s=wall_s, figures=figure_files, resumed=resumed)
+    invocations = [i for i in read_jsonl(out_dir / "invocations.jsonl") if i.get("settings") == key]
+    text = render_report(settings, records, wall_s=wall_s, figures=figure_files, resumed=resumed,
+                         invocations=invocations)
     return atomic_write_text(out_dir / "report.md", text)
 

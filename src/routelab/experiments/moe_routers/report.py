@@ -239,7 +239,7 @@ def claims(records: Sequence[Mapping[str, Any]], settings: Settings) -> list[Cla
         ok = cv <= 1e-9 and kcv <= 1e-9 and drop <= 1e-9
         out.append(Claim(
             "Shazeer et al. 2017, App. F, eq. 18",
-            "With the batchwise mask every expert receives exactly the same number of examples, m = k|X|/n, "
+            "With the batchwise mask every expert receives exactly the same number of examples, m = k · batch / E, "
             "in every training batch.",
             "over the last training epoch of every seed, the CV of the proposed and of the kept load is 0 and the "
             "capacity drops nothing. holds: all three are 0; otherwise does not hold.",
@@ -378,8 +378,33 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str | No
     return lines
 
 
+def observations(records: Sequence[Mapping[str, Any]], settings: Settings) -> list[str]:
+    """Sentences computed from the records (every number in them is measured)."""
+    routers = [r for r in settings.routers if any(rec["router"] == r for rec in records)]
+    if not routers:
+        return []
+    acc = {r: aggregate(records, r, "test.acc") for r in routers}
+    dropless = {r: aggregate(records, r, "test_dropless.acc") for r in routers}
+    order = sorted(routers, key=lambda r: -acc[r].mean)
+    out = [f"- Test accuracy (batch {settings.batch_size}, capacity factor {settings.capacity_factor:g}), best to "
+           "worst: " + ", ".join(f"{r} {100 * acc[r].mean:.2f}" for r in order) + " %."]
+    gaps = sorted(((dropless[r].mean - acc[r].mean, r) for r in routers), reverse=True)
+    out.append("- What the capacity costs at test (dropless minus capacity-limited accuracy, points): "
+               + ", ".join(f"{r} {100 * g:+.2f}" for g, r in gaps) + ". Routers balanced at test by construction "
+               "(softmax, base, gumbel_matching with a balanced assignment) lose nothing; the others drop the pairs "
+               "above the capacity of the evaluation batch.")
+    sparse = [r for r in routers if r != "softmax"]
+    if "softmax" in routers and sparse:
+        best = max(sparse, key=lambda r: dropless[r].mean)
+        out.append(f"- Dense softmax gating (all {settings.num_experts} experts per image) reaches "
+                   f"{100 * acc['softmax'].mean:.2f} %; the best sparse router without capacity at test is {best} "
+                   f"({100 * dropless[best].mean:.2f} %).")
+    return out
+
+
 def render_report(settings: Settings, records: Sequence[Mapping[str, Any]], *, wall_s: float | None = None,
-                  figures: Sequence[str] = (), resumed: int = 0) -> str:
+                  figures: Sequence[str] = (), resumed: int = 0,
+                  invocations: Sequence[Mapping[str, Any]] = ()) -> str:
     """The markdown report."""
     routers = [r for r in settings.routers if any(rec["router"] == r for rec in records)]
     planned = len(settings.routers) * len(settings.seeds)
@@ -403,6 +428,11 @@ def render_report(settings: Settings, records: Sequence[Mapping[str, Any]], *, w
         L.append(f"- **Wall time of this invocation: {wall_s:.0f} s** ({resumed} runs were already recorded "
                  f"and not re-run); recorded per-run time: training {train_total:.0f} s, evaluation "
                  f"{eval_total:.0f} s in all.")
+    trained = [i for i in invocations if i.get("trained")]
+    if trained:
+        L.append("- Invocations that trained runs: " + "; ".join(
+            f"{i['started']}: {i['trained']} runs in {i['wall_s']:.0f} s, 1-minute load average "
+            f"{i['load_start']} at start and {i['load_end']} at the end" for i in trained) + ".")
     L += [
         f"- Hardware: {_cpu_model()} ({os.cpu_count()} logical CPUs), CPU only, {', '.join(map(str, threads))} "
         "torch thread(s); other jobs shared the machine, so times are indicative.",
@@ -476,6 +506,10 @@ def render_report(settings: Settings, records: Sequence[Mapping[str, Any]], *, w
                  "test CV proposed", "test CV kept", "test pairs dropped %", "test images w/o expert %",
                  "test experts / image"], rows, "---|" + "---:|" * 9)
 
+    obs = observations(records, settings)
+    if obs:
+        L += ["", "Observations (computed from the tables):", "", *obs]
+
     bw = [r for r in records if r.get("batchwise")]
     if bw:
         batches = sorted({int(b) for r in bw for b in r["batchwise"]["acc_batchwise"]}, reverse=True)
@@ -526,5 +560,6 @@ def render_report(settings: Settings, records: Sequence[Mapping[str, Any]], *, w
         L += ["", "## Runs not in these results", "",
               "Not yet run (a rerun of the command trains them and keeps the recorded ones): "
               + ", ".join(f"{r} seed {s}" for r, s in missing) + "."]
-    L += ["", "Files: `runs.jsonl` (one JSON line per run, with the load curves), `results.csv` (one row per run).", ""]
+    L += ["", "Files: `runs.jsonl` (one JSON line per run, with the load curves), `results.csv` (one row per run), "
+              "`invocations.jsonl` (wall time and machine load of each invocation).", ""]
     return "\n".join(L)
