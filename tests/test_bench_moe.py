@@ -131,3 +131,14 @@ def test_expert_timer_spans_forward_and_backward() -> None:
         with timer:
             moe(x.detach())  # no backward
         timer.seconds
+
+
+def test_cpu_peak_memory_counts_tensor_bytes() -> None:
+    meter = bench._PeakMemory("cpu")
+    with meter:
+        a = torch.randn(256, 1024, requires_grad=True)  # 1 MiB
+        b = (a * 2).relu()  # +1 MiB (mul) +1 MiB (relu)
+        b.sum().backward()  # +1 MiB (relu backward), then the mul's backward and a.grad
+        del b
+    peak = meter.peak()
+    assert peak is not None and 3 * 2**20 <= peak <= 6 * 2**20

@@ -28,10 +28,9 @@ Measured per size and implementation, all in the same run:
   ``t_experts`` is the sum of the two spans (the two batched matmuls, biases and activation,
   forward and backward) and ``1 - t_experts / t_call`` the share spent in the router,
   capacity, dispatch and combine, forward and backward;
-* peak memory of one forward + backward above the memory held before it (weights, inputs):
-  ``torch.cuda.max_memory_allocated`` on CUDA; on CPU the peak resident set size (``VmHWM`` of
-  ``/proc/self/status``, reset through ``/proc/self/clear_refs``) with glibc's ``mmap``
-  threshold fixed at 64 KiB so that freed large tensors leave the resident set at once;
+* peak memory of one forward + backward above the memory allocated before it (weights,
+  inputs): ``torch.cuda.max_memory_allocated`` on CUDA; on CPU the same quantity from the
+  allocation events of torch's CPU allocator recorded by ``torch.profiler``;
 * the largest relative difference of ``y`` and of the input gradient between each reference
   and the layer.
 
@@ -41,10 +40,8 @@ Entry point: :func:`run_benchmark`; the measuring is :func:`_benchmark`, paramet
 
 from __future__ import annotations
 
-import ctypes
 import os
 import platform
-import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -242,70 +239,65 @@ class ExpertTimer:
 
 
 class _PeakMemory:
-    """Peak memory of a block of code above the memory in use when it starts, in bytes.
+    """Peak bytes allocated by torch during a block, above what was allocated when it started.
 
     CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``. CPU: the
-    peak resident set size (``VmHWM``) after resetting it through ``/proc/self/clear_refs``,
-    minus the resident set size at the start (Linux only; ``None`` elsewhere).
+    allocation and free events of torch's CPU allocator recorded by ``torch.profiler``
+    (``profile_memory=True``), summed in time order; the same quantity as on CUDA (tensors'
+    bytes, no allocator cache or kernel scratch space outside tensors). ``peak()`` is ``None``
+    where the events cannot be read (a torch without the profiler's event tree).
     """
 
     def __init__(self, device: str) -> None:
         self.device = device
-        self.available = device == "cuda" or _cpu_peak_supported()
         self.start = 0
+        self._prof: torch.profiler.profile | None = None
+        self._peak: int | None = None
 
     def __enter__(self) -> _PeakMemory:
         if self.device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self.start = torch.cuda.memory_allocated()
-        elif self.available:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.start = _proc_status_kib("VmRSS") * 1024
+        else:
+            self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
         return self
 
-    def peak(self) -> int | None:
-        """Peak bytes above the start (call after the block)."""
-        if not self.available:
-            return None
+    def __exit__(self, *exc: object) -> None:
         if self.device == "cuda":
             torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - self.start
-        return _proc_status_kib("VmHWM") * 1024 - self.start
-
-    def __exit__(self, *exc: object) -> None:
+            self._peak = torch.cuda.max_memory_allocated() - self.start
+        elif self._prof is not None:
+            self._prof.__exit__(None, None, None)
+            self._peak = _cpu_peak_from_profile(self._prof)
         return None
 
-
-def _proc_status_kib(key: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        match = re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.MULTILINE)
-    if match is None:
-        raise OSError(f"/proc/self/status has no {key}")
-    return int(match.group(1))
+    def peak(self) -> int | None:
+        """Peak bytes above the start (after the block)."""
+        return self._peak
 
 
-_MALLOPT_DONE = False
-
-
-def _cpu_peak_supported() -> bool:
-    """Whether the CPU peak can be measured here; fixes glibc's mmap threshold the first time."""
-    global _MALLOPT_DONE
+def _cpu_peak_from_profile(prof: torch.profiler.profile) -> int | None:
+    """Largest running sum of the CPU allocation events (+size, -size on free) of a profile."""
     try:
-        _proc_status_kib("VmHWM")
-        if not os.access("/proc/self/clear_refs", os.W_OK):
-            return False
-    except OSError:
-        return False
-    if not _MALLOPT_DONE:
-        try:
-            libc = ctypes.CDLL("libc.so.6")
-            libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD = 64 KiB: large blocks go back to the OS on free
-        except OSError:
-            return False
-        _MALLOPT_DONE = True
-    return True
+        from torch._C._profiler import _EventType
+
+        stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    except (ImportError, AttributeError):
+        return None
+    events = []
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    events.sort()
+    current = peak = 0
+    for _, size in events:
+        current += size
+        peak = max(peak, current)
+    return peak
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -519,11 +511,11 @@ def _verdicts(rows: Sequence[Row], device: str) -> list[str]:
 def _notes(rows: Sequence[Row], cfg: BenchConfig, device: str) -> list[str]:
     memory = ("`torch.cuda.max_memory_allocated` during the call minus `torch.cuda.memory_allocated` before it"
               if device == "cuda" else
-              "the peak resident set size (`VmHWM`, reset through `/proc/self/clear_refs`) during the call minus "
-              "the resident set size before it, with glibc's mmap threshold fixed at 64 KiB so that freed "
-              "tensors leave the resident set; it includes the weight gradients "
-              f"({2 * cfg.d_model * cfg.d_hidden * 4 / 2**20:.1f} MiB per expert without biases) and allocator "
-              "slack, so compare the columns with each other rather than with a tensor count")
+              "the largest running sum of the allocation events (+bytes on allocation, −bytes on free) of "
+              "torch's CPU allocator during the call, recorded by `torch.profiler` with `profile_memory=True`: "
+              "the bytes of tensors allocated above those alive before the call (the weights and inputs), like "
+              "`torch.cuda.max_memory_allocated`; it includes the weight gradients "
+              f"({2 * cfg.d_model * cfg.d_hidden * 4 / 2**20:.1f} MiB per expert without biases)")
     lines = [
         "",
         "Notes:",
