@@ -160,9 +160,10 @@ def run_recovery(out_dir: Path, quick: bool) -> Path:
             log(f"dselect-recovery rep {seed + 1}/{s.reps} {kind} lr={lr} ent={er}: recovered "
                 f"{rec['recovered']}/4, val acc {rec['val_acc']:.3f}, {rec['wall_s']:.1f}s")
     planned = set(configs)
-    records = [r for r in read_jsonl(path) if (r["gate"], r["lr"], r["entropy_reg"]) in planned
+    everything = read_jsonl(path)
+    records = [r for r in everything if (r["gate"], r["lr"], r["entropy_reg"]) in planned
                and r["seed"] < s.reps]
-    return write_report(out_dir, records, s, timer())
+    return write_report(out_dir, records, s, timer(), unused=len(everything) - len(records))
 
 
 def _best_config(records: list[dict[str, Any]], kind: str) -> tuple[float, float]:
@@ -211,7 +212,8 @@ def _figure(out_dir: Path, records: list[dict[str, Any]], best: dict[str, tuple[
     return names
 
 
-def write_report(out_dir: Path, records: list[dict[str, Any]], s: RecoverySettings, wall: float) -> Path:
+def write_report(out_dir: Path, records: list[dict[str, Any]], s: RecoverySettings, wall: float,
+                 unused: int = 0) -> Path:
     """Tables, claims, figure and CSV from the recorded runs."""
     best = {k: _best_config(records, k) for k in ("topk_static", "dselect_static")
             if any(r["gate"] == k for r in records)}
@@ -246,7 +248,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: RecoverySettin
         "",
         f"**{'QUICK form (few repetitions, short training): numbers are indicative only.' if s.quick else 'Full run.'}**",
         "",
-        f"- Wall time of this invocation: {wall:.0f} s (training time recorded in runs.jsonl: "
+        f"- Wall time of the last invocation (runs already recorded are not re-run): {wall:.0f} s (training time recorded in runs.jsonl: "
         f"{sum(r['wall_s'] for r in records):.0f} s over {len(records)} runs).",
         f"- {provenance()}.",
         "",
@@ -299,7 +301,10 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: RecoverySettin
         lines += ["## Claims", "", md_table(["#", "claim (paper)", "criterion", "measured", "verdict"], claims), ""]
     for f in figs:
         lines += [f"![{f}]({f})", ""]
-    lines += ["Per-run results: `results.csv`; raw records with weight trajectories of repetition 0: `runs.jsonl`.", ""]
+    lines += ["Per-run results: `results.csv`; raw records with weight trajectories of repetition 0: `runs.jsonl`."
+              + (f" `runs.jsonl` also holds {unused} runs outside this grid (an interrupted first invocation also "
+                 "tried lr = 0.001 on the first repetitions; dropped from the grid for time), not used here."
+                 if unused else ""), ""]
     return atomic_write_text(out_dir / "report.md", "\n".join(lines))
 
 

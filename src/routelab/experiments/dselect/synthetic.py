@@ -362,7 +362,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSetti
         "",
         f"**{'QUICK form (T in {16, 32}, 1 repetition, short training): indicative only.' if s.quick else 'Full run (scaled down to a 1-core CPU budget, see Setup).'}**",
         "",
-        f"- Wall time of this invocation: {wall:.0f} s (training recorded in runs.jsonl: "
+        f"- Wall time of the last invocation (runs already recorded are not re-run): {wall:.0f} s (training recorded in runs.jsonl: "
         f"{sum(r['wall_s'] for r in records):.0f} s over {len(records)} runs).",
         f"- {provenance()}.",
         "",
