@@ -10,7 +10,8 @@ weights**, so that all three compute the same outputs (checked in the run):
 * ``naive`` — the loop of common reference implementations (e.g. the Mixtral sparse MoE block
   of ``transformers``): the same routes and capacity decision, then ``for e in range(E)``: the
   tokens of expert ``e`` by ``nonzero`` of a boolean mask, the expert as two ``addmm`` calls on
-  ``w1[e]``/``w2[e]``, the weighted output added back with ``index_add_``.
+  its weights (views ``w1.unbind(0)[e]`` of the stacked weights, which behave like separate
+  per-expert ``nn.Linear`` weights), the weighted output added back with ``index_add_``.
 * ``dense`` — every expert on every token (``baddbmm`` over ``[E, tokens, d]``), combined with a
   ``[tokens, E]`` gate matrix that is zero outside the kept routes.
 
@@ -138,15 +139,21 @@ def naive_forward(moe: MoE, x: Tensor) -> Tensor:
     """
     expert, combine, keep = _routes_after_capacity(moe, x)
     ex = moe.experts
+    # One view per expert, as separate per-expert Linear weights would be: unbind's backward stacks
+    # the experts' gradients once (indexing w1[e] inside the loop would instead allocate and
+    # zero-fill a full [E, ...] gradient for every expert, a cost the reference designs do not have).
+    w1, w2 = ex.w1.unbind(0), ex.w2.unbind(0)
+    b1 = ex.b1[:, 0].unbind(0) if ex.b1 is not None else None
+    b2 = ex.b2[:, 0].unbind(0) if ex.b2 is not None else None
     y = torch.zeros_like(x)
     for e in range(moe.num_experts):
         tok, slot = torch.nonzero((expert == e) & keep, as_tuple=True)
         if tok.numel() == 0:
             continue
         xe = x[tok]
-        h = torch.addmm(ex.b1[e, 0], xe, ex.w1[e]) if ex.b1 is not None else xe @ ex.w1[e]
+        h = torch.addmm(b1[e], xe, w1[e]) if b1 is not None else xe @ w1[e]
         h = ex.activation(h)
-        ye = torch.addmm(ex.b2[e, 0], h, ex.w2[e]) if ex.b2 is not None else h @ ex.w2[e]
+        ye = torch.addmm(b2[e], h, w2[e]) if b2 is not None else h @ w2[e]
         y.index_add_(0, tok, ye * combine[tok, slot, None].to(ye.dtype))
     return y
 
@@ -526,8 +533,11 @@ def _notes(rows: Sequence[Row], cfg: BenchConfig, device: str) -> list[str]:
         f"{cfg.capacity_factor:g} (C = ceil(factor * tokens * k / E)), `position` drop policy. "
         "tok/s = tokens / median time.",
         "- naive: the same router and capacity decision, then `for e in range(E)`: `nonzero` of "
-        "`(expert == e) & keep`, `addmm` with `w1[e]`, GELU, `addmm` with `w2[e]`, `index_add_` of the "
-        "weighted output (the style of `transformers`' Mixtral sparse MoE block). dense: all E experts on "
+        "`(expert == e) & keep`, `addmm` with expert e's weights, GELU, `addmm`, `index_add_` of the "
+        "weighted output (the style of `transformers`' Mixtral sparse MoE block); the per-expert weights are "
+        "`w1.unbind(0)` views of the layer's stacked weights, so their gradients are stacked once, as with "
+        "separate per-expert `nn.Linear`s (indexing `w1[e]` in the loop would zero-fill a full [E, ...] "
+        "gradient per expert). dense: all E experts on "
         "all tokens by `baddbmm` over `[E, tokens, d]`, combined with a `[tokens, E]` gate matrix that is "
         "zero outside the kept routes. Both use the layer's own stacked weights.",
         f"- same outputs: the largest relative difference (max |Δ| / max |reference|) of y and of dL/dx "
