@@ -389,10 +389,13 @@ def observations(records: Sequence[Mapping[str, Any]], settings: Settings) -> li
     out = [f"- Test accuracy (batch {settings.batch_size}, capacity factor {settings.capacity_factor:g}), best to "
            "worst: " + ", ".join(f"{r} {100 * acc[r].mean:.2f}" for r in order) + " %."]
     gaps = sorted(((dropless[r].mean - acc[r].mean, r) for r in routers), reverse=True)
-    out.append("- What the capacity costs at test (dropless minus capacity-limited accuracy, points): "
-               + ", ".join(f"{r} {100 * g:+.2f}" for g, r in gaps) + ". Routers balanced at test by construction "
-               "(softmax, base, gumbel_matching with a balanced assignment) lose nothing; the others drop the pairs "
-               "above the capacity of the evaluation batch.")
+    no_drop = [r for r in routers if aggregate(records, r, "test.dropped_fraction").mean == 0.0]
+    out.append("- Dropless minus capacity-limited test accuracy (points): "
+               + ", ".join(f"{r} {100 * g:+.2f}" for g, r in gaps) + ". "
+               + (f"{', '.join(no_drop)} drop nothing at test, so their difference is not a capacity loss "
+                  "(base and gumbel_matching solve the balanced assignment at test, and with "
+                  "`capacity_factor=None` its capacity is the whole batch: the argmax). " if no_drop else "")
+               + "For the others it is what dropping the pairs above the capacity of the evaluation batch costs.")
     sparse = [r for r in routers if r != "softmax"]
     if "softmax" in routers and sparse:
         best = max(sparse, key=lambda r: dropless[r].mean)
@@ -424,7 +427,11 @@ def render_report(settings: Settings, records: Sequence[Mapping[str, Any]], *, w
     if settings.quick:
         L += ["*This is the quick form (one seed, a fifth of the training images, fewer test images): its "
               "numbers are indicative only; the full run's report is docs/moe-routers/report.md.*", ""]
-    if wall_s is not None:
+    if wall_s is not None and records and resumed >= len(records):
+        L.append(f"- This invocation trained nothing ({resumed} runs were already recorded) and re-rendered the "
+                 f"outputs in {wall_s:.0f} s; recorded per-run time: training {train_total:.0f} s, evaluation "
+                 f"{eval_total:.0f} s in all.")
+    elif wall_s is not None:
         L.append(f"- **Wall time of this invocation: {wall_s:.0f} s** ({resumed} runs were already recorded "
                  f"and not re-run); recorded per-run time: training {train_total:.0f} s, evaluation "
                  f"{eval_total:.0f} s in all.")
@@ -451,8 +458,8 @@ def render_report(settings: Settings, records: Sequence[Mapping[str, Any]], *, w
         f"- Training: Adam (lr {settings.lr:g}), batch {settings.batch_size}, {settings.epochs} epochs "
         f"({settings.epochs * settings.train_images // settings.batch_size} steps), loss = cross-entropy + "
         "sum(routes.aux.values()) (the routers' own weighted auxiliary losses). Seeds: "
-        f"{', '.join(map(str, settings.seeds))} (initialisation, data order and router noise; a rerun is "
-        "bit-identical on CPU).",
+        f"{', '.join(map(str, settings.seeds))} (each seeds the initialisation, the data order and the router "
+        "noise).",
         f"- Evaluation (`eval()`): test accuracy over batches of {settings.batch_size} with the same capacity "
         f"factor; at batch size 1 on the first {settings.batch1_images} test images (a single token never "
         "exceeds a capacity, so nothing is dropped), compared with batches on the same images; dropless (`capacity_factor=None`) over batches of "
