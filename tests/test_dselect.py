@@ -119,7 +119,7 @@ def test_binary_codes_select_exactly_the_encoded_experts(n, data):
 # ------------------------------------------------------------------ the module
 def test_static_init_and_forward_shape():
     gate = DSelectK(16, 4, gamma=2.0, generator=torch.Generator().manual_seed(0))
-    assert gate.alpha.shape == (4,) and gate.z.shape == (4, 4)
+    assert gate.alpha.shape == (4,) and gate.z.shape == (4, 4) and gate.Z is gate.z
     assert gate.z.abs().max().item() <= 2.0 / 100
     assert gate.alpha.abs().max().item() <= 0.05
     w = gate(torch.randn(5, 3))

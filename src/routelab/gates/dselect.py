@@ -168,6 +168,13 @@ class DSelectK(MTLGate):
         self.binary_step: int | None = None
         self._last_s: torch.Tensor | None = None
 
+    @property
+    def Z(self) -> torch.Tensor:  # noqa: N802 - the paper's name
+        """The paper's Z ``[k, m]`` (static gate only; alias of :attr:`z`)."""
+        if self.per_example:
+            raise AttributeError("a per-example DSelectK has no Z; its codes are W(x) (see .W).")
+        return self.z
+
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, k={self.k}, gamma={self.gamma}, "
                 f"per_example={self.per_example}, entropy_reg={self.entropy_reg}")
