@@ -291,3 +291,13 @@ def test_half_precision_on_gpu(router: str, dtype: torch.dtype) -> None:
     y, routes = moe(x.to(dtype))
     assert y.dtype == dtype and torch.isfinite(y).all()
     (y.float().sum() + sum(routes.aux.values(), torch.zeros((), device="cuda"))).backward()
+
+
+def test_nothing_proposed_means_nothing_dropped() -> None:
+    """A batchwise router at inference may propose no expert at all: that is not a capacity drop."""
+    moe = MoE(D, H, 4, router="batchwise", k=1).eval()
+    with torch.no_grad():
+        moe.router.thresholds.fill_(2.0)  # no probability exceeds 2
+        y, routes = moe(torch.randn(1, D))
+    assert float(routes.stats["dropped_fraction"]) == 0.0
+    assert float(routes.stats["tokens_dropped"]) == 1.0 and torch.equal(y, torch.zeros_like(y))

@@ -165,7 +165,7 @@ class MoE(nn.Module):
         stats = {
             "tokens_per_expert": decision.kept,
             "load_cv": kept.std(unbiased=False) / kept.mean().clamp(min=1e-12) if E > 1 else kept.new_zeros(()),
-            "dropped_fraction": 1.0 - keep.sum() / proposed_pairs.clamp(min=1),
+            "dropped_fraction": (proposed_pairs - keep.sum()) / proposed_pairs.clamp(min=1),
             "tokens_dropped": (~keep.any(-1)).float().mean() if n else kept.new_zeros(()),
             "capacity": torch.tensor(capacity),
         }
