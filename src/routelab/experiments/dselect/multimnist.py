@@ -64,7 +64,7 @@ class MultiMnistSettings:
     quick: bool = False
 
 
-FULL = MultiMnistSettings(reps=2, epochs=1, n_train=5_000, n_test=2_000)
+FULL = MultiMnistSettings(reps=2, epochs=2, n_train=8_000, n_test=2_000)
 QUICK = MultiMnistSettings(reps=1, epochs=1, n_train=512, n_test=500, quick=True)
 
 
@@ -181,7 +181,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MultiMnistSett
         "",
         f"**{'QUICK form (512 training images, 1 epoch): indicative only.' if s.quick else 'Full run (CPU, scaled down to the budget; see Setup).'}**",
         "",
-        f"- Wall time of this invocation: {wall:.0f} s (training recorded in runs.jsonl: "
+        f"- Wall time of the last invocation (runs already recorded are not re-run): {wall:.0f} s (training recorded in runs.jsonl: "
         f"{sum(r['wall_s'] for r in records):.0f} s over {len(records)} runs).",
         f"- {provenance()}.",
     ]
@@ -226,21 +226,51 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MultiMnistSett
         if any(avg(k) != avg(k) for k in needed):  # nan: some model has no runs
             claims.append([f"{title}: claims", "needs runs of every model", "some models not run", "**not measured**"])
             continue
-        best_static = max(("dselect_static", "topk_static", "gumbel_static"), key=avg)
+        def ms(kind: str) -> tuple[float, float]:
+            m, se, _ = mean_se((r["acc1"] + r["acc2"]) / 2 for r in sel(name, kind))
+            return m, se
+
+        def verdict(a: str, b: str) -> str:
+            """holds: a > b by more than 2 combined standard errors; partly: a > b within noise."""
+            (ma, sa), (mb, sb) = ms(a), ms(b)
+            if ma <= mb:
+                return "**does not hold**"
+            noise = 2 * (sa**2 + sb**2) ** 0.5
+            return "**holds**" if noise == noise and ma - mb > noise else "**partly** (within 2 s.e.)"
+
+        statics = ("dselect_static", "topk_static", "gumbel_static")
+        best_static = max(statics, key=avg)
+        runner_up = max((k for k in statics if k != "dselect_static"), key=avg)
         claims.append([f"{title}: static DSelect-k has the best mean accuracy of the static gates.",
-                       "DSelect-k (static) highest of the three static gates: holds",
+                       "DSelect-k (static) highest, by more than 2 s.e. of the difference: holds; highest within "
+                       "noise: partly",
                        f"best static: {GATE_LABELS[best_static]} ({100 * avg(best_static):.2f} %; DSelect-k "
-                       f"{100 * avg('dselect_static'):.2f} %, Top-k {100 * avg('topk_static'):.2f} %)",
-                       "**holds**" if best_static == "dselect_static" else "**does not hold**"])
-        beats_sb = avg("dselect_static") > avg("shared_bottom")
-        claims.append([f"{title}: DSelect-k (static) beats the shared bottom.", "higher mean accuracy: holds",
+                       f"{100 * avg('dselect_static'):.2f} %, Top-k {100 * avg('topk_static'):.2f} %, Gumbel "
+                       f"{100 * avg('gumbel_static'):.2f} %)",
+                       verdict("dselect_static", runner_up)])
+        claims.append([f"{title}: DSelect-k (static) beats the shared bottom.",
+                       "higher mean accuracy by more than 2 s.e.: holds; higher within noise: partly",
                        f"{100 * avg('dselect_static'):.2f} % vs {100 * avg('shared_bottom'):.2f} %",
-                       "**holds**" if beats_sb else "**does not hold**"])
+                       verdict("dselect_static", "shared_bottom")])
         e = mexp(sel(name, "dselect_static"))
         me = sum(e) / len(e) if e else float("nan")
         claims.append([f"{title}: DSelect-k (static) uses fewer experts than Top-k (paper: 1.7–1.8 vs 4).",
                        f"mean experts < k = {s.k} (Top-k uses exactly k here): holds; = k: partly",
                        f"{me:.2f}", "**holds**" if me < s.k else ("**partly**" if me == s.k else "**does not hold**")])
+    bin_rows = []
+    for name in DATASETS:
+        for kind in ("dselect_static", "dselect_per_example"):
+            rs = sel(name, kind)
+            if rs:
+                fr = [100 * r["binary_step"] / r["steps"] for r in rs if r["binary_step"] is not None]
+                bin_rows.append([name, GATE_LABELS[kind], f"{len(fr)}/{len(rs)}", fmt_mean_se(fr, 1) if fr else "—",
+                                 rs[0]["steps"]])
+    if bin_rows:
+        lines += ["## DSelect-k convergence (Table C.4): runs whose S(Z) became binary, and when", "",
+                  md_table(["data", "gate", "binary", "% of steps until binary", "training steps"], bin_rows), "",
+                  "Paper (Table C.4, after tuning and 25–100 epochs): 42.33 % (Multi-MNIST) and 80.02 % "
+                  "(Multi-Fashion) of the steps. A static DSelect-k gate that is not binary yet weighs all 8 "
+                  "experts, which is why its 'experts' column reads 8.", ""]
     if claims:
         lines += ["## Claims", "", md_table(["claim (paper)", "criterion", "measured", "verdict"], claims), ""]
     lines += ["Paper's k was tuned in {2, 4} (Top-k used 4); here k = 2 for every sparse gate, so 'experts' of Top-k is "
