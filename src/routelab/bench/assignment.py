@@ -38,6 +38,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 
 import routelab
+from ..machine import cpu_model as _cpu_model
 from routelab.assignment import balanced_assignment, gumbel_matching, sinkhorn
 
 __all__ = ["run_benchmark"]
@@ -491,16 +492,6 @@ def _batched_timing(
     return report.text()
 
 
-def _cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo, else :func:`platform.processor`."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
 
 
 def _load_average() -> str:

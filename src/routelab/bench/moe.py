@@ -54,6 +54,7 @@ import torch
 from torch import Tensor
 
 import routelab
+from ..machine import cpu_model as _cpu_model
 from routelab.layers import MoE
 from routelab.routing import apply_capacity
 
@@ -589,15 +590,6 @@ def _benchmark(cfg: BenchConfig, *, device: str = "cpu", out: TextIO | None = No
     return "\n".join(lines) + "\n", rows
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
 
 
 def _header(quick: bool, device: str, cfg: BenchConfig) -> list[str]:

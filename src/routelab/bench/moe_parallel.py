@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -49,6 +48,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import routelab
+from ..machine import cpu_model as _cpu_model
 from routelab.layers import MoE
 from routelab.parallel import ExpertParallelMoE, init_distributed, run_workers, under_torchrun
 
@@ -219,15 +219,6 @@ def _table(cfg: ParallelBenchConfig, results: dict[int, dict], ds: tuple[bool, s
     return lines
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _header(cfg: ParallelBenchConfig, quick: bool, ds: tuple[bool, str], backend: str, launcher: str) -> list[str]:

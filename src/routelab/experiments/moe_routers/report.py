@@ -17,6 +17,7 @@ import torch
 
 import routelab
 
+from ...machine import cpu_model as _cpu_model
 from .model import MNIST_MEAN, MNIST_STD, ROUTER_SPECS, Settings
 
 __all__ = ["Claim", "aggregate", "claims", "draw_figures", "render_report", "results_csv"]
@@ -360,15 +361,6 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str | None = None) -> list[str]:
