@@ -141,3 +141,12 @@ def test_bench_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None
 def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main([]) == 2
     assert "reproduce" in capsys.readouterr().err
+
+
+def test_rebase_links_leaves_maths_in_prose_alone() -> None:
+    from routelab.cli import _rebase_links
+
+    text = "y = 1[x<0.5](0.8x - 0.2) ![a](fig.png) [r](sub/report.md \"t\") [u](https://x.org) [h](#a)"
+    assert _rebase_links(text, "kt") == (
+        "y = 1[x<0.5](0.8x - 0.2) ![a](kt/fig.png) [r](kt/sub/report.md \"t\") [u](https://x.org) [h](#a)"
+    )

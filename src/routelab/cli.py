@@ -92,7 +92,9 @@ def _demote_headings(markdown: str, levels: int = 2) -> str:
     return "\n".join(lines)
 
 
-_RELATIVE_LINK = re.compile(r"(\]\()(?![a-zA-Z][a-zA-Z0-9+.-]*:|/|#)([^)\s]+)")
+# A link target is one token directly closed by ")" (or followed by a quoted title), so maths in
+# prose such as "1[x<0.5](0.8x - 0.2)" is left alone.
+_RELATIVE_LINK = re.compile(r'(\]\()(?![a-zA-Z][a-zA-Z0-9+.-]*:|/|#)([^)\s]+)(?=\)|\s+")')
 
 
 def _rebase_links(markdown: str, prefix: str) -> str:
