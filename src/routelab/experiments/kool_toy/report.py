@@ -224,7 +224,9 @@ def render_report(
         f"{train_s:.1f} s over {len(walls)} chunks; marginals check {marg_s:.1f} s; chunks already "
         "recorded by an earlier invocation are not re-run).",
         f"- routelab {provenance()}, torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}, "
-        f"{settings.threads if settings.threads is not None else torch.get_num_threads()} torch thread(s).",
+        f"{settings.threads if settings.threads is not None else torch.get_num_threads()} torch thread(s)"
+        + (f" per worker, chunks trained on {max(c.get('workers', 1) for c in chunks)} worker process(es) side by side."
+           if chunks else "."),
         f"- Runs recorded: {len(records)} of {n_planned} planned.",
         "",
         "## Setup",
