@@ -20,6 +20,7 @@ from ..assignment._checks import check_score_matrix, resolve_capacity
 from ..assignment._groups import rank_within_groups
 from ..assignment._ops import SMALL_K, argmax, log_softmax
 from ..routes import Routes
+from ._record import routes_record, skip_correction
 from .two_experts import sample_two
 
 __all__ = ["METHODS", "UNBIASED_METHODS", "CAPPED_METHODS", "sample_routes", "switch_balance_loss"]
@@ -128,12 +129,7 @@ def sample_routes(
         correction = torch.ones_like(log_q_z)
         if method != "sample":
             keep, load = _skip(expert, k, c, generator)
-            load = load.to(log_q.dtype)
-            kept = keep.sum(-1, keepdim=True).clamp(min=1).to(log_q.dtype)
-            if method == "sample_skip_iw":
-                correction = load / load.clamp(max=c)
-            else:
-                correction = (n / kept).expand_as(correction)
+            correction = skip_correction(method, keep, load.to(log_q.dtype), c)
     else:
         gm = gumbel_matching(a / T, tau=1.0, capacity=c, generator=generator)
         expert = gm.expert
@@ -148,19 +144,10 @@ def sample_routes(
         correction = torch.ones_like(log_q_z)
 
     log_p_z = log_p.gather(-1, expert.unsqueeze(-1)).squeeze(-1)
-    weight = (torch.exp(log_p_z.detach() - log_q_z) * correction).masked_fill(~keep, 0.0).detach()
     counts = torch.zeros((*batch, k), dtype=torch.long, device=logits.device)
     counts.scatter_add_(-1, expert, keep.long())
-    return Routes(
-        expert=expert,
-        gate=log_p_z.exp(),
-        keep=keep,
-        weight=weight,
-        log_prob=log_p_z,
-        aux={"balance": switch_balance_loss(log_p.exp(), expert, keep)},
-        stats={"tokens_per_expert": counts, "dropped_fraction": (~keep).float().mean(-1)},
-        single=True,
-    )
+    balance = switch_balance_loss(log_p.exp(), expert, keep)
+    return routes_record(expert, keep, log_p_z, log_q_z, correction, balance, counts)
 
 
 def switch_balance_loss(probs: Tensor, expert: Tensor, keep: Tensor | None = None) -> Tensor:

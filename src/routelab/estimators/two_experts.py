@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ..assignment.sinkhorn import _balance_two
 from ..routes import Routes
+from ._record import routes_record, skip_correction
 
 __all__ = ["sample_two"]
 
@@ -137,12 +138,7 @@ def sample_two(
         s_ref = s_q
         if method != "sample":
             keep, load = _skip_two(z, c, generator)
-            load = load.to(s_q.dtype)
-            kept = keep.sum(-1, keepdim=True).clamp(min=1).to(s_q.dtype)
-            if method == "sample_skip_iw":
-                correction = load / load.clamp(max=c)
-            else:
-                correction = (n / kept).expand_as(correction)
+            correction = skip_correction(method, keep, load.to(s_q.dtype), c)
     else:
         z, t = _matching(s_q + noise, c)
         if method == "gumbel_matching_iw":
@@ -154,23 +150,11 @@ def sample_two(
     sign = torch.where(z, 1.0, -1.0).to(s.dtype)
     log_q_z = F.logsigmoid(sign * s_ref)
     log_p_z = F.logsigmoid(sign * s)
-    weight = (torch.exp(log_p_z.detach() - log_q_z) * correction).masked_fill(~keep, 0.0).detach()
-    expert = z.long()
-    # Switch balance loss 2 * sum_j f_j P_j with f over kept tokens.
+    # Switch balance loss 2 * sum_j f_j P_j with f over kept tokens (as switch_balance_loss).
     p1 = torch.sigmoid(s)
     f1 = (z & keep).to(s.dtype).sum(-1) / n
     f0 = (~z & keep).to(s.dtype).sum(-1) / n
     balance = 2 * (f0.detach() * (1 - p1).mean(-1) + f1.detach() * p1.mean(-1))
-    ones = keep.sum(-1)
     on_one = (z & keep).sum(-1)
-    counts = torch.stack([ones - on_one, on_one], dim=-1)
-    return Routes(
-        expert=expert,
-        gate=log_p_z.exp(),
-        keep=keep,
-        weight=weight,
-        log_prob=log_p_z,
-        aux={"balance": balance.reshape(batch)},
-        stats={"tokens_per_expert": counts, "dropped_fraction": (~keep).float().mean(-1)},
-        single=True,
-    )
+    counts = torch.stack([keep.sum(-1) - on_one, on_one], dim=-1)
+    return routes_record(z.long(), keep, log_p_z, log_q_z, correction, balance.reshape(batch), counts)
