@@ -22,23 +22,23 @@ def table_rows(markdown: str) -> tuple[list[str], list[list[str]]]:
     return cells[0], cells[2:]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("capacity_factor", [0.5, 1.0, None])
-def test_references_match_the_layer(k: int, capacity_factor: float | None) -> None:
+@pytest.mark.parametrize("weighted", [False, True])
+def test_references_match_the_layer(k: int, capacity_factor: float | None, weighted: bool) -> None:
+    # weighted: drop by score and combine with gate * importance weight * skip correction.
     torch.manual_seed(0)
-    moe = MoE(8, 16, 4, router="topk", k=k, capacity_factor=capacity_factor)
+    moe = MoE(8, 16, 4, router="topk", k=k, capacity_factor=capacity_factor,
+              drop_policy="score" if weighted else "position", importance_weighting=weighted)
     x = torch.randn(40, 8, requires_grad=True)
     y, routes = moe(x)
     if capacity_factor == 0.5:
         assert float(routes.stats["dropped_fraction"]) > 0  # the references must drop the same pairs
+        if weighted:  # the skip correction is not trivially 1
+            assert float(routes.weight.max()) > 1
     g = torch.randn_like(y)
     (gx,) = torch.autograd.grad(y, x, g)
     for fn in (bench.naive_forward, bench.dense_forward):

@@ -18,12 +18,7 @@ TINY = mr.Settings(routers=("switch", "batchwise", "base"), seeds=(0,), epochs=1
                    batchwise_eval_batches=(40, 8), log_every=2)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

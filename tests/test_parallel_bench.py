@@ -42,6 +42,9 @@ def test_run_benchmark_tiny_world_sizes_1_and_2():
 def test_run_benchmark_rejects_world_sizes_that_do_not_divide_experts():
     with pytest.raises(ValueError, match="does not divide"):
         moe_parallel.run_benchmark(world_sizes=(3,), config=TINY, deepspeed=False)
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="positive integers"):
+            moe_parallel.run_benchmark(world_sizes=(bad,), config=TINY, deepspeed=False)
 
 
 def test_cli_world_size(monkeypatch, capsys, tmp_path):

@@ -194,7 +194,7 @@ def _fmt_rate(tokens: int, seconds: float | None) -> str:
     return "—" if seconds is None else f"{tokens / seconds:,.0f}"
 
 
-def _table(cfg: ParallelBenchConfig, results: dict[int, dict], ds: tuple[bool, str]) -> list[str]:
+def _table(cfg: ParallelBenchConfig, results: dict[int, dict]) -> list[str]:
     lines = [
         "| world size | mode | routelab tokens/s | DeepSpeed tokens/s | routelab / DeepSpeed | single-process MoE tokens/s |",
         "|---:|---|---:|---:|---:|---:|",
@@ -217,8 +217,6 @@ def _table(cfg: ParallelBenchConfig, results: dict[int, dict], ds: tuple[bool, s
         lines.append(f"| {world} | {f('routelab_vs_single')} | {f('deepspeed_vs_routelab_y')} | "
                      f"{f('deepspeed_vs_routelab_dx')} |")
     return lines
-
-
 
 
 def _header(cfg: ParallelBenchConfig, quick: bool, ds: tuple[bool, str], backend: str, launcher: str) -> list[str]:
@@ -256,6 +254,8 @@ def run_benchmark(*, world_sizes: Sequence[int] | None = None, quick: bool = Fal
     if world_sizes:
         cfg = replace(cfg, world_sizes=tuple(world_sizes))
     for w in cfg.world_sizes:
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ValueError(f"world sizes must be positive integers, got {w!r} in {list(cfg.world_sizes)}")
         if cfg.experts % w:
             raise ValueError(f"world size {w} does not divide the {cfg.experts} experts; use a divisor of {cfg.experts}")
     ds = deepspeed_available() if deepspeed else (False, "disabled")
@@ -270,7 +270,7 @@ def run_benchmark(*, world_sizes: Sequence[int] | None = None, quick: bool = Fal
         if out is not None:
             print(f"world size {w}: done in {time.monotonic() - start:.0f} s", file=out, flush=True)
     launcher = "local workers forked by run_workers on 127.0.0.1, 1 thread each"
-    text = "\n".join(_header(cfg, quick, ds, backend, launcher) + _table(cfg, results, ds)) + "\n"
+    text = "\n".join(_header(cfg, quick, ds, backend, launcher) + _table(cfg, results)) + "\n"
     if out is not None:
         print(text, file=out, flush=True)
     return text
@@ -301,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank == 0:
             launcher = f"torchrun, {torch.get_num_threads()} thread(s) per rank"
             text = "\n".join(_header(replace(cfg, world_sizes=(world,)), args.quick, ds, dist.get_backend(), launcher)
-                             + _table(cfg, {world: res}, ds)) + "\n"
+                             + _table(cfg, {world: res})) + "\n"
             print(text, flush=True)
             if args.out:
                 with open(args.out, "w") as fh:

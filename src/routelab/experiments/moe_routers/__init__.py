@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..runner import append_jsonl_atomic, atomic_write_text, completed_keys, read_jsonl
+from ..runner import append_jsonl_atomic, atomic_write_text, missing_keys, read_jsonl
 from .model import ROUTER_SPECS, MnistMoE, RouterSpec, Settings, evaluate, prepare_data, train_run
 from .report import draw_figures, render_report, results_csv
 
@@ -85,9 +85,9 @@ def run_sweep(out_dir: Path, settings: Settings, *, figures: bool = True, progre
     out_dir.mkdir(parents=True, exist_ok=True)
     runs_path = out_dir / "runs.jsonl"
     key = _settings_key(settings)
-    done = {(r, s) for r, s, k in completed_keys(runs_path, ("router", "seed", "settings")) if k == _freeze(key)}
     plan = [(r, s) for s in settings.seeds for r in settings.routers]
-    pending = [p for p in plan if p not in done]
+    pending = [(r, s) for r, s, _ in missing_keys([(r, s, key) for r, s in plan], runs_path,
+                                                  ("router", "seed", "settings"))]
     old_threads = torch.get_num_threads()
     torch.set_num_threads(settings.threads)
     try:
@@ -120,14 +120,6 @@ def _load_average() -> str:
         return f"{os.getloadavg()[0]:.2f}"
     except (AttributeError, OSError):
         return "unavailable"
-
-
-def _freeze(value):
-    if isinstance(value, list):
-        return tuple(_freeze(v) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
-    return value
 
 
 def write_outputs(out_dir: Path, settings: Settings, *, wall_s: float | None = None, figures: bool = True,

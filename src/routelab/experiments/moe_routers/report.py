@@ -43,8 +43,7 @@ class Stat:
         if self.n == 0 or math.isnan(self.mean):
             return "—"
         scale = 100.0 if pct else 1.0
-        unit = "" if not pct else ""
-        m = f"{self.mean * scale:.{digits}f}{unit}"
+        m = f"{self.mean * scale:.{digits}f}"
         return m if self.se is None else f"{m} ± {self.se * scale:.{digits}f}"
 
 
