@@ -55,7 +55,9 @@ def test_output_equals_per_token_reference(router: str, dropless: bool) -> None:
     moe = make(router, capacity_factor=None if dropless else 4.0)
     x = torch.randn(2, 8, D)
     y, routes = moe(x)
-    assert routes.keep.sum() == routes.keep.sum()  # shape sanity
+    assert routes.expert.shape[0] == 16
+    if router != "batchwise":  # a batchwise mask may legitimately leave a token without experts
+        assert routes.keep.any(-1).all(), "every token keeps a slot when nothing is dropped"
     assert float(routes.stats["dropped_fraction"]) == 0.0, "nothing may be dropped at this capacity"
     torch.testing.assert_close(y, per_token_reference(moe, x, routes), rtol=1e-5, atol=1e-6)
 
