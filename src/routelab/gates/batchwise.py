@@ -14,6 +14,8 @@ gate values ``G_sigma(x) = softmax(x W_g)`` of a batch (eq. 15); the sparse gate
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -57,7 +59,7 @@ def batchwise_mask(scores: Tensor, k: int) -> Tensor:
     if (k * batch) % n != 0:
         raise ValueError(
             f"the batchwise mask keeps m = k*batch/experts = {k}*{batch}/{n} examples per expert, which "
-            f"is not an integer; use a batch size divisible by {n // _gcd(k, n)} (or pad the batch)"
+            f"is not an integer; use a batch size divisible by {n // math.gcd(k, n)} (or pad the batch)"
         )
     m = k * batch // n
     mask = torch.zeros_like(scores, dtype=torch.bool)
@@ -111,8 +113,3 @@ def batchwise_threshold_loss(scores: Tensor, thresholds: Tensor, mask: Tensor) -
     diff = above.to(scores.dtype) - mask.to(scores.dtype)
     return (diff * (scores - thresholds)).sum()
 
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..routers.base import check_positive_int
+
 __all__ = ["ACTIVATIONS", "StackedExperts"]
 
 #: Activation functions accepted by name.
@@ -48,8 +50,7 @@ class StackedExperts(nn.Module):
     ) -> None:
         super().__init__()
         for name, value in (("d_model", d_model), ("d_hidden", d_hidden), ("num_experts", num_experts)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_positive_int(name, value)
         if isinstance(activation, str):
             if activation not in ACTIVATIONS:
                 raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)} or pass a callable")

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from ..routers import Router, make_router
 from ..routes import Routes
-from ..routing import DROP_POLICIES, DispatchPlan, apply_capacity, expert_capacity
+from ..routing import DROP_POLICIES, DispatchPlan, apply_capacity, check_capacity_factor, expert_capacity
 from .experts import StackedExperts
 
 __all__ = ["MoE"]
@@ -104,7 +104,7 @@ class MoE(nn.Module):
                 self.router.to(device)
         else:
             raise ValueError(f"router must be a router name or a Router instance, got {type(router).__name__}")
-        expert_capacity(1, num_experts, 1, capacity_factor)  # validates capacity_factor
+        check_capacity_factor(capacity_factor)
         if drop_policy not in DROP_POLICIES:
             raise ValueError(f"drop_policy must be one of {', '.join(DROP_POLICIES)}, got {drop_policy!r}")
         self.d_model, self.num_experts = d_model, num_experts

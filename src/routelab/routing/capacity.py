@@ -17,13 +17,25 @@ from torch import Tensor
 
 from ..assignment._groups import rank_within_groups
 
-__all__ = ["DROP_POLICIES", "CapacityDecision", "apply_capacity", "expert_capacity"]
+__all__ = ["DROP_POLICIES", "CapacityDecision", "apply_capacity", "check_capacity_factor", "expert_capacity"]
 
 #: How candidates compete for an expert's capacity.
 #: ``position``: first slots before second slots, then earlier tokens first (Switch / GShard);
 #: ``score``: larger combine weight first (batch-prioritised routing);
 #: ``random``: uniformly at random (the skip estimator of Kool et al., for which eq. 3 is unbiased).
 DROP_POLICIES: tuple[str, ...] = ("position", "score", "random")
+
+
+def check_capacity_factor(capacity_factor: float | None) -> None:
+    """ValueError unless ``capacity_factor`` is ``None`` (dropless) or a finite number ``> 0``."""
+    if capacity_factor is None:
+        return
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not (
+        math.isfinite(capacity_factor) and capacity_factor > 0
+    ):
+        raise ValueError(
+            f"capacity_factor must be a finite number > 0 (or None for dropless routing), got {capacity_factor!r}"
+        )
 
 
 def expert_capacity(num_tokens: int, num_experts: int, slots: float, capacity_factor: float | None) -> int:
@@ -45,12 +57,7 @@ def expert_capacity(num_tokens: int, num_experts: int, slots: float, capacity_fa
     """
     if capacity_factor is None:
         return num_tokens
-    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not (
-        math.isfinite(capacity_factor) and capacity_factor > 0
-    ):
-        raise ValueError(
-            f"capacity_factor must be a finite number > 0 (or None for dropless routing), got {capacity_factor!r}"
-        )
+    check_capacity_factor(capacity_factor)
     c = math.ceil(capacity_factor * num_tokens * slots / num_experts - 1e-9)
     return min(max(c, 1 if num_tokens else 0), num_tokens)
 
