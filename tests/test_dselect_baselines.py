@@ -124,10 +124,17 @@ def test_interchangeable_interface(make):
     gate.on_step(0, 10)
     w = gate(x)
     assert w.shape == (4, 6) and (w >= 0).all()
-    loss = w.sum() + gate.regularization()
+    # every gate mixes convexly (or sub-convexly: DSelect-k with n = 6 not a power of 2, Gumbel U = 0)
+    assert (w.sum(dim=1) <= 1 + 1e-6).all()
+    if not gate.per_example:  # a static gate gives every row the same weights
+        assert torch.equal(w, w[:1].expand_as(w))
+    assert torch.equal(gate.selected_experts(w), (w != 0).sum(dim=1).float())
+    loss = (w * torch.arange(6.0)).sum() + gate.regularization()
     loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in gate.parameters())
     gate.track(0)
     rep = gate.report()
+    assert rep["experts_selected_mean"] == pytest.approx(float((w != 0).sum(dim=1).float().mean()))
     assert 0 < rep["experts_selected_mean"] <= 6
 
 
@@ -141,6 +148,9 @@ def test_interchangeable_interface(make):
         (lambda: GumbelSoftmaxGate(4, sparsity_reg=-1.0), "sparsity_reg"),
         (lambda: GumbelSoftmaxGate(4, temperature=-1.0), "temperature"),
         (lambda: SoftmaxGate(0), "num_experts"),
+        (lambda: SoftmaxSelectorGate(4, 2, entropy_reg=float("nan")), "entropy_reg"),
+        (lambda: DSelectK(4, 2, entropy_reg=True), "entropy_reg"),
+        (lambda: DSelectK(4, 2, unused_penalty=-0.5), "unused_penalty"),
     ],
 )
 def test_bad_args_raise(make, match):

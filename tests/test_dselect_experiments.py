@@ -119,3 +119,33 @@ def test_movielens_negatives_are_unrated():
             assert (r >= 1) == (w == 1.0)
     n = sum(ex[s]["ids"].shape[0] for s in ("train", "val", "test"))
     assert n == 4000 and math.isclose(ex["train"]["ids"].shape[0] / n, 0.8)
+
+
+def test_train_mtl_binary_step_is_the_last_gate_to_turn_binary():
+    from routelab.experiments.dselect.mtl_train import train_mtl
+    from routelab.layers import MultiGateMoE, StackedLinear
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 3, generator=g), torch.randn(64, 2, generator=g)
+    gates = [DSelectK(4, 1, entropy_reg=1.0, generator=g), DSelectK(4, 2, entropy_reg=1.0, generator=g)]
+    model = MultiGateMoE(StackedLinear(4, 3, 1, generator=g), gates)
+    info = train_mtl(model, model, lambda out, yb: sum(((o[:, 0] - yb[:, t]) ** 2).mean() for t, o in enumerate(out)),
+                     x, y, epochs=60, batch=16, lr=0.05, generator=g)
+    assert info["steps"] == 60 * 4
+    steps = [gt.binary_step for gt in gates]
+    assert info["binary_all"] == all(gt.is_binary() for gt in gates)
+    assert info["binary_step"] == (max(steps) if None not in steps else None)
+    assert info["binary_all"] and info["binary_step"] is not None  # the run is long enough to converge
+    with pytest.raises(ValueError, match="batch"):
+        train_mtl(model, model, lambda out, yb: out[0].sum(), x, y, epochs=1, batch=65, lr=0.1, generator=g)
+
+
+def test_write_csv_and_report_helpers(tmp_path):
+    from routelab.experiments.dselect.common import binary_step_percent, experts_per_run, write_csv
+
+    recs = [{"a": 1, "experts": [1.0, 3.0], "binary_step": 5, "steps": 20},
+            {"a": 2, "experts": None, "binary_step": None, "steps": 20}]
+    path = write_csv(tmp_path / "r.csv", recs, ("a", "experts"))
+    assert path.read_text() == "a,experts\n1,[1.0; 3.0]\n2,None\n"
+    assert experts_per_run(recs) == [2.0]
+    assert binary_step_percent(recs) == [25.0]

@@ -90,8 +90,10 @@ def test_shared_bottom():
     model = SharedBottom(bottom, towers)
     x = torch.randn(2, 4)
     out = model(x)
-    torch.testing.assert_close(out[1], towers[1](bottom(x)))
-    assert model.regularization().item() == 0
+    assert len(out) == 2
+    for t in range(2):
+        torch.testing.assert_close(out[t], towers[t](bottom(x)))
+    assert model.regularization().item() == 0 and model.report() == []
 
 
 def test_bad_configuration_raises():
@@ -105,3 +107,5 @@ def test_bad_configuration_raises():
         MultiGateMoE(nn.Linear(2, 2), [SoftmaxGate(4)])
     with pytest.raises(ValueError, match="x must be"):
         StackedLinear(2, 3, 4)(torch.zeros(1, 5))
+    with pytest.raises(ValueError, match="in_dim"):
+        StackedLinear(2, True, 4)

@@ -9,13 +9,12 @@ TensorFlow implementation: gamma = 1, Z (or the bias and weights of W) uniform i
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
-from routelab.gates.mtl_gate import MTLGate, check_positive_int
+from routelab.gates.mtl_gate import MTLGate, check_k, check_nonneg, check_positive_int, uniform_init
 from routelab.gates.smooth_step import check_gamma, smooth_step
 
 __all__ = ["dselect_weights", "selector_outputs", "num_code_bits", "DSelectK", "ENTROPY_EPS"]
@@ -61,7 +60,7 @@ def _check_dselect_args(alpha: torch.Tensor, z: torch.Tensor, num_experts: int) 
         raise ValueError("alpha and z must be torch tensors ([..., k] and [..., k, m]).")
     check_positive_int("num_experts", num_experts)
     if alpha.dim() < 1:
-        raise ValueError(f"alpha must have shape [..., k], got a scalar.")
+        raise ValueError("alpha must have shape [..., k], got a scalar.")
     k = alpha.shape[-1]
     if k < 1:
         raise ValueError("alpha must have k >= 1 entries in its last dim.")
@@ -135,36 +134,27 @@ class DSelectK(MTLGate):
                  input_dim: int | None = None, entropy_reg: float = 0.0,
                  unused_penalty: float = 1.0, generator: torch.Generator | None = None) -> None:
         super().__init__(num_experts, per_example=per_example, input_dim=input_dim)
-        check_positive_int("k", k)
-        if k > num_experts:
-            raise ValueError(f"k = {k} must be <= num_experts = {num_experts} (select at most n).")
-        self.k = k
+        self.k = check_k(k, num_experts)
         self.gamma = check_gamma(gamma)
-        for name, v in (("entropy_reg", entropy_reg), ("unused_penalty", unused_penalty)):
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}.")
-        self.entropy_reg = float(entropy_reg)
-        self.unused_penalty = float(unused_penalty)
+        self.entropy_reg = check_nonneg("entropy_reg", entropy_reg)
+        self.unused_penalty = check_nonneg("unused_penalty", unused_penalty)
         self.m = num_code_bits(num_experts)
         self.power_of_2 = 2**self.m == num_experts
         zr = self.gamma / 100.0
-
-        def uni(shape: tuple[int, ...], r: float) -> torch.Tensor:
-            return (torch.rand(shape, generator=generator) * 2.0 - 1.0) * r
-
+        g = generator
         if self.per_example:
             p = self.input_dim
             assert p is not None
             self.G = nn.Linear(p, k)
             self.W = nn.Linear(p, k * self.m)
             with torch.no_grad():
-                self.G.weight.copy_(uni((k, p), ALPHA_INIT))
-                self.G.bias.copy_(uni((k,), ALPHA_INIT))
-                self.W.weight.copy_(uni((k * self.m, p), zr))
-                self.W.bias.copy_(uni((k * self.m,), zr))
+                self.G.weight.copy_(uniform_init((k, p), ALPHA_INIT, g))
+                self.G.bias.copy_(uniform_init((k,), ALPHA_INIT, g))
+                self.W.weight.copy_(uniform_init((k * self.m, p), zr, g))
+                self.W.bias.copy_(uniform_init((k * self.m,), zr, g))
         else:
-            self.alpha = nn.Parameter(uni((k,), ALPHA_INIT))
-            self.z = nn.Parameter(uni((k, self.m), zr))
+            self.alpha = nn.Parameter(uniform_init((k,), ALPHA_INIT, g))
+            self.z = nn.Parameter(uniform_init((k, self.m), zr, g))
         self.binary_step: int | None = None
         self._last_s: torch.Tensor | None = None
 

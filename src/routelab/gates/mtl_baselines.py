@@ -17,14 +17,13 @@ replacement for :class:`~routelab.gates.dselect.DSelectK` in
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
 from routelab.gates.dselect import ALPHA_INIT, ENTROPY_EPS
-from routelab.gates.mtl_gate import MTLGate, check_positive_int
+from routelab.gates.mtl_gate import MTLGate, check_k, check_nonneg, check_pos, check_positive_int, uniform_init
 
 __all__ = [
     "SoftmaxGate",
@@ -35,18 +34,6 @@ __all__ = [
     "ablation_entropy",
     "keep_top_k",
 ]
-
-
-def _check_nonneg(name: str, v: float) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {v!r}.")
-    return float(v)
-
-
-def _check_pos(name: str, v: float) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {v!r}.")
-    return float(v)
 
 
 def keep_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -70,10 +57,10 @@ class _LogitGate(MTLGate):
             assert self.input_dim is not None
             self.A = nn.Linear(self.input_dim, n)
             with torch.no_grad():
-                self.A.weight.copy_((torch.rand((n, self.input_dim), generator=generator) * 2 - 1) * ALPHA_INIT)
-                self.A.bias.copy_((torch.rand((n,), generator=generator) * 2 - 1) * ALPHA_INIT)
+                self.A.weight.copy_(uniform_init((n, self.input_dim), ALPHA_INIT, generator))
+                self.A.bias.copy_(uniform_init((n,), ALPHA_INIT, generator))
         else:
-            self.logits = nn.Parameter((torch.rand((n,), generator=generator) * 2 - 1) * ALPHA_INIT)
+            self.logits = nn.Parameter(uniform_init((n,), ALPHA_INIT, generator))
 
     def scores(self, x: torch.Tensor | int) -> tuple[torch.Tensor, int]:
         b = self._check_x(x)
@@ -111,10 +98,7 @@ class TopKGate(_LogitGate):
 
     def __init__(self, num_experts: int, k: int, *, per_example: bool = False,
                  input_dim: int | None = None, generator: torch.Generator | None = None) -> None:
-        check_positive_int("num_experts", num_experts)
-        check_positive_int("k", k)
-        if k > num_experts:
-            raise ValueError(f"k = {k} must be <= num_experts = {num_experts}.")
+        check_k(k, check_positive_int("num_experts", num_experts))
         super().__init__(num_experts, per_example=per_example, input_dim=input_dim, generator=generator)
         self.k = k
 
@@ -145,12 +129,12 @@ class GumbelSoftmaxGate(MTLGate):
                  seed: int = 0, generator: torch.Generator | None = None,
                  input_dim: int | None = None) -> None:
         super().__init__(num_experts, per_example=False, input_dim=input_dim)
-        self.temperature = _check_pos("temperature", temperature)
-        self.sparsity_reg = _check_nonneg("sparsity_reg", sparsity_reg)
+        self.temperature = check_pos("temperature", temperature)
+        self.sparsity_reg = check_nonneg("sparsity_reg", sparsity_reg)
         n = num_experts
-        self.alpha = nn.Parameter((torch.rand((n,), generator=generator) * 2 - 1) * ALPHA_INIT)
+        self.alpha = nn.Parameter(uniform_init((n,), ALPHA_INIT, generator))
         # start with every expert likely on (pi ~ 0.73), as a sparsifying penalty then prunes
-        self.beta = nn.Parameter(1.0 + (torch.rand((n,), generator=generator) * 2 - 1) * ALPHA_INIT)
+        self.beta = nn.Parameter(1.0 + uniform_init((n,), ALPHA_INIT, generator))
         self.noise = torch.Generator().manual_seed(int(seed))
 
     def probabilities(self) -> torch.Tensor:
@@ -199,17 +183,14 @@ class SoftmaxSelectorGate(MTLGate):
                  final_temperature: float | None = None, entropy_reg: float = 0.0,
                  generator: torch.Generator | None = None, input_dim: int | None = None) -> None:
         super().__init__(num_experts, per_example=False, input_dim=input_dim)
-        check_positive_int("k", k)
-        if k > num_experts:
-            raise ValueError(f"k = {k} must be <= num_experts = {num_experts}.")
-        self.k = k
-        self.initial_temperature = _check_pos("temperature", temperature)
+        self.k = check_k(k, num_experts)
+        self.initial_temperature = check_pos("temperature", temperature)
         self.final_temperature = (None if final_temperature is None
-                                  else _check_pos("final_temperature", final_temperature))
+                                  else check_pos("final_temperature", final_temperature))
         self.temperature = self.initial_temperature
-        self.entropy_reg = _check_nonneg("entropy_reg", entropy_reg)
-        self.alpha = nn.Parameter((torch.rand((k,), generator=generator) * 2 - 1) * ALPHA_INIT)
-        self.beta = nn.Parameter((torch.rand((k, num_experts), generator=generator) * 2 - 1) * ALPHA_INIT)
+        self.entropy_reg = check_nonneg("entropy_reg", entropy_reg)
+        self.alpha = nn.Parameter(uniform_init((k,), ALPHA_INIT, generator))
+        self.beta = nn.Parameter(uniform_init((k, num_experts), ALPHA_INIT, generator))
 
     def on_step(self, step: int, total_steps: int) -> None:
         """Anneal T log-linearly: T = T0 (T1 / T0)^(step / (total_steps - 1))."""

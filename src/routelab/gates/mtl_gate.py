@@ -21,12 +21,14 @@ Every gate here is interchangeable inside :class:`routelab.layers.MultiGateMoE`.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["MTLGate", "check_positive_int", "batch_size_of"]
+__all__ = ["MTLGate", "check_positive_int", "check_k", "check_nonneg", "check_pos", "uniform_init",
+           "batch_size_of"]
 
 
 def check_positive_int(name: str, value: Any) -> int:
@@ -34,6 +36,34 @@ def check_positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
     return value
+
+
+def check_k(k: Any, num_experts: int) -> int:
+    """Return ``k`` if it is an int with 1 <= k <= num_experts, else raise a ValueError."""
+    check_positive_int("k", k)
+    if k > num_experts:
+        raise ValueError(f"k = {k} must be <= num_experts = {num_experts} (select at most n).")
+    return k
+
+
+def check_nonneg(name: str, v: Any) -> float:
+    """Return ``v`` as a float if it is a finite number >= 0, else raise a ValueError naming ``name``."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {v!r}.")
+    return float(v)
+
+
+def check_pos(name: str, v: Any) -> float:
+    """Return ``v`` as a float if it is a finite number > 0, else raise a ValueError naming ``name``."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {v!r}.")
+    return float(v)
+
+
+def uniform_init(shape: tuple[int, ...], half_width: float,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+    """Uniform in ``[-half_width, half_width)`` (Keras ``RandomUniform``), drawn from ``generator``."""
+    return (torch.rand(shape, generator=generator) * 2.0 - 1.0) * half_width
 
 
 def batch_size_of(x: torch.Tensor | int) -> int:

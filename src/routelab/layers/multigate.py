@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from routelab.gates.mtl_gate import check_positive_int
+
 __all__ = ["MultiGateMoE", "SharedBottom", "StackedLinear"]
 
 
@@ -45,8 +47,7 @@ class StackedLinear(nn.Module):
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}.")
         self.dropout = nn.Dropout(dropout) if dropout > 0 else None
         for name, v in (("num_experts", num_experts), ("in_dim", in_dim), ("out_dim", out_dim)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}.")
+            check_positive_int(name, v)
         self.num_experts, self.in_dim, self.out_dim = num_experts, in_dim, out_dim
         if init_std is None:
             bound = 1.0 / math.sqrt(in_dim)
@@ -107,7 +108,7 @@ class MultiGateMoE(nn.Module):
     def __init__(self, experts: nn.Module | Sequence[nn.Module], gates: Sequence[nn.Module],
                  towers: Sequence[nn.Module] | None = None) -> None:
         super().__init__()
-        if isinstance(experts, nn.Module) and not isinstance(experts, (nn.ModuleList, list, tuple)):
+        if isinstance(experts, nn.Module) and not isinstance(experts, nn.ModuleList):
             n = getattr(experts, "num_experts", None)
             if not isinstance(n, int) or n < 1:
                 raise ValueError(

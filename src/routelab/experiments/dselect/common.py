@@ -8,6 +8,7 @@ import platform
 import subprocess
 import time
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +24,8 @@ from routelab.gates import (
     ablation_entropy,
 )
 
+from ..runner import atomic_write_text
+
 __all__ = [
     "GATE_LABELS",
     "make_gate",
@@ -33,6 +36,9 @@ __all__ = [
     "log",
     "Timer",
     "weights_matrix",
+    "write_csv",
+    "experts_per_run",
+    "binary_step_percent",
 ]
 
 GATE_LABELS: dict[str, str] = {
@@ -139,3 +145,20 @@ def weights_matrix(gates: Sequence[MTLGate]) -> list[list[float]]:
     """The static weights of each gate (one forward with batch size 1) as nested lists."""
     with torch.no_grad():
         return [g(1)[0].tolist() for g in gates]
+
+
+def write_csv(path: Path, records: Sequence[dict[str, Any]], cols: Sequence[str]) -> Path:
+    """``cols`` of every record as a CSV file (commas inside a value, as in lists, become ``;``)."""
+    lines = [",".join(cols)] + [",".join(str(r[c]).replace(",", ";") for c in cols) for r in records]
+    return atomic_write_text(path, "\n".join(lines) + "\n")
+
+
+def experts_per_run(records: Iterable[dict[str, Any]]) -> list[float]:
+    """Per run with a gated model, the experts selected per example averaged over the tasks
+    (``record["experts"]`` is one number per task, None for the shared bottom)."""
+    return [sum(r["experts"]) / len(r["experts"]) for r in records if r["experts"]]
+
+
+def binary_step_percent(records: Iterable[dict[str, Any]]) -> list[float]:
+    """Per run whose DSelect-k S(Z) became binary, the percentage of training steps until then."""
+    return [100 * r["binary_step"] / r["steps"] for r in records if r["binary_step"] is not None]

@@ -21,8 +21,20 @@ from torch import nn
 from routelab.data import DataUnavailable
 from routelab.layers import MultiGateMoE, SharedBottom, StackedLinear
 
-from ..runner import append_jsonl_atomic, atomic_write_text, read_jsonl
-from .common import GATE_LABELS, Timer, fmt_mean_se, log, make_gate, md_table, mean_se, provenance
+from ..runner import append_jsonl_atomic, atomic_write_text, completed_keys, read_jsonl
+from .common import (
+    GATE_LABELS,
+    Timer,
+    binary_step_percent,
+    experts_per_run,
+    fmt_mean_se,
+    log,
+    make_gate,
+    md_table,
+    mean_se,
+    provenance,
+    write_csv,
+)
 from .mtl_train import experts_selected, train_mtl
 
 __all__ = ["MovieLensSettings", "FULL", "QUICK", "run_movielens", "build_examples"]
@@ -79,6 +91,9 @@ def build_examples(seed: int, subsample: int | None = None) -> dict[str, Any]:
     g = torch.Generator().manual_seed(50_000 + seed)
     user, movie, rating = ml.user, ml.movie, ml.rating
     if subsample is not None:
+        if isinstance(subsample, bool) or not isinstance(subsample, int) or not 1 <= subsample <= user.shape[0]:
+            raise ValueError(f"subsample must be an int in [1, {user.shape[0]}] (ratings to keep) or None, "
+                             f"got {subsample!r}.")
         keep = torch.randperm(user.shape[0], generator=g)[:subsample]
         user, movie, rating = user[keep], movie[keep], rating[keep]
     rated = torch.zeros(ml.num_users, ml.num_movies, dtype=torch.bool)
@@ -143,8 +158,8 @@ class MTLNet(nn.Module):
         return self.core.report()
 
 
-def _tower(h: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(h, h), nn.ReLU(), nn.Linear(h, 1))
+def _tower(d_in: int, h: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(d_in, h), nn.ReLU(), nn.Linear(h, 1))
 
 
 def build_model(kind: str, ml: Any, s: MovieLensSettings, seed: int) -> MTLNet:
@@ -154,17 +169,13 @@ def build_model(kind: str, ml: Any, s: MovieLensSettings, seed: int) -> MTLNet:
     g = torch.Generator().manual_seed(70_000 + seed)
     if kind == "shared_bottom":
         bottom = nn.Sequential(nn.Linear(feats.dim, s.bottom_units), nn.ReLU(), nn.Dropout(0.5))
-        core: nn.Module = SharedBottom(bottom, [_tower_from(s.bottom_units, s.hidden) for _ in range(2)])
+        core: nn.Module = SharedBottom(bottom, [_tower(s.bottom_units, s.hidden) for _ in range(2)])
     else:
         experts = StackedLinear(EXPERTS, feats.dim, s.hidden, activation=torch.relu, dropout=0.5, generator=g)
         gates = [make_gate(kind, EXPERTS, k=s.k, input_dim=feats.dim, seed=seed * 10 + t, gamma=s.gamma,
                            entropy_reg=s.entropy_reg, gumbel_reg=s.gumbel_reg) for t in range(2)]
-        core = MultiGateMoE(experts, gates, [_tower(s.hidden) for _ in range(2)])
+        core = MultiGateMoE(experts, gates, [_tower(s.hidden, s.hidden) for _ in range(2)])
     return MTLNet(feats, core)
-
-
-def _tower_from(d_in: int, h: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(d_in, h), nn.ReLU(), nn.Linear(h, 1))
 
 
 def task_losses(out: list[torch.Tensor], y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,16 +190,13 @@ def task_losses(out: list[torch.Tensor], y: torch.Tensor) -> tuple[torch.Tensor,
 def evaluate(model: MTLNet, split: dict[str, torch.Tensor], alpha: float) -> dict[str, float]:
     """Test loss (alpha-weighted), task 1 accuracy, task 2 MSE, experts selected per task."""
     ids, y = split["ids"], split["y"]
-    outs0, outs1 = [], []
+    batches = [ids[i:i + 4096] for i in range(0, ids.shape[0], 4096)]
     with torch.no_grad():
-        for i in range(0, ids.shape[0], 4096):
-            o = model(ids[i:i + 4096])
-            outs0.append(o[0])
-            outs1.append(o[1])
-    out = [torch.cat(outs0), torch.cat(outs1)]
+        outs = [model(b) for b in batches]
+    out = [torch.cat([o[t] for o in outs]) for t in range(2)]
     bce, mse = task_losses(out, y)
     acc = float(((out[0].squeeze(-1) > 0).float() == y[:, 0]).float().mean())
-    sel = experts_selected(model.core, lambda xb: model(xb), [ids[i:i + 4096] for i in range(0, ids.shape[0], 4096)])
+    sel = experts_selected(model.core, model, batches)
     return {"loss": float(alpha * bce + (1 - alpha) * mse), "t1_bce": float(bce), "t1_acc": acc,
             "t2_mse": float(mse), "experts": sel}
 
@@ -201,7 +209,7 @@ def run_movielens(out_dir: Path, quick: bool) -> Path:
     path = out_dir / "runs.jsonl"
     timer = Timer()
     try:
-        done = {(r["model"], r["alpha"], r["seed"]) for r in read_jsonl(path)}
+        done = completed_keys(path, ("model", "alpha", "seed"))
         for seed in range(s.reps):
             data = None
             for alpha in ALPHAS:
@@ -235,15 +243,13 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MovieLensSetti
                  missing: str | None) -> Path:
     """Table 1 / C.5 style tables (routelab next to the paper) and claims."""
     cols = ("model", "alpha", "seed", "loss", "t1_bce", "t1_acc", "t2_mse", "experts", "binary_step", "steps", "wall_s")
-    atomic_write_text(out_dir / "results.csv", "\n".join(
-        [",".join(cols)] + [",".join(str(r[c]).replace(",", ";") for c in cols) for r in records]) + "\n")
+    write_csv(out_dir / "results.csv", records, cols)
 
     def sel(kind: str, a: float) -> list[dict[str, Any]]:
         return [r for r in records if r["model"] == kind and r["alpha"] == a]
 
     def experts(rs: list[dict[str, Any]]) -> str:
-        vals = [sum(r["experts"]) / len(r["experts"]) for r in rs if r["experts"]]
-        return fmt_mean_se(vals, 2) if vals else "—"
+        return fmt_mean_se(experts_per_run(rs), 2)
 
     rows = []
     for kind in MODELS:
@@ -266,8 +272,8 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MovieLensSetti
         for a in ALPHAS:
             rs = sel(kind, a)
             if rs:
-                fr = [100 * r["binary_step"] / r["steps"] for r in rs if r["binary_step"] is not None]
-                bin_rows.append([GATE_LABELS[kind], a, f"{len(fr)}/{len(rs)}", fmt_mean_se(fr, 1) if fr else "—"])
+                fr = binary_step_percent(rs)
+                bin_rows.append([GATE_LABELS[kind], a, f"{len(fr)}/{len(rs)}", fmt_mean_se(fr, 1)])
     claims = []
     complete = all(sel(k, a) for k in MODELS for a in ALPHAS)
     if records and not complete:

@@ -45,8 +45,12 @@ def train_mtl(model: nn.Module, forward: Callable[[torch.Tensor], list[torch.Ten
     Records the first step at which every DSelect-k gate's S(Z) was binary, as reported by the
     gates (``binary_step``; for per-example gates: binary on that step's batch).
     """
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
     n = x.shape[0]
+    if y.shape[0] != n:
+        raise ValueError(f"x and y must have the same number of examples, got {n} and {y.shape[0]}.")
+    if not 1 <= batch <= n:
+        raise ValueError(f"batch must be in [1, {n}] (the number of training examples), got {batch}.")
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
     steps_per_epoch = n // batch
     total = epochs * steps_per_epoch
     step = 0
@@ -65,8 +69,8 @@ def train_mtl(model: nn.Module, forward: Callable[[torch.Tensor], list[torch.Ten
                 on_log(f"epoch {ep + 1} step {step}/{total} loss {float(loss):.4f}")
             step += 1
     model.eval()
-    reports = model.report()
-    steps = [r.get("binary_step") for r in reports if "binary" in r]
-    binary_step = (max(steps) if steps and all(s is not None for s in steps) else None) if steps else None
-    return {"steps": total, "binary_step": binary_step,
-            "binary_all": (all(bool(r["binary"]) for r in reports if "binary" in r) if steps else None)}
+    dselect = [r for r in model.report() if "binary" in r]     # the gates that report S(Z)
+    steps = [r["binary_step"] for r in dselect]
+    return {"steps": total,
+            "binary_step": max(steps) if dselect and None not in steps else None,
+            "binary_all": all(bool(r["binary"]) for r in dselect) if dselect else None}

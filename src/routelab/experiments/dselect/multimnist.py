@@ -20,8 +20,20 @@ from torch import nn
 from routelab.data import DataUnavailable, make_overlays
 from routelab.layers import MultiGateMoE, SharedBottom, StackedLinear
 
-from ..runner import append_jsonl_atomic, atomic_write_text, read_jsonl
-from .common import GATE_LABELS, Timer, fmt_mean_se, log, make_gate, md_table, mean_se, provenance
+from ..runner import append_jsonl_atomic, atomic_write_text, completed_keys, read_jsonl
+from .common import (
+    GATE_LABELS,
+    Timer,
+    binary_step_percent,
+    experts_per_run,
+    fmt_mean_se,
+    log,
+    make_gate,
+    md_table,
+    mean_se,
+    provenance,
+    write_csv,
+)
 from .mtl_train import experts_selected, train_mtl
 
 __all__ = ["MultiMnistSettings", "FULL", "QUICK", "run_multimnist", "CNNExperts"]
@@ -133,7 +145,7 @@ def run_multimnist(out_dir: Path, quick: bool) -> Path:
     path = out_dir / "runs.jsonl"
     timer = Timer()
     missing: list[str] = []
-    done = {(r["dataset"], r["model"], r["seed"]) for r in read_jsonl(path)}
+    done = completed_keys(path, ("dataset", "model", "seed"))
     for seed in range(s.reps):
         for name in DATASETS:
             data = None
@@ -167,14 +179,10 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MultiMnistSett
                  missing: list[str]) -> Path:
     """Table 2 style tables (routelab next to the paper) and claims."""
     cols = ("dataset", "model", "seed", "acc1", "acc2", "experts", "binary_step", "steps", "wall_s")
-    atomic_write_text(out_dir / "results.csv", "\n".join(
-        [",".join(cols)] + [",".join(str(r[c]).replace(",", ";") for c in cols) for r in records]) + "\n")
+    write_csv(out_dir / "results.csv", records, cols)
 
     def sel(name: str, kind: str) -> list[dict[str, Any]]:
         return [r for r in records if r["dataset"] == name and r["model"] == kind]
-
-    def mexp(rs: list[dict[str, Any]]) -> list[float]:
-        return [sum(r["experts"]) / len(r["experts"]) for r in rs if r["experts"]]
 
     lines = [
         "# DSelect-k on Multi-MNIST and Multi-Fashion (Hazimeh et al. 2021, Sec. 4.2, Table 2)",
@@ -213,7 +221,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MultiMnistSett
             p1, p2, pe = PAPER_TABLE2[name][kind]
             rows.append([GATE_LABELS[kind], len(rs), fmt_mean_se((r["acc1"] for r in rs), 2, 100),
                          fmt_mean_se((r["acc2"] for r in rs), 2, 100),
-                         fmt_mean_se(mexp(rs), 2) if mexp(rs) else "—", p1, p2, pe])
+                         fmt_mean_se(experts_per_run(rs), 2), p1, p2, pe])
         lines += [f"## {title}", "", md_table(["model", "reps", "accuracy 1 (%)", "accuracy 2 (%)", "experts",
                                                 "paper acc 1", "paper acc 2", "paper experts"], rows), ""]
         if not any(sel(name, k) for k in MODELS):
@@ -252,7 +260,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MultiMnistSett
                        "higher mean accuracy by more than 2 s.e.: holds; higher within noise: partly",
                        f"{100 * avg('dselect_static'):.2f} % vs {100 * avg('shared_bottom'):.2f} %",
                        verdict("dselect_static", "shared_bottom")])
-        e = mexp(sel(name, "dselect_static"))
+        e = experts_per_run(sel(name, "dselect_static"))
         me = sum(e) / len(e) if e else float("nan")
         claims.append([f"{title}: DSelect-k (static) uses fewer experts than Top-k (paper: 1.7–1.8 vs 4).",
                        f"mean experts < k = {s.k} (Top-k uses exactly k here): holds; = k: partly",
@@ -262,8 +270,8 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MultiMnistSett
         for kind in ("dselect_static", "dselect_per_example"):
             rs = sel(name, kind)
             if rs:
-                fr = [100 * r["binary_step"] / r["steps"] for r in rs if r["binary_step"] is not None]
-                bin_rows.append([name, GATE_LABELS[kind], f"{len(fr)}/{len(rs)}", fmt_mean_se(fr, 1) if fr else "—",
+                fr = binary_step_percent(rs)
+                bin_rows.append([name, GATE_LABELS[kind], f"{len(fr)}/{len(rs)}", fmt_mean_se(fr, 1),
                                  rs[0]["steps"]])
     if bin_rows:
         lines += ["## DSelect-k convergence (Table C.4): runs whose S(Z) became binary, and when", "",

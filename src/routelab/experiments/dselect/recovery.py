@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..runner import append_jsonl_atomic, atomic_write_text, read_jsonl
-from .common import GATE_LABELS, Timer, fmt_mean_se, log, make_gate, md_table, mean_se, provenance
+from ..runner import append_jsonl_atomic, atomic_write_text, completed_keys, read_jsonl
+from .common import GATE_LABELS, Timer, fmt_mean_se, log, make_gate, md_table, mean_se, provenance, write_csv
 
 __all__ = ["RecoverySettings", "FULL", "QUICK", "run_recovery", "train_one", "make_problem"]
 
@@ -145,7 +145,7 @@ def run_recovery(out_dir: Path, quick: bool) -> Path:
     s = QUICK if quick else FULL
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "runs.jsonl"
-    done = {(r["gate"], r["lr"], r["entropy_reg"], r["seed"]) for r in read_jsonl(path)}
+    done = completed_keys(path, ("gate", "lr", "entropy_reg", "seed"))
     timer = Timer()
     configs = _configs(s)
     for seed in range(s.reps):
@@ -219,13 +219,9 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: RecoverySettin
             if any(r["gate"] == k for r in records)}
     figs = _figure(out_dir, records, best) if len(best) == 2 else []
     rows = []
-    csv = ["gate,lr,entropy_reg,seed,recovered,mistakes,mass_on_true,val_loss,val_acc,support_changes,"
-           "support_changes_second_half,binary,binary_step,wall_s"]
-    for r in records:
-        csv.append(",".join(str(r[c]) for c in ("gate", "lr", "entropy_reg", "seed", "recovered", "mistakes",
-                                                  "mass_on_true", "val_loss", "val_acc", "support_changes",
-                                                  "support_changes_second_half", "binary", "binary_step", "wall_s")))
-    atomic_write_text(out_dir / "results.csv", "\n".join(csv) + "\n")
+    write_csv(out_dir / "results.csv", records,
+              ("gate", "lr", "entropy_reg", "seed", "recovered", "mistakes", "mass_on_true", "val_loss", "val_acc",
+               "support_changes", "support_changes_second_half", "binary", "binary_step", "wall_s"))
     groups: dict[tuple[str, float, float], list[dict[str, Any]]] = {}
     for r in records:
         groups.setdefault((r["gate"], r["lr"], r["entropy_reg"]), []).append(r)

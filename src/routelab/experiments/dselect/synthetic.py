@@ -28,10 +28,11 @@ from torch import nn
 
 from routelab.gates import keep_top_k, selector_outputs
 from routelab.gates.dselect import ALPHA_INIT, ENTROPY_EPS, num_code_bits
+from routelab.gates.mtl_gate import uniform_init
 from routelab.layers import StackedLinear
 
-from ..runner import append_jsonl_atomic, atomic_write_text, read_jsonl
-from .common import GATE_LABELS, Timer, fmt_mean_se, log, make_gate, md_table, mean_se, provenance
+from ..runner import append_jsonl_atomic, atomic_write_text, completed_keys, read_jsonl
+from .common import GATE_LABELS, Timer, fmt_mean_se, log, md_table, mean_se, provenance, write_csv
 
 __all__ = ["SyntheticSettings", "FULL", "QUICK", "run_synthetic", "make_data", "random_gate_jaccard"]
 
@@ -96,19 +97,16 @@ class StaticGateBank(nn.Module):
         self.kind, self.num_gates, self.num_experts, self.k = kind, num_gates, num_experts, k
         self.gamma, self.entropy_reg, self.anneal = gamma, entropy_reg, anneal
         self.temperature = anneal[0]
-
-        def uni(shape: tuple[int, ...], r: float) -> torch.Tensor:
-            return (torch.rand(shape, generator=generator) * 2 - 1) * r
-
+        g = generator
         if kind == "dselect_static":
             m = num_code_bits(num_experts)
-            self.alpha = nn.Parameter(uni((num_gates, k), ALPHA_INIT))
-            self.z = nn.Parameter(uni((num_gates, k, m), gamma / 100))
+            self.alpha = nn.Parameter(uniform_init((num_gates, k), ALPHA_INIT, g))
+            self.z = nn.Parameter(uniform_init((num_gates, k, m), gamma / 100, g))
         elif kind == "topk_static":
-            self.logits = nn.Parameter(uni((num_gates, num_experts), ALPHA_INIT))
+            self.logits = nn.Parameter(uniform_init((num_gates, num_experts), ALPHA_INIT, g))
         else:
-            self.alpha = nn.Parameter(uni((num_gates, k), ALPHA_INIT))
-            self.beta = nn.Parameter(uni((num_gates, k, num_experts), ALPHA_INIT))
+            self.alpha = nn.Parameter(uniform_init((num_gates, k), ALPHA_INIT, g))
+            self.beta = nn.Parameter(uniform_init((num_gates, k, num_experts), ALPHA_INIT, g))
         self.aux: torch.Tensor = torch.zeros(())
         self.binary_step: int | None = None
 
@@ -246,7 +244,7 @@ def run_synthetic(out_dir: Path, quick: bool) -> Path:
     s = QUICK if quick else FULL
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "runs.jsonl"
-    done = {(r["gate"], r["tasks"], r["seed"]) for r in read_jsonl(path)}
+    done = completed_keys(path, ("gate", "tasks", "seed"))
     timer = Timer()
     for seed in range(s.reps):
         data = None
@@ -300,8 +298,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSetti
     """Tables, claims, figure and CSV from the recorded runs."""
     cols = ("gate", "tasks", "seed", "test_mse", "jaccard_related", "jaccard_unrelated",
             "experts_selected_mean", "binary_fraction", "steps", "wall_s")
-    atomic_write_text(out_dir / "results.csv",
-                      "\n".join([",".join(cols)] + [",".join(str(r[c]) for c in cols) for r in records]) + "\n")
+    write_csv(out_dir / "results.csv", records, cols)
     fig = _figure(out_dir, records, s) if records else None
 
     def cell(kind: str, t: int, key: str, digits: int = 3) -> str:
