@@ -145,3 +145,10 @@ def test_records_are_single_lines(tmp_path: Path) -> None:
     lines = path.read_text(encoding="utf-8").split("\n")
     assert lines[-1] == "" and len(lines) == 2
     assert json.loads(lines[0])["text"] == "a\nb"
+
+
+def test_csv_cell() -> None:
+    from routelab.experiments.runner import csv_cell
+
+    assert csv_cell(None) == "" and csv_cell(0.123456789) == "0.123457" and csv_cell(3) == "3"
+    assert csv_cell(True) == "True" and csv_cell("a,b") == "a,b"

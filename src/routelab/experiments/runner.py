@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "csv_cell",
     "append_jsonl_atomic",
     "read_jsonl",
     "completed_keys",
@@ -212,3 +213,12 @@ def missing_keys(
     """
     done = completed_keys(path, key_fields)
     return [k for k in all_keys if _freeze(list(k)) not in done]
+
+
+def csv_cell(value: Any) -> str:
+    """One results.csv cell: empty for ``None``, 6 significant digits for floats, else ``str``."""
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)

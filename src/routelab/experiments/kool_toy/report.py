@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ...estimators import METHODS
+from ..runner import csv_cell
 from . import claims as cl
 from .claims import METHOD_LABELS, tau_str
 from .figures import FIGURES
@@ -48,16 +49,10 @@ def results_csv(records: Sequence[Mapping]) -> str:
             "b0": p.get("b", [None, None])[0], "b1": p.get("b", [None, None])[1],
             "a": p.get("a"), "c": p.get("c"),
         }
-        w.writerow([_fmt(row.get(c)) for c in cols])
+        w.writerow([csv_cell(row.get(c)) for c in cols])
     return buf.getvalue()
 
 
-def _fmt(v: object) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    return str(v)
 
 
 def success_markdown(table: cl.SuccessTable, config: str) -> str:

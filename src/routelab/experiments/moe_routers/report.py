@@ -18,6 +18,7 @@ import torch
 import routelab
 
 from ...machine import cpu_model as _cpu_model
+from ..runner import csv_cell
 from .model import MNIST_MEAN, MNIST_STD, ROUTER_SPECS, Settings
 
 __all__ = ["Claim", "aggregate", "claims", "draw_figures", "render_report", "results_csv"]
@@ -93,18 +94,12 @@ def results_csv(records: Sequence[Mapping[str, Any]]) -> str:
     bw_batches = sorted({b for r in records for b in (_get(r, "batchwise.acc_batchwise") or {})}, key=int)
     w.writerow([*CSV_FIELDS, *(f"batchwise.acc_batchwise@{b}" for b in bw_batches)])
     for r in records:
-        row = [_fmt(_get(r, f)) for f in CSV_FIELDS]
-        row += [_fmt((_get(r, "batchwise.acc_batchwise") or {}).get(b)) for b in bw_batches]
+        row = [csv_cell(_get(r, f)) for f in CSV_FIELDS]
+        row += [csv_cell((_get(r, "batchwise.acc_batchwise") or {}).get(b)) for b in bw_batches]
         w.writerow(row)
     return buf.getvalue()
 
 
-def _fmt(v: Any) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    return str(v)
 
 
 # ----------------------------------------------------------------------------- figures
