@@ -39,6 +39,7 @@ from scipy.optimize import linear_sum_assignment
 
 import routelab
 from ..machine import cpu_model as _cpu_model
+from ._checks import check_device_and_threads
 from routelab.assignment import balanced_assignment, gumbel_matching, sinkhorn
 
 __all__ = ["run_benchmark"]
@@ -540,13 +541,7 @@ def run_benchmark(
     Raises:
         ValueError: an unknown device, ``device="cuda"`` without CUDA, or ``threads < 1``.
     """
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was requested but torch.cuda.is_available() is False "
-                         "(this torch build or machine has no usable CUDA GPU); use device='cpu'")
-    if not (isinstance(threads, int) and threads >= 1):
-        raise ValueError(f"threads must be a positive integer, got {threads!r}")
+    check_device_and_threads(device, threads)
 
     ns = QUICK_NS if quick else FULL_NS
     repeats = QUICK_REPEATS if quick else FULL_REPEATS

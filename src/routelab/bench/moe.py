@@ -55,6 +55,7 @@ from torch import Tensor
 
 import routelab
 from ..machine import cpu_model as _cpu_model
+from ._checks import check_device_and_threads
 from routelab.layers import MoE
 from routelab.routing import apply_capacity
 
@@ -629,13 +630,7 @@ def run_benchmark(*, quick: bool = False, threads: int = 1, device: str = "cpu",
     Raises:
         ValueError: unknown device, ``device="cuda"`` without CUDA, or ``threads < 1``.
     """
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was requested but torch.cuda.is_available() is False "
-                         "(this torch build or machine has no usable CUDA GPU); use device='cpu'")
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be a positive integer, got {threads!r}")
+    check_device_and_threads(device, threads)
     cfg = config if config is not None else (QUICK if quick else FULL)
     if device == "cuda":  # the dense reference fits on a GPU
         cfg = replace(cfg, dense_limit_gib=max(cfg.dense_limit_gib, 16.0))
