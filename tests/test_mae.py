@@ -158,24 +158,34 @@ def test_causal_gate_context_uses_the_recent_positions_only() -> None:
     torch.testing.assert_close(resp2[:, :5], resp[:, :5])
 
 
-def test_sample_and_top1_routings_are_one_hot_and_seeded() -> None:
+def test_sample_and_top1_routings_follow_the_gate_and_are_seeded() -> None:
+    torch.manual_seed(0)
     mae = MixtureOfAttentiveExperts(D, H, batch_first=True, drop_heads=2)
+    with torch.no_grad():  # a non-uniform gate, so that argmax and sampling are not trivial
+        mae.gate.out.weight.normal_(0, 3.0)
     q, _ = _inputs(True, n=50)
-    for routing in ("sample", "uniform_sample", "top1"):
-        outs = []
-        for _ in range(2):
-            set_routing(mae, routing, torch.Generator().manual_seed(7))
-            _, r = mae(q, q, q)
-            assert ((r == 0) | (r == 1)).all() and (r.sum(-1) == 1).all()
-            outs.append(r)
-        assert torch.equal(outs[0], outs[1])
+    probs = mae.gate(q.mean(1)).detach()  # oracle: the gate of eq. 6 on the query mean
+    e = mae.num_experts
+    assert len(set(probs.argmax(-1).tolist())) > 1
+    oracle = {
+        "top1": probs.argmax(-1),
+        "sample": torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(7))[:, 0],
+        "uniform_sample": torch.randint(e, (50,), generator=torch.Generator().manual_seed(7)),
+    }
+    for routing, want in oracle.items():
+        set_routing(mae, routing, torch.Generator().manual_seed(7))
+        out, r = mae(q, q, q)
+        torch.testing.assert_close(r, torch.nn.functional.one_hot(want, e).float(), atol=0, rtol=0)
+        # the output is that of the chosen expert alone
+        torch.testing.assert_close(out, mae(q, q, q, responsibilities=r)[0], atol=1e-6, rtol=1e-5)
+        assert r.grad_fn is None  # a choice, never a gate gradient
 
 
 # ------------------------------------------------------------------ bad input
 
 
 def test_bad_drop_heads_raises() -> None:
-    for drop in (0, H, H + 1):
+    for drop in (0, H, H + 1, 1.0, True):
         with pytest.raises(ValueError, match="drop_heads"):
             MixtureOfAttentiveExperts(D, H, drop_heads=drop)
     with pytest.raises(ValueError, match="drop_heads"):

@@ -138,12 +138,19 @@ def load_parallel_text(
     Raises:
         DataUnavailable: if ``mod2imp`` or either SWORD module is not installed (the message
             gives the install command).
+        ValueError: if the cache file exists but cannot be read (delete it or ``refresh``).
     """
     cache = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
     path = cache / _CACHE_NAME
     if path.exists() and not refresh:
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            return [VersePair(**json.loads(line)) for line in f if line.strip()]
+        try:
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                return [VersePair(**json.loads(line)) for line in f if line.strip()]
+        except (OSError, EOFError, UnicodeDecodeError, ValueError, TypeError) as err:
+            raise ValueError(
+                f"the parallel-text cache {path} is unreadable ({type(err).__name__}: {err}); "
+                f"delete it or call load_parallel_text(refresh=True) to rebuild it."
+            ) from err
     en = parse_imp(_export(ENGLISH_MODULE))
     es = parse_imp(_export(SPANISH_MODULE))
     pairs = [

@@ -38,12 +38,13 @@ from torch import Tensor, nn
 
 from routelab.layers.mae import MixtureOfAttentiveExperts, mae_modules, set_routing
 
-__all__ = ["MODES", "BCDTrainer", "gate_parameter_names"]
+__all__ = ["EVAL_ROUTING", "MODES", "BCDTrainer", "gate_parameter_names"]
 
 MODES: tuple[str, ...] = ("bcd", "uni", "nobcd", "base")
 """Training modes of :class:`BCDTrainer`: MAE with BCD, UNI-MAE, NOBCD, BASE."""
 
-_EVAL_ROUTING = {"bcd": "gate", "nobcd": "gate", "uni": "uniform", "base": "uniform"}
+EVAL_ROUTING: dict[str, str] = {"bcd": "gate", "nobcd": "gate", "uni": "uniform", "base": "uniform"}
+"""Test-time routing of a model trained in each mode: the gate mixture, or uniform (= MHA, eq. 5)."""
 
 
 def gate_parameter_names(model: nn.Module) -> set[str]:
@@ -131,14 +132,12 @@ class BCDTrainer:
         gate_names = gate_parameter_names(model)
         named = dict(model.named_parameters())
         self.gate_params: list[nn.Parameter] = [named[n] for n in sorted(gate_names)]
-        self.theta_params: list[nn.Parameter] = [
-            p
-            for n, p in model.named_parameters()
-            if n not in gate_names and (trainable is None or trainable(n, p))
-        ]
-        self.frozen_params: list[nn.Parameter] = [
-            p for n, p in model.named_parameters() if n not in gate_names and not (trainable is None or trainable(n, p))
-        ]
+        self.theta_params: list[nn.Parameter] = []
+        self.frozen_params: list[nn.Parameter] = []
+        for n, p in model.named_parameters():
+            if n not in gate_names:
+                keep = trainable is None or trainable(n, p)
+                (self.theta_params if keep else self.frozen_params).append(p)
         self.train_gates = train_gates and mode in ("bcd", "nobcd")
         self.optimizer = (
             torch.optim.Adam(self.theta_params, lr=lr, betas=betas, weight_decay=weight_decay)
@@ -155,7 +154,7 @@ class BCDTrainer:
     @property
     def eval_routing(self) -> str:
         """The routing at test time: the gate mixture (bcd, nobcd) or uniform (uni, base)."""
-        return _EVAL_ROUTING[self.mode]
+        return EVAL_ROUTING[self.mode]
 
     def set_eval_routing(self) -> None:
         """Route every MAE layer as at test time (:attr:`eval_routing`)."""

@@ -64,10 +64,11 @@ def expert_head_mask(num_heads: int, drop_heads: int) -> tuple[Tensor, tuple[tup
         heads expert ``e`` keeps); ``dropped[e]`` is the tuple of heads expert ``e`` drops, in
         :func:`itertools.combinations` order (drop 1: expert ``i`` drops head ``i``).
     """
-    if not 1 <= drop_heads < num_heads:
+    if isinstance(drop_heads, bool) or not isinstance(drop_heads, int) or not 1 <= drop_heads < num_heads:
         raise ValueError(
-            f"drop_heads must satisfy 1 <= drop_heads < num_heads (= {num_heads}), got "
-            f"{drop_heads}; every expert must keep at least one head."
+            f"drop_heads must be an int with 1 <= drop_heads < num_heads (= {num_heads}), got "
+            f"{drop_heads!r}; every expert must keep at least one head (drop_heads=1 gives "
+            f"MAE-7-style experts of h - 1 heads)."
         )
     dropped = tuple(itertools.combinations(range(num_heads), drop_heads))
     keep = torch.ones(len(dropped), num_heads)
@@ -163,11 +164,7 @@ class MixtureOfAttentiveExperts(nn.Module):
             raise ValueError(
                 f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})."
             )
-        if not isinstance(drop_heads, int) or not 1 <= drop_heads < num_heads:
-            raise ValueError(
-                f"drop_heads must be an int with 1 <= drop_heads < num_heads (= {num_heads}), "
-                f"got {drop_heads!r}; use drop_heads=1 for MAE-7-style experts of h - 1 heads."
-            )
+        keep, dropped = expert_head_mask(num_heads, drop_heads)  # validates drop_heads
         if gate_hidden is not None and gate_hidden <= 0:
             raise ValueError(f"gate_hidden must be positive, got {gate_hidden}.")
         if gate_context is not None and gate_context <= 0:
@@ -192,7 +189,6 @@ class MixtureOfAttentiveExperts(nn.Module):
         if bias:
             nn.init.zeros_(self.out_proj.bias)
 
-        keep, dropped = expert_head_mask(num_heads, drop_heads)
         self.register_buffer("keep", keep)
         self.dropped_heads: tuple[tuple[int, ...], ...] = dropped
         self.gate = MAEGate(embed_dim, gate_hidden or embed_dim, len(dropped))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +31,12 @@ import torch
 
 from routelab.data.errors import DataUnavailable
 from routelab.data.parallel_text import INSTALL_COMMAND, load_parallel_text
+from routelab.layers.bcd import EVAL_ROUTING
+from routelab.layers.mae import set_routing
 
 from ..runner import append_jsonl_atomic, atomic_write_text, read_jsonl
 from .analyses import attribution_shares, collect_gates, mean_entropy, pmi_tokens
-from .corpus import Corpus, build_corpus
+from .corpus import build_corpus
 from .model import LMConfig, TransformerLM
 from .train import FINETUNE_METHODS, VARIANTS, Schedule, _log, evaluate, finetune, train_variant
 
@@ -145,7 +147,8 @@ def run(out_dir: Path, s: Settings) -> Path:
             continue
         _log(f"training {v.name} ({v.mode}, drop_heads={v.drop_heads})")
         model, state = train_variant(v, cfg, train, corpus.windows["dev"], sched, ckpt_dir)
-        routing = "gate" if v.mode in ("bcd", "nobcd") else "uniform"
+        routing = EVAL_ROUTING[v.mode]
+        gated = routing == "gate"  # the gates are part of the model only where it uses them
         dev = evaluate(model, corpus.windows["dev"], routing)
         test = evaluate(model, corpus.windows["test"], routing)
         gate_params = sum(p.numel() for b in model.blocks for p in b.attn.gate.parameters())
@@ -155,8 +158,8 @@ def run(out_dir: Path, s: Settings) -> Path:
             "variant": v.name, "mode": v.mode, "drop_heads": v.drop_heads,
             "experts": model.blocks[0].attn.num_experts,
             "dev_loss": dev, "test_loss": test, "dev_ppl": math.exp(dev), "test_ppl": math.exp(test),
-            "params": total_params if v.mode in ("bcd", "nobcd") else total_params - gate_params,
-            "gate_params": gate_params if v.mode in ("bcd", "nobcd") else 0,
+            "params": total_params if gated else total_params - gate_params,
+            "gate_params": gate_params if gated else 0,
             "curve": state["curve"], "seconds": state["seconds"],
         }
         append_jsonl_atomic(runs_path, rec)
@@ -168,18 +171,24 @@ def run(out_dir: Path, s: Settings) -> Path:
     an_path = out_dir / "analyses.jsonl"
     analyses = {r["name"]: r for r in read_jsonl(an_path)}
     dev = corpus.windows["dev"]
+    dev_gates: dict[str, list[torch.Tensor]] = {}  # collected once, for "gates" and "spread"
+
+    def gates_on_dev(name: str) -> list[torch.Tensor]:
+        if name not in dev_gates:
+            dev_gates[name] = collect_gates(models[name], dev)[1]
+        return dev_gates[name]
+
     if "gates" not in analyses:
         _log("analyses: entropy, attribution shares, top-1, PMI")
         rec: dict[str, Any] = {"name": "gates", "entropy": {}, "shares": {}}
         for name in ("MAE-7", "MAE-6", "NOBCD"):
-            tokens, gates = collect_gates(models[name], dev)
+            gates = gates_on_dev(name)
             mean, per_layer = mean_entropy(gates)
             rec["entropy"][name] = {"mean": mean, "per_layer": per_layer,
                                     "uniform": math.log(gates[0].shape[-1])}
             rec["shares"][name] = [attribution_shares(g) for g in gates]
         # UNI-MAE-7's responsibilities are the constant 1/h: measure them as used at test time
         uni = models["UNI-MAE-7"]
-        from routelab.layers.mae import set_routing
         set_routing(uni, "uniform")
         with torch.no_grad():
             _, ug = uni(dev[:8, :-1], return_gates=True)
@@ -192,7 +201,7 @@ def run(out_dir: Path, s: Settings) -> Path:
     if "spread" not in analyses:
         rec = {"name": "spread", "models": {}}
         for name in ("MAE-7", "MAE-6", "NOBCD"):
-            _, gates = collect_gates(models[name], dev)
+            gates = gates_on_dev(name)
             rec["models"][name] = [
                 {"mean_max": float(g.amax(-1).mean()), "mean_min": float(g.amin(-1).mean()),
                  "uniform": 1.0 / g.shape[-1]} for g in gates]

@@ -202,7 +202,7 @@ def write_report(out_dir: Path, s: Any, corpus: Any, run_list: list[dict[str, An
     _fig_shares(analyses["gates"]["shares"], out_dir / "fig_attribution.png")
     _fig_finetune(ft, out_dir / "fig_finetune.png")
     summary = {
-        "runs": {n: {k: v for k, v in r.items()} for n, r in runs.items()},
+        "runs": runs,
         "analyses": analyses,
         "finetune": ft,
     }

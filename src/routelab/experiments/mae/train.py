@@ -97,16 +97,22 @@ def evaluate(model: nn.Module, windows: Tensor, routing: str, *, batch: int = 64
     return total / count
 
 
-def _batches(windows: Tensor, s: Schedule, epoch: int, gen: torch.Generator) -> list[Tensor]:
-    """The batches of ``epoch``: consecutive slices of a per-pass permutation of the windows."""
+def _batches(windows: Tensor, s: Schedule, epoch: int) -> list[Tensor]:
+    """The batches of ``epoch``: consecutive slices of a per-pass permutation of the windows.
+
+    Pass ``p`` uses the permutation seeded by ``s.seed * 1000 + p``, so the batches depend only
+    on ``(s, epoch)`` and a resumed run sees the same ones.
+    """
     n = windows.shape[0]
     per_pass = max(1, n // s.batch)
+    perms: dict[int, Tensor] = {}
     out = []
     for j in range(s.batches_per_epoch):
         k = epoch * s.batches_per_epoch + j
         p, r = divmod(k, per_pass)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(s.seed * 1000 + p))
-        out.append(windows[perm[r * s.batch:(r + 1) * s.batch]])
+        if p not in perms:
+            perms[p] = torch.randperm(n, generator=torch.Generator().manual_seed(s.seed * 1000 + p))
+        out.append(windows[perms[p][r * s.batch:(r + 1) * s.batch]])
     return out
 
 
@@ -135,11 +141,10 @@ def _run_training(
         torch.set_rng_state(saved["rng"])
         state = saved["state"]
         _log(f"{label}: resumed at epoch {state['epoch']}")
-    gen = torch.Generator().manual_seed(s.seed)
     for epoch in range(state["epoch"], s.epochs):
         t0 = time.perf_counter()
         model.train()
-        batches = _batches(train, s, epoch, gen)
+        batches = _batches(train, s, epoch)
         losses, g_losses = [], []
         for j, b in enumerate(batches):
             step = epoch * s.batches_per_epoch + j
