@@ -41,6 +41,10 @@ __all__ = [
     "binary_step_percent",
 ]
 
+#: The models of the real-data multi-task experiments (Tables 1-2): every gate, and shared bottom.
+MTL_MODELS = ("dselect_static", "topk_static", "gumbel_static", "dselect_per_example", "topk_per_example",
+              "softmax", "shared_bottom")
+
 GATE_LABELS: dict[str, str] = {
     "dselect_static": "DSelect-k (static)",
     "topk_static": "Top-k (static)",

@@ -24,6 +24,7 @@ from routelab.layers import MultiGateMoE, SharedBottom, StackedLinear
 from ..runner import append_jsonl_atomic, atomic_write_text, completed_keys, read_jsonl
 from .common import (
     GATE_LABELS,
+    MTL_MODELS as MODELS,
     Timer,
     binary_step_percent,
     experts_per_run,
@@ -39,8 +40,6 @@ from .mtl_train import experts_selected, train_mtl
 
 __all__ = ["MovieLensSettings", "FULL", "QUICK", "run_movielens", "build_examples"]
 
-MODELS = ("dselect_static", "topk_static", "gumbel_static", "dselect_per_example", "topk_per_example",
-          "softmax", "shared_bottom")
 ALPHAS = (0.1, 0.5, 0.9)
 EXPERTS = 8
 

@@ -23,6 +23,7 @@ from routelab.layers import MultiGateMoE, SharedBottom, StackedLinear
 from ..runner import append_jsonl_atomic, atomic_write_text, completed_keys, read_jsonl
 from .common import (
     GATE_LABELS,
+    MTL_MODELS as MODELS,
     Timer,
     binary_step_percent,
     experts_per_run,
@@ -38,8 +39,6 @@ from .mtl_train import experts_selected, train_mtl
 
 __all__ = ["MultiMnistSettings", "FULL", "QUICK", "run_multimnist", "CNNExperts"]
 
-MODELS = ("dselect_static", "topk_static", "gumbel_static", "dselect_per_example", "topk_per_example",
-          "softmax", "shared_bottom")
 DATASETS = ("multi_mnist", "multi_fashion")
 EXPERTS = 8
 IMG = 36 * 36
