@@ -57,3 +57,35 @@ def argmax(x: Tensor) -> Tensor:
         top = torch.where(better, x[..., j], top)
         index = torch.where(better, torch.full_like(index, j), index)
     return index
+
+
+def top_two(x: Tensor, work: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The largest entry of every row, its index (the first on ties) and the second largest.
+
+    ``x.max(dim=-1)`` with indices and a masked copy are several times slower on CPU than the
+    elementwise passes used here: ``sign(x - max) + 1`` is 1 exactly at the maxima (``x - max``
+    is exactly 0 there) and 0 elsewhere; a product with ``0, 1, ..., k - 1`` gives the index of a
+    unique maximum, and subtracting a large multiple of it hides the maximum from a second
+    ``amax``. Rows with tied maxima (rare) are redone with ``argmax``; their second value is the
+    maximum itself.
+
+    Args:
+        x: ``[..., k]`` finite floating tensor.
+        work: scratch tensor of ``x``'s shape and dtype (overwritten).
+
+    Returns:
+        ``(first, index, second)``, each ``[...]``; ``second`` is ``-inf`` when ``k = 1``.
+    """
+    k = x.shape[-1]
+    first = x.amax(dim=-1)
+    top = torch.sub(x, first.unsqueeze(-1), out=work).sign_().add_(1.0)  # 1 at the maxima
+    ties = top.sum(-1) > 1.5
+    positions = torch.arange(k, dtype=x.dtype, device=x.device)
+    index = (top @ positions).long()
+    # Hide the maxima: anything below -(spread + 1) is smaller than every other entry.
+    spread = (first - x.amin(dim=-1)).amax() + 1.0 if x.numel() else torch.ones((), dtype=x.dtype)
+    second = top.mul_(-2.0 * spread).add_(x).amax(dim=-1) if k > 1 else torch.full_like(first, float("-inf"))
+    if bool(ties.any()):
+        index = torch.where(ties, x.argmax(dim=-1), index)
+        second = torch.where(ties, first, second)
+    return first, index, second

@@ -10,12 +10,25 @@ gives a convex function whose minimiser makes the soft column sums equal ``c`` (
 scaling). Its Hessian is only ``k x k``, so a few damped Newton steps along a decreasing
 temperature schedule get prices that place almost every token correctly. They only speed up the
 start: exactness comes from the cycle cancelling that follows.
+
+**Active set.** At low temperatures most tokens are *saturated*: one expert beats every other by
+many temperatures, so the token adds exactly one to that expert's column sum and nothing to the
+Hessian. A full step marks the tokens whose best expert leads by more than ``FREEZE_GAP``
+temperatures as frozen; the following steps softmax only the other rows and add the frozen
+tokens' fixed counts. A frozen token stays saturated while the prices move by less than half its
+lead minus ``SATURATED_GAP`` temperatures; once they have moved further, the next step is a full
+one again (and freezes afresh). The result is the same as full steps up to ``exp(-SATURATED_GAP)``
+per frozen token.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
+
+from ._workspace import scratch
 
 # Temperatures relative to the spread (standard deviation) of the scores, one Newton step each.
 DEFAULT_SCHEDULE = (0.3, 0.05, 0.01, 0.002, 0.0004)
@@ -25,6 +38,80 @@ MAX_STEPS = 12
 # at the same temperature, up to LEVEL_STEPS steps per temperature.
 STEP_LIMIT = 4.0
 LEVEL_STEPS = 3
+# Active set: a token is frozen when its best expert leads every other one by FREEZE_GAP
+# temperatures, and treated as saturated while that lead stays above SATURATED_GAP temperatures
+# of the current step. Freezing is skipped when it would leave more than MAX_ACTIVE of the rows.
+FREEZE_GAP = 30.0
+SATURATED_GAP = 20.0
+MAX_ACTIVE = 0.6
+# Entries further than this below their row's maximum (in log2 units, exp(-40)) are clamped: they
+# change nothing, but as denormal numbers (and products of them in the Hessian) they slow the CPU
+# down several-fold.
+CLAMP_LOG2 = -40.0 / math.log(2.0)
+LOG2E = 1.0 / math.log(2.0)
+
+
+class _ActiveSet:
+    """The unfrozen rows of a freeze, and what the frozen ones add to the column sums.
+
+    Attributes:
+        scores: ``[B, m, k]`` the scores of the active rows (padded rows repeat a frozen row).
+        weight: ``[B, m, 1]`` 1 for a real active row, 0 for padding.
+        frozen_col: ``[B, k]`` frozen tokens per expert.
+        prices: ``[B, 1, k]`` the prices at the freeze.
+        lead: ``[B, 1]`` the smallest lead of a frozen token, in score units.
+    """
+
+    def __init__(
+        self, scores: Tensor, weight: Tensor, frozen_col: Tensor, prices: Tensor, lead: Tensor
+    ) -> None:
+        self.scores, self.weight, self.frozen_col = scores, weight, frozen_col
+        self.prices, self.lead = prices, lead
+
+    @classmethod
+    def freeze(
+        cls, S: Tensor, X: Tensor, u: Tensor, T: Tensor, max_active: int, work: Tensor
+    ) -> "_ActiveSet | None":
+        """Freeze the saturated rows of a full step; ``None`` if more than ``max_active`` rows
+        would stay active.
+
+        Args:
+            S: ``[B, n, k]`` scores.
+            X: ``[B, n, k]`` the step's shifted log2 logits (see :func:`_logits`).
+            u: ``[B, 1, k]`` the step's prices.
+            T: ``[B, 1, 1]`` its temperature.
+            max_active: the most active rows worth a restricted step.
+            work: ``[B, n, k]`` scratch space.
+        """
+        B, n, k = S.shape
+        # sign(X + FREEZE_GAP) is +1 for entries within FREEZE_GAP temperatures of the row's
+        # maximum (X <= 0 after the shift) and -1 below: a row sums to 2 - k exactly when its
+        # maximum is alone there. (Comparison kernels producing bool tensors are slow on CPU.)
+        sign = torch.add(X, FREEZE_GAP * LOG2E, out=work).sign_()
+        frozen = sign.sum(-1) < 2.5 - k  # [B, n]
+        active = ~frozen
+        m = int(active.sum(-1).max())
+        if m > max_active:
+            return None
+        # A frozen row's only +1 entry is its best expert: sum (sign + 1) / 2 over those rows.
+        f = frozen.to(S.dtype).unsqueeze(1)  # [B, 1, n]
+        frozen_col = 0.5 * ((f @ sign).squeeze(1) + f.sum(-1))
+        if B == 1:
+            index = active.view(-1).nonzero().view(-1)
+            scores = torch.index_select(S[0], 0, index, out=scratch("prices.active", (m, k), S.dtype, S.device))
+            scores = scores.unsqueeze(0)
+            weight = torch.ones((1, m, 1), dtype=S.dtype, device=S.device)
+        else:
+            index = torch.argsort(active.to(torch.int8), dim=-1, descending=True, stable=True)[:, :m]
+            scores = scratch("prices.active", (B, m, k), S.dtype, S.device)
+            torch.gather(S, 1, index.unsqueeze(-1).expand(B, m, k), out=scores)
+            weight = active.gather(1, index).unsqueeze(-1).to(S.dtype)
+        return cls(scores, weight, frozen_col, u.clone(), (FREEZE_GAP * T).view(B, 1))
+
+    def valid(self, u: Tensor, T: Tensor) -> bool:
+        """Whether every frozen token is still saturated at prices ``u`` and temperature ``T``."""
+        moved = (u - self.prices).abs().amax(dim=-1)  # [B, 1]
+        return bool((self.lead - 2.0 * moved >= SATURATED_GAP * T.view(-1, 1)).all())
 
 
 def approximate_prices(
@@ -33,6 +120,7 @@ def approximate_prices(
     schedule: tuple[float, ...] = DEFAULT_SCHEDULE,
     center: bool = True,
     max_steps: int = MAX_STEPS,
+    active_set: bool = True,
 ) -> Tensor:
     """Damped Newton on the smoothed dual along a temperature schedule.
 
@@ -43,6 +131,8 @@ def approximate_prices(
         center: start from the centred column means (removes additive expert biases at once).
         max_steps: total Newton steps allowed; a step clipped by the damping is repeated at the
             same temperature.
+        active_set: restrict steps to the unsaturated tokens once most are saturated (see the
+            module docstring); ``False`` makes every step a full one.
 
     Returns:
         ``[B, k]`` prices (``>= 0`` when there is slack capacity, ``c * k > n``).
@@ -56,47 +146,34 @@ def approximate_prices(
     if center:
         u = S.mean(dim=1, keepdim=True)
         u = u - (u.amin(dim=-1, keepdim=True) if slack else u.mean(dim=-1, keepdim=True))
-    eye = torch.eye(k, dtype=S.dtype, device=S.device)
-    # Two buffers reused by every step: fresh large temporaries cost page faults on CPU.
-    X = torch.empty_like(S)
-    P = torch.empty_like(S)
+    # Buffers reused by the full steps: fresh large temporaries cost page faults on CPU.
+    X = scratch("prices.logits", S.shape, S.dtype, S.device)
+    P_full = scratch("prices.softmax", S.shape, S.dtype, S.device)
+    active: _ActiveSet | None = None
     level, steps, at_level = 0, 0, 0
     while level < len(schedule) and steps < max_steps:
         T = spread * schedule[level]
         steps += 1
         at_level += 1
-        torch.sub(S, u, out=X).div_(T)
-        # Entries below exp(-40) of their row's maximum change nothing, but as denormal numbers
-        # (and products of them in the Hessian) they slow the CPU down several-fold: clamp them.
-        X.sub_(X.amax(dim=-1, keepdim=True)).clamp_(min=-40.0)
-        torch.softmax(X, dim=-1, out=P)  # [B, n, k]
-        col = P.sum(dim=1)  # [B, k]
-        grad = c - col
-        H = _hessian(P, col) / T
-        # A ridge keeps H invertible when the softmax saturates (every token has a clear
-        # favourite): H -> 0 there, and the damped step below then bounds the move.
-        ridge = H.diagonal(dim1=-2, dim2=-1).mean(-1).view(B, 1, 1) + 1e-3 * c / T
-        if slack:
-            # Projected Newton: experts at price 0 that are under-full stay at 0.
-            fixed = (u.view(B, k) <= 0) & (grad > 0)
-            grad = grad.masked_fill(fixed, 0.0)
-            keep = (~fixed).to(S.dtype)
-            H = H * keep.unsqueeze(-1) * keep.unsqueeze(-2) + torch.diag_embed(1.0 - keep) * ridge
+        if active is not None and not active.valid(u, T):
+            active = None
+        if active is not None:
+            buffer = scratch("prices.active_softmax", active.scores.shape, S.dtype, S.device)
+            P = _softmax(active.scores, u, T, buffer, buffer).mul_(active.weight)
+            grad = (c - active.frozen_col) - P.sum(dim=1)
+            col, G = _gram(P)
         else:
-            H = H + ridge / k  # the prices are defined up to a common shift
-        H = H + 1e-6 * ridge * eye
-        # Solved in float64 (k x k is cheap); should it still be singular, a diagonal step.
-        sol, info = torch.linalg.solve_ex(H.double(), grad.double().unsqueeze(-1))
-        diagonal = grad / H.diagonal(dim1=-2, dim2=-1).clamp(min=torch.finfo(S.dtype).tiny)
-        ok = (info == 0).unsqueeze(-1) & torch.isfinite(sol.squeeze(-1))
-        step = torch.where(ok, sol.squeeze(-1).to(S.dtype), diagonal).view(B, 1, k)
+            P = _softmax(S, u, T, X, P_full)  # also leaves the shifted log2 logits in X
+            grad = c - P.sum(dim=1)  # [B, k]
+            col, G = _gram(P)
+            if active_set and level > 0:  # P is no longer needed: its buffer is the scratch
+                active = _ActiveSet.freeze(S, X, u, T, int(MAX_ACTIVE * n), P_full)
+        step = _newton_step(col, G, grad, T, c, (u.view(B, k) <= 0) & (grad > 0) if slack else None)
         # Damping: a Newton step beyond a few temperatures leaves the region where it is accurate.
         # A clipped step means the prices are still far from this temperature's optimum: stay at
         # this temperature for another step (within the step budget) instead of cooling.
-        limit = STEP_LIMIT * T
-        factor = limit / step.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
-        step = step * factor.clamp(max=1.0)
-        u = u - step
+        factor = (STEP_LIMIT * T.view(B, 1) / step.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)).clamp(max=1.0)
+        u = u - (step * factor).view(B, 1, k)
         if at_level >= LEVEL_STEPS or not bool((factor < 1.0).any()):
             level, at_level = level + 1, 0
         if slack:
@@ -104,22 +181,81 @@ def approximate_prices(
     return u.view(B, k)
 
 
-def _hessian(P: Tensor, col: Tensor) -> Tensor:
-    """``[B, k, k]`` ``sum_i diag(p_i) - p_i p_i^T`` (the smoothed dual's Hessian times ``T``).
+def _newton_step(col: Tensor, G: Tensor, grad: Tensor, T: Tensor, c: int, fixed: Tensor | None) -> Tensor:
+    """The damped-Newton direction ``H^-1 grad`` ``[B, k]`` of the smoothed dual.
+
+    ``T H = diag(col) - G`` is singular (its rows sum to 0: a common shift of the prices changes
+    nothing) and nearly 0 once the softmax saturates, so a ridge ``rho = mean(diag(T H)) +
+    1e-3 c`` is added; the damping in the caller then bounds the move. Without slack the ridge
+    acts on the common shift only (``rho / k`` times the all-ones matrix) plus ``1e-6 rho``; with
+    slack (projected Newton) the ``fixed`` experts (price 0, under-full) keep price 0.
+
+    The ``k x k`` system is solved in float64 by Cholesky; should it not be numerically
+    positive definite, the diagonal step instead.
+
+    Args:
+        col: ``[B, k]`` column sums of the rows in ``G``.
+        G: ``[B, k, k]`` their Gram matrix ``P^T P``.
+        grad: ``[B, k]`` the dual gradient ``c - (all column sums)``.
+        T: ``[B, 1, 1]`` temperature.
+        c: capacity.
+        fixed: ``[B, k]`` bool experts held at price 0, or ``None`` without slack.
+    """
+    B, k = col.shape
+    rho = (col - G.diagonal(dim1=-2, dim2=-1)).mean(-1, keepdim=True) + 1e-3 * c  # [B, 1]
+    rhs = grad * T.view(B, 1)
+    if fixed is None:
+        A = (rho / k).unsqueeze(-1) - G
+        A.diagonal(dim1=-2, dim2=-1).add_(col + 1e-6 * rho)
+    else:
+        rhs = rhs.masked_fill(fixed, 0.0)
+        keep = (~fixed).to(G.dtype)
+        A = G * (keep.unsqueeze(-1) * keep.unsqueeze(-2))
+        A.neg_().diagonal(dim1=-2, dim2=-1).add_(col * keep + (1.0 + 1e-6 - keep) * rho)
+    L, info = torch.linalg.cholesky_ex(A.double())
+    step = torch.cholesky_solve(rhs.double().unsqueeze(-1), L).squeeze(-1).to(G.dtype)
+    bad = (info != 0) | (step - step != 0).any(-1)  # x - x is NaN exactly for non-finite x
+    if bool(bad.any()):
+        diagonal = rhs / A.diagonal(dim1=-2, dim2=-1).clamp(min=torch.finfo(G.dtype).tiny)
+        step = torch.where(bad.unsqueeze(-1), diagonal, step)
+    return step
+
+
+def _logits(S: Tensor, u: Tensor, T: Tensor, out: Tensor) -> Tensor:
+    """``(S - u) / T`` in log2 units, shifted so that every row's maximum is 0, into ``out``."""
+    torch.sub(S, u, out=out).mul_(LOG2E / T)
+    return out.sub_(out.amax(dim=-1, keepdim=True))
+
+
+def _softmax(S: Tensor, u: Tensor, T: Tensor, X: Tensor, out: Tensor) -> Tensor:
+    """``softmax((S - u) / T)`` over the experts into ``out``, computed with ``exp2`` (3x faster
+    than ``exp`` on CPU); tiny entries are clamped (see ``CLAMP_LOG2``). ``X`` receives the
+    shifted log2 logits of :func:`_logits`."""
+    _logits(S, u, T, X)
+    P = torch.clamp(X, min=CLAMP_LOG2, out=out).exp2_()
+    return P.div_(P.sum(dim=-1, keepdim=True))
+
+
+def _gram(P: Tensor) -> tuple[Tensor, Tensor]:
+    """Column sums ``[B, k]`` and Gram matrix ``P^T P`` ``[B, k, k]`` of the rows of ``P`` that
+    matter for the Hessian ``diag(col) - P^T P``.
 
     A row whose softmax has saturated (one entry within ``1e-6`` of 1) contributes almost
-    nothing; at low temperatures most rows have, so only the others enter the product.
+    nothing to that difference; at low temperatures most rows have, so only the others enter.
 
     Args:
         P: ``[B, n, k]`` row-stochastic matrix.
-        col: ``[B, k]`` its column sums.
     """
     B, n, k = P.shape
     live = P.amax(dim=-1) < 1.0 - 1e-6  # [B, n]
     m = int(live.sum(-1).max())
     if m > n // 2:
-        return torch.diag_embed(col) - P.transpose(1, 2) @ P
-    order = torch.argsort(live.to(torch.int8), dim=-1, descending=True, stable=True)[:, :m]
-    Q = P.gather(1, order.unsqueeze(-1).expand(B, m, k))
-    Q = Q * live.gather(1, order).unsqueeze(-1).to(P.dtype)  # instances with fewer live rows
-    return torch.diag_embed(Q.sum(dim=1)) - Q.transpose(1, 2) @ Q
+        return P.sum(dim=1), P.transpose(1, 2) @ P
+    Q = scratch("prices.gram", (B, m, k), P.dtype, P.device)
+    if B == 1:
+        torch.index_select(P[0], 0, live.view(-1).nonzero().view(-1), out=Q[0])
+    else:
+        order = torch.argsort(live.to(torch.int8), dim=-1, descending=True, stable=True)[:, :m]
+        torch.gather(P, 1, order.unsqueeze(-1).expand(B, m, k), out=Q)
+        Q.mul_(live.gather(1, order).unsqueeze(-1).to(P.dtype))  # instances with fewer live rows
+    return Q.sum(dim=1), Q.transpose(1, 2) @ Q

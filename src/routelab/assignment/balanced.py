@@ -39,7 +39,9 @@ from torch import Tensor
 
 from ._checks import check_score_matrix, resolve_capacity
 from ._groups import rank_within_groups, slot_table
+from ._ops import top_two
 from ._prices import approximate_prices
+from ._workspace import scratch
 from .shortest_paths import floyd_warshall, functional_graph_cycles, relax
 
 __all__ = ["balanced_assignment", "solve_balanced", "BalancedSolution", "expert_graph"]
@@ -103,7 +105,8 @@ def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "
             arc_cost = _two_expert_graph(S, z, c, _release_weight(S))
     else:
         prices = approximate_prices(S, c)
-        z = _initial_assignment(S - prices.unsqueeze(1), c)
+        reduced = torch.sub(S, prices.unsqueeze(1), out=scratch("balanced.reduced", S.shape, S.dtype, S.device))
+        z = _initial_assignment(reduced, c)
         z, arc_cost, rounds = _cancel_negative_cycles(S, z, c, prices, scale=scale)
     if forbidden is not None and bool(forbidden.gather(-1, z.unsqueeze(-1)).any()):
         bad = forbidden.gather(-1, z.unsqueeze(-1)).squeeze(-1).any(-1).nonzero().flatten()
@@ -227,13 +230,14 @@ def _initial_assignment(S: Tensor, c: int) -> Tensor:
     rows = S.reshape(B * n, k)
     first = True
     while pb.numel() > 0:
-        if first:  # every expert is free and every token pending
-            W, first = rows, False
-        else:
+        if first:  # every expert is free and every token pending: all n x k scores
+            first = False
+            w1, j, w2 = top_two(rows, scratch("balanced.top_two", rows.shape, S.dtype, dev))
+        else:  # the few tokens left, with the full experts at -inf
             full = torch.zeros((B, k), dtype=S.dtype, device=dev).masked_fill_(free == 0, float("-inf"))
             W = rows.index_select(0, pb * n + pi) + full.index_select(0, pb)
-        w1, j = W.max(dim=-1)
-        w2 = W.scatter(-1, j.unsqueeze(-1), float("-inf")).amax(dim=-1)
+            w1, j = W.max(dim=-1)
+            w2 = W.scatter(-1, j.unsqueeze(-1), float("-inf")).amax(dim=-1)
         margin = torch.where(torch.isinf(w2), torch.full_like(w1, float("inf")), w1 - w2)
         group = pb * k + j
         rank = rank_within_groups(group, margin, B * k)
@@ -244,13 +248,20 @@ def _initial_assignment(S: Tensor, c: int) -> Tensor:
     return z
 
 
-def _move_costs(S: Tensor, holder: Tensor, inst: Tensor | None = None, experts: Tensor | None = None) -> Tensor:
+def _move_costs(
+    S: Tensor,
+    holder: Tensor,
+    inst: Tensor | None = None,
+    experts: Tensor | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
     """Cost ``s[i, a] - s[i, b]`` of moving the token in slot ``(a, t)`` to expert ``b``.
 
     Args:
         S: ``[B, n, k]`` scores.
         holder: ``[B, k, c]`` token ids per slot (``n`` for an empty slot).
         inst, experts: optional ``[r]`` (instance, expert) pairs to compute only those rows.
+        out: optional buffer with as many elements as the result.
 
     Returns:
         ``[B, k, c, k]`` (or ``[r, c, k]`` for selected rows); empty slots cost ``+inf``.
@@ -265,7 +276,9 @@ def _move_costs(S: Tensor, holder: Tensor, inst: Tensor | None = None, experts: 
         shape = (inst.numel(), c, k)
     tokens = holder[inst, experts]  # [r, c]
     flat = (inst.unsqueeze(-1) * n + tokens.clamp(max=n - 1)).view(-1)
-    rows = S.reshape(B * n, k).index_select(0, flat).view(-1, c, k)  # [r, c, k]
+    if out is not None:
+        out = out.view(flat.numel(), k)
+    rows = torch.index_select(S.reshape(B * n, k), 0, flat, out=out).view(-1, c, k)  # [r, c, k]
     own = rows.gather(-1, experts.view(-1, 1, 1).expand(-1, c, 1))  # [r, c, 1]: s[i, a]
     empty = torch.zeros(tokens.shape, dtype=S.dtype, device=S.device).masked_fill_(tokens >= n, float("inf"))
     own.add_(empty.unsqueeze(-1))  # an empty slot moves nothing: +inf
@@ -300,7 +313,7 @@ def _release_weight(S: Tensor) -> Tensor:
 
 
 def expert_graph(
-    S: Tensor, holder: Tensor, counts: Tensor, c: int, big: Tensor | None = None
+    S: Tensor, holder: Tensor, counts: Tensor, c: int, big: Tensor | None = None, out: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Arc costs of the expert graph for the assignment described by ``holder``.
 
@@ -310,6 +323,7 @@ def expert_graph(
         counts: ``[B, k]`` tokens per expert.
         c: capacity.
         big: ``[B]`` release reward for over-full experts (default from :func:`_release_weight`).
+        out: optional ``[B, k, C, k]`` buffer for ``move``.
 
     Returns:
         ``(arc, move_arc, move)`` in float64 except ``move``: ``arc`` ``[B, k, k]`` the graph (the
@@ -317,7 +331,7 @@ def expert_graph(
         (``+inf`` on the diagonal) and ``move`` ``[B, k, C, k]`` the per-slot move costs.
     """
     B, n, k = S.shape
-    move = _move_costs(S, holder)
+    move = _move_costs(S, holder, out=out)
     move_arc = move.amin(dim=2).to(torch.float64)
     move_arc.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))
     if big is None:
@@ -428,7 +442,8 @@ def _cancel_negative_cycles(
     counts = torch.zeros((B, k), dtype=torch.long, device=dev).scatter_add_(-1, z, torch.ones_like(z))
     slots = max(c, int(counts.max()))  # over-full experts need room for their extra tokens
     holder, counts = slot_table(z, k, slots)
-    arc, move_arc, move = expert_graph(S, holder, counts, c, big)
+    work = scratch("balanced.move", (B, k, slots, k), S.dtype, dev)
+    arc, move_arc, move = expert_graph(S, holder, counts, c, big, out=work)
     running = torch.ones(B, dtype=torch.bool, device=dev)
     dist = torch.zeros((B, k), dtype=torch.float64, device=dev)
     if prices is not None:
