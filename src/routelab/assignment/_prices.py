@@ -25,15 +25,23 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
+from scipy.linalg.lapack import dposv
 from torch import Tensor
 
 from ._workspace import scratch
 
-# Temperatures relative to the spread (standard deviation) of the scores, one Newton step each.
-DEFAULT_SCHEDULE = (0.3, 0.05, 0.01, 0.002, 0.0004)
-# At most this many Newton steps in all (the schedule plus repeats after clipped steps).
-MAX_STEPS = 12
+# Temperatures relative to the spread (standard deviation) of the scores, one Newton step each:
+# from FIRST_TEMPERATURE down by COOLING per level until below FINAL_TEMPERATURE_N / n. The more
+# tokens, the closer their score differences, and the colder the prices must be to place nearly
+# all of them (each cancelling round left to the exact phase costs more than a few extra steps
+# on the active set).
+FIRST_TEMPERATURE = 0.3
+COOLING = 5.0
+FINAL_TEMPERATURE_N = 0.4
+# Newton steps allowed per level on average (the schedule plus repeats after clipped steps).
+STEPS_PER_LEVEL = 2
 # A Newton step moves no price by more than STEP_LIMIT temperatures; a clipped step is repeated
 # at the same temperature, up to LEVEL_STEPS steps per temperature.
 STEP_LIMIT = 4.0
@@ -49,31 +57,48 @@ MAX_ACTIVE = 0.6
 # down several-fold.
 CLAMP_LOG2 = -40.0 / math.log(2.0)
 LOG2E = 1.0 / math.log(2.0)
+# Do the k x k linear algebra of a Newton step in numpy on CPU (see _damped_newton_step).
+HOST_ALGEBRA = True
 
 
 class _ActiveSet:
-    """The unfrozen rows of a freeze, and what the frozen ones add to the column sums.
+    """The rows that are not frozen, and what the frozen ones add to the column sums.
+
+    Active sets form a chain: a full step freezes the saturated rows (generation 0), and every
+    new (lower) temperature freezes more of the remaining rows (:meth:`shrink`). Generation ``j``
+    remembers the prices at its freeze and the lead of the rows it froze; it stays usable while
+    the rows of generations ``0..j`` are all still saturated (:meth:`usable`).
 
     Attributes:
-        scores: ``[B, m, k]`` the scores of the active rows (padded rows repeat a frozen row).
+        scores: ``[B, m, k]`` the scores of the active rows (padded rows repeat another row).
         weight: ``[B, m, 1]`` 1 for a real active row, 0 for padding.
-        frozen_col: ``[B, k]`` frozen tokens per expert.
-        prices: ``[B, 1, k]`` the prices at the freeze.
-        lead: ``[B, 1]`` the smallest lead of a frozen token, in score units.
+        frozen_col: ``[B, k]`` frozen tokens per expert (all generations so far).
+        temperature: ``[B, 1, 1]`` the temperature of this generation's freeze.
+        prices: ``[D, B, 1, k]`` the prices at the freezes of generations ``0..j`` (``D = j + 1``).
+        leads: ``[D, B, 1]`` a lower bound on the lead (in score units) of the rows each
+            generation froze, at its prices.
+        parent: generation ``j - 1`` (``None`` for generation 0).
     """
 
     def __init__(
-        self, scores: Tensor, weight: Tensor, frozen_col: Tensor, prices: Tensor, lead: Tensor
+        self,
+        scores: Tensor,
+        weight: Tensor,
+        frozen_col: Tensor,
+        temperature: Tensor,
+        prices: Tensor,
+        leads: Tensor,
+        parent: "_ActiveSet | None",
     ) -> None:
         self.scores, self.weight, self.frozen_col = scores, weight, frozen_col
-        self.prices, self.lead = prices, lead
+        self.temperature, self.prices, self.leads, self.parent = temperature, prices, leads, parent
 
     @classmethod
     def freeze(
         cls, S: Tensor, X: Tensor, u: Tensor, T: Tensor, max_active: int, work: Tensor
     ) -> "_ActiveSet | None":
-        """Freeze the saturated rows of a full step; ``None`` if more than ``max_active`` rows
-        would stay active.
+        """Generation 0: freeze the saturated rows of a full step; ``None`` if more than
+        ``max_active`` rows would stay active.
 
         Args:
             S: ``[B, n, k]`` scores.
@@ -84,42 +109,106 @@ class _ActiveSet:
             work: ``[B, n, k]`` scratch space.
         """
         B, n, k = S.shape
-        # sign(X + FREEZE_GAP) is +1 for entries within FREEZE_GAP temperatures of the row's
-        # maximum (X <= 0 after the shift) and -1 below: a row sums to 2 - k exactly when its
-        # maximum is alone there. (Comparison kernels producing bool tensors are slow on CPU.)
-        sign = torch.add(X, FREEZE_GAP * LOG2E, out=work).sign_()
-        frozen = sign.sum(-1) < 2.5 - k  # [B, n]
-        active = ~frozen
-        m = int(active.sum(-1).max())
-        if m > max_active:
+        zero = torch.zeros((B, k), dtype=S.dtype, device=S.device)
+        kept = _split_saturated(S, X, None, zero, max_active, work, slot=0)
+        if kept is None:
             return None
-        # A frozen row's only +1 entry is its best expert: sum (sign + 1) / 2 over those rows.
-        f = frozen.to(S.dtype).unsqueeze(1)  # [B, 1, n]
-        frozen_col = 0.5 * ((f @ sign).squeeze(1) + f.sum(-1))
-        if B == 1:
-            index = active.view(-1).nonzero().view(-1)
-            scores = torch.index_select(S[0], 0, index, out=scratch("prices.active", (m, k), S.dtype, S.device))
-            scores = scores.unsqueeze(0)
-            weight = torch.ones((1, m, 1), dtype=S.dtype, device=S.device)
-        else:
-            index = torch.argsort(active.to(torch.int8), dim=-1, descending=True, stable=True)[:, :m]
-            scores = scratch("prices.active", (B, m, k), S.dtype, S.device)
-            torch.gather(S, 1, index.unsqueeze(-1).expand(B, m, k), out=scores)
-            weight = active.gather(1, index).unsqueeze(-1).to(S.dtype)
-        return cls(scores, weight, frozen_col, u.clone(), (FREEZE_GAP * T).view(B, 1))
+        scores, weight, frozen_col = kept
+        return cls(scores, weight, frozen_col, T, u.unsqueeze(0).clone(), (FREEZE_GAP * T).view(1, B, 1), None)
 
-    def valid(self, u: Tensor, T: Tensor) -> bool:
-        """Whether every frozen token is still saturated at prices ``u`` and temperature ``T``."""
-        moved = (u - self.prices).abs().amax(dim=-1)  # [B, 1]
-        return bool((self.lead - 2.0 * moved >= SATURATED_GAP * T.view(-1, 1)).all())
+    def shrink(self, X: Tensor, u: Tensor, T: Tensor, work: Tensor) -> "_ActiveSet":
+        """The next generation: freeze the active rows saturated at the (lower) temperature ``T``.
+
+        Args:
+            X: ``[B, m, k]`` the active rows' shifted log2 logits at prices ``u``, temperature ``T``.
+            work: ``[B, m, k]`` scratch space.
+        """
+        depth = self.prices.shape[0]
+        m = self.scores.shape[1]
+        scores, weight, frozen_col = _split_saturated(self.scores, X, self.weight, self.frozen_col, m, work, depth)
+        prices = torch.cat([self.prices, u.unsqueeze(0)])
+        leads = torch.cat([self.leads, (FREEZE_GAP * T).view(1, -1, 1)])
+        return _ActiveSet(scores, weight, frozen_col, T, prices, leads, self)
+
+    def usable(self, u: Tensor, T: Tensor) -> "_ActiveSet | None":
+        """The deepest generation (this one or an ancestor) whose frozen rows are all still
+        saturated at prices ``u`` and temperature ``T``; ``None`` if not even generation 0's are.
+
+        A row frozen with lead ``L`` at prices ``p`` leads by at least ``L - 2 max|u - p|`` at
+        ``u``; it counts as saturated while that is ``SATURATED_GAP`` temperatures or more.
+        """
+        moved = (u.unsqueeze(0) - self.prices).abs().amax(dim=-1)  # [D, B, 1]
+        ok = (self.leads - 2.0 * moved >= SATURATED_GAP * T.view(1, -1, 1)).flatten(1).all(-1)  # [D]
+        good = int(ok.to(torch.int32).cumprod(0).sum())  # generations 0..good-1 are usable
+        generation: _ActiveSet | None = self
+        for _ in range(self.prices.shape[0] - good):
+            generation = generation.parent
+        return generation
+
+
+def _split_saturated(
+    S: Tensor, X: Tensor, weight: Tensor | None, frozen_col: Tensor, max_active: int, work: Tensor, slot: int
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Split rows into saturated ones (counted into the column sums) and active ones (kept).
+
+    A row is saturated when its maximum leads every other entry by more than ``FREEZE_GAP``
+    temperatures.
+
+    Args:
+        S: ``[B, m, k]`` scores of the rows.
+        X: ``[B, m, k]`` their shifted log2 logits.
+        weight: ``[B, m, 1]`` 1 for real rows, 0 for padding (``None``: all real).
+        frozen_col: ``[B, k]`` column counts of rows frozen before.
+        max_active: ``None`` is returned when more rows than this would stay active.
+        work: ``[B, m, k]`` scratch space.
+        slot: which scratch slot receives the kept scores.
+
+    Returns:
+        ``(scores, weight, frozen_col)`` of the kept rows (padded to the largest count of the
+        batch), or ``None``.
+    """
+    B, m, k = S.shape
+    # sign(X + FREEZE_GAP) is +1 for entries within FREEZE_GAP temperatures of the row's
+    # maximum (X <= 0 after the shift) and -1 below: a row sums to 2 - k exactly when its
+    # maximum is alone there. (Comparison kernels producing bool tensors are slow on CPU.)
+    sign = torch.add(X, FREEZE_GAP * LOG2E, out=work).sign_()
+    frozen = sign.sum(-1) < 2.5 - k  # [B, m]
+    real = None if weight is None else weight.view(B, m) > 0.5
+    if real is not None:
+        frozen &= real
+    active = ~frozen if real is None else real & ~frozen
+    size = int(active.sum(-1).max())
+    if size > max_active:
+        return None
+    # A frozen row's only +1 entry is its best expert: sum (sign + 1) / 2 over those rows.
+    f = frozen.to(S.dtype).unsqueeze(1)  # [B, 1, m]
+    frozen_col = frozen_col + 0.5 * ((f @ sign).squeeze(1) + f.sum(-1))
+    out = scratch(f"prices.active{slot}", (B, size, k), S.dtype, S.device)
+    if B == 1:
+        torch.index_select(S[0], 0, active.view(-1).nonzero().view(-1), out=out[0])
+        kept_weight = torch.ones((1, size, 1), dtype=S.dtype, device=S.device)
+    else:
+        index = torch.argsort(active.to(torch.int8), dim=-1, descending=True, stable=True)[:, :size]
+        torch.gather(S, 1, index.unsqueeze(-1).expand(B, size, k), out=out)
+        kept_weight = active.gather(1, index).unsqueeze(-1).to(S.dtype)
+    return out, kept_weight, frozen_col
+
+
+def default_schedule(n: int) -> tuple[float, ...]:
+    """Temperatures (fractions of the score spread) for ``n`` tokens: ``0.3, 0.06, 0.012, ...``
+    down to the first one below ``FINAL_TEMPERATURE_N / n``."""
+    levels = [FIRST_TEMPERATURE]
+    while levels[-1] >= FINAL_TEMPERATURE_N / max(n, 1):
+        levels.append(levels[-1] / COOLING)
+    return tuple(levels)
 
 
 def approximate_prices(
     S: Tensor,
     c: int,
-    schedule: tuple[float, ...] = DEFAULT_SCHEDULE,
+    schedule: tuple[float, ...] | None = None,
     center: bool = True,
-    max_steps: int = MAX_STEPS,
+    max_steps: int | None = None,
     active_set: bool = True,
 ) -> Tensor:
     """Damped Newton on the smoothed dual along a temperature schedule.
@@ -127,10 +216,11 @@ def approximate_prices(
     Args:
         S: ``[B, n, k]`` finite scores.
         c: capacity per expert.
-        schedule: temperatures as fractions of each instance's score spread (standard deviation).
+        schedule: temperatures as fractions of each instance's score spread (standard deviation);
+            default :func:`default_schedule` of ``n``.
         center: start from the centred column means (removes additive expert biases at once).
-        max_steps: total Newton steps allowed; a step clipped by the damping is repeated at the
-            same temperature.
+        max_steps: total Newton steps allowed (default ``STEPS_PER_LEVEL`` per level); a step
+            clipped by the damping is repeated at the same temperature.
         active_set: restrict steps to the unsaturated tokens once most are saturated (see the
             module docstring); ``False`` makes every step a full one.
 
@@ -138,6 +228,10 @@ def approximate_prices(
         ``[B, k]`` prices (``>= 0`` when there is slack capacity, ``c * k > n``).
     """
     B, n, k = S.shape
+    if schedule is None:
+        schedule = default_schedule(n)
+    if max_steps is None:
+        max_steps = STEPS_PER_LEVEL * len(schedule)
     slack = c * k > n
     # The score spread sets the temperature scale; a few hundred tokens estimate it well.
     sample = S[:, :: max(1, n // 512)]
@@ -155,43 +249,52 @@ def approximate_prices(
         T = spread * schedule[level]
         steps += 1
         at_level += 1
-        if active is not None and not active.valid(u, T):
-            active = None
         if active is not None:
-            buffer = scratch("prices.active_softmax", active.scores.shape, S.dtype, S.device)
-            P = _softmax(active.scores, u, T, buffer, buffer).mul_(active.weight)
+            active = active.usable(u, T)
+        if active is not None:
+            shape = active.scores.shape
+            X_active = scratch("prices.active_logits", shape, S.dtype, S.device)
+            P = _softmax(active.scores, u, T, X_active, scratch("prices.active_softmax", shape, S.dtype, S.device))
+            P.mul_(active.weight)
             grad = (c - active.frozen_col) - P.sum(dim=1)
             col, G = _gram(P)
+            if bool((T < active.temperature).all()):  # a new level: fewer rows are still live
+                active = active.shrink(X_active, u, T, P)
         else:
             P = _softmax(S, u, T, X, P_full)  # also leaves the shifted log2 logits in X
             grad = c - P.sum(dim=1)  # [B, k]
             col, G = _gram(P)
             if active_set and level > 0:  # P is no longer needed: its buffer is the scratch
                 active = _ActiveSet.freeze(S, X, u, T, int(MAX_ACTIVE * n), P_full)
-        step = _newton_step(col, G, grad, T, c, (u.view(B, k) <= 0) & (grad > 0) if slack else None)
-        # Damping: a Newton step beyond a few temperatures leaves the region where it is accurate.
+        fixed = (u.view(B, k) <= 0) & (grad > 0) if slack else None
+        step, clipped = _damped_newton_step(col, G, grad, T, c, fixed)
+        u = u - step.view(B, 1, k)
         # A clipped step means the prices are still far from this temperature's optimum: stay at
         # this temperature for another step (within the step budget) instead of cooling.
-        factor = (STEP_LIMIT * T.view(B, 1) / step.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)).clamp(max=1.0)
-        u = u - (step * factor).view(B, 1, k)
-        if at_level >= LEVEL_STEPS or not bool((factor < 1.0).any()):
+        if at_level >= LEVEL_STEPS or not clipped:
             level, at_level = level + 1, 0
         if slack:
             u = u.clamp(min=0.0)
     return u.view(B, k)
 
 
-def _newton_step(col: Tensor, G: Tensor, grad: Tensor, T: Tensor, c: int, fixed: Tensor | None) -> Tensor:
-    """The damped-Newton direction ``H^-1 grad`` ``[B, k]`` of the smoothed dual.
+def _damped_newton_step(
+    col: Tensor, G: Tensor, grad: Tensor, T: Tensor, c: int, fixed: Tensor | None
+) -> tuple[Tensor, bool]:
+    """The damped Newton step ``[B, k]`` on the smoothed dual, and whether it was clipped.
 
     ``T H = diag(col) - G`` is singular (its rows sum to 0: a common shift of the prices changes
     nothing) and nearly 0 once the softmax saturates, so a ridge ``rho = mean(diag(T H)) +
-    1e-3 c`` is added; the damping in the caller then bounds the move. Without slack the ridge
-    acts on the common shift only (``rho / k`` times the all-ones matrix) plus ``1e-6 rho``; with
-    slack (projected Newton) the ``fixed`` experts (price 0, under-full) keep price 0.
+    1e-3 c`` is added. Without slack the ridge acts on the common shift only (``rho / k`` times
+    the all-ones matrix) plus ``1e-6 rho``; with slack (projected Newton) the ``fixed`` experts
+    (price 0, under-full) keep price 0. The ``k x k`` system is solved in float64 by Cholesky;
+    should it not be numerically positive definite, the diagonal step is taken instead.
+    Damping: a step beyond ``STEP_LIMIT`` temperatures leaves the region where the quadratic
+    model is accurate, so longer steps are scaled down to that length (*clipped*).
 
-    The ``k x k`` system is solved in float64 by Cholesky; should it not be numerically
-    positive definite, the diagonal step instead.
+    On CPU this ``k x k`` work runs in numpy and LAPACK directly (a few microseconds per
+    operation instead of the tens that PyTorch's dispatch costs for tiny tensors); elsewhere in
+    PyTorch. Both give the same step (tested).
 
     Args:
         col: ``[B, k]`` column sums of the rows in ``G``.
@@ -200,7 +303,20 @@ def _newton_step(col: Tensor, G: Tensor, grad: Tensor, T: Tensor, c: int, fixed:
         T: ``[B, 1, 1]`` temperature.
         c: capacity.
         fixed: ``[B, k]`` bool experts held at price 0, or ``None`` without slack.
+
+    Returns:
+        ``(step, clipped)``: the step in ``G``'s dtype and device; ``clipped`` is True when any
+        instance's step was shortened.
     """
+    if col.device.type == "cpu" and HOST_ALGEBRA:
+        return _damped_newton_step_host(col, G, grad, T, c, fixed)
+    return _damped_newton_step_torch(col, G, grad, T, c, fixed)
+
+
+def _damped_newton_step_torch(
+    col: Tensor, G: Tensor, grad: Tensor, T: Tensor, c: int, fixed: Tensor | None
+) -> tuple[Tensor, bool]:
+    """:func:`_damped_newton_step` in PyTorch (any device)."""
     B, k = col.shape
     rho = (col - G.diagonal(dim1=-2, dim2=-1)).mean(-1, keepdim=True) + 1e-3 * c  # [B, 1]
     rhs = grad * T.view(B, 1)
@@ -218,7 +334,38 @@ def _newton_step(col: Tensor, G: Tensor, grad: Tensor, T: Tensor, c: int, fixed:
     if bool(bad.any()):
         diagonal = rhs / A.diagonal(dim1=-2, dim2=-1).clamp(min=torch.finfo(G.dtype).tiny)
         step = torch.where(bad.unsqueeze(-1), diagonal, step)
-    return step
+    factor = (STEP_LIMIT * T.view(B, 1) / step.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)).clamp(max=1.0)
+    return step * factor, bool((factor < 1.0).any())
+
+
+def _damped_newton_step_host(
+    col: Tensor, G: Tensor, grad: Tensor, T: Tensor, c: int, fixed: Tensor | None
+) -> tuple[Tensor, bool]:
+    """:func:`_damped_newton_step` in numpy float64 and LAPACK ``dposv`` (CPU tensors)."""
+    B, k = col.shape
+    col64 = col.numpy().astype(np.float64)
+    G64 = G.numpy().astype(np.float64)
+    rhs = grad.numpy().astype(np.float64) * T.numpy().reshape(B, 1).astype(np.float64)
+    diag = np.arange(k)
+    rho = (col64 - G64[:, diag, diag]).mean(-1) + 1e-3 * c  # [B]
+    if fixed is None:
+        A = rho.reshape(B, 1, 1) / k - G64
+        A[:, diag, diag] += col64 + 1e-6 * rho.reshape(B, 1)
+    else:
+        keep = (~fixed).numpy().astype(np.float64)
+        rhs = rhs * keep
+        A = -G64 * (keep[:, :, None] * keep[:, None, :])
+        A[:, diag, diag] += col64 * keep + (1.0 + 1e-6 - keep) * rho.reshape(B, 1)
+    step = np.empty((B, k))
+    for b in range(B):
+        _, x, info = dposv(A[b], rhs[b])
+        if info != 0 or not np.isfinite(x).all():
+            x = rhs[b] / np.maximum(A[b, diag, diag], np.finfo(np.float32).tiny)
+        step[b] = x
+    longest = np.maximum(np.abs(step).max(-1), 1e-30)
+    factor = np.minimum(STEP_LIMIT * T.numpy().reshape(B).astype(np.float64) / longest, 1.0)
+    step *= factor[:, None]
+    return torch.from_numpy(step).to(G.dtype), bool((factor < 1.0).any())
 
 
 def _logits(S: Tensor, u: Tensor, T: Tensor, out: Tensor) -> Tensor:

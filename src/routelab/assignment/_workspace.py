@@ -40,7 +40,10 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     key = (name, dtype)
     buffer = slots.get(key)
     if buffer is None or buffer.numel() < numel:
-        buffer = torch.empty(numel, dtype=dtype)
+        # A normal tensor even when created under torch.inference_mode(): an inference tensor
+        # could not be written to by a later call made outside inference mode.
+        with torch.inference_mode(False):
+            buffer = torch.empty(numel, dtype=dtype)
         slots[key] = buffer
     return buffer[:numel].view(shape)
 
