@@ -36,8 +36,11 @@ from ._workspace import scratch
 # from FIRST_TEMPERATURE down by COOLING per level until below FINAL_TEMPERATURE_N / n. The more
 # tokens, the closer their score differences, and the colder the prices must be to place nearly
 # all of them (each cancelling round left to the exact phase costs more than a few extra steps
-# on the active set).
+# on the active set). From LARGE_N tokens on, the centred column means already start the prices
+# close enough to skip the hottest level (measured: fewer full steps, no more cancelling rounds
+# at n = 4096 and 16384; about even at 2048; at n = 256 it costs ~3 extra rounds).
 FIRST_TEMPERATURE = 0.3
+LARGE_N = 4096
 COOLING = 5.0
 FINAL_TEMPERATURE_N = 0.4
 # Newton steps allowed per level on average (the schedule plus repeats after clipped steps).
@@ -50,8 +53,14 @@ LEVEL_STEPS = 3
 # temperatures, and treated as saturated while that lead stays above SATURATED_GAP temperatures
 # of the current step. Freezing is skipped when it would leave more than MAX_ACTIVE of the rows.
 FREEZE_GAP = 30.0
+# Rows frozen by a shrink (at a colder level) need a larger lead: the prices then still move by
+# several of the new, smaller temperatures per step.
+SHRINK_GAP = 50.0
 SATURATED_GAP = 20.0
 MAX_ACTIVE = 0.6
+# A colder level shrinks the active set only when it has more rows than this (a step on a few
+# hundred rows costs little more than the shrink itself).
+SHRINK_MIN = 256
 # Entries further than this below their row's maximum (in log2 units, exp(-40)) are clamped: they
 # change nothing, but as denormal numbers (and products of them in the Hessian) they slow the CPU
 # down several-fold.
@@ -73,10 +82,12 @@ class _ActiveSet:
         scores: ``[B, m, k]`` the scores of the active rows (padded rows repeat another row).
         weight: ``[B, m, 1]`` 1 for a real active row, 0 for padding.
         frozen_col: ``[B, k]`` frozen tokens per expert (all generations so far).
-        temperature: ``[B, 1, 1]`` the temperature of this generation's freeze.
-        prices: ``[D, B, 1, k]`` the prices at the freezes of generations ``0..j`` (``D = j + 1``).
-        leads: ``[D, B, 1]`` a lower bound on the lead (in score units) of the rows each
-            generation froze, at its prices.
+        level: the schedule level of this generation's freeze.
+        prices: ``[D, B, k]`` float64 numpy, the prices at the freezes of generations ``0..j``
+            (``D = j + 1``), kept on the host: the checks in :meth:`usable` are a few tiny
+            operations, cheaper there than as tensor operations.
+        leads: ``[D, B]`` float64 numpy, a lower bound on the lead (in score units) of the rows
+            each generation froze, at its prices.
         parent: generation ``j - 1`` (``None`` for generation 0).
     """
 
@@ -85,17 +96,17 @@ class _ActiveSet:
         scores: Tensor,
         weight: Tensor,
         frozen_col: Tensor,
-        temperature: Tensor,
-        prices: Tensor,
-        leads: Tensor,
+        level: int,
+        prices: np.ndarray,
+        leads: np.ndarray,
         parent: "_ActiveSet | None",
     ) -> None:
         self.scores, self.weight, self.frozen_col = scores, weight, frozen_col
-        self.temperature, self.prices, self.leads, self.parent = temperature, prices, leads, parent
+        self.level, self.prices, self.leads, self.parent = level, prices, leads, parent
 
     @classmethod
     def freeze(
-        cls, S: Tensor, X: Tensor, u: Tensor, T: Tensor, max_active: int, work: Tensor
+        cls, S: Tensor, X: Tensor, u: np.ndarray, T: np.ndarray, level: int, max_active: int, work: Tensor
     ) -> "_ActiveSet | None":
         """Generation 0: freeze the saturated rows of a full step; ``None`` if more than
         ``max_active`` rows would stay active.
@@ -103,20 +114,21 @@ class _ActiveSet:
         Args:
             S: ``[B, n, k]`` scores.
             X: ``[B, n, k]`` the step's shifted log2 logits (see :func:`_logits`).
-            u: ``[B, 1, k]`` the step's prices.
-            T: ``[B, 1, 1]`` its temperature.
+            u: ``[B, k]`` float64 numpy, the step's prices.
+            T: ``[B]`` float64 numpy, its temperature.
+            level: its schedule level.
             max_active: the most active rows worth a restricted step.
             work: ``[B, n, k]`` scratch space.
         """
         B, n, k = S.shape
         zero = torch.zeros((B, k), dtype=S.dtype, device=S.device)
-        kept = _split_saturated(S, X, None, zero, max_active, work, slot=0)
+        kept = _split_saturated(S, X, None, zero, max_active, work, 0, FREEZE_GAP)
         if kept is None:
             return None
         scores, weight, frozen_col = kept
-        return cls(scores, weight, frozen_col, T, u.unsqueeze(0).clone(), (FREEZE_GAP * T).view(1, B, 1), None)
+        return cls(scores, weight, frozen_col, level, u[None].copy(), FREEZE_GAP * T[None], None)
 
-    def shrink(self, X: Tensor, u: Tensor, T: Tensor, work: Tensor) -> "_ActiveSet":
+    def shrink(self, X: Tensor, u: np.ndarray, T: np.ndarray, level: int, work: Tensor) -> "_ActiveSet":
         """The next generation: freeze the active rows saturated at the (lower) temperature ``T``.
 
         Args:
@@ -125,21 +137,23 @@ class _ActiveSet:
         """
         depth = self.prices.shape[0]
         m = self.scores.shape[1]
-        scores, weight, frozen_col = _split_saturated(self.scores, X, self.weight, self.frozen_col, m, work, depth)
-        prices = torch.cat([self.prices, u.unsqueeze(0)])
-        leads = torch.cat([self.leads, (FREEZE_GAP * T).view(1, -1, 1)])
-        return _ActiveSet(scores, weight, frozen_col, T, prices, leads, self)
+        scores, weight, frozen_col = _split_saturated(
+            self.scores, X, self.weight, self.frozen_col, m, work, depth, SHRINK_GAP
+        )
+        prices = np.concatenate([self.prices, u[None]])
+        leads = np.concatenate([self.leads, SHRINK_GAP * T[None]])
+        return _ActiveSet(scores, weight, frozen_col, level, prices, leads, self)
 
-    def usable(self, u: Tensor, T: Tensor) -> "_ActiveSet | None":
+    def usable(self, u: np.ndarray, T: np.ndarray) -> "_ActiveSet | None":
         """The deepest generation (this one or an ancestor) whose frozen rows are all still
         saturated at prices ``u`` and temperature ``T``; ``None`` if not even generation 0's are.
 
         A row frozen with lead ``L`` at prices ``p`` leads by at least ``L - 2 max|u - p|`` at
         ``u``; it counts as saturated while that is ``SATURATED_GAP`` temperatures or more.
         """
-        moved = (u.unsqueeze(0) - self.prices).abs().amax(dim=-1)  # [D, B, 1]
-        ok = (self.leads - 2.0 * moved >= SATURATED_GAP * T.view(1, -1, 1)).flatten(1).all(-1)  # [D]
-        good = int(ok.to(torch.int32).cumprod(0).sum())  # generations 0..good-1 are usable
+        moved = np.abs(u[None] - self.prices).max(-1)  # [D, B]
+        ok = (self.leads - 2.0 * moved >= SATURATED_GAP * T[None]).all(-1)  # [D]
+        good = int(np.cumprod(ok).sum())  # generations 0..good-1 are usable
         generation: _ActiveSet | None = self
         for _ in range(self.prices.shape[0] - good):
             generation = generation.parent
@@ -147,11 +161,18 @@ class _ActiveSet:
 
 
 def _split_saturated(
-    S: Tensor, X: Tensor, weight: Tensor | None, frozen_col: Tensor, max_active: int, work: Tensor, slot: int
+    S: Tensor,
+    X: Tensor,
+    weight: Tensor | None,
+    frozen_col: Tensor,
+    max_active: int,
+    work: Tensor,
+    slot: int,
+    gap: float,
 ) -> tuple[Tensor, Tensor, Tensor] | None:
     """Split rows into saturated ones (counted into the column sums) and active ones (kept).
 
-    A row is saturated when its maximum leads every other entry by more than ``FREEZE_GAP``
+    A row is saturated when its maximum leads every other entry by more than ``gap``
     temperatures.
 
     Args:
@@ -162,16 +183,17 @@ def _split_saturated(
         max_active: ``None`` is returned when more rows than this would stay active.
         work: ``[B, m, k]`` scratch space.
         slot: which scratch slot receives the kept scores.
+        gap: the lead, in temperatures.
 
     Returns:
         ``(scores, weight, frozen_col)`` of the kept rows (padded to the largest count of the
         batch), or ``None``.
     """
     B, m, k = S.shape
-    # sign(X + FREEZE_GAP) is +1 for entries within FREEZE_GAP temperatures of the row's
+    # sign(X + gap) is +1 for entries within gap temperatures of the row's
     # maximum (X <= 0 after the shift) and -1 below: a row sums to 2 - k exactly when its
     # maximum is alone there. (Comparison kernels producing bool tensors are slow on CPU.)
-    sign = torch.add(X, FREEZE_GAP * LOG2E, out=work).sign_()
+    sign = torch.add(X, gap * LOG2E, out=work).sign_()
     frozen = sign.sum(-1) < 2.5 - k  # [B, m]
     real = None if weight is None else weight.view(B, m) > 0.5
     if real is not None:
@@ -196,11 +218,12 @@ def _split_saturated(
 
 def default_schedule(n: int) -> tuple[float, ...]:
     """Temperatures (fractions of the score spread) for ``n`` tokens: ``0.3, 0.06, 0.012, ...``
-    down to the first one below ``FINAL_TEMPERATURE_N / n``."""
+    down to the first one below ``FINAL_TEMPERATURE_N / n``, without the first from ``LARGE_N``
+    tokens on."""
     levels = [FIRST_TEMPERATURE]
     while levels[-1] >= FINAL_TEMPERATURE_N / max(n, 1):
         levels.append(levels[-1] / COOLING)
-    return tuple(levels)
+    return tuple(levels[1:] if n >= LARGE_N else levels)
 
 
 def approximate_prices(
@@ -243,29 +266,33 @@ def approximate_prices(
     # Buffers reused by the full steps: fresh large temporaries cost page faults on CPU.
     X = scratch("prices.logits", S.shape, S.dtype, S.device)
     P_full = scratch("prices.softmax", S.shape, S.dtype, S.device)
+    spread_host = spread.view(B).double().cpu().numpy()
+    u_host = u.view(B, k).double().cpu().numpy()
     active: _ActiveSet | None = None
     level, steps, at_level = 0, 0, 0
     while level < len(schedule) and steps < max_steps:
         T = spread * schedule[level]
+        T_host = spread_host * schedule[level]
         steps += 1
         at_level += 1
         if active is not None:
-            active = active.usable(u, T)
+            active = active.usable(u_host, T_host)
         if active is not None:
             shape = active.scores.shape
             X_active = scratch("prices.active_logits", shape, S.dtype, S.device)
             P = _softmax(active.scores, u, T, X_active, scratch("prices.active_softmax", shape, S.dtype, S.device))
-            P.mul_(active.weight)
+            if B > 1:
+                P.mul_(active.weight)  # padding rows
             grad = (c - active.frozen_col) - P.sum(dim=1)
             col, G = _gram(P)
-            if bool((T < active.temperature).all()):  # a new level: fewer rows are still live
-                active = active.shrink(X_active, u, T, P)
+            if level > active.level and shape[1] > SHRINK_MIN:  # colder: fewer rows are live
+                active = active.shrink(X_active, u_host, T_host, level, P)
         else:
             P = _softmax(S, u, T, X, P_full)  # also leaves the shifted log2 logits in X
             grad = c - P.sum(dim=1)  # [B, k]
             col, G = _gram(P)
             if active_set and level > 0:  # P is no longer needed: its buffer is the scratch
-                active = _ActiveSet.freeze(S, X, u, T, int(MAX_ACTIVE * n), P_full)
+                active = _ActiveSet.freeze(S, X, u_host, T_host, level, int(MAX_ACTIVE * n), P_full)
         fixed = (u.view(B, k) <= 0) & (grad > 0) if slack else None
         step, clipped = _damped_newton_step(col, G, grad, T, c, fixed)
         u = u - step.view(B, 1, k)
@@ -275,6 +302,7 @@ def approximate_prices(
             level, at_level = level + 1, 0
         if slack:
             u = u.clamp(min=0.0)
+        u_host = u.view(B, k).double().cpu().numpy()
     return u.view(B, k)
 
 
