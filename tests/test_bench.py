@@ -78,3 +78,30 @@ def test_run_benchmark_rejects_bad_arguments() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="cuda"):
             bench.run_benchmark(device="cuda")
+
+
+def test_paired_timing_alternates_and_keeps_instance_order() -> None:
+    """Every function solves every instance; the order rotates from instance to instance, so a
+    drift in the machine's speed hits all functions alike."""
+    calls: list[tuple[str, int]] = []
+
+    def make(name: str):
+        def fn(i: int) -> tuple[str, int]:
+            calls.append((name, i))
+            return name, i
+        return fn
+
+    timings, results = bench._time_paired({"a": make("a"), "b": make("b")}, repeats=4, budget_s=10.0, device="cpu")
+    assert calls[:2] == [("a", 0), ("b", 0)]  # warm-ups
+    timed = calls[2:]
+    assert timed == [("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2), ("b", 3), ("a", 3)]
+    assert results == {"a": [("a", i) for i in range(4)], "b": [("b", i) for i in range(4)]}
+    assert timings["a"].runs == timings["b"].runs == 4 and timings["a"].median_ms >= 0
+
+
+def test_paired_timing_respects_the_budget() -> None:
+    import time as _time
+
+    timings, _ = bench._time_paired({"slow": lambda i: _time.sleep(0.02), "fast": lambda i: None},
+                                    repeats=50, budget_s=0.1, device="cpu")
+    assert 1 <= timings["slow"].runs <= 6

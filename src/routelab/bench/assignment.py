@@ -164,20 +164,45 @@ def _time_calls(
     Returns:
         The :class:`Timing` and the results of the timed calls, in instance order.
     """
-    _synchronize(device)
-    start = time.perf_counter()
-    fn(0)
-    _synchronize(device)
-    warmup_s = time.perf_counter() - start
-    runs = max(1, min(repeats, int(budget_s / max(warmup_s, 1e-9))))
-    times, results = [], []
-    for i in range(runs):
+    timings, results = _time_paired({"fn": fn}, repeats=repeats, budget_s=budget_s, device=device)
+    return timings["fn"], results["fn"]
+
+
+def _time_paired(
+    fns: Mapping[str, Callable[[int], Any]], *, repeats: int, budget_s: float, device: str
+) -> tuple[dict[str, Timing], dict[str, list[Any]]]:
+    """Like :func:`_time_calls` for several functions, timed alternately on every instance.
+
+    Each function is warmed up once on instance 0; then, instance by instance, every function
+    solves it in turn (the order rotating from one instance to the next). The speed of a shared
+    machine drifts over seconds; alternating makes the drift hit every function alike, so the
+    ratio of their medians is stable where separate blocks of timing would not be. The summed
+    warm-up time sets how many instances fit in ``budget_s`` (at most ``repeats``, at least one).
+
+    Returns:
+        ``(timings, results)``, both keyed like ``fns``; results in instance order.
+    """
+    names = list(fns)
+    warmup_s = 0.0
+    for name in names:
         _synchronize(device)
         start = time.perf_counter()
-        results.append(fn(i))
+        fns[name](0)
         _synchronize(device)
-        times.append(time.perf_counter() - start)
-    return Timing(median_ms=1e3 * statistics.median(times), runs=runs), results
+        warmup_s += time.perf_counter() - start
+    runs = max(1, min(repeats, int(budget_s / max(warmup_s, 1e-9))))
+    times: dict[str, list[float]] = {name: [] for name in names}
+    results: dict[str, list[Any]] = {name: [None] * runs for name in names}
+    for i in range(runs):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            _synchronize(device)
+            start = time.perf_counter()
+            results[name][i] = fns[name](i)
+            _synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    timings = {name: Timing(median_ms=1e3 * statistics.median(times[name]), runs=runs) for name in names}
+    return timings, results
 
 
 # ---------------------------------------------------------------------------- checks
@@ -251,8 +276,23 @@ def _measure(
     ]
     scores = [x.to(device) for x in cpu_scores]
     kw: dict[str, Any] = {"repeats": repeats, "budget_s": budget_s, "device": device}
+    estimate = _scipy_estimate_s(n, k, scipy_measured)
+    if n >= SCIPY_NEVER_N:
+        scipy_skip: str | None = f"n >= {SCIPY_NEVER_N}" + (f"; est. {estimate:.0f} s" if estimate is not None else "")
+    elif estimate is not None and estimate > scipy_limit_s:
+        scipy_skip = f"est. {estimate:.0f} s"
+    else:
+        scipy_skip = None
 
-    routelab_t, experts = _time_calls(lambda i: balanced_assignment(scores[i]), **kw)
+    # routelab and scipy alternate instance by instance (see _time_paired).
+    timed: dict[str, Callable[[int], Any]] = {"routelab": lambda i: balanced_assignment(scores[i])}
+    if scipy_skip is None:
+        scores64 = [x.double().numpy() for x in cpu_scores]
+        # n x (k*c): column j*c + r is expert j. Building it is not timed.
+        expanded = [np.repeat(x, capacity, axis=1) for x in scores64]
+        timed["scipy"] = lambda i: linear_sum_assignment(-expanded[i])
+    timings, outputs = _time_paired(timed, **kw)
+    routelab_t, experts = timings["routelab"], outputs["routelab"]
 
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     gumbel_t, _ = _time_calls(lambda i: gumbel_matching(scores[i], tau=GUMBEL_TAU, generator=gen), **kw)
@@ -263,19 +303,10 @@ def _measure(
 
     row = Row(n=n, k=k, routelab=routelab_t, gumbel=gumbel_t, sinkhorn=sinkhorn_t,
               sinkhorn_error=sk, requested=repeats)
-
-    estimate = _scipy_estimate_s(n, k, scipy_measured)
-    if n >= SCIPY_NEVER_N:
-        row.scipy_skip = f"n >= {SCIPY_NEVER_N}" + (f"; est. {estimate:.0f} s" if estimate is not None else "")
+    if scipy_skip is not None:
+        row.scipy_skip = scipy_skip
         return row
-    if estimate is not None and estimate > scipy_limit_s:
-        row.scipy_skip = f"est. {estimate:.0f} s"
-        return row
-
-    scores64 = [x.double().numpy() for x in cpu_scores]
-    # n x (k*c): column j*c + r is expert j. Building it is not timed.
-    expanded = [np.repeat(x, capacity, axis=1) for x in scores64]
-    scipy_t, solutions = _time_calls(lambda i: linear_sum_assignment(-expanded[i]), **kw)
+    scipy_t, solutions = timings["scipy"], outputs["scipy"]
     scipy_measured[(n, k)] = scipy_t.median_ms / 1e3
     row.scipy = scipy_t
 
@@ -371,7 +402,9 @@ def _notes(rows: Sequence[Row], *, device: str) -> list[str]:
         "Notes:",
         "",
         f"- Times are wall-clock medians {where}, in ms, of the timed calls after one untimed "
-        "warm-up call; every number above was measured in this run.",
+        "warm-up call; every number above was measured in this run. routelab and scipy are "
+        "timed alternately, instance by instance, so that drifts in the machine's speed affect "
+        "both alike.",
         f"- scipy: `linear_sum_assignment(-E)` where `E` is the `n x n` float64 matrix of the "
         "scores with each expert's column repeated `c = n/k` times: it solves the general `n x n` "
         "assignment problem in float64 (single-threaded), while `balanced_assignment` works on "

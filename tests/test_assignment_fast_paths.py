@@ -1,0 +1,242 @@
+"""The speed-ups inside balanced_assignment, each checked against an independent truth.
+
+The solver's exactness rests on cycle cancelling; its speed on a warm start (approximate expert
+prices from damped Newton steps on an active set of tokens), on host-side small linear algebra,
+on scratch buffers reused across calls and on a cheap top-two reduction. Each of those must not
+change the optimum (scipy's Hungarian oracle at sizes where the fast paths engage), must agree
+with its plain counterpart, and must not leak state from one call into the next.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from routelab.assignment import _ops, _prices, _workspace, balanced_assignment
+from routelab.assignment import balanced as balanced_module
+from test_balanced_assignment import check_optimal, family
+
+HYPOTHESIS = settings(max_examples=60, deadline=None, derandomize=True,
+                      suppress_health_check=[HealthCheck.too_slow])
+
+
+# ----------------------------------------------------------------------------- exactness where
+# the active set, the shrinking and the batched (padded) paths engage
+
+
+@pytest.mark.parametrize("host_algebra", [True, False], ids=["host-algebra", "torch-algebra"])
+@pytest.mark.parametrize(
+    ("name", "B", "n", "k", "capacity"),
+    [
+        ("gaussian", 1, 2048, 64, None),
+        ("gaussian", 2, 1024, 16, None),  # batched: padded active sets
+        ("integer_ties", 1, 1024, 16, None),
+        ("large_scale", 1, 1024, 32, None),
+        ("one_dominant_expert", 1, 1024, 32, None),
+        ("forbidden_pairs", 1, 1024, 16, None),
+        ("gaussian", 1, 1000, 16, 70),  # slack capacity: projected Newton
+        ("gaussian", 3, 4096, 4, None),
+    ],
+)
+def test_optimal_at_sizes_where_the_fast_paths_engage(
+    name: str, B: int, n: int, k: int, capacity: int | None, host_algebra: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_prices, "HOST_ALGEBRA", host_algebra)
+    gen = torch.Generator().manual_seed(hash((name, B, n, k)) % 2**31)
+    c = n // k if capacity is None else capacity
+    scores = family(name, B, n, k, c, gen).to(torch.float32)
+    check_optimal(scores, balanced_assignment(scores, capacity), capacity)
+
+
+def test_the_active_set_is_used_and_shrinks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At n = 4096, k = 64 most steps run on a few hundred rows, not on all 4096."""
+    rows: list[int] = []
+    softmax = _prices._softmax
+
+    def spy(S, u, T, X, out):
+        rows.append(S.shape[1])
+        return softmax(S, u, T, X, out)
+
+    monkeypatch.setattr(_prices, "_softmax", spy)
+    S = torch.randn(1, 4096, 64, generator=torch.Generator().manual_seed(0))
+    _prices.approximate_prices(S, 64)
+    assert rows.count(4096) <= len(rows) // 2
+    assert min(rows) < 512 and sorted(rows[-3:]) == sorted(rows)[:3]  # the last steps are the smallest
+
+
+# ----------------------------------------------------------------------------- prices
+
+
+@pytest.mark.parametrize(("B", "n", "k", "c"), [(1, 4096, 64, 64), (3, 2048, 16, 128), (2, 1000, 16, 70)])
+def test_active_set_prices_equal_full_step_prices(B: int, n: int, k: int, c: int) -> None:
+    """Frozen tokens are saturated to exp(-SATURATED_GAP): the prices barely differ."""
+    S = torch.randn(B, n, k, generator=torch.Generator().manual_seed(n + k), dtype=torch.float64)
+    fast = _prices.approximate_prices(S, c)
+    full = _prices.approximate_prices(S, c, active_set=False)
+    final_T = S.std() * _prices.default_schedule(n)[-1]
+    assert (fast - full).abs().max() <= 2 * final_T
+
+
+def test_prices_place_nearly_every_token() -> None:
+    """What the prices are for: the best expert under them is the optimal one for almost all."""
+    n, k = 4096, 64
+    S = torch.randn(1, n, k, generator=torch.Generator().manual_seed(5))
+    prices = _prices.approximate_prices(S, n // k)
+    start = (S - prices.unsqueeze(1)).argmax(-1).view(-1)
+    optimum = balanced_assignment(S[0])
+    assert (start != optimum).sum() <= n // 100
+
+
+def _random_newton_inputs(B: int, k: int, slack: bool, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    P = torch.softmax(torch.randn(B, 300, k, generator=gen) * 3, dim=-1)
+    col, G = P.sum(1), P.transpose(1, 2) @ P
+    grad = torch.randn(B, k, generator=gen) * 3
+    T = torch.rand(B, 1, 1, generator=gen) * 0.1 + 1e-3
+    fixed = (torch.rand(B, k, generator=gen) < 0.3) if slack else None
+    return col, G, grad, T, fixed
+
+
+@pytest.mark.parametrize("slack", [False, True])
+@pytest.mark.parametrize("B", [1, 4])
+def test_host_and_torch_newton_steps_agree(B: int, slack: bool) -> None:
+    """The CPU (numpy + LAPACK) step and the device-agnostic PyTorch step are the same step."""
+    for seed in range(5):
+        args = _random_newton_inputs(B, 16, slack, seed)
+        host, host_clipped = _prices._damped_newton_step_host(*args[:4], 20, args[4])
+        dev, dev_clipped = _prices._damped_newton_step_torch(*args[:4], 20, args[4])
+        assert host_clipped == dev_clipped
+        assert torch.allclose(host, dev, rtol=1e-4, atol=1e-6 * float(args[3].max()))
+        if slack:  # experts held at price 0 do not move
+            assert (host[args[4]] == 0).all()
+
+
+def test_newton_step_is_clipped_to_the_step_limit() -> None:
+    col, G, grad, T, _ = _random_newton_inputs(2, 8, False, 0)
+    step, clipped = _prices._damped_newton_step_host(col, G, grad * 1e6, T, 20, None)
+    assert clipped
+    assert torch.allclose(step.abs().amax(-1), _prices.STEP_LIMIT * T.view(-1), rtol=1e-5)
+
+
+def test_singular_hessian_falls_back_to_the_diagonal_step() -> None:
+    """All-zero Gram matrix and column sums with c = 0 make the ridge 0 and the system singular:
+    Cholesky fails and the step must still be finite (the diagonal fallback)."""
+    k = 4
+    col, G = torch.zeros(1, k), torch.zeros(1, k, k)
+    grad, T = torch.ones(1, k), torch.ones(1, 1, 1)
+    for fn in (_prices._damped_newton_step_host, _prices._damped_newton_step_torch):
+        step, _ = fn(col, G, grad, T, 0, None)
+        assert torch.isfinite(step).all()
+
+
+def test_default_schedule() -> None:
+    for n in (1, 2, 64, 256, 1024, 4095, 4096, 16384, 1 << 20):
+        levels = _prices.default_schedule(n)
+        assert all(a / b == pytest.approx(_prices.COOLING) for a, b in zip(levels, levels[1:]))
+        assert levels[-1] < _prices.FINAL_TEMPERATURE_N / n  # cold enough for n tokens ...
+        assert len(levels) == 1 or levels[-2] >= _prices.FINAL_TEMPERATURE_N / n  # ... and no colder
+        first = _prices.FIRST_TEMPERATURE / (_prices.COOLING if n >= _prices.LARGE_N else 1.0)
+        assert levels[0] == pytest.approx(first)
+
+
+# ----------------------------------------------------------------------------- top two
+
+
+@st.composite
+def rows(draw):
+    r = draw(st.integers(1, 40))
+    k = draw(st.integers(1, 70))
+    ties = draw(st.booleans())
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-2, 3, (r, k), generator=gen).float() if ties else torch.randn(r, k, generator=gen) * 10
+    return x
+
+
+@HYPOTHESIS
+@given(rows())
+def test_top_two_matches_sorting(x: torch.Tensor) -> None:
+    first, index, second = _ops.top_two(x, torch.empty_like(x))
+    ordered = x.sort(dim=-1, descending=True).values
+    assert torch.equal(first, ordered[:, 0])
+    assert torch.equal(index, x.argmax(dim=-1))  # the first maximiser, as argmax
+    expected_second = ordered[:, 1] if x.shape[1] > 1 else torch.full_like(first, float("-inf"))
+    assert torch.equal(second, expected_second)
+
+
+# ----------------------------------------------------------------------------- scratch buffers
+
+
+def test_scratch_reuses_and_grows() -> None:
+    _workspace.clear()
+    a = _workspace.scratch("test", (4, 8), torch.float32, torch.device("cpu"))
+    b = _workspace.scratch("test", (2, 8), torch.float32, torch.device("cpu"))
+    assert b.data_ptr() == a.data_ptr()  # the same memory, call after call
+    c = _workspace.scratch("test", (64, 64), torch.float32, torch.device("cpu"))
+    assert c.shape == (64, 64)
+    other = _workspace.scratch("other", (4, 8), torch.float32, torch.device("cpu"))
+    assert other.data_ptr() != c.data_ptr()
+    _workspace.clear()
+
+
+def test_results_do_not_alias_scratch_memory() -> None:
+    gen = torch.Generator().manual_seed(3)
+    first_scores = torch.randn(2048, 64, generator=gen)
+    first = balanced_assignment(first_scores)
+    kept = first.clone()
+    balanced_assignment(torch.randn(2048, 64, generator=gen))
+    assert torch.equal(first, kept)
+    assert torch.equal(first, balanced_assignment(first_scores))  # and the same seed, same answer
+
+
+def test_calls_inside_and_outside_inference_mode_mix() -> None:
+    """A scratch buffer made under inference mode must still be writable outside it, and results
+    must be usable by autograd (e.g. as gather indices)."""
+    _workspace.clear()
+    gen = torch.Generator().manual_seed(4)
+    with torch.inference_mode():
+        balanced_assignment(torch.randn(1024, 16, generator=gen))
+    logits = torch.randn(1024, 16, generator=gen, requires_grad=True)
+    z = balanced_assignment(logits.detach())
+    assert not z.is_inference()
+    logits.gather(-1, z.unsqueeze(-1)).sum().backward()
+    assert logits.grad is not None and logits.grad.sum() == 1024
+
+
+def test_threads_have_their_own_scratch() -> None:
+    import threading
+
+    gen = torch.Generator().manual_seed(6)
+    instances = [torch.randn(1024, 16, generator=gen) for _ in range(4)]
+    expected = [balanced_assignment(s) for s in instances]
+    got: dict[int, torch.Tensor] = {}
+
+    def work(i: int) -> None:
+        for _ in range(3):
+            got[i] = balanced_assignment(instances[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(4):
+        assert torch.equal(got[i], expected[i])
+
+
+def test_initial_assignment_is_feasible_and_greedy() -> None:
+    """The start respects the capacity and keeps every token whose best expert had room."""
+    gen = torch.Generator().manual_seed(8)
+    S = torch.randn(2, 512, 16, generator=gen)
+    c = 32
+    z = balanced_module._initial_assignment(S, c)
+    counts = torch.zeros(2, 16, dtype=torch.long).scatter_add_(1, z, torch.ones_like(z))
+    assert (counts <= c).all() and (z >= 0).all()
+    best = S.argmax(-1)
+    proposals = torch.zeros(2, 16, dtype=torch.long).scatter_add_(1, best, torch.ones_like(best))
+    uncontested = proposals.gather(1, best) <= c
+    assert torch.equal(z[uncontested], best[uncontested])
+    assert np.all((z == best).float().mean(-1).numpy() > 0.5)
