@@ -30,7 +30,7 @@ import torch
 from scipy.linalg.lapack import dposv
 from torch import Tensor
 
-from ._workspace import scratch
+from ._workspace import SCORES_A, SCORES_B, scratch
 
 # Temperatures relative to the spread (standard deviation) of the scores, one Newton step each:
 # from FIRST_TEMPERATURE down by COOLING per level until below FINAL_TEMPERATURE_N / n. The more
@@ -264,8 +264,8 @@ def approximate_prices(
         u = S.mean(dim=1, keepdim=True)
         u = u - (u.amin(dim=-1, keepdim=True) if slack else u.mean(dim=-1, keepdim=True))
     # Buffers reused by the full steps: fresh large temporaries cost page faults on CPU.
-    X = scratch("prices.logits", S.shape, S.dtype, S.device)
-    P_full = scratch("prices.softmax", S.shape, S.dtype, S.device)
+    X = scratch(SCORES_A, S.shape, S.dtype, S.device)
+    P_full = scratch(SCORES_B, S.shape, S.dtype, S.device)
     spread_host = spread.view(B).double().cpu().numpy()
     u_host = u.view(B, k).double().cpu().numpy()
     active: _ActiveSet | None = None

@@ -41,7 +41,7 @@ from ._checks import check_score_matrix, resolve_capacity
 from ._groups import rank_within_groups, slot_table
 from ._ops import top_two
 from ._prices import approximate_prices
-from ._workspace import scratch
+from ._workspace import SCORES_A, SCORES_B, scratch
 from .shortest_paths import floyd_warshall, functional_graph_cycles, relax
 
 __all__ = ["balanced_assignment", "solve_balanced", "BalancedSolution", "expert_graph"]
@@ -109,7 +109,7 @@ def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "
         # which autograd may save (e.g. as gather indices).
         with torch.inference_mode():
             prices = approximate_prices(S, c)
-            reduced = torch.sub(S, prices.unsqueeze(1), out=scratch("balanced.reduced", S.shape, S.dtype, S.device))
+            reduced = torch.sub(S, prices.unsqueeze(1), out=scratch(SCORES_A, S.shape, S.dtype, S.device))
             z = _initial_assignment(reduced, c)
             z, arc_cost, rounds = _cancel_negative_cycles(S, z, c, prices, scale=scale)
         z, arc_cost = z.clone(), arc_cost.clone()
@@ -237,7 +237,7 @@ def _initial_assignment(S: Tensor, c: int) -> Tensor:
     while pb.numel() > 0:
         if first:  # every expert is free and every token pending: all n x k scores
             first = False
-            w1, j, w2 = top_two(rows, scratch("balanced.top_two", rows.shape, S.dtype, dev))
+            w1, j, w2 = top_two(rows, scratch(SCORES_B, rows.shape, S.dtype, dev))
         else:  # the few tokens left, with the full experts at -inf
             full = torch.zeros((B, k), dtype=S.dtype, device=dev).masked_fill_(free == 0, float("-inf"))
             W = rows.index_select(0, pb * n + pi) + full.index_select(0, pb)
@@ -453,7 +453,7 @@ def _cancel_negative_cycles(
     counts = torch.zeros((B, k), dtype=torch.long, device=dev).scatter_add_(-1, z, torch.ones_like(z))
     slots = max(c, int(counts.max()))  # over-full experts need room for their extra tokens
     holder, counts = slot_table(z, k, slots)
-    work = scratch("balanced.move", (B, k, slots, k), S.dtype, dev)
+    work = scratch(SCORES_A, (B, k, slots, k), S.dtype, dev)  # the start's input is no longer needed
     arc, move_arc, move = expert_graph(S, holder, counts, c, big, out=work)
     running = torch.ones(B, dtype=torch.bool, device=dev)
     dist = torch.zeros((B, k), dtype=torch.float64, device=dev)
