@@ -68,6 +68,9 @@ CLAMP_LOG2 = -40.0 / math.log(2.0)
 LOG2E = 1.0 / math.log(2.0)
 # Do the k x k linear algebra of a Newton step in numpy on CPU (see _damped_newton_step).
 HOST_ALGEBRA = True
+_TINY32 = float(np.finfo(np.float32).tiny)
+# Up to this many rows, the Hessian's rows are masked rather than selected (see _gram).
+SMALL_GRAM = 1024
 
 
 class _ActiveSet:
@@ -372,26 +375,28 @@ def _damped_newton_step_host(
     """:func:`_damped_newton_step` in numpy float64 and LAPACK ``dposv`` (CPU tensors)."""
     B, k = col.shape
     col64 = col.numpy().astype(np.float64)
-    G64 = G.numpy().astype(np.float64)
-    rhs = grad.numpy().astype(np.float64) * T.numpy().reshape(B, 1).astype(np.float64)
-    diag = np.arange(k)
-    rho = (col64 - G64[:, diag, diag]).mean(-1) + 1e-3 * c  # [B]
+    T64 = T.numpy().reshape(B).astype(np.float64)
+    rhs = grad.numpy() * T64[:, None]  # float64
+    A = G.numpy().astype(np.float64)  # becomes the system matrix, in place
+    diag = A.reshape(B, k * k)[:, :: k + 1]  # a view of the diagonals
+    rho = (col64.sum(-1) - diag.sum(-1)) / k + 1e-3 * c  # [B]
     if fixed is None:
-        A = rho.reshape(B, 1, 1) / k - G64
-        A[:, diag, diag] += col64 + 1e-6 * rho.reshape(B, 1)
+        np.negative(A, out=A)
+        A += (rho / k)[:, None, None]
+        diag += col64 + 1e-6 * rho[:, None]
     else:
         keep = (~fixed).numpy().astype(np.float64)
-        rhs = rhs * keep
-        A = -G64 * (keep[:, :, None] * keep[:, None, :])
-        A[:, diag, diag] += col64 * keep + (1.0 + 1e-6 - keep) * rho.reshape(B, 1)
+        rhs *= keep
+        A *= -(keep[:, :, None] * keep[:, None, :])
+        diag += col64 * keep + (1.0 + 1e-6 - keep) * rho[:, None]
     step = np.empty((B, k))
     for b in range(B):
-        _, x, info = dposv(A[b], rhs[b])
+        # A is symmetric: its transpose is the Fortran-ordered matrix LAPACK wants, without a copy.
+        _, x, info = dposv(A[b].T, rhs[b])
         if info != 0 or not np.isfinite(x).all():
-            x = rhs[b] / np.maximum(A[b, diag, diag], np.finfo(np.float32).tiny)
+            x = rhs[b] / np.maximum(diag[b], _TINY32)
         step[b] = x
-    longest = np.maximum(np.abs(step).max(-1), 1e-30)
-    factor = np.minimum(STEP_LIMIT * T.numpy().reshape(B).astype(np.float64) / longest, 1.0)
+    factor = np.minimum(STEP_LIMIT * T64 / np.maximum(np.abs(step).max(-1), 1e-30), 1.0)
     step *= factor[:, None]
     return torch.from_numpy(step).to(G.dtype), bool((factor < 1.0).any())
 
@@ -422,6 +427,9 @@ def _gram(P: Tensor) -> tuple[Tensor, Tensor]:
         P: ``[B, n, k]`` row-stochastic matrix.
     """
     B, n, k = P.shape
+    if n <= SMALL_GRAM:  # mask the saturated rows: fewer (tiny) operations than selecting them
+        Q = P * (P.amax(dim=-1, keepdim=True) < 1.0 - 1e-6)
+        return Q.sum(dim=1), Q.transpose(1, 2) @ Q
     live = P.amax(dim=-1) < 1.0 - 1e-6  # [B, n]
     m = int(live.sum(-1).max())
     if m > n // 2:
