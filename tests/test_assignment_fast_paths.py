@@ -182,6 +182,18 @@ def test_scratch_reuses_and_grows() -> None:
     _workspace.clear()
 
 
+def test_huge_requests_are_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_workspace, "MAX_CACHED_BYTES", 1024)
+    a = _workspace.scratch("huge", (1024,), torch.float32, torch.device("cpu"))
+    b = _workspace.scratch("huge", (1024,), torch.float32, torch.device("cpu"))
+    assert a.data_ptr() != b.data_ptr()  # two plain allocations, nothing kept
+    assert ("huge", torch.float32) not in _workspace._local.slots
+    from routelab.assignment import clear_scratch
+
+    clear_scratch()
+    assert balanced_assignment(torch.randn(2048, 64)).shape == (2048,)  # works with nothing kept
+
+
 def test_results_do_not_alias_scratch_memory() -> None:
     gen = torch.Generator().manual_seed(3)
     first_scores = torch.randn(2048, 64, generator=gen)

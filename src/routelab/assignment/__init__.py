@@ -6,9 +6,12 @@
 * :func:`base_assignment` — the deterministic BASE-layers assignment, the ``tau -> 0`` limit.
 
 All functions are batched over leading dimensions, run on CPU and CUDA in float32 and float64,
-and draw randomness only from an explicit ``torch.Generator``.
+and draw randomness only from an explicit ``torch.Generator``. On CPU the solvers keep a few
+scratch tensors per thread between calls (page faults on fresh memory would otherwise cost more
+than the arithmetic); :func:`clear_scratch` frees them.
 """
 
+from ._workspace import clear as clear_scratch
 from .balanced import balanced_assignment
 from .gumbel import GumbelMatching, base_assignment, gumbel_matching, sample_gumbel
 from .sinkhorn import sinkhorn
@@ -17,6 +20,7 @@ __all__ = [
     "GumbelMatching",
     "balanced_assignment",
     "base_assignment",
+    "clear_scratch",
     "gumbel_matching",
     "sample_gumbel",
     "sinkhorn",

@@ -26,6 +26,8 @@ __all__ = ["scratch", "clear", "SCORES_A", "SCORES_B"]
 
 SCORES_A = "scores-sized.a"
 SCORES_B = "scores-sized.b"
+#: The largest scratch tensor kept between calls (a one-off huge batch should not pin its memory).
+MAX_CACHED_BYTES = 64 << 20
 
 _local = threading.local()
 
@@ -35,13 +37,14 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
 
     Two calls with the same ``name`` (same thread, dtype and device) share memory, so a caller
     must use a distinct name for every scratch tensor that is alive at the same time. The slot
-    grows to the largest size requested and is kept until :func:`clear`.
+    grows to the largest size requested and is kept until :func:`clear`; requests above
+    ``MAX_CACHED_BYTES`` are plain allocations (not kept).
     """
     device = torch.device(device)
     numel = 1
     for size in shape:
         numel *= size
-    if device.type != "cpu":
+    if device.type != "cpu" or numel * torch.empty((), dtype=dtype).element_size() > MAX_CACHED_BYTES:
         return torch.empty(shape, dtype=dtype, device=device)
     slots: dict = getattr(_local, "slots", None) or {}
     _local.slots = slots
@@ -57,5 +60,8 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
 
 
 def clear() -> None:
-    """Free this thread's scratch tensors (they are re-created on the next solver call)."""
+    """Free this thread's scratch tensors (they are re-created on the next solver call).
+
+    Exported as :func:`routelab.assignment.clear_scratch`.
+    """
     _local.slots = {}
