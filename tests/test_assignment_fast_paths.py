@@ -252,3 +252,25 @@ def test_initial_assignment_is_feasible_and_greedy() -> None:
     uncontested = proposals.gather(1, best) <= c
     assert torch.equal(z[uncontested], best[uncontested])
     assert np.all((z == best).float().mean(-1).numpy() > 0.5)
+
+
+def test_tied_best_experts_are_spread_in_the_start() -> None:
+    """All-equal scores: every expert is a best one for every token; the start spreads the tokens
+    over them at once (taking the first maximiser would fill expert 0, then 1, ... in k rounds)."""
+    n, k = 1024, 64
+    rounds = []
+    rank = balanced_module.rank_within_groups
+
+    def spy(*args):
+        rounds.append(1)
+        return rank(*args)
+
+    S = torch.zeros(1, n, k)
+    balanced_module.rank_within_groups, saved = spy, rank
+    try:
+        z = balanced_module._initial_assignment(S, n // k)
+    finally:
+        balanced_module.rank_within_groups = saved
+    assert torch.equal(torch.bincount(z.view(-1), minlength=k), torch.full((k,), n // k))
+    assert len(rounds) == 0  # no expert was over-subscribed
+    check_optimal(S[0], balanced_assignment(S[0]))

@@ -243,6 +243,10 @@ def _initial_assignment(S: Tensor, c: int) -> Tensor:
             W = rows.index_select(0, pb * n + pi) + full.index_select(0, pb)
             w1, j = W.max(dim=-1)
             w2 = W.scatter(-1, j.unsqueeze(-1), float("-inf")).amax(dim=-1)
+        tied = (w1 == w2).nonzero().view(-1)
+        if tied.numel():
+            j = j.clone()
+            j[tied] = _spread_ties(rows.index_select(0, pb[tied] * n + pi[tied]), w1[tied], pi[tied], free, pb[tied])
         margin = torch.where(torch.isinf(w2), torch.full_like(w1, float("inf")), w1 - w2)
         group = pb * k + j
         # Experts proposed to no more than their free slots accept everything; only the others
@@ -257,6 +261,31 @@ def _initial_assignment(S: Tensor, c: int) -> Tensor:
         free.view(-1).scatter_add_(0, group[ok], torch.full_like(group[ok], -1))
         pb, pi = pb[~ok], pi[~ok]
     return z
+
+
+def _spread_ties(W: Tensor, best: Tensor, token: Tensor, free: Tensor, inst: Tensor) -> Tensor:
+    """For tokens with several best experts, pick one of them in turn by token index.
+
+    Taking the first maximiser would send every tied token to the same expert, which fills up
+    and sends the rest round by round (``k`` rounds for all-equal scores); token ``i`` with
+    ``t`` tied maxima takes the ``(i mod t)``-th of them instead. Any of them is as good for
+    the objective; experts without room are not candidates.
+
+    Args:
+        W: ``[r, k]`` the tied tokens' scores.
+        best: ``[r]`` their maximum.
+        token: ``[r]`` their token index.
+        free: ``[B, k]`` free slots per expert.
+        inst: ``[r]`` their batch instance.
+
+    Returns:
+        ``[r]`` long chosen expert.
+    """
+    top = (W == best.unsqueeze(-1)) & (free.index_select(0, inst) > 0)
+    order = top.long().cumsum(-1)  # 1, 2, ... at the maxima
+    count = order[:, -1].clamp(min=1)
+    want = token % count + 1
+    return (order == want.unsqueeze(-1)).long().argmax(dim=-1)
 
 
 def _move_costs(
