@@ -107,6 +107,18 @@ class _ActiveSet:
     ) -> None:
         self.scores, self.weight, self.frozen_col = scores, weight, frozen_col
         self.level, self.prices, self.leads, self.parent = level, prices, leads, parent
+        self._buffers: tuple[Tensor, Tensor] | None = None
+
+    def buffers(self) -> tuple[Tensor, Tensor]:
+        """Two scratch tensors of the shape of ``scores`` (logits and softmax of a step); every
+        generation's are views of the same two slots (one generation steps at a time)."""
+        if self._buffers is None:
+            shape, S = self.scores.shape, self.scores
+            self._buffers = (
+                scratch("prices.active_logits", shape, S.dtype, S.device),
+                scratch("prices.active_softmax", shape, S.dtype, S.device),
+            )
+        return self._buffers
 
     @classmethod
     def freeze(
@@ -270,59 +282,66 @@ def approximate_prices(
     # Buffers reused by the full steps: fresh large temporaries cost page faults on CPU.
     X = scratch(SCORES_A, S.shape, S.dtype, S.device)
     P_full = scratch(SCORES_B, S.shape, S.dtype, S.device)
+    # The prices and temperatures live on the host in float64 (k numbers per instance); the
+    # tensors the big operations need are made from them once per step.
     spread_host = spread.view(B).double().cpu().numpy()
     u_host = u.view(B, k).double().cpu().numpy()
     active: _ActiveSet | None = None
     level, steps, at_level = 0, 0, 0
     while level < len(schedule) and steps < max_steps:
-        T = spread * schedule[level]
         T_host = spread_host * schedule[level]
+        scale = _logit_scale(T_host, S)
+        u = torch.from_numpy(u_host).to(dtype=S.dtype, device=S.device).view(B, 1, k)
         steps += 1
         at_level += 1
         if active is not None:
             active = active.usable(u_host, T_host)
         if active is not None:
-            shape = active.scores.shape
-            X_active = scratch("prices.active_logits", shape, S.dtype, S.device)
-            P = _softmax(active.scores, u, T, X_active, scratch("prices.active_softmax", shape, S.dtype, S.device))
+            X_active, P = active.buffers()
+            P = _softmax(active.scores, u, scale, X_active, P)
             if B > 1:
                 P.mul_(active.weight)  # padding rows
             grad = (c - active.frozen_col) - P.sum(dim=1)
             col, G = _gram(P)
-            if level > active.level and shape[1] > SHRINK_MIN:  # colder: fewer rows are live
+            if level > active.level and X_active.shape[1] > SHRINK_MIN:  # colder: fewer live rows
                 active = active.shrink(X_active, u_host, T_host, level, P)
         else:
-            P = _softmax(S, u, T, X, P_full)  # also leaves the shifted log2 logits in X
+            P = _softmax(S, u, scale, X, P_full)  # also leaves the shifted log2 logits in X
             grad = c - P.sum(dim=1)  # [B, k]
             col, G = _gram(P)
             if active_set and level > 0:  # P is no longer needed: its buffer is the scratch
                 active = _ActiveSet.freeze(S, X, u_host, T_host, level, int(MAX_ACTIVE * n), P_full)
-        fixed = (u.view(B, k) <= 0) & (grad > 0) if slack else None
-        step, clipped = _damped_newton_step(col, G, grad, T, c, fixed)
-        u = u - step.view(B, 1, k)
+        step, clipped = _damped_newton_step(col, G, grad, T_host, c, u_host if slack else None)
+        u_host = u_host - step
+        if slack:
+            np.maximum(u_host, 0.0, out=u_host)
         # A clipped step means the prices are still far from this temperature's optimum: stay at
         # this temperature for another step (within the step budget) instead of cooling.
         if at_level >= LEVEL_STEPS or not clipped:
             level, at_level = level + 1, 0
-        if slack:
-            u = u.clamp(min=0.0)
-        u_host = u.view(B, k).double().cpu().numpy()
-    return u.view(B, k)
+    return torch.from_numpy(u_host).to(dtype=S.dtype, device=S.device)
+
+
+def _logit_scale(T: np.ndarray, S: Tensor) -> float | Tensor:
+    """``log2(e) / T``: a number for one instance (no tensor operation), else ``[B, 1, 1]``."""
+    if T.shape[0] == 1:
+        return float(LOG2E / T[0])
+    return torch.from_numpy(LOG2E / T).to(dtype=S.dtype, device=S.device).view(-1, 1, 1)
 
 
 def _damped_newton_step(
-    col: Tensor, G: Tensor, grad: Tensor, T: Tensor, c: int, fixed: Tensor | None
-) -> tuple[Tensor, bool]:
+    col: Tensor, G: Tensor, grad: Tensor, T: np.ndarray, c: int, prices: np.ndarray | None
+) -> tuple[np.ndarray, bool]:
     """The damped Newton step ``[B, k]`` on the smoothed dual, and whether it was clipped.
 
     ``T H = diag(col) - G`` is singular (its rows sum to 0: a common shift of the prices changes
     nothing) and nearly 0 once the softmax saturates, so a ridge ``rho = mean(diag(T H)) +
     1e-3 c`` is added. Without slack the ridge acts on the common shift only (``rho / k`` times
-    the all-ones matrix) plus ``1e-6 rho``; with slack (projected Newton) the ``fixed`` experts
-    (price 0, under-full) keep price 0. The ``k x k`` system is solved in float64 by Cholesky;
-    should it not be numerically positive definite, the diagonal step is taken instead.
-    Damping: a step beyond ``STEP_LIMIT`` temperatures leaves the region where the quadratic
-    model is accurate, so longer steps are scaled down to that length (*clipped*).
+    the all-ones matrix) plus ``1e-6 rho``; with slack (projected Newton) the experts at price 0
+    that are under-full (positive gradient) keep price 0. The ``k x k`` system is solved in
+    float64 by Cholesky; should it not be numerically positive definite, the diagonal step is
+    taken instead. Damping: a step beyond ``STEP_LIMIT`` temperatures leaves the region where
+    the quadratic model is accurate, so longer steps are scaled down to that length (*clipped*).
 
     On CPU this ``k x k`` work runs in numpy and LAPACK directly (a few microseconds per
     operation instead of the tens that PyTorch's dispatch costs for tiny tensors); elsewhere in
@@ -332,61 +351,64 @@ def _damped_newton_step(
         col: ``[B, k]`` column sums of the rows in ``G``.
         G: ``[B, k, k]`` their Gram matrix ``P^T P``.
         grad: ``[B, k]`` the dual gradient ``c - (all column sums)``.
-        T: ``[B, 1, 1]`` temperature.
+        T: ``[B]`` float64 temperatures.
         c: capacity.
-        fixed: ``[B, k]`` bool experts held at price 0, or ``None`` without slack.
+        prices: ``[B, k]`` float64 current prices when there is slack capacity (projected
+            Newton), else ``None``.
 
     Returns:
-        ``(step, clipped)``: the step in ``G``'s dtype and device; ``clipped`` is True when any
+        ``(step, clipped)``: the ``[B, k]`` float64 step; ``clipped`` is True when any
         instance's step was shortened.
     """
     if col.device.type == "cpu" and HOST_ALGEBRA:
-        return _damped_newton_step_host(col, G, grad, T, c, fixed)
-    return _damped_newton_step_torch(col, G, grad, T, c, fixed)
+        return _damped_newton_step_host(col, G, grad, T, c, prices)
+    return _damped_newton_step_torch(col, G, grad, T, c, prices)
 
 
 def _damped_newton_step_torch(
-    col: Tensor, G: Tensor, grad: Tensor, T: Tensor, c: int, fixed: Tensor | None
-) -> tuple[Tensor, bool]:
+    col: Tensor, G: Tensor, grad: Tensor, T: np.ndarray, c: int, prices: np.ndarray | None
+) -> tuple[np.ndarray, bool]:
     """:func:`_damped_newton_step` in PyTorch (any device)."""
     B, k = col.shape
+    col, G, grad = col.double(), G.double(), grad.double()
+    T_dev = torch.from_numpy(T).to(G.device).view(B, 1)
     rho = (col - G.diagonal(dim1=-2, dim2=-1)).mean(-1, keepdim=True) + 1e-3 * c  # [B, 1]
-    rhs = grad * T.view(B, 1)
-    if fixed is None:
+    rhs = grad * T_dev
+    if prices is None:
         A = (rho / k).unsqueeze(-1) - G
         A.diagonal(dim1=-2, dim2=-1).add_(col + 1e-6 * rho)
     else:
+        fixed = (torch.from_numpy(prices).to(G.device) <= 0) & (grad > 0)
         rhs = rhs.masked_fill(fixed, 0.0)
         keep = (~fixed).to(G.dtype)
         A = G * (keep.unsqueeze(-1) * keep.unsqueeze(-2))
         A.neg_().diagonal(dim1=-2, dim2=-1).add_(col * keep + (1.0 + 1e-6 - keep) * rho)
-    L, info = torch.linalg.cholesky_ex(A.double())
-    step = torch.cholesky_solve(rhs.double().unsqueeze(-1), L).squeeze(-1).to(G.dtype)
+    L, info = torch.linalg.cholesky_ex(A)
+    step = torch.cholesky_solve(rhs.unsqueeze(-1), L).squeeze(-1)
     bad = (info != 0) | (step - step != 0).any(-1)  # x - x is NaN exactly for non-finite x
     if bool(bad.any()):
-        diagonal = rhs / A.diagonal(dim1=-2, dim2=-1).clamp(min=torch.finfo(G.dtype).tiny)
+        diagonal = rhs / A.diagonal(dim1=-2, dim2=-1).clamp(min=_TINY32)
         step = torch.where(bad.unsqueeze(-1), diagonal, step)
-    factor = (STEP_LIMIT * T.view(B, 1) / step.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)).clamp(max=1.0)
-    return step * factor, bool((factor < 1.0).any())
+    factor = (STEP_LIMIT * T_dev / step.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)).clamp(max=1.0)
+    return (step * factor).cpu().numpy(), bool((factor < 1.0).any())
 
 
 def _damped_newton_step_host(
-    col: Tensor, G: Tensor, grad: Tensor, T: Tensor, c: int, fixed: Tensor | None
-) -> tuple[Tensor, bool]:
+    col: Tensor, G: Tensor, grad: Tensor, T: np.ndarray, c: int, prices: np.ndarray | None
+) -> tuple[np.ndarray, bool]:
     """:func:`_damped_newton_step` in numpy float64 and LAPACK ``dposv`` (CPU tensors)."""
     B, k = col.shape
-    col64 = col.numpy().astype(np.float64)
-    T64 = T.numpy().reshape(B).astype(np.float64)
-    rhs = grad.numpy() * T64[:, None]  # float64
+    col64, grad64 = torch.stack([col, grad]).numpy().astype(np.float64)  # one conversion
+    rhs = grad64 * T[:, None]
     A = G.numpy().astype(np.float64)  # becomes the system matrix, in place
     diag = A.reshape(B, k * k)[:, :: k + 1]  # a view of the diagonals
     rho = (col64.sum(-1) - diag.sum(-1)) / k + 1e-3 * c  # [B]
-    if fixed is None:
+    if prices is None:
         np.negative(A, out=A)
         A += (rho / k)[:, None, None]
         diag += col64 + 1e-6 * rho[:, None]
     else:
-        keep = (~fixed).numpy().astype(np.float64)
+        keep = (~((prices <= 0) & (grad64 > 0))).astype(np.float64)
         rhs *= keep
         A *= -(keep[:, :, None] * keep[:, None, :])
         diag += col64 * keep + (1.0 + 1e-6 - keep) * rho[:, None]
@@ -397,22 +419,23 @@ def _damped_newton_step_host(
         if info != 0 or not np.isfinite(x).all():
             x = rhs[b] / np.maximum(diag[b], _TINY32)
         step[b] = x
-    factor = np.minimum(STEP_LIMIT * T64 / np.maximum(np.abs(step).max(-1), 1e-30), 1.0)
+    factor = np.minimum(STEP_LIMIT * T / np.maximum(np.abs(step).max(-1), 1e-30), 1.0)
     step *= factor[:, None]
-    return torch.from_numpy(step).to(G.dtype), bool((factor < 1.0).any())
+    return step, bool((factor < 1.0).any())
 
 
-def _logits(S: Tensor, u: Tensor, T: Tensor, out: Tensor) -> Tensor:
-    """``(S - u) / T`` in log2 units, shifted so that every row's maximum is 0, into ``out``."""
-    torch.sub(S, u, out=out).mul_(LOG2E / T)
+def _logits(S: Tensor, u: Tensor, scale: float | Tensor, out: Tensor) -> Tensor:
+    """``(S - u) * scale`` (``scale = log2(e) / T``: log2 units), shifted so that every row's
+    maximum is 0, into ``out``."""
+    torch.sub(S, u, out=out).mul_(scale)
     return out.sub_(out.amax(dim=-1, keepdim=True))
 
 
-def _softmax(S: Tensor, u: Tensor, T: Tensor, X: Tensor, out: Tensor) -> Tensor:
+def _softmax(S: Tensor, u: Tensor, scale: float | Tensor, X: Tensor, out: Tensor) -> Tensor:
     """``softmax((S - u) / T)`` over the experts into ``out``, computed with ``exp2`` (3x faster
     than ``exp`` on CPU); tiny entries are clamped (see ``CLAMP_LOG2``). ``X`` receives the
     shifted log2 logits of :func:`_logits`."""
-    _logits(S, u, T, X)
+    _logits(S, u, scale, X)
     P = torch.clamp(X, min=CLAMP_LOG2, out=out).exp2_()
     return P.div_(P.sum(dim=-1, keepdim=True))
 
