@@ -50,12 +50,12 @@ QUICK_NS: tuple[int, ...] = (256, 1024, 4096)
 KS: tuple[int, ...] = (4, 16, 64)
 
 #: Timed calls per measurement (after one warm-up), by n.
-FULL_REPEATS: dict[int, int] = {256: 9, 1024: 9, 4096: 7, 16384: 5}
+FULL_REPEATS: dict[int, int] = {256: 9, 1024: 9, 4096: 11, 16384: 5}
 QUICK_REPEATS: dict[int, int] = {256: 5, 1024: 5, 4096: 3}
 
 #: Time budget of one measurement: fewer timed calls (at least one) when the warm-up shows that
 #: the requested number would take longer.
-FULL_BUDGET_S = 10.0
+FULL_BUDGET_S = 20.0
 QUICK_BUDGET_S = 3.0
 
 #: scipy is skipped where one call is estimated to take longer than this ...
