@@ -15,10 +15,17 @@ start: exactness comes from the cycle cancelling that follows.
 many temperatures, so the token adds exactly one to that expert's column sum and nothing to the
 Hessian. A full step marks the tokens whose best expert leads by more than ``FREEZE_GAP``
 temperatures as frozen; the following steps softmax only the other rows and add the frozen
-tokens' fixed counts. A frozen token stays saturated while the prices move by less than half its
-lead minus ``SATURATED_GAP`` temperatures; once they have moved further, the next step is a full
-one again (and freezes afresh). The result is the same as full steps up to ``exp(-SATURATED_GAP)``
-per frozen token.
+tokens' fixed counts. Each colder level freezes more of the remaining rows (by ``SHRINK_GAP``
+of its temperature), so the steps run on fewer and fewer rows. A frozen token stays saturated
+while the prices move by less than half its lead minus ``SATURATED_GAP`` temperatures; when
+they have moved further, the step falls back to the last generation of the chain whose tokens
+are all still saturated, or to a full step (which freezes afresh). The result is the same as
+full steps up to ``exp(-SATURATED_GAP)`` per frozen token.
+
+**Host arithmetic.** Each step also does ``k x k`` work (the Newton system, the damping, the
+validity checks); the prices and temperatures therefore live in float64 numpy arrays between
+steps, and on CPU the Newton system is solved by LAPACK directly: for tensors this small the
+per-operation cost of PyTorch's dispatch, not the arithmetic, is what a step costs.
 """
 
 from __future__ import annotations
