@@ -78,13 +78,18 @@ def top_two(x: Tensor, work: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """
     k = x.shape[-1]
     first = x.amax(dim=-1)
+    spread = (first - x.amin(dim=-1)).amax() + 1.0 if x.numel() else torch.ones((), dtype=x.dtype)
+    if k < 2 or not bool(spread <= torch.finfo(x.dtype).max / 4):
+        # One expert, or scores spanning most of the float range (the mask below would overflow).
+        first, index = x.max(dim=-1)
+        second = x.scatter(-1, index.unsqueeze(-1), float("-inf")).amax(dim=-1) if k > 1 else torch.full_like(first, float("-inf"))
+        return first, index, second
     top = torch.sub(x, first.unsqueeze(-1), out=work).sign_().add_(1.0)  # 1 at the maxima
     ties = top.sum(-1) > 1.5
     positions = torch.arange(k, dtype=x.dtype, device=x.device)
     index = (top @ positions).long()
     # Hide the maxima: anything below -(spread + 1) is smaller than every other entry.
-    spread = (first - x.amin(dim=-1)).amax() + 1.0 if x.numel() else torch.ones((), dtype=x.dtype)
-    second = top.mul_(-2.0 * spread).add_(x).amax(dim=-1) if k > 1 else torch.full_like(first, float("-inf"))
+    second = top.mul_(-2.0 * spread).add_(x).amax(dim=-1)
     if bool(ties.any()):
         index = torch.where(ties, x.argmax(dim=-1), index)
         second = torch.where(ties, first, second)
