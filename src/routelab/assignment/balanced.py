@@ -325,6 +325,26 @@ def _move_costs(
     return torch.sub(own, rows, out=rows).view(shape)
 
 
+def _move_arcs(S: Tensor, z: Tensor) -> Tensor:
+    """``[B, k, k]`` float64 move arcs of an assignment without slot tables.
+
+    ``a -> b`` costs ``min_{i: z_i = a} s[i, a] - s[i, b]`` (one segmented minimum over all
+    tokens); ``+inf`` when ``a`` holds no token and on the diagonal. The same numbers as the
+    per-slot table of :func:`expert_graph` reduces to.
+
+    Args:
+        S: ``[B, n, k]`` finite scores.
+        z: ``[B, n]`` expert of every token.
+    """
+    B, n, k = S.shape
+    moves = torch.sub(S.gather(-1, z.unsqueeze(-1)), S, out=scratch(SCORES_A, S.shape, S.dtype, S.device))
+    arcs = torch.full((B, k, k), float("inf"), dtype=S.dtype, device=S.device)
+    arcs.scatter_reduce_(1, z.unsqueeze(-1).expand(B, n, k), moves, "amin")
+    arcs = arcs.to(torch.float64)
+    arcs.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))
+    return arcs
+
+
 def _release_arcs(counts: Tensor, c: int, big: Tensor) -> Tensor:
     """``[B, k, k]`` costs of the release arcs (the sink node contracted away).
 
@@ -480,10 +500,11 @@ def _cancel_negative_cycles(
     tol = _tolerance(scale, k).to(torch.float64)  # rounding errors of the scores' dtype
     big = _release_weight(S)
     counts = torch.zeros((B, k), dtype=torch.long, device=dev).scatter_add_(-1, z, torch.ones_like(z))
-    slots = max(c, int(counts.max()))  # over-full experts need room for their extra tokens
-    holder, counts = slot_table(z, k, slots)
-    work = scratch(SCORES_A, (B, k, slots, k), S.dtype, dev)  # the start's input is no longer needed
-    arc, move_arc, move = expert_graph(S, holder, counts, c, big, out=work)
+    # The graph straight from the assignment; the slot tables that cancelling needs are built
+    # only if the first search finds a negative cycle (a good start often has none).
+    move_arc = _move_arcs(S, z)
+    arc = torch.minimum(move_arc, _release_arcs(counts, c, big))
+    holder = move = None
     running = torch.ones(B, dtype=torch.bool, device=dev)
     dist = torch.zeros((B, k), dtype=torch.float64, device=dev)
     if prices is not None:
@@ -501,6 +522,11 @@ def _cancel_negative_cycles(
         rounds += 1
         if rounds > max_rounds:
             raise RuntimeError("balanced_assignment: cycle cancelling did not terminate; please report this input")
+        if move is None:  # the first cycles: build the per-slot tables (same arcs as _move_arcs)
+            slots = max(c, int(counts.max()))  # over-full experts need room for their extra tokens
+            holder, counts = slot_table(z, k, slots)
+            work = scratch(SCORES_A, (B, k, slots, k), S.dtype, dev)  # the start's input is spent
+            _, move_arc, move = expert_graph(S, holder, counts, c, big, out=work)
         # Every cycle node v whose in-arc u -> v is a move arc receives the cheapest token of
         # u (cycle nodes have one out-arc each, so no token moves twice); release arcs move
         # nothing: their tail absorbs a token, their head sends one without receiving.
