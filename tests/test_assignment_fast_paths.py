@@ -279,3 +279,21 @@ def test_tied_best_experts_are_spread_in_the_start() -> None:
     assert torch.equal(torch.bincount(z.view(-1), minlength=k), torch.full((k,), n // k))
     assert len(rounds) == 0  # no expert was over-subscribed
     check_optimal(S[0], balanced_assignment(S[0]))
+
+
+def test_move_arcs_without_slot_tables_equal_the_slot_table_arcs() -> None:
+    """The segmented minimum the first search uses is exactly the per-slot table's minimum,
+    including experts without tokens and over-full experts."""
+    from routelab.assignment._groups import slot_table
+
+    gen = torch.Generator().manual_seed(12)
+    B, n, k, c = 3, 200, 9, 30
+    S = torch.randn(B, n, k, generator=gen)
+    z = torch.randint(0, k - 1, (B, n), generator=gen)  # expert k - 1 stays empty
+    z[0, :40] = 0  # expert 0 of instance 0 over-full
+    counts = torch.zeros(B, k, dtype=torch.long).scatter_add_(1, z, torch.ones_like(z))
+    holder, counts = slot_table(z, k, max(c, int(counts.max())))
+    _, expected, _ = balanced_module.expert_graph(S, holder, counts, c)
+    got = balanced_module._move_arcs(S, z)
+    assert torch.equal(got, expected)
+    assert torch.isinf(got[:, k - 1]).all()
