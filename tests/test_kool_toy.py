@@ -140,7 +140,9 @@ def test_bad_names_and_temperatures_raise_with_choices() -> None:
 
 
 def test_registered() -> None:
-    assert isinstance(REGISTRY["kool-toy"], kt.KoolToy)
+    exp = REGISTRY["kool-toy"]
+    assert exp is kt.EXPERIMENT and exp.sweep is kt.run_sweep
+    assert exp.full is kt.FULL and exp.quick_settings is kt.QUICK
     assert kt.QUICK.quick and not kt.FULL.quick
     assert len(kt.FULL.taus) == 7 and kt.FULL.taus[0] == 0.1 and kt.FULL.taus[-1] == 10.0
     assert len(kt.FULL.seeds) == 10 and kt.FULL.steps == 10_000
@@ -163,7 +165,7 @@ def _keys(path: Path) -> list[tuple]:
 
 
 def test_tiny_sweep_writes_everything_and_rerun_skips(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    exp = kt.KoolToy(full=TINY, quick_settings=replace(TINY, quick=True))
+    exp = replace(kt.EXPERIMENT, full=TINY, quick_settings=replace(TINY, quick=True))
     report = exp.run(tmp_path, quick=False)
     assert report == tmp_path / "report.md"
     n = len(TINY.configs) * len(TINY.methods) * len(TINY.taus) * len(TINY.seeds)

@@ -13,6 +13,7 @@ from torch import nn
 import routelab.data.parallel_text as pt
 from routelab.data import DataUnavailable
 from routelab.data.parallel_text import VersePair, parse_imp
+import routelab.experiments.mae as mae_exp
 from routelab.experiments import REGISTRY
 from routelab.experiments.mae.analyses import attribution_shares, collect_gates, mean_entropy, pmi_tokens
 from routelab.experiments.mae.corpus import build_corpus, tokenize
@@ -192,3 +193,4 @@ def test_collect_gates_equals_one_eval_forward_under_the_gate() -> None:
 
 def test_experiment_is_registered() -> None:
     assert "mae" in REGISTRY and "Peng" in REGISTRY["mae"].description
+    assert REGISTRY["mae"].sweep is mae_exp.run and REGISTRY["mae"].quick_settings is mae_exp.QUICK

@@ -46,7 +46,9 @@ def fake_mnist(monkeypatch: pytest.MonkeyPatch, tiny_data):
 
 
 def test_registered() -> None:
-    assert isinstance(experiments.REGISTRY["moe-routers"], mr.MoeRouters)
+    exp = experiments.REGISTRY["moe-routers"]
+    assert exp is mr.EXPERIMENT and exp.sweep is mr.run_sweep
+    assert exp.full is mr.FULL and exp.quick_settings is mr.QUICK
 
 
 def test_settings_validation() -> None:

@@ -181,6 +181,8 @@ def _constructor_worker(rank: int, world: int) -> dict:
     assert int(routes.stats["global_tokens"]) == sum(3 + s for s in range(world))
     with pytest.raises(ValueError, match="divisible"):
         ExpertParallelMoE(D, H, 3, router="topk")
+    with pytest.raises(ValueError, match="k and router_kwargs only with a router name"):
+        ExpertParallelMoE(D, H, 4, router=ep.router, k=2)
     return {"offset": ep.expert_offset, "w1": ep.experts.w1.detach().clone()}
 
 

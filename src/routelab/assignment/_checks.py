@@ -6,7 +6,6 @@ bad input fails early with a ``ValueError`` that names the argument and says how
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 

@@ -437,7 +437,7 @@ def _find_negative_cycles(
     work = arc
     stop_collecting = None  # sweep after which instances with a cycle stop looking for more
     for sweep in range(1, 2 * m + 4 + extra_sweeps):
-        cand, arg = (dist.unsqueeze(-1) + work).min(dim=-2)
+        cand, arg = relax(dist, work)
         better = (cand < dist - tol) & gate
         dist = torch.where(better, cand, dist)
         pred[:, :m] = torch.where(better, arg, pred[:, :m])

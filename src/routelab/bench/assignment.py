@@ -405,7 +405,7 @@ def _notes(rows: Sequence[Row], *, device: str) -> list[str]:
         "warm-up call; every number above was measured in this run. routelab and scipy are "
         "timed alternately, instance by instance, so that drifts in the machine's speed affect "
         "both alike.",
-        f"- scipy: `linear_sum_assignment(-E)` where `E` is the `n x n` float64 matrix of the "
+        "- scipy: `linear_sum_assignment(-E)` where `E` is the `n x n` float64 matrix of the "
         "scores with each expert's column repeated `c = n/k` times: it solves the general `n x n` "
         "assignment problem in float64 (single-threaded), while `balanced_assignment` works on "
         "the `n x k` float32 scores. Building `E` is not timed. speed-up = scipy ms / routelab ms"

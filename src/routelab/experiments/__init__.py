@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["REGISTRY", "Experiment", "FunctionExperiment", "register"]
+__all__ = ["REGISTRY", "Experiment", "FunctionExperiment", "SweepExperiment", "register"]
 
 
 @runtime_checkable
@@ -61,6 +61,28 @@ class FunctionExperiment:
         return self.fn(out_dir, quick)
 
 
+@dataclass(frozen=True)
+class SweepExperiment:
+    """An :class:`Experiment` whose full and quick forms are two settings of one sweep function.
+
+    Attributes:
+        name, description: as in :class:`Experiment`.
+        sweep: ``sweep(out_dir, settings) -> report path``; runs (or resumes) the sweep.
+        full, quick_settings: the settings of ``run(out_dir, quick=False)`` and ``quick=True``
+            (tests replace them with tiny ones through :func:`dataclasses.replace`).
+    """
+
+    name: str
+    description: str
+    sweep: Callable[[Path, Any], Path]
+    full: Any
+    quick_settings: Any
+
+    def run(self, out_dir: Path, quick: bool) -> Path:
+        """``sweep(out_dir, quick_settings if quick else full)``; see :meth:`Experiment.run`."""
+        return self.sweep(Path(out_dir), self.quick_settings if quick else self.full)
+
+
 REGISTRY: dict[str, Experiment] = {}
 """All registered experiments, by name, in registration order."""
 
@@ -93,14 +115,14 @@ def register(exp: Experiment) -> Experiment:
 # Registered experiments (imported last: they call register() above).
 from . import kool_toy as _kool_toy  # noqa: E402
 
-register(_kool_toy.KoolToy())
+register(_kool_toy.EXPERIMENT)
 from . import dselect as _dselect  # noqa: E402
 
 for _exp in _dselect.EXPERIMENTS:
     register(_exp)
 from . import mae as _mae  # noqa: E402
 
-register(_mae.MAEExperiment())
+register(_mae.EXPERIMENT)
 from . import moe_routers as _moe_routers  # noqa: E402
 
-register(_moe_routers.MoeRouters())
+register(_moe_routers.EXPERIMENT)

@@ -149,14 +149,15 @@ class ExpertParallelMoE(MoE):
                 f"(each rank holds num_experts / world experts); use a multiple of {world}"
             )
         if isinstance(router, str):
+            # Built here, on the real device: the layer itself is built on the meta device below.
             router = make_router(router, d_model, num_experts, k=k, **(router_kwargs or {}))
             if device is not None:
                 router.to(device)
-        elif k is not None or router_kwargs:
-            raise ValueError("pass k and router_kwargs only with a router name; configure a Router instance directly")
+            k, router_kwargs = None, None
         # The full expert stack is built on the meta device (no memory) and replaced by this
-        # rank's slice: only E / world experts are ever materialised.
-        super().__init__(d_model, d_hidden, num_experts, router=router, capacity_factor=capacity_factor,
+        # rank's slice: only E / world experts are ever materialised. MoE checks the router.
+        super().__init__(d_model, d_hidden, num_experts, router=router, k=k, router_kwargs=router_kwargs,
+                         capacity_factor=capacity_factor,
                          drop_policy=drop_policy, importance_weighting=importance_weighting,
                          activation=activation, bias=bias, generator=generator, device="meta", dtype=dtype)
         self.process_group = process_group

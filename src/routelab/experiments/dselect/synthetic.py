@@ -324,7 +324,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSetti
         d_mse, t_mse = m("dselect_static", tmax, "test_mse"), m("topk_static", tmax, "test_mse")
         better = sum(m("dselect_static", t, "test_mse") < m("topk_static", t, "test_mse") for t in s.tasks)
         imp = (t_mse - d_mse) / t_mse if t_mse == t_mse and t_mse else float("nan")
-        claims.append(["1", f"DSelect-k has lower test MSE than Top-k at every T, over 40% lower at T = 128.",
+        claims.append(["1", "DSelect-k has lower test MSE than Top-k at every T, over 40% lower at T = 128.",
                        "lower at every T and ≥ 40% lower at the largest T: holds; lower at most T: partly",
                        f"lower at {better}/{len(s.tasks)} T; at T = {tmax}: {d_mse:.3f} vs {t_mse:.3f} ({imp:+.0%})",
                        "**holds**" if (better == len(s.tasks) and imp >= 0.4) else

@@ -13,7 +13,7 @@ Layout:
 * :mod:`.marginals` — the Sec. 2.3 Sinkhorn vs Gumbel-Matching marginals check;
 * :mod:`.claims` — success criteria and the paper's claims as testable functions;
 * :mod:`.figures`, :mod:`.report` — the PNG figures, ``results.csv`` and ``report.md``;
-* here — the :class:`KoolToy` experiment and :func:`run_sweep`: each chunk is trained as one
+* here — the registered ``EXPERIMENT`` and :func:`run_sweep`: each chunk is trained as one
   batched model; a finished chunk appends one JSON line per run to ``DIR/runs.jsonl``, and a
   rerun skips the chunks whose runs are all recorded.
 """
@@ -24,11 +24,11 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .. import SweepExperiment
 from ..runner import append_jsonl_atomic, atomic_write_text, read_jsonl
 from .figures import FIGURES, draw_figures
 from .marginals import marginals_check
@@ -44,7 +44,7 @@ __all__ = [
     "QUICK",
     "Chunk",
     "Config",
-    "KoolToy",
+    "EXPERIMENT",
     "RunSpec",
     "Settings",
     "log_taus",
@@ -56,27 +56,6 @@ __all__ = [
     "train_chunk",
     "write_outputs",
 ]
-
-
-@dataclass
-class KoolToy:
-    """The toy experiment as a registered :class:`~routelab.experiments.Experiment`.
-
-    Args:
-        full, quick_settings: the sweeps of ``run(out_dir, quick=False/True)``.
-    """
-
-    name: str = "kool-toy"
-    description: str = (
-        "Kool, Maddison & Mnih (2021), Sec. 3 / App. E toy experiment: capacity-constrained "
-        "routing estimators (Fig. 2, Fig. 3), balance losses, Sinkhorn vs Gumbel-Matching marginals."
-    )
-    full: Settings = field(default_factory=lambda: FULL)
-    quick_settings: Settings = field(default_factory=lambda: QUICK)
-
-    def run(self, out_dir: Path, quick: bool) -> Path:
-        """Run (or resume) the sweep into ``out_dir`` and write its report; see :func:`run_sweep`."""
-        return run_sweep(Path(out_dir), self.quick_settings if quick else self.full)
 
 
 def run_sweep(
@@ -221,3 +200,15 @@ def write_outputs(
     text = render_report(settings, records, marginals=marginals, errors=errors, wall_s=wall_s,
                          n_planned=len(planned), skipped=skipped or {}, chunks=chunks)
     return atomic_write_text(out_dir / "report.md", text)
+
+
+EXPERIMENT = SweepExperiment(
+    "kool-toy",
+    ("Kool, Maddison & Mnih (2021), Sec. 3 / App. E toy experiment: capacity-constrained "
+     "routing estimators (Fig. 2, Fig. 3), balance losses, Sinkhorn vs Gumbel-Matching marginals."
+    ),
+    run_sweep,
+    FULL,
+    QUICK,
+)
+"""The registered experiment (``routelab reproduce kool-toy``)."""

@@ -14,7 +14,7 @@ a decoder LM spends all of its budget on training and perplexity is a smooth sco
 
 Layout: :mod:`.corpus` (tokens, splits), :mod:`.model` (the LM), :mod:`.train` (variants,
 fine-tuning, checkpoints), :mod:`.analyses` (Sec. 5.1), :mod:`.report` (claims, figures,
-``report.md``); here, the :class:`MAEExperiment` and :func:`run` (resumable: finished runs are
+``report.md``); here, the ``EXPERIMENT`` and :func:`run` (resumable: finished runs are
 lines of ``runs.jsonl`` / ``analyses.jsonl`` / ``finetune.jsonl``, trained models are kept under
 ``models/``, and an interrupted training resumes from its last epoch's checkpoint).
 """
@@ -34,13 +34,14 @@ from routelab.data.parallel_text import INSTALL_COMMAND, load_parallel_text
 from routelab.layers.bcd import EVAL_ROUTING
 from routelab.layers.mae import set_routing
 
+from .. import SweepExperiment
 from ..runner import append_jsonl_atomic, atomic_write_text, read_jsonl
 from .analyses import attribution_shares, collect_gates, mean_entropy, pmi_tokens
 from .corpus import build_corpus
 from .model import LMConfig, TransformerLM
 from .train import FINETUNE_METHODS, VARIANTS, Schedule, _log, evaluate, finetune, train_variant
 
-__all__ = ["FULL", "QUICK", "MAEExperiment", "Settings", "run"]
+__all__ = ["FULL", "QUICK", "EXPERIMENT", "Settings", "run"]
 
 
 @dataclass(frozen=True)
@@ -85,24 +86,6 @@ QUICK = Settings(
     schedule=Schedule(epochs=5, batches_per_epoch=12, batch=16, warmup=10, g_every=2),
     ft_epochs=((0.05, 2), (0.2, 1)), train_limit=4000, uni_runs=2, pmi_min_count=5, quick=True,
 )
-
-
-@dataclass
-class MAEExperiment:
-    """The MAE reproduction as a registered :class:`~routelab.experiments.Experiment`."""
-
-    name: str = "mae"
-    description: str = (
-        "Peng et al. (2020) mixture of attentive experts trained by block coordinate descent: "
-        "BASE / MAE-7 / MAE-6 / UNI-MAE-7 / NOBCD language models (Tables 2-5, 8), gate analyses "
-        "(Sec. 5.1), gate fine-tuning (Sec. 5.2), learning curves (App. B)."
-    )
-    full: Settings = field(default_factory=lambda: FULL)
-    quick_settings: Settings = field(default_factory=lambda: QUICK)
-
-    def run(self, out_dir: Path, quick: bool) -> Path:
-        """Run (or resume) into ``out_dir`` and write ``report.md``; see :func:`run`."""
-        return run(Path(out_dir), self.quick_settings if quick else self.full)
 
 
 def _windows_subset(w: torch.Tensor, frac: float, seed: int) -> torch.Tensor:
@@ -254,3 +237,16 @@ def run(out_dir: Path, s: Settings) -> Path:
     elapsed = time.perf_counter() - t_start
     return write_report(out_dir, s, corpus, list(done.values()), analyses, list(ft_done.values()),
                         elapsed)
+
+
+EXPERIMENT = SweepExperiment(
+    "mae",
+    ("Peng et al. (2020) mixture of attentive experts trained by block coordinate descent: "
+     "BASE / MAE-7 / MAE-6 / UNI-MAE-7 / NOBCD language models (Tables 2-5, 8), gate analyses "
+     "(Sec. 5.1), gate fine-tuning (Sec. 5.2), learning curves (App. B)."
+    ),
+    run,
+    FULL,
+    QUICK,
+)
+"""The registered experiment (``routelab reproduce mae``)."""

@@ -161,7 +161,7 @@ def claims(runs: dict[str, dict[str, Any]], analyses: dict[str, Any],
     if ("FTG+", small) in by and small < full:
         gap_small = math.exp(by[("FTG+", small)]["test_loss_at_best"]) - math.exp(by[("FTALL", small)]["test_loss_at_best"])
         gap_full = math.exp(by[("FTG+", full)]["test_loss_at_best"]) - math.exp(by[("FTALL", full)]["test_loss_at_best"])
-        rows.append((f"with less data the FTG+ - FTALL gap shrinks (Fig. 2)", "FTG+ wins below 20% of the data",
+        rows.append(("with less data the FTG+ - FTALL gap shrinks (Fig. 2)", "FTG+ wins below 20% of the data",
                      f"gap (ppl) {gap_small:+.2f} at {small:.0%} vs {gap_full:+.2f} at {full:.0%}",
                      _verdict(gap_small < gap_full)))
     b, nb, m7 = runs["BASE"]["curve"], runs["NOBCD"]["curve"], runs["MAE-7"]["curve"]

@@ -10,7 +10,7 @@ learned threshold mask with batch size 1, and how often the two masks agree. The
 the papers' claims on balance (App. F eq. 18-20; Kool et al. 2021 Sec. 2.2-2.3 and Sec. 4).
 
 Layout: :mod:`.model` (data, model, one run, evaluation), :mod:`.report` (CSV, figures,
-report.md), here the :class:`MoeRouters` experiment and :func:`run_sweep` (one JSON line per
+report.md), here the registered ``EXPERIMENT`` and :func:`run_sweep` (one JSON line per
 finished (router, seed) run in ``DIR/runs.jsonl``; a rerun skips recorded runs).
 """
 
@@ -20,16 +20,16 @@ import os
 import sys
 import time
 from datetime import datetime, timezone
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .. import SweepExperiment
 from ..runner import append_jsonl_atomic, atomic_write_text, missing_keys, read_jsonl
 from .model import ROUTER_SPECS, MnistMoE, RouterSpec, Settings, evaluate, prepare_data, train_run
 from .report import draw_figures, render_report, results_csv
 
-__all__ = ["FULL", "QUICK", "ROUTER_SPECS", "MnistMoE", "MoeRouters", "RouterSpec", "Settings", "evaluate",
+__all__ = ["FULL", "QUICK", "ROUTER_SPECS", "MnistMoE", "EXPERIMENT", "RouterSpec", "Settings", "evaluate",
            "run_sweep", "train_run", "write_outputs"]
 
 #: The full sweep (~10 min on one unloaded core of the 2-core AMD EPYC machine).
@@ -37,23 +37,6 @@ FULL = Settings()
 #: The quick form run by ``make run`` (about a minute).
 QUICK = Settings(seeds=(0,), epochs=2, train_images=12000, test_images=2000, batch1_images=200,
                  batchwise_eval_batches=(200, 8), quick=True)
-
-
-@dataclass
-class MoeRouters:
-    """The experiment as a registered :class:`~routelab.experiments.Experiment`."""
-
-    name: str = "moe-routers"
-    description: str = (
-        "MoE routers on MNIST: accuracy, load balance and dropped tokens of every routelab router; "
-        "batchwise vs threshold masks at inference (Shazeer et al. 2017, App. F)."
-    )
-    full: Settings = field(default_factory=lambda: FULL)
-    quick_settings: Settings = field(default_factory=lambda: QUICK)
-
-    def run(self, out_dir: Path, quick: bool) -> Path:
-        """Run (or resume) the sweep into ``out_dir``; returns ``out_dir / "report.md"``."""
-        return run_sweep(Path(out_dir), self.quick_settings if quick else self.full)
 
 
 def _settings_key(settings: Settings) -> dict:
@@ -138,3 +121,14 @@ def write_outputs(out_dir: Path, settings: Settings, *, wall_s: float | None = N
                          invocations=invocations)
     return atomic_write_text(out_dir / "report.md", text)
 
+
+EXPERIMENT = SweepExperiment(
+    "moe-routers",
+    ("MoE routers on MNIST: accuracy, load balance and dropped tokens of every routelab router; "
+     "batchwise vs threshold masks at inference (Shazeer et al. 2017, App. F)."
+    ),
+    run_sweep,
+    FULL,
+    QUICK,
+)
+"""The registered experiment (``routelab reproduce moe-routers``)."""
