@@ -1,4 +1,5 @@
-"""Smoke tests of routelab.bench.assignment on tiny sizes (a few seconds in all)."""
+"""Smoke tests of routelab.bench.assignment on tiny sizes (a few seconds in all), and the
+argument checks both benchmarks share."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from routelab.bench import assignment as bench
+from routelab.bench import moe as moe_bench
 
 TINY_GRID = [(16, 2), (16, 4), (32, 2), (32, 4)]
 
@@ -70,14 +72,15 @@ def test_run_benchmark_header_and_threads_restored(monkeypatch: pytest.MonkeyPat
     assert len(body) == 2
 
 
-def test_run_benchmark_rejects_bad_arguments() -> None:
+@pytest.mark.parametrize("module", [bench, moe_bench], ids=["assignment", "moe"])
+def test_run_benchmark_rejects_bad_arguments(module) -> None:
     with pytest.raises(ValueError, match="device"):
-        bench.run_benchmark(device="tpu")
+        module.run_benchmark(device="tpu")
     with pytest.raises(ValueError, match="threads"):
-        bench.run_benchmark(threads=0)
+        module.run_benchmark(threads=0)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="cuda"):
-            bench.run_benchmark(device="cuda")
+            module.run_benchmark(device="cuda")
 
 
 def test_paired_timing_alternates_and_keeps_instance_order() -> None:

@@ -149,3 +149,19 @@ def test_write_csv_and_report_helpers(tmp_path):
     assert path.read_text() == "a,experts\n1,[1.0; 3.0]\n2,None\n"
     assert experts_per_run(recs) == [2.0]
     assert binary_step_percent(recs) == [25.0]
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_minibatches_cover_each_epoch_once(drop_last: bool) -> None:
+    from routelab.experiments.dselect.common import minibatches, steps_per_epoch
+
+    n, batch, epochs = 10, 4, 3
+    steps = list(minibatches(n, batch, epochs, torch.Generator().manual_seed(5), drop_last=drop_last))
+    per_epoch = steps_per_epoch(n, batch, drop_last=drop_last)
+    assert per_epoch == (2 if drop_last else 3)
+    assert [s for _, s, _ in steps] == list(range(epochs * per_epoch))
+    reference = torch.Generator().manual_seed(5)  # one permutation per epoch, drawn in order
+    for epoch in range(epochs):
+        perm = torch.randperm(n, generator=reference)
+        got = torch.cat([idx for e, _, idx in steps if e == epoch])
+        assert torch.equal(got, perm[: per_epoch * batch] if drop_last else perm)

@@ -70,7 +70,9 @@ def top_two(x: Tensor, work: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     maximum itself.
 
     Args:
-        x: ``[..., k]`` finite floating tensor.
+        x: ``[..., k]`` floating tensor without NaN or ``+inf``; ``-inf`` entries (excluded
+            choices) take the exact ``max(dim)`` path, as do scores spanning most of the
+            float range.
         work: scratch tensor of ``x``'s shape and dtype (overwritten).
 
     Returns:
@@ -80,7 +82,8 @@ def top_two(x: Tensor, work: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     first = x.amax(dim=-1)
     spread = (first - x.amin(dim=-1)).amax() + 1.0 if x.numel() else torch.ones((), dtype=x.dtype)
     if k < 2 or not bool(spread <= torch.finfo(x.dtype).max / 4):
-        # One expert, or scores spanning most of the float range (the mask below would overflow).
+        # One expert, -inf entries or scores spanning most of the float range (the mask below
+        # would overflow).
         first, index = x.max(dim=-1)
         second = x.scatter(-1, index.unsqueeze(-1), float("-inf")).amax(dim=-1) if k > 1 else torch.full_like(first, float("-inf"))
         return first, index, second

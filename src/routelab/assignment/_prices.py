@@ -230,14 +230,28 @@ def _split_saturated(
     f = frozen.to(S.dtype).unsqueeze(1)  # [B, 1, m]
     frozen_col = frozen_col + 0.5 * ((f @ sign).squeeze(1) + f.sum(-1))
     out = scratch(f"prices.active{slot}", (B, size, k), S.dtype, S.device)
+    return out, _pack_rows(S, active, out), frozen_col
+
+
+def _pack_rows(X: Tensor, keep: Tensor, out: Tensor) -> Tensor:
+    """The rows of ``X`` where ``keep``, in order, into ``out``; returns their weights.
+
+    Args:
+        X: ``[B, n, k]``.
+        keep: ``[B, n]`` bool.
+        out: ``[B, m, k]`` with ``m`` the largest number of kept rows of an instance; instances
+            with fewer are padded with other rows of ``X``.
+
+    Returns:
+        ``[B, m, 1]``: 1 for a kept row, 0 for padding.
+    """
+    B, m, k = out.shape
     if B == 1:
-        torch.index_select(S[0], 0, active.view(-1).nonzero().view(-1), out=out[0])
-        kept_weight = torch.ones((1, size, 1), dtype=S.dtype, device=S.device)
-    else:
-        index = torch.argsort(active.to(torch.int8), dim=-1, descending=True, stable=True)[:, :size]
-        torch.gather(S, 1, index.unsqueeze(-1).expand(B, size, k), out=out)
-        kept_weight = active.gather(1, index).unsqueeze(-1).to(S.dtype)
-    return out, kept_weight, frozen_col
+        torch.index_select(X[0], 0, keep.view(-1).nonzero().view(-1), out=out[0])
+        return torch.ones((1, m, 1), dtype=X.dtype, device=X.device)
+    index = torch.argsort(keep.to(torch.int8), dim=-1, descending=True, stable=True)[:, :m]
+    torch.gather(X, 1, index.unsqueeze(-1).expand(B, m, k), out=out)
+    return keep.gather(1, index).unsqueeze(-1).to(X.dtype)
 
 
 def default_schedule(n: int) -> tuple[float, ...]:
@@ -467,10 +481,7 @@ def _gram(P: Tensor) -> tuple[Tensor, Tensor]:
     if m > n // 2:
         return P.sum(dim=1), P.transpose(1, 2) @ P
     Q = scratch("prices.gram", (B, m, k), P.dtype, P.device)
-    if B == 1:
-        torch.index_select(P[0], 0, live.view(-1).nonzero().view(-1), out=Q[0])
-    else:
-        order = torch.argsort(live.to(torch.int8), dim=-1, descending=True, stable=True)[:, :m]
-        torch.gather(P, 1, order.unsqueeze(-1).expand(B, m, k), out=Q)
-        Q.mul_(live.gather(1, order).unsqueeze(-1).to(P.dtype))  # instances with fewer live rows
+    weight = _pack_rows(P, live, Q)
+    if B > 1:
+        Q.mul_(weight)  # instances with fewer live rows: padding contributes nothing
     return Q.sum(dim=1), Q.transpose(1, 2) @ Q

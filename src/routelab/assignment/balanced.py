@@ -241,8 +241,7 @@ def _initial_assignment(S: Tensor, c: int) -> Tensor:
         else:  # the few tokens left, with the full experts at -inf
             full = torch.zeros((B, k), dtype=S.dtype, device=dev).masked_fill_(free == 0, float("-inf"))
             W = rows.index_select(0, pb * n + pi) + full.index_select(0, pb)
-            w1, j = W.max(dim=-1)
-            w2 = W.scatter(-1, j.unsqueeze(-1), float("-inf")).amax(dim=-1)
+            w1, j, w2 = top_two(W, torch.empty_like(W))
         tied = (w1 == w2).nonzero().view(-1)
         if tied.numel():
             j = j.clone()

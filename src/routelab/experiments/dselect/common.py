@@ -1,4 +1,5 @@
-"""Helpers shared by the DSelect-k experiments: gate factories, statistics, markdown, provenance."""
+"""Helpers shared by the DSelect-k experiments: gate factories, the minibatch loop, statistics,
+markdown, provenance."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 import platform
 import subprocess
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,8 @@ from ..runner import atomic_write_text
 
 __all__ = [
     "GATE_LABELS",
+    "minibatches",
+    "steps_per_epoch",
     "make_gate",
     "mean_se",
     "fmt_mean_se",
@@ -143,6 +146,28 @@ class Timer:
 
     def __call__(self) -> float:
         return time.perf_counter() - self.t0
+
+
+def steps_per_epoch(n: int, batch: int, *, drop_last: bool = True) -> int:
+    """Minibatches per epoch over ``n`` examples (the last partial one counted unless
+    ``drop_last``)."""
+    return n // batch if drop_last else -(-n // batch)
+
+
+def minibatches(
+    n: int, batch: int, epochs: int, generator: torch.Generator, *, drop_last: bool = True
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """``(epoch, step, indices)`` of every training step: each epoch draws one fresh permutation
+    of the ``n`` examples from ``generator`` (when its first step is asked for) and cuts it into
+    batches of ``batch``; ``step`` counts from 0 over all epochs (total
+    ``epochs * steps_per_epoch(n, batch, drop_last=drop_last)``)."""
+    per_epoch = steps_per_epoch(n, batch, drop_last=drop_last)
+    step = 0
+    for epoch in range(epochs):
+        perm = torch.randperm(n, generator=generator)
+        for i in range(per_epoch):
+            yield epoch, step, perm[i * batch:(i + 1) * batch]
+            step += 1
 
 
 def weights_matrix(gates: Sequence[MTLGate]) -> list[list[float]]:

@@ -15,6 +15,8 @@ from torch import nn
 
 from routelab.layers import MultiGateMoE
 
+from .common import minibatches, steps_per_epoch
+
 __all__ = ["train_mtl", "experts_selected"]
 
 
@@ -51,23 +53,17 @@ def train_mtl(model: nn.Module, forward: Callable[[torch.Tensor], list[torch.Ten
     if not 1 <= batch <= n:
         raise ValueError(f"batch must be in [1, {n}] (the number of training examples), got {batch}.")
     opt = torch.optim.Adam(model.parameters(), lr=lr)
-    steps_per_epoch = n // batch
-    total = epochs * steps_per_epoch
-    step = 0
+    total = epochs * steps_per_epoch(n, batch)
     model.train()
-    for ep in range(epochs):
-        perm = torch.randperm(n, generator=generator)
-        for i in range(steps_per_epoch):
-            idx = perm[i * batch:(i + 1) * batch]
-            model.on_step(step, total)
-            opt.zero_grad()
-            loss = loss_fn(forward(x[idx]), y[idx]) + model.regularization()
-            loss.backward()
-            opt.step()
-            model.track(step)
-            if log_every and on_log and step % log_every == 0:
-                on_log(f"epoch {ep + 1} step {step}/{total} loss {float(loss):.4f}")
-            step += 1
+    for ep, step, idx in minibatches(n, batch, epochs, generator):
+        model.on_step(step, total)
+        opt.zero_grad()
+        loss = loss_fn(forward(x[idx]), y[idx]) + model.regularization()
+        loss.backward()
+        opt.step()
+        model.track(step)
+        if log_every and on_log and step % log_every == 0:
+            on_log(f"epoch {ep + 1} step {step}/{total} loss {float(loss):.4f}")
     model.eval()
     dselect = [r for r in model.report() if "binary" in r]     # the gates that report S(Z)
     steps = [r["binary_step"] for r in dselect]

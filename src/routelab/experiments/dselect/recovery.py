@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from ..runner import append_jsonl_atomic, atomic_write_text, completed_keys, read_jsonl
-from .common import GATE_LABELS, Timer, fmt_mean_se, log, make_gate, md_table, mean_se, provenance, write_csv
+from .common import (GATE_LABELS, Timer, fmt_mean_se, log, make_gate, md_table, mean_se, minibatches, provenance,
+                     steps_per_epoch, write_csv)
 
 __all__ = ["RecoverySettings", "FULL", "QUICK", "run_recovery", "train_one", "make_problem"]
 
@@ -83,33 +84,27 @@ def train_one(kind: str, lr: float, entropy_reg: float, seed: int, s: RecoverySe
     opt = torch.optim.Adam(gate.parameters(), lr=lr)
     bce = nn.BCEWithLogitsLoss()
     gen = torch.Generator().manual_seed(20_000 + seed)
-    steps_per_epoch = (s.n_train + s.batch - 1) // s.batch
-    total = s.epochs * steps_per_epoch
+    total = s.epochs * steps_per_epoch(s.n_train, s.batch, drop_last=False)
     every = max(1, total // s.traj_points)
     traj: list[list[float]] = []
     changes = changes_late = 0
     prev_support: tuple[int, ...] | None = None
-    step = 0
-    for _ in range(s.epochs):
-        perm = torch.randperm(s.n_train, generator=gen)
-        for i in range(steps_per_epoch):
-            idx = perm[i * s.batch:(i + 1) * s.batch]
-            gate.on_step(step, total)
-            opt.zero_grad()
-            loss = bce(_forward(gate, prob, prob["x_tr"][idx]), prob["y_tr"][idx]) + gate.regularization()
-            loss.backward()
-            opt.step()
-            gate.track(step)
-            w = gate._last_weights[0]          # the weights of this step's forward (before the update)
-            support = tuple(torch.nonzero(w).flatten().tolist())
-            if prev_support is not None and support != prev_support:
-                changes += 1
-                if step >= total // 2:
-                    changes_late += 1
-            prev_support = support
-            if record_traj and step % every == 0:
-                traj.append([round(v, 5) for v in w.tolist()])
-            step += 1
+    for _, step, idx in minibatches(s.n_train, s.batch, s.epochs, gen, drop_last=False):
+        gate.on_step(step, total)
+        opt.zero_grad()
+        loss = bce(_forward(gate, prob, prob["x_tr"][idx]), prob["y_tr"][idx]) + gate.regularization()
+        loss.backward()
+        opt.step()
+        gate.track(step)
+        w = gate._last_weights[0]          # the weights of this step's forward (before the update)
+        support = tuple(torch.nonzero(w).flatten().tolist())
+        if prev_support is not None and support != prev_support:
+            changes += 1
+            if step >= total // 2:
+                changes_late += 1
+        prev_support = support
+        if record_traj and step % every == 0:
+            traj.append([round(v, 5) for v in w.tolist()])
     with torch.no_grad():
         logits = _forward(gate, prob, prob["x_va"])
         val_loss = float(bce(logits, prob["y_va"]))

@@ -32,7 +32,8 @@ from routelab.gates.mtl_gate import uniform_init
 from routelab.layers import StackedLinear
 
 from ..runner import append_jsonl_atomic, atomic_write_text, completed_keys, read_jsonl
-from .common import GATE_LABELS, Timer, fmt_mean_se, log, md_table, mean_se, provenance, write_csv
+from .common import (GATE_LABELS, Timer, fmt_mean_se, log, md_table, mean_se, minibatches, provenance,
+                     steps_per_epoch, write_csv)
 
 __all__ = ["SyntheticSettings", "FULL", "QUICK", "run_synthetic", "make_data", "random_gate_jaccard"]
 
@@ -207,23 +208,17 @@ def train_one(kind: str, tasks: int, seed: int, s: SyntheticSettings,
     bank = StaticGateBank(kind, tasks, n, min(K, n), gamma=s.gamma, entropy_reg=ent, anneal=s.anneal,
                           generator=g)
     opt = torch.optim.Adam(list(experts.parameters()) + list(bank.parameters()), lr=s.lr)
-    steps_per_epoch = s.n_train // s.batch
-    total = s.epochs * steps_per_epoch
-    step = 0
+    total = s.epochs * steps_per_epoch(s.n_train, s.batch)
     binary_step = None
-    for _ in range(s.epochs):
-        perm = torch.randperm(s.n_train, generator=g)
-        for i in range(steps_per_epoch):
-            idx = perm[i * s.batch:(i + 1) * s.batch]
-            bank.on_step(step, total)
-            opt.zero_grad()
-            out = experts(x_tr[idx]).squeeze(-1) @ bank().T                    # [B, T]
-            loss = ((out - y_tr[idx]) ** 2).mean(0).sum() / tasks + bank.aux / tasks
-            loss.backward()
-            opt.step()
-            if kind == "dselect_static" and binary_step is None and all(bank.is_binary()):
-                binary_step = step
-            step += 1
+    for _, step, idx in minibatches(s.n_train, s.batch, s.epochs, g):
+        bank.on_step(step, total)
+        opt.zero_grad()
+        out = experts(x_tr[idx]).squeeze(-1) @ bank().T                    # [B, T]
+        loss = ((out - y_tr[idx]) ** 2).mean(0).sum() / tasks + bank.aux / tasks
+        loss.backward()
+        opt.step()
+        if kind == "dselect_static" and binary_step is None and all(bank.is_binary()):
+            binary_step = step
     with torch.no_grad():
         w = bank()
         out = experts(x_te).squeeze(-1) @ w.T
