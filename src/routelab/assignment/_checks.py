@@ -6,6 +6,7 @@ bad input fails early with a ``ValueError`` that names the argument and says how
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 
@@ -22,7 +23,10 @@ def check_score_matrix(x: Tensor, name: str, *, allow_neg_inf: bool = True) -> N
             f"{tuple(x.shape)}; add a trailing experts dimension, e.g. {name}.unsqueeze(-1)"
         )
     if not x.is_floating_point():
-        raise ValueError(f"{name} must be a floating tensor (float32 or float64), got {x.dtype}; use {name}.float()")
+        raise ValueError(
+            f"{name} must be a floating tensor (float16, bfloat16, float32 or float64), got {x.dtype}; "
+            f"use {name}.float()"
+        )
     if x.shape[-2] == 0 or x.shape[-1] == 0:
         raise ValueError(f"{name} must have at least one token and one expert, got shape {tuple(x.shape)}")
     if x.numel() == 0:
@@ -37,35 +41,37 @@ def check_score_matrix(x: Tensor, name: str, *, allow_neg_inf: bool = True) -> N
         raise ValueError(f"{name} contains -inf, which is not allowed here; clamp it to a finite value")
 
 
-def resolve_capacity(n: int, k: int, capacity: int | None) -> int:
+def resolve_capacity(n: int, k: int, capacity: int | None, name: str = "capacity") -> int:
     """The per-expert capacity ``c`` for ``n`` tokens and ``k`` experts.
 
     ``None`` means the balanced capacity ``n / k``, which requires ``k`` to divide ``n``.
-    Raises ``ValueError`` when ``c * k < n`` (some token could not be placed).
+    Raises ``ValueError`` (naming the argument ``name``) for anything but a positive integer
+    (an integral float such as ``4.0`` is accepted; ``inf``, NaN, fractions and bools are not)
+    and when ``c * k < n`` (some token could not be placed).
     """
     if capacity is None:
         if n % k != 0:
             raise ValueError(
                 f"n={n} tokens are not divisible by k={k} experts, so the balanced capacity n/k is not an "
-                f"integer; pass capacity=ceil(n/k)={-(-n // k)} (or larger) explicitly"
+                f"integer; pass {name}=ceil(n/k)={-(-n // k)} (or larger) explicitly"
             )
         return n // k
     if isinstance(capacity, bool):
-        raise ValueError(f"capacity must be a positive integer, got the bool {capacity!r}")
+        raise ValueError(f"{name} must be a positive integer, got the bool {capacity!r}")
     if not isinstance(capacity, int):
         try:
             as_int = int(capacity)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError, RuntimeError):
             as_int = None
         if as_int is None or as_int != capacity:
-            raise ValueError(f"capacity must be a positive integer, got {capacity!r}")
+            raise ValueError(f"{name} must be a positive integer (tokens per expert), got {capacity!r}")
         capacity = as_int
     if capacity < 1:
-        raise ValueError(f"capacity must be a positive integer, got {capacity}")
+        raise ValueError(f"{name} must be a positive integer, got {capacity}")
     if capacity * k < n:
         raise ValueError(
-            f"capacity={capacity} with k={k} experts holds only {capacity * k} tokens but n={n} must be "
-            f"placed; use capacity >= ceil(n/k) = {-(-n // k)}"
+            f"{name}={capacity} with k={k} experts holds only {capacity * k} tokens but n={n} must be "
+            f"placed; use {name} >= ceil(n/k) = {-(-n // k)}"
         )
     return capacity
 
@@ -79,3 +85,12 @@ def check_tau(tau: float) -> float:
     if not t >= 0.0 or t == float("inf"):
         raise ValueError(f"tau must be a finite non-negative number, got {tau!r}")
     return t
+
+
+def check_generator(generator: object, name: str = "generator") -> None:
+    """``None`` or a ``torch.Generator``; anything else is a ``TypeError`` naming ``name``."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"{name} must be a torch.Generator or None, got {type(generator).__name__}; "
+            f"make one with torch.Generator().manual_seed(seed)"
+        )

@@ -18,7 +18,15 @@ def log_softmax(x: Tensor) -> Tensor:
     k = x.shape[-1]
     if k > SMALL_K:
         return torch.log_softmax(x, dim=-1)
-    return x - logsumexp(x).unsqueeze(-1)
+    # (x - max) - log(sum): subtracting the maximum first keeps the normalisation exact at any
+    # magnitude (max + log(sum) would round log(sum) away once |max| >> 1).
+    top = amax(x)
+    safe = torch.where(torch.isinf(top), torch.zeros_like(top), top).unsqueeze(-1)
+    shifted = x - safe
+    total = torch.exp(shifted[..., 0])
+    for j in range(1, k):
+        total = total + torch.exp(shifted[..., j])
+    return shifted - torch.log(total).unsqueeze(-1)
 
 
 def logsumexp(x: Tensor) -> Tensor:

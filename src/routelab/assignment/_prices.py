@@ -341,6 +341,11 @@ def approximate_prices(
         # this temperature for another step (within the step budget) instead of cooling.
         if at_level >= LEVEL_STEPS or not clipped:
             level, at_level = level + 1, 0
+    # The prices only warm-start the exact phase: an instance whose steps went non-finite (no
+    # input known to do this once the scores are normalised) starts from zero prices instead.
+    bad = ~np.isfinite(u_host).all(-1)
+    if bad.any():
+        u_host[bad] = 0.0
     return torch.from_numpy(u_host).to(dtype=S.dtype, device=S.device)
 
 

@@ -22,10 +22,12 @@ import threading
 
 import torch
 
-__all__ = ["scratch", "clear", "SCORES_A", "SCORES_B"]
+__all__ = ["scratch", "clear", "NORMALISED", "SCORES_A", "SCORES_B"]
 
 SCORES_A = "scores-sized.a"
 SCORES_B = "scores-sized.b"
+#: The normalised scores every phase of the balanced-assignment solver reads.
+NORMALISED = "scores-sized.normalised"
 #: The largest scratch tensor kept between calls (a one-off huge batch should not pin its memory).
 MAX_CACHED_BYTES = 64 << 20
 

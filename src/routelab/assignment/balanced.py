@@ -38,10 +38,11 @@ import torch
 from torch import Tensor
 
 from ._checks import check_score_matrix, resolve_capacity
+from ._normalise import compute_dtype, normalise_scores
 from ._groups import rank_within_groups, slot_table
 from ._ops import top_two
 from ._prices import approximate_prices
-from ._workspace import SCORES_A, SCORES_B, scratch
+from ._workspace import NORMALISED, SCORES_A, SCORES_B, scratch
 from .shortest_paths import floyd_warshall, functional_graph_cycles, relax
 
 __all__ = ["balanced_assignment", "solve_balanced", "BalancedSolution", "expert_graph"]
@@ -57,15 +58,18 @@ class BalancedSolution:
 
     Attributes:
         expert: ``[B, n]`` optimal expert per token.
-        scores: ``[B, n, k]`` the finite working scores the solver optimised.
-        arc_cost: ``[B, k, k]`` expert-graph arc costs at the optimum (move and release arcs).
+        arc_cost: ``[B, k, k]`` float64 expert-graph arc costs at the optimum (move and release
+            arcs), in units of the normalised scores: multiply by ``2 ** log2_scale`` for the
+            units of the input scores.
+        log2_scale: ``[B]`` long, the exponent the solver took out of the scores
+            (:func:`routelab.assignment._normalise.normalise_scores`).
         capacity: the capacity ``c``.
         rounds: number of cycle-cancelling rounds that were run.
     """
 
     expert: Tensor
-    scores: Tensor
     arc_cost: Tensor
+    log2_scale: Tensor
     capacity: int
     rounds: int
 
@@ -73,9 +77,16 @@ class BalancedSolution:
 def balanced_assignment(scores: Tensor, capacity: int | None = None) -> Tensor:
     """The exact maximiser of ``sum_i scores[i, z_i]`` with at most ``capacity`` tokens per expert.
 
+    Exact means: no other feasible assignment beats it by more than the rounding of the scores'
+    dtype relative to their spread (``n (k + 1) 4 eps max_i (max_j s_ij - min_j s_ij)``), at any
+    magnitude and under any common or per-token offset: the solver works on row-shifted scores
+    scaled by a power of two (:mod:`routelab.assignment._normalise`), which has the same
+    maximisers. float16 and bfloat16 scores are solved in float32 (converted exactly).
+
     Args:
         scores: ``[..., n, k]`` floating scores of ``n`` tokens for ``k`` experts, batched over the
-            leading dimensions. ``-inf`` marks a forbidden (token, expert) pair.
+            leading dimensions (which may be empty). ``-inf`` marks a forbidden (token, expert)
+            pair.
         capacity: tokens each expert may take; default ``n / k`` (then ``k`` must divide ``n``).
 
     Returns:
@@ -91,16 +102,27 @@ def balanced_assignment(scores: Tensor, capacity: int | None = None) -> Tensor:
 
 
 def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "scores") -> BalancedSolution:
-    """Validate, solve and certify; returns the flattened :class:`BalancedSolution`."""
+    """Validate, normalise, solve and certify; returns the flattened :class:`BalancedSolution`."""
     check_score_matrix(scores, name)
     n, k = scores.shape[-2], scores.shape[-1]
     c = min(resolve_capacity(n, k, capacity), n)
-    original = scores.detach().reshape(-1, n, k)
-    S, forbidden, scale = _working_scores(original)
+    flat = scores.detach().reshape(-1, n, k)
+    B, dev = flat.shape[0], scores.device
+    if B == 0:
+        return BalancedSolution(
+            expert=torch.zeros((0, n), dtype=torch.long, device=dev),
+            arc_cost=torch.zeros((0, k, k), dtype=torch.float64, device=dev),
+            log2_scale=torch.zeros(0, dtype=torch.long, device=dev),
+            capacity=c,
+            rounds=0,
+        )
+    work = compute_dtype(scores.dtype)
+    normalised, log2_scale = normalise_scores(flat.to(work), out=scratch(NORMALISED, flat.shape, work, dev))
+    S, forbidden, scale = _working_scores(normalised)
     if k <= 2:
         z, rounds = _two_experts(S, c), 0
         if k == 1:
-            arc_cost = torch.zeros((z.shape[0], 1, 1), dtype=torch.float64, device=S.device)
+            arc_cost = torch.zeros((B, 1, 1), dtype=torch.float64, device=dev)
         else:
             arc_cost = _two_expert_graph(S, z, c, _release_weight(S))
     else:
@@ -122,13 +144,14 @@ def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "
         )
     if forbidden is not None and k > 1:
         # The graph for the conditionals must not move a token onto a forbidden expert: rebuild
-        # it from the original scores, where such a move costs +inf instead of the penalty.
+        # it from the scores with their -inf entries, where such a move costs +inf instead of
+        # the penalty.
         if k == 2:
-            arc_cost = _two_expert_graph(original, z, c, _release_weight(S))
+            arc_cost = _two_expert_graph(normalised, z, c, _release_weight(S))
         else:
             holder, counts = slot_table(z, k, c)
-            arc_cost, _, _ = expert_graph(original, holder, counts, c)
-    return BalancedSolution(expert=z, scores=S, arc_cost=arc_cost, capacity=c, rounds=rounds)
+            arc_cost, _, _ = expert_graph(normalised, holder, counts, c)
+    return BalancedSolution(expert=z, arc_cost=arc_cost, log2_scale=log2_scale, capacity=c, rounds=rounds)
 
 
 def _working_scores(S: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
@@ -216,8 +239,10 @@ def _initial_assignment(S: Tensor, c: int) -> Tensor:
 
     Every unplaced token proposes to its best expert with a free slot; each expert accepts the
     proposals with the largest margin (best minus second best score) up to its free capacity.
-    At least one expert fills up per round unless all proposals are accepted, so this ends in at
-    most ``k`` rounds.
+    Every proposal goes to an expert with a free slot (full experts are at ``-inf`` and the
+    scores are finite), and an expert accepts ``min(proposals, free slots) >= 1`` of them; so a
+    round either places every pending token or fills at least one expert, and this ends within
+    ``k + 1`` rounds (the loop's bound; running past it raises ``RuntimeError``).
 
     Args:
         S: ``[B, n, k]`` finite scores.
@@ -234,7 +259,9 @@ def _initial_assignment(S: Tensor, c: int) -> Tensor:
     pi = torch.arange(n, device=dev).repeat(B)
     rows = S.reshape(B * n, k)
     first = True
-    while pb.numel() > 0:
+    for _ in range(k + 1):
+        if pb.numel() == 0:
+            return z
         if first:  # every expert is free and every token pending: all n x k scores
             first = False
             w1, j, w2 = top_two(rows, scratch(SCORES_B, rows.shape, S.dtype, dev))
@@ -259,7 +286,9 @@ def _initial_assignment(S: Tensor, c: int) -> Tensor:
         z[pb[ok], pi[ok]] = j[ok]
         free.view(-1).scatter_add_(0, group[ok], torch.full_like(group[ok], -1))
         pb, pi = pb[~ok], pi[~ok]
-    return z
+    if pb.numel() == 0:
+        return z
+    raise RuntimeError("balanced_assignment: the start placed no token in a round; please report this input")
 
 
 def _spread_ties(W: Tensor, best: Tensor, token: Tensor, free: Tensor, inst: Tensor) -> Tensor:
@@ -319,8 +348,8 @@ def _move_costs(
         out = out.view(flat.numel(), k)
     rows = torch.index_select(S.reshape(B * n, k), 0, flat, out=out).view(-1, c, k)  # [r, c, k]
     own = rows.gather(-1, experts.view(-1, 1, 1).expand(-1, c, 1))  # [r, c, 1]: s[i, a]
-    empty = torch.zeros(tokens.shape, dtype=S.dtype, device=S.device).masked_fill_(tokens >= n, float("inf"))
-    own.add_(empty.unsqueeze(-1))  # an empty slot moves nothing: +inf
+    # An empty slot moves nothing: +inf (set, not added: the stand-in row may hold -inf).
+    own.masked_fill_((tokens >= n).unsqueeze(-1), float("inf"))
     return torch.sub(own, rows, out=rows).view(shape)
 
 

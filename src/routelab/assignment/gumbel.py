@@ -20,12 +20,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._checks import check_score_matrix, check_tau
+from ._checks import check_generator, check_score_matrix, check_tau
+from ._normalise import compute_dtype, ldexp, perturbed_scores
 from .balanced import solve_balanced
-from ._ops import log_softmax
 from .shortest_paths import floyd_warshall
 
 __all__ = ["GumbelMatching", "gumbel_matching", "base_assignment", "sample_gumbel"]
+
+# At tau = 0, experts whose a - d* is within this many (k + 1) rounding units of the best (in the
+# normalised scores, spread <= 1) count as tied maximisers: the certificate's own guard is 4.
+_TIE_GUARD = 16.0
 
 
 @dataclass
@@ -36,9 +40,12 @@ class GumbelMatching:
         expert: ``[..., n]`` long, the sampled balanced assignment.
         conditional_log_probs: ``[..., n, k]``, ``log q(z_i = j | A, G_-i)`` (eq. 9); each row is a
             normalised distribution over experts; ``-inf`` for forbidden pairs.
-        scores: ``[..., n, k]`` the perturbed scores ``logits / tau + gumbels`` that were maximised.
+        scores: ``[..., n, k]`` the perturbed scores ``logits / tau + gumbels`` that were maximised
+            (the solver works on a normalised form of them, so where this product overflows the
+            dtype, it holds ``+-inf`` while the assignment is still exact).
         gumbels: ``[..., n, k]`` the Gumbel noise used (zeros when ``tau == 0``).
-        shortest_paths: ``[..., k, k]`` ``d*`` of the optimal expert graph (float64), whose
+        shortest_paths: ``[..., k, k]`` ``d*`` of the optimal expert graph (float64, in the units
+            of ``scores``), whose
             arcs move one token or release a free slot (:mod:`routelab.assignment.balanced`).
         capacity: capacity per expert that was enforced.
         tau: the temperature.
@@ -59,7 +66,14 @@ class GumbelMatching:
 
 def sample_gumbel(shape: torch.Size | tuple[int, ...], *, dtype: torch.dtype = torch.float32,
                   device: torch.device | str | None = None, generator: torch.Generator | None = None) -> Tensor:
-    """I.i.d. standard Gumbel noise ``-log(-log U)``, drawn only through ``generator``."""
+    """I.i.d. standard Gumbel noise ``-log(-log U)``, drawn only through ``generator``.
+
+    ``U`` is clamped to ``[tiny, 1 - eps]``, so the noise is finite (within about ``[-4.5, 16.6]``
+    in float32). Half-precision dtypes are drawn in float32 and rounded.
+    """
+    check_generator(generator)
+    if dtype in (torch.float16, torch.bfloat16):
+        return sample_gumbel(shape, dtype=torch.float32, device=device, generator=generator).to(dtype)
     u = torch.rand(shape, dtype=dtype, device=device, generator=generator)
     tiny = torch.finfo(dtype).tiny
     return -torch.log(-torch.log(u.clamp(min=tiny, max=1.0 - torch.finfo(dtype).eps)))
@@ -75,9 +89,15 @@ def gumbel_matching(
 ) -> GumbelMatching:
     """Sample a balanced assignment from the n x k Gumbel-Matching distribution, with conditionals.
 
+    Numerics: the perturbed scores are never formed for the solver; it works on their row-shifted,
+    power-of-two-scaled form (:func:`routelab.assignment._normalise.perturbed_scores`), so any
+    finite logits and any ``tau >= 0`` give the exact assignment and normalised conditionals
+    (``tau = 1e-30`` or ``1e300``-scale float64 logits included). float16/bfloat16 logits are
+    computed in float32, and every floating output is then float32.
+
     Args:
         logits: ``[..., n, k]`` unnormalised log-probabilities ``a[i, j]`` (``-inf`` forbids a pair).
-        tau: temperature (> 0); ``tau = 0`` is the deterministic BASE-layers assignment
+        tau: temperature (>= 0); ``tau = 0`` is the deterministic BASE-layers assignment
             (no noise; the conditionals are then the one-hot limit).
         capacity: tokens per expert; default ``n / k`` (``k`` must divide ``n``).
         gumbels: ``[..., n, k]`` noise to use instead of sampling it (for reproducing a sample or
@@ -90,43 +110,49 @@ def gumbel_matching(
     """
     check_score_matrix(logits, "logits")
     t = check_tau(tau)
+    check_generator(generator)
+    work = compute_dtype(logits.dtype)
+    a = logits.detach().to(work)
     if gumbels is not None:
         if not isinstance(gumbels, Tensor) or gumbels.shape != logits.shape:
             got = tuple(gumbels.shape) if isinstance(gumbels, Tensor) else type(gumbels).__name__
             raise ValueError(f"gumbels must be a tensor with the shape of logits {tuple(logits.shape)}, got {got}")
-        if not bool(torch.isfinite(gumbels).all()):
-            raise ValueError("gumbels must be finite (sample them with routelab.assignment.sample_gumbel)")
-        g = gumbels.to(dtype=logits.dtype, device=logits.device)
-        if t == 0.0:
-            g = torch.zeros_like(logits)  # the deterministic limit uses no noise
-    elif t == 0.0:
-        g = torch.zeros_like(logits)
+        if not gumbels.is_floating_point() or not bool(torch.isfinite(gumbels).all()):
+            raise ValueError("gumbels must be finite floats (sample them with routelab.assignment.sample_gumbel)")
+    if t == 0.0:
+        g = torch.zeros_like(a)  # the deterministic limit uses no noise
+    elif gumbels is not None:
+        g = gumbels.detach().to(dtype=work, device=logits.device)
     else:
-        g = sample_gumbel(logits.shape, dtype=logits.dtype, device=logits.device, generator=generator)
-    a = logits.detach()
-    scaled = a if t == 0.0 else a / t
-    scores = scaled if t == 0.0 else scaled + g
-    sol = solve_balanced(scores, capacity, name="logits")
+        g = sample_gumbel(logits.shape, dtype=work, device=logits.device, generator=generator)
     n, k = logits.shape[-2], logits.shape[-1]
-    d = floyd_warshall(sol.arc_cost)  # [B, k, k], float64
+    batch = logits.shape[:-2]
+    flat = a.reshape(-1, n, k)
+    S, A, E = perturbed_scores(flat, t, None if t == 0.0 else g.reshape(-1, n, k))
+    sol = solve_balanced(S, capacity, name="logits")
     z = sol.expert  # [B, n]
+    # d* in the units of S (the solver normalised S once more by 2^log2_scale).
+    d = ldexp(floyd_warshall(sol.arc_cost), sol.log2_scale)  # [B, k, k], float64
     # d_to[b, i, j] = d*[j, z_i]: cheapest way to refill the slot token i leaves.
     d_to = d.transpose(-1, -2).gather(1, z.unsqueeze(-1).expand(-1, -1, k))
+    val = A.to(torch.float64) - d_to  # the a / tau - d* of eq. 9, in units of 2^E
+    top = val.amax(-1, keepdim=True)
+    shifted = val - torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # <= 0, 0 at the best
     if t == 0.0:
-        # tau -> 0 limit of log_softmax((a - tau * d) / tau): mass on the maximisers of a - d.
-        val = scaled.reshape(-1, n, k).to(torch.float64) - d_to
-        best = val.amax(-1, keepdim=True)
-        hit = (val >= best - 1e-9 * best.abs().clamp(min=1.0))
+        # tau -> 0 limit of log_softmax((a - tau d) / tau): mass on the maximisers of a - d*. The
+        # sampled expert is one (the certificate of the solve); others within its rounding guard
+        # (relative to the normalised spread, 1) count as ties.
+        hit = shifted >= -_TIE_GUARD * (k + 1) * torch.finfo(work).eps
+        hit.scatter_(-1, z.unsqueeze(-1), True)
         log_q = torch.where(hit, -torch.log(hit.sum(-1, keepdim=True).to(torch.float64)), torch.full_like(val, float("-inf")))
     else:
-        log_q = log_softmax(scaled.reshape(-1, n, k).to(torch.float64) - d_to)
-    batch = logits.shape[:-2]
+        log_q = torch.log_softmax(ldexp(shifted, E), dim=-1)
     return GumbelMatching(
         expert=z.view(*batch, n),
-        conditional_log_probs=log_q.to(logits.dtype).view(*batch, n, k),
-        scores=scores,
+        conditional_log_probs=log_q.to(work).view(*batch, n, k),
+        scores=a if t == 0.0 else a / t + g,
         gumbels=g,
-        shortest_paths=d.view(*batch, k, k),
+        shortest_paths=ldexp(d, E).view(*batch, k, k),
         capacity=sol.capacity,
         tau=t,
     )
@@ -145,5 +171,4 @@ def base_assignment(logits: Tensor, capacity: int | None = None) -> Tensor:
     Returns:
         ``[..., n]`` long expert per token.
     """
-    check_score_matrix(logits, "logits")
     return solve_balanced(logits, capacity, name="logits").expert.view(logits.shape[:-1])
