@@ -48,20 +48,30 @@ def ldexp(x: Tensor, e: Tensor) -> Tensor:
         e: ``[B]`` integer exponents.
 
     Returns:
-        ``[B, ...]`` tensor of ``x``'s dtype.
+        ``[B, ...]`` tensor of ``x``'s dtype (``x`` itself when every exponent is 0).
     """
-    info = torch.finfo(x.dtype)
-    chunk = int(math.log2(info.max)) - 2  # 2^chunk and 2^-chunk are normal numbers
+    if e.numel() == 0:
+        return x
+    lo, hi = torch.stack(torch.aminmax(e.to(torch.long))).tolist()  # one host synchronisation
+    return _ldexp_bounded(x, e, max(-lo, hi))
+
+
+def _ldexp_bounded(x: Tensor, e: Tensor, bound: int) -> Tensor:
+    """:func:`ldexp` given ``bound >= max |e|`` (known on the host: no synchronisation)."""
+    if bound == 0:
+        return x
+    chunk = _chunk(x.dtype)
     rem = e.to(torch.long).view((-1,) + (1,) * (x.ndim - 1))
-    # |e| <= 2 * (max exponent + mantissa bits) for the exponents used in routelab, so this loop
-    # runs at most three times; the bound below is a guard, never reached.
-    for _ in range(64):
-        if not bool(rem.any()):
-            break
+    for _ in range(-(-bound // chunk)):  # 3 rounds at most for any exponent routelab forms
         step = rem.clamp(min=-chunk, max=chunk)
         x = x * torch.pow(2.0, step.to(x.dtype))
         rem = rem - step
     return x
+
+
+def _chunk(dtype: torch.dtype) -> int:
+    """The largest ``c`` with ``2^c`` and ``2^-c`` normal numbers of ``dtype`` (with margin)."""
+    return int(math.log2(torch.finfo(dtype).max)) - 2
 
 
 def _exponent(x: Tensor) -> Tensor:
@@ -87,33 +97,33 @@ def normalise_scores(S: Tensor, out: Tensor | None = None) -> tuple[Tensor, Tens
         ``S - rowmax = 2^e * normalised`` (up to the shift's rounding). Instances whose entries
         are all equal keep ``e = 0``.
     """
+    if S.shape[0] == 0:
+        return S.clone(), torch.zeros(0, dtype=torch.long, device=S.device)
     e_pre = 0
-    forbidden = None
     # Two passes at most: the second only when a spread beyond the dtype's range made the shift
     # overflow; a quarter of every score (exact) cannot overflow.
     for attempt in range(2):
         shifted = torch.sub(S, _finite_row_max(S), out=out) if out is not None else S - _finite_row_max(S)
         spread = -shifted.amin(dim=(-2, -1))
-        if bool(torch.isinf(spread).any()):  # forbidden pairs, or a shift that overflowed
-            forbidden = torch.isneginf(S)
-            if attempt == 0 and bool((torch.isneginf(shifted) != forbidden).any()):
-                S, e_pre = S * 0.25, 2
-                continue
-            spread = -shifted.masked_fill(forbidden, 0.0).amin(dim=(-2, -1))
+        e = _exponent(spread)
+        # One host synchronisation in the usual case: is there a -inf, and the exponents' range.
+        has_inf, lo, hi = torch.stack([torch.isinf(spread).any().long(), e.min(), e.max()]).tolist()
+        if not has_inf:
+            break
+        forbidden = torch.isneginf(S)  # forbidden pairs, or a shift that overflowed
+        if attempt == 0 and bool((torch.isneginf(shifted) != forbidden).any()):
+            S, e_pre = S * 0.25, 2
+            continue
+        spread = -shifted.masked_fill(forbidden, 0.0).amin(dim=(-2, -1))
+        e = _exponent(spread)
+        lo, hi = torch.stack([e.min(), e.max()]).tolist()
         break
-    e = _exponent(spread)
-    if bool(e.any()):
-        shifted = _scale_inplace(shifted, -e)
+    bound = max(-lo, hi)
+    if 0 < bound <= _chunk(S.dtype):  # the usual case: one multiplication, in place
+        shifted = shifted.mul_(torch.pow(2.0, (-e).to(S.dtype)).view(-1, 1, 1))
+    else:
+        shifted = _ldexp_bounded(shifted, -e, bound)
     return shifted, e + e_pre
-
-
-def _scale_inplace(x: Tensor, e: Tensor) -> Tensor:
-    """``x * 2^e`` per instance, in place where one chunk suffices (the usual case)."""
-    info = torch.finfo(x.dtype)
-    chunk = int(math.log2(info.max)) - 2
-    if bool((e.abs() <= chunk).all()):
-        return x.mul_(torch.pow(2.0, e.to(x.dtype)).view((-1,) + (1,) * (x.ndim - 1)))
-    return ldexp(x, e)
 
 
 def perturbed_scores(a: Tensor, tau: float, g: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._checks import check_generator, check_score_matrix, check_tau
+from ._checks import check_generator, check_score_matrix, check_tau, resolve_capacity
 from ._normalise import compute_dtype, ldexp, perturbed_scores
 from .balanced import solve_balanced
 from .shortest_paths import floyd_warshall
@@ -111,6 +111,7 @@ def gumbel_matching(
     check_score_matrix(logits, "logits")
     t = check_tau(tau)
     check_generator(generator)
+    capacity = resolve_capacity(logits.shape[-2], logits.shape[-1], capacity)  # before any work
     work = compute_dtype(logits.dtype)
     a = logits.detach().to(work)
     if gumbels is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor
 
@@ -27,7 +29,10 @@ def sinkhorn(
 
     Args:
         log_p: ``[..., n, k]`` log-probabilities (any per-row scale is fine: only ratios within a
-            row and column matter). ``-inf`` entries (impossible pairs) stay ``-inf``.
+            row and column matter). ``-inf`` entries (impossible pairs) stay ``-inf``. float16
+            and bfloat16 input is balanced in float32 and returned in its own dtype (the
+            tolerance floor below then uses that dtype's ``eps``). An empty batch (a leading
+            dimension of size 0) gives an empty result of the same shape.
         col_sum: target column sums, a number or a ``[..., k]`` tensor (broadcast over the batch);
             default ``n / k``. They must be non-negative and add up to ``n``.
         tol: largest absolute error of any column sum at convergence. It is floored at
@@ -48,23 +53,35 @@ def sinkhorn(
     n, k = log_p.shape[-2], log_p.shape[-1]
     if not (isinstance(max_iter, int) and max_iter >= 1):
         raise ValueError(f"max_iter must be a positive integer, got {max_iter!r}")
-    if not tol > 0:
-        raise ValueError(f"tol must be positive, got {tol!r}")
+    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not tol > 0:
+        raise ValueError(f"tol must be positive (a number > 0), got {tol!r}")
+    out_dtype = log_p.dtype
+    if out_dtype not in (torch.float32, torch.float64):  # half precision: balance in float32
+        log_p = log_p.float()
     target = _target_columns(col_sum, log_p, n, k)
 
     finite = torch.isfinite(log_p)
-    if bool((~finite.any(-1)).any()):
-        raise ValueError("log_p has a row that is all -inf: that token has no expert, so rows cannot sum to 1")
-    if bool(((~finite.any(-2)) & (target > 0)).any()):
+    dead_row = ~finite.any(-1)
+    dead_col = (~finite.any(-2)) & (target > 0)
+    bad_row, bad_col = torch.stack([dead_row.any(), dead_col.any()]).tolist()
+    if bad_row:
+        where = tuple(dead_row.nonzero()[0].tolist())
+        entry = f" of batch entry {where[:-1]}" if len(where) > 1 else ""
+        raise ValueError(
+            f"log_p has a row that is all -inf (row {where[-1]}{entry}): that token has no expert, so rows "
+            f"cannot sum to 1; give every token at least one finite entry"
+        )
+    if bad_col:
         raise ValueError("log_p has a column that is all -inf but a positive col_sum: that target cannot be met")
 
-    # Below a few rounding errors of a sum of n terms of size up to max(1, target) the dtype
-    # cannot resolve column errors, so the tolerance is floored there.
-    resolution = 4 * torch.finfo(log_p.dtype).eps * n**0.5 * max(1.0, float(target.max()))
+    # Below a few rounding errors of a sum of n terms of size up to max(1, target) the output
+    # dtype cannot resolve column errors, so the tolerance is floored there.
+    top = float(target.detach().max()) if target.numel() else 0.0
+    resolution = 4 * torch.finfo(out_dtype).eps * n**0.5 * max(1.0, top)
     eff_tol = max(tol, resolution)
     x, err = balance(log_p, target, tol=eff_tol, max_iter=max_iter)
     if err <= eff_tol:
-        return x
+        return x if x.dtype == out_dtype else x.to(out_dtype)
     raise ValueError(
         f"sinkhorn did not converge in max_iter={max_iter} sweeps: column sums are off by up to {err:.3g} "
         f"(tol={eff_tol:g}). The -inf pattern may make the marginals infeasible; otherwise raise max_iter or tol"
@@ -85,6 +102,8 @@ def balance(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) -> tupl
         largest column error.
     """
     k = log_p.shape[-1]
+    if log_p.numel() == 0:  # an empty batch: nothing to balance
+        return log_p.clone(), 0.0
     if k == 2:
         fast = _balance_two(log_p, target, tol=tol, max_iter=max_iter)
         if fast is not None:
@@ -102,7 +121,7 @@ def balance(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) -> tupl
     for sweep in range(max_iter + 1):
         col = torch.logsumexp(x, dim=cols, keepdim=True)
         # The error of the current iterate (rows already sum to 1): stop before changing it.
-        err = float((col.exp().squeeze(cols) - target).abs().amax())
+        err = float((col.detach().exp().squeeze(cols) - target.detach()).abs().amax())
         if err <= tol or sweep == max_iter:
             break
         x = x + torch.where(torch.isinf(col), torch.zeros_like(col), log_t - col)
@@ -124,6 +143,8 @@ def _balance_two(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) ->
     of 0 or ``n`` on one side.
     """
     n = log_p.shape[-2]
+    if log_p.numel() == 0:  # an empty batch: nothing to balance
+        return log_p.clone(), 0.0
     d = log_p[..., 1] - log_p[..., 0]  # [..., n]
     t1 = target[..., 1].expand(d.shape[:-1]) if target.ndim > 1 else target[1].expand(d.shape[:-1])
     if not bool(torch.isfinite(d).all()) or bool(((t1 <= 0) | (t1 >= n)).any()):
@@ -139,7 +160,7 @@ def _balance_two(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) ->
     for step in range(max_iter + 1):
         q1 = torch.sigmoid(d + beta)
         f = q1.sum(-1, keepdim=True) - t1
-        err = float(f.abs().amax())
+        err = float(f.detach().abs().amax())
         if err <= tol or step == max_iter:
             break
         lo = torch.where(f < 0, beta, lo)
@@ -158,7 +179,13 @@ def _target_columns(col_sum: float | Tensor | None, log_p: Tensor, n: int, k: in
     if col_sum is None:
         target = torch.full((k,), n / k, dtype=log_p.dtype, device=log_p.device)
     else:
-        target = torch.as_tensor(col_sum, dtype=log_p.dtype, device=log_p.device)
+        bad = f"col_sum must be a number or a [..., k] tensor, got {type(col_sum).__name__}"
+        if isinstance(col_sum, (bool, str, bytes)):
+            raise ValueError(bad)
+        try:
+            target = torch.as_tensor(col_sum, dtype=log_p.dtype, device=log_p.device)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(bad) from None
         if target.ndim == 0:
             target = target.expand(k)
         if target.shape[-1] != k:

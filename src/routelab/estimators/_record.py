@@ -3,10 +3,28 @@ correction of the importance weight and the :class:`~routelab.Routes` record its
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from ..routes import Routes
+
+#: The largest importance weight :func:`~routelab.estimators.sample_routes` returns; larger ones
+#: (a proposal that all but missed the router's mass) are clamped here and counted in
+#: ``stats["weights_clamped"]``. Far above any weight of a useful estimate, far below float32's
+#: range even when summed over a million tokens or multiplied by a large loss.
+MAX_WEIGHT = 1e30
+_LOG_MAX_WEIGHT = math.log(MAX_WEIGHT)
+
+
+def score_limit(dtype: torch.dtype, n: int, k: int) -> float:
+    """``finfo.max / (16 max(n, k))``: how far below a row's best pair a scaled score may be floored.
+
+    Any pair that far below has proposal probability 0 in every float format, and a sum of ``n``
+    such scores stays finite, so the balanced solvers can take them as finite scores.
+    """
+    return torch.finfo(dtype).max / (16 * max(n, k))
 
 
 def skip_correction(method: str, keep: Tensor, load: Tensor, capacity: int) -> Tensor:
@@ -27,7 +45,7 @@ def skip_correction(method: str, keep: Tensor, load: Tensor, capacity: int) -> T
     return (keep.shape[-1] / kept).expand_as(load)
 
 
-def routes_record(expert: Tensor, keep: Tensor, log_p_z: Tensor, log_q_z: Tensor, correction: Tensor,
+def routes_record(expert: Tensor, keep: Tensor, log_p_z: Tensor, log_q_z: Tensor, correction: Tensor | None,
                   balance: Tensor, counts: Tensor) -> Routes:
     """The single-choice :class:`~routelab.Routes` of a sample.
 
@@ -36,15 +54,23 @@ def routes_record(expert: Tensor, keep: Tensor, log_p_z: Tensor, log_q_z: Tensor
         keep: ``[..., n]`` bool.
         log_p_z: ``[..., n]`` router log-probability of the chosen expert (differentiable).
         log_q_z: ``[..., n]`` proposal log-probability the weight corrects for.
-        correction: ``[..., n]`` extra factor of the weight (skip correction, else 1).
+        correction: ``[..., n]`` extra factor of the weight (the skip correction), or ``None`` (1).
         balance: ``[...]`` Switch balance loss.
         counts: ``[..., k]`` kept tokens per expert.
 
     Returns:
-        Routes with ``weight = (p_z / q_z) * correction`` (0 where skipped, detached),
+        Routes with ``weight = (p_z / q_z) * correction`` (0 where skipped, detached), computed
+        in log space and clamped at :data:`MAX_WEIGHT` (``stats["weights_clamped"]`` counts the
+        clamped kept weights per instance; ``p_z = 0`` gives weight 0 whatever ``q_z``),
         ``gate = p_z``, ``log_prob = log p_z``.
     """
-    weight = (torch.exp(log_p_z.detach() - log_q_z) * correction).masked_fill(~keep, 0.0).detach()
+    log_w = log_p_z.detach() - log_q_z.detach()
+    if correction is not None:
+        log_w = log_w + torch.log(correction)
+    # -inf - (-inf) (p = q = 0: a pair only a balanced sample can force) is weight 0, as are skipped tokens.
+    log_w = log_w.nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf).masked_fill_(~keep, -math.inf)
+    clamped = (log_w > _LOG_MAX_WEIGHT).sum(-1)
+    weight = log_w.clamp_(max=_LOG_MAX_WEIGHT).exp_()
     return Routes(
         expert=expert,
         gate=log_p_z.exp(),
@@ -52,6 +78,7 @@ def routes_record(expert: Tensor, keep: Tensor, log_p_z: Tensor, log_q_z: Tensor
         weight=weight,
         log_prob=log_p_z,
         aux={"balance": balance},
-        stats={"tokens_per_expert": counts, "dropped_fraction": (~keep).float().mean(-1)},
+        stats={"tokens_per_expert": counts, "dropped_fraction": (~keep).float().mean(-1),
+               "weights_clamped": clamped},
         single=True,
     )

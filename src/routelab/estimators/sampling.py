@@ -11,19 +11,21 @@ and the capacity did, so that for the unbiased methods and any table ``h``
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor
 
 from ..assignment import gumbel_matching, sample_gumbel
 from ..assignment.sinkhorn import balance
-from ..assignment._checks import check_score_matrix, resolve_capacity
+from ..assignment._checks import check_generator, check_score_matrix, resolve_capacity
 from ..assignment._groups import rank_within_groups
-from ..assignment._ops import SMALL_K, argmax, log_softmax
+from ..assignment._ops import SMALL_K, amax, argmax, log_softmax
 from ..routes import Routes
-from ._record import routes_record, skip_correction
+from ._record import MAX_WEIGHT, routes_record, score_limit, skip_correction
 from .two_experts import sample_two
 
-__all__ = ["METHODS", "UNBIASED_METHODS", "CAPPED_METHODS", "sample_routes", "switch_balance_loss"]
+__all__ = ["MAX_WEIGHT", "METHODS", "UNBIASED_METHODS", "CAPPED_METHODS", "sample_routes", "switch_balance_loss"]
 
 #: Every routing method, named as in Kool et al. (2021), Sec. 3.
 METHODS: tuple[str, ...] = (
@@ -73,30 +75,50 @@ def sample_routes(
     * ``gumbel_matching_sh`` — the same sample with the Sinkhorn marginals of the proposal as
       ``q`` (a biased heuristic, Sec. 2.3).
 
+    Numerics: the proposal is ``log_softmax((logits - max) / tau)`` per row, so neither a
+    common offset nor a small ``tau`` loses the normalisation; scaled scores below
+    ``-finfo.max / (16 max(n, k))`` (probability 0 in any float format) are floored there for
+    the balanced methods, so that no finite pair becomes forbidden. Importance weights are
+    computed in log space, ``exp(log p - log q + log correction)``, and clamped at
+    :data:`MAX_WEIGHT`: a weight that large means the proposal all but missed the router's
+    mass (the biased ``gumbel_matching`` and ``gumbel_matching_sh`` force tokens onto experts of
+    proposal probability ``exp(-1000)`` at small ``tau``); ``stats["weights_clamped"]`` counts
+    the clamped weights per instance, and an estimate with clamped weights is biased by at most
+    the router mass ``p`` of those pairs. No weight is ever inf or NaN.
+
     Args:
-        logits: ``[..., n, k]`` router logits (``-inf`` forbids a pair); gradients flow into
-            ``gate``, ``log_prob`` and ``aux["balance"]``.
+        logits: ``[..., n, k]`` router logits (``-inf`` forbids a pair; every token needs at
+            least one finite logit); gradients flow into ``gate``, ``log_prob`` and
+            ``aux["balance"]``. float16/bfloat16 logits are computed in float32. A leading
+            batch dimension of size 0 gives empty routes of the right shapes.
         method: one of :data:`METHODS`.
         tau: proposal temperature ``> 0``: a number, or a tensor of the batch shape ``[...]``
             (one temperature per instance).
         capacity: tokens per expert for the capped methods; default ``n / k`` (then ``k`` must
             divide ``n``). Ignored by ``sample`` (validated all the same).
         sinkhorn: balance the proposal with Sinkhorn (columns ``n / k``) before sampling.
-        generator: the only source of randomness.
+        generator: the only source of randomness (a :class:`torch.Generator` or ``None``).
 
     Returns:
         :class:`~routelab.routes.Routes` with ``single=True`` and tensors ``[..., n]``:
         ``expert``; ``keep`` (False where capacity skipped the token); ``weight`` (detached
-        importance weight); ``gate = p[expert]`` and ``log_prob = log p[expert]``
-        (differentiable); ``aux["balance"]`` the Switch load-balancing loss ``[...]``;
-        ``stats["tokens_per_expert"]`` ``[..., k]`` and ``stats["dropped_fraction"]`` ``[...]``.
+        importance weight, finite, at most :data:`MAX_WEIGHT`); ``gate = p[expert]`` and
+        ``log_prob = log p[expert]`` (differentiable); ``aux["balance"]`` the Switch
+        load-balancing loss ``[...]``; ``stats["tokens_per_expert"]`` ``[..., k]``,
+        ``stats["dropped_fraction"]`` ``[...]`` and ``stats["weights_clamped"]`` ``[...]``
+        (long). ``gate``, ``log_prob`` and ``aux["balance"]`` have the logits' dtype;
+        ``weight`` has it too, except for float16/bfloat16 logits, whose weights are float32
+        (importance weights need its range and resolution).
 
     Raises:
         ValueError: unknown method (lists the valid ones), ``tau <= 0`` or of the wrong shape,
-            bad logits, or a capacity that cannot hold the tokens.
+            bad logits (NaN, +inf, a row that is all ``-inf``), or a capacity that cannot hold
+            the tokens.
+        TypeError: ``logits`` is not a tensor or ``generator`` is not a ``torch.Generator``.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    check_generator(generator)
     check_score_matrix(logits, "logits")
     n, k = logits.shape[-2], logits.shape[-1]
     batch = logits.shape[:-2]
@@ -109,29 +131,44 @@ def sample_routes(
                 f"divide n={n}; pass capacity=ceil(n/k)={-(-n // k)} (or larger)"
             )
         c = min(resolve_capacity(n, k, capacity), n)
-    T = _temperature(tau, batch, logits)  # [..., 1, 1]
-    if k == 2 and _TWO_EXPERT_FAST_PATH and bool(torch.isfinite(logits).all()):
+    # Half precision is computed in float32 (the cast is differentiable).
+    x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    a = x.detach()
+    two = k == 2 and _TWO_EXPERT_FAST_PATH
+    top = None if two else amax(a)  # [..., n] row maxima, -inf only for a row without an expert
+    # One host sync validates tau and the rows (or, for k = 2, asks whether every logit is finite).
+    T, finite = _temperature(tau, batch, x, top, check_finite=a if two else None)
+    if finite:  # k = 2 and every logit finite
         # Closed forms on the logit difference: same distributions, half the work (two_experts.py).
-        return sample_two(logits, method, T, c, sinkhorn, generator, sinkhorn_tol=SINKHORN_TOL,
-                          sinkhorn_sweeps=SINKHORN_SWEEPS)
+        return _cast_routes(sample_two(x, method, T, c, sinkhorn, generator, sinkhorn_tol=SINKHORN_TOL,
+                                       sinkhorn_sweeps=SINKHORN_SWEEPS), logits.dtype)
+    if top is None:  # k = 2 with -inf logits: the rows are checked here
+        top = amax(a)
+        if bool((top == float("-inf")).any()):
+            _dead_row(top)
 
-    log_p = log_softmax(logits)
-    a = logits.detach()
-    log_q = log_softmax(a / T)
+    log_p = log_softmax(x)
+    scaled = (a - top.unsqueeze(-1)) / T  # shift first: exact at any offset, no overflow at 0
+    log_q = log_softmax(scaled)
     if sinkhorn:
         log_q = _sinkhorn(log_q)
 
-    if method.startswith("sample"):
+    if a.numel() == 0:  # an empty batch: nothing to sample
+        expert = torch.zeros(a.shape[:-1], dtype=torch.long, device=a.device)
+        log_q_z = torch.zeros(expert.shape, dtype=a.dtype, device=a.device)
+        keep = torch.ones_like(expert, dtype=torch.bool)
+        correction = None
+    elif method.startswith("sample"):
         expert = argmax(log_q + sample_gumbel(log_q.shape, dtype=log_q.dtype, device=log_q.device,
                                               generator=generator))
         log_q_z = log_q.gather(-1, expert.unsqueeze(-1)).squeeze(-1)
         keep = torch.ones_like(expert, dtype=torch.bool)
-        correction = torch.ones_like(log_q_z)
+        correction = None
         if method != "sample":
             keep, load = _skip(expert, k, c, generator)
             correction = skip_correction(method, keep, load.to(log_q.dtype), c)
     else:
-        gm = gumbel_matching(a / T, tau=1.0, capacity=c, generator=generator)
+        gm = gumbel_matching(_floor_scores(scaled, a), tau=1.0, capacity=c, generator=generator)
         expert = gm.expert
         if method == "gumbel_matching_iw":
             q_ref = gm.conditional_log_probs
@@ -141,13 +178,13 @@ def sample_routes(
             q_ref = log_q
         log_q_z = q_ref.gather(-1, expert.unsqueeze(-1)).squeeze(-1)
         keep = torch.ones_like(expert, dtype=torch.bool)
-        correction = torch.ones_like(log_q_z)
+        correction = None
 
     log_p_z = log_p.gather(-1, expert.unsqueeze(-1)).squeeze(-1)
     counts = torch.zeros((*batch, k), dtype=torch.long, device=logits.device)
     counts.scatter_add_(-1, expert, keep.long())
-    balance = switch_balance_loss(log_p.exp(), expert, keep)
-    return routes_record(expert, keep, log_p_z, log_q_z, correction, balance, counts)
+    balance = _switch_balance(log_p.exp(), expert, keep)
+    return _cast_routes(routes_record(expert, keep, log_p_z, log_q_z, correction, balance, counts), logits.dtype)
 
 
 def switch_balance_loss(probs: Tensor, expert: Tensor, keep: Tensor | None = None) -> Tensor:
@@ -162,7 +199,29 @@ def switch_balance_loss(probs: Tensor, expert: Tensor, keep: Tensor | None = Non
         ``[...]``: ``f_j`` is the fraction of the ``n`` tokens routed to expert ``j`` (not
         differentiable), ``P_j`` the mean router probability of ``j``. It is 1 when both are
         uniform and grows as routing concentrates.
+
+    Raises:
+        ValueError: ``probs`` not a floating ``[..., n, k]`` tensor, ``expert`` not a long tensor
+            ``[..., n]`` of indices in ``[0, k)``, or ``keep`` of another shape.
     """
+    if not isinstance(probs, Tensor) or probs.ndim < 2 or not probs.is_floating_point():
+        raise ValueError(f"probs must be a floating tensor [..., n, k], got {getattr(probs, 'shape', type(probs))}")
+    n, k = probs.shape[-2], probs.shape[-1]
+    if not isinstance(expert, Tensor) or expert.shape != probs.shape[:-1] or expert.dtype != torch.long:
+        got = (tuple(expert.shape), expert.dtype) if isinstance(expert, Tensor) else type(expert).__name__
+        raise ValueError(f"expert must be a long tensor of shape {tuple(probs.shape[:-1])} (probs without the "
+                         f"experts dimension), got {got}")
+    if keep is not None and (not isinstance(keep, Tensor) or keep.shape != expert.shape):
+        got = tuple(keep.shape) if isinstance(keep, Tensor) else type(keep).__name__
+        raise ValueError(f"keep must be a bool tensor of expert's shape {tuple(expert.shape)}, got {got}")
+    if expert.numel() and bool(((expert < 0) | (expert >= k)).any()):
+        raise ValueError(f"expert must hold indices in [0, k={k}), got values in "
+                         f"[{int(expert.min())}, {int(expert.max())}]")
+    return _switch_balance(probs, expert, keep)
+
+
+def _switch_balance(probs: Tensor, expert: Tensor, keep: Tensor | None) -> Tensor:
+    """:func:`switch_balance_loss` without the argument checks (for valid routes built here)."""
     n, k = probs.shape[-2], probs.shape[-1]
     routed = torch.zeros_like(probs).scatter_(-1, expert.unsqueeze(-1), 1.0)
     if keep is not None:
@@ -171,16 +230,66 @@ def switch_balance_loss(probs: Tensor, expert: Tensor, keep: Tensor | None = Non
     return k * (f.detach() * probs.mean(-2)).sum(-1)
 
 
-def _temperature(tau: float | Tensor, batch: torch.Size, like: Tensor) -> Tensor:
-    """``tau`` as a ``[..., 1, 1]`` tensor, validated ``> 0``."""
+def _temperature(tau: float | Tensor, batch: torch.Size, like: Tensor, top: Tensor | None = None,
+                 check_finite: Tensor | None = None) -> tuple[Tensor, bool]:
+    """``(T, finite)``: ``tau`` as a ``[..., 1, 1]`` tensor, validated ``> 0``, in one host sync.
+
+    The same sync also checks, given ``top`` (the row maxima of the logits), that no row is all
+    ``-inf``, and reports whether every entry of ``check_finite`` is finite (False if not given).
+    """
+    if isinstance(tau, bool) or not isinstance(tau, (numbers.Real, Tensor)) or (
+        isinstance(tau, Tensor) and not (tau.is_floating_point() or tau.dtype in (torch.int32, torch.int64))
+    ):
+        raise TypeError(f"tau must be a number or a real tensor of the batch shape, got {type(tau).__name__}")
     t = torch.as_tensor(tau, dtype=like.dtype, device=like.device)
     if t.ndim > 0 and t.shape != batch:
         raise ValueError(
             f"tau must be a number or a tensor of the batch shape {tuple(batch)}, got shape {tuple(t.shape)}"
         )
-    if not bool(torch.isfinite(t).all()) or bool((t <= 0).any()):
+    flags = [~torch.isfinite(t).all() | (t <= 0).any()]
+    if top is not None:
+        flags.append((top == float("-inf")).any())
+    if check_finite is not None:
+        flags.append(torch.isfinite(check_finite).all())
+    bad_tau, *rest = torch.stack(flags).tolist()
+    if bad_tau:
         raise ValueError(f"tau must be finite and > 0, got {tau!r}; use a small positive value for near-greedy routing")
-    return t.reshape(*batch, 1, 1) if t.ndim > 0 else t.reshape(1, 1)
+    if top is not None and rest.pop(0):
+        _dead_row(top)
+    T = t.reshape(*batch, 1, 1) if t.ndim > 0 else t.reshape(1, 1)
+    return T, bool(rest and rest[0])
+
+
+def _dead_row(top: Tensor) -> None:
+    """The ValueError for logits with a row that is all ``-inf`` (``top``: the row maxima)."""
+    where = tuple((top == float("-inf")).nonzero()[0].tolist())
+    entry = f" of batch entry {where[:-1]}" if len(where) > 1 else ""
+    raise ValueError(
+        f"logits has a row that is all -inf (row {where[-1]}{entry}): that token has no allowed expert; "
+        f"give every token at least one finite logit"
+    )
+
+
+def _floor_scores(scaled: Tensor, a: Tensor) -> Tensor:
+    """``scaled`` with finite pairs floored at ``-finfo.max / (16 max(n, k))``, forbidden pairs ``-inf``.
+
+    A tiny ``tau`` sends the scaled scores of unlikely pairs to ``-inf``, which the balanced
+    solvers would read as forbidden (and then perhaps infeasible); the floor keeps them finite
+    (and any sum of ``n`` of them too) while they keep probability 0.
+    """
+    floor = -score_limit(a.dtype, a.shape[-2], a.shape[-1])
+    return torch.where(a == float("-inf"), a, scaled.clamp(min=floor))
+
+
+def _cast_routes(routes: Routes, dtype: torch.dtype) -> Routes:
+    """``routes`` with gate, log_prob and the balance loss in ``dtype`` (half-precision logits);
+    the weight stays in float32."""
+    if routes.gate.dtype == dtype:
+        return routes
+    routes.gate = routes.gate.to(dtype)
+    routes.log_prob = routes.log_prob.to(dtype)
+    routes.aux = {name: v.to(dtype) for name, v in routes.aux.items()}
+    return routes
 
 
 def _sinkhorn(log_q: Tensor) -> Tensor:

@@ -36,8 +36,8 @@ class EMABaseline:
     """
 
     def __init__(self, decay: float = 0.99) -> None:
-        if not 0.0 <= decay < 1.0:
-            raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be a number in [0, 1), got {decay!r}")
         self.decay = decay
         self.value: Tensor | None = None
 
@@ -75,6 +75,11 @@ def reinforce_objective(routes: Routes, loss: Tensor, baseline: Tensor | float =
                 f"tensor of shape {tuple(loss.shape)} (e.g. b.expand_as(loss))"
             )
         b = b.unsqueeze(-1)  # one baseline per run, [...] -> [..., 1]
+    elif b.ndim > 0 and (b.ndim > loss.ndim or any(d not in (1, n) for d, n in zip(b.shape, loss.shape))):
+        raise ValueError(
+            f"baseline of shape {tuple(b.shape)} does not broadcast to the loss's shape {tuple(loss.shape)}; pass "
+            f"a number, one per run {tuple(loss.shape[:-1])}, or a tensor broadcastable to {tuple(loss.shape)}"
+        )
     advantage = (loss - b).detach()
     return (w * (loss + advantage * (routes.log_prob - routes.log_prob.detach()))).mean(-1)
 
@@ -98,6 +103,10 @@ def gating_objective(routes: Routes, loss: Tensor, *, use_weights: bool = True) 
 
 
 def _check(routes: Routes, loss: Tensor) -> None:
+    if not isinstance(routes, Routes):
+        raise TypeError(f"routes must be a Routes from sample_routes, got {type(routes).__name__}")
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"loss must be a tensor [..., n], got {type(loss).__name__}")
     if not routes.single:
         raise ValueError("these objectives take single-choice routes ([..., n]) from sample_routes")
     if loss.shape != routes.expert.shape:

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..assignment.sinkhorn import _balance_two
 from ..routes import Routes
-from ._record import routes_record, skip_correction
+from ._record import routes_record, score_limit, skip_correction
 
 __all__ = ["sample_two"]
 
@@ -127,12 +127,14 @@ def sample_two(
     batch = logits.shape[:-2]
     s = logits[..., 1] - logits[..., 0]  # [..., n], differentiable
     tau = T.squeeze(-1)  # [..., 1] or [1]
-    s_q = s.detach() / tau
+    # Clamped so that a tiny tau gives huge but finite scores (inf - inf would be NaN below).
+    lim = score_limit(s.dtype, n, 2)
+    s_q = (s.detach() / tau).clamp(-lim, lim)
     if sinkhorn:
         s_q = _sinkhorn_shift(s_q, sinkhorn_tol, sinkhorn_sweeps)
     noise = _logistic(s_q.shape, s_q, generator)
     keep = torch.ones(s_q.shape, dtype=torch.bool, device=s_q.device)
-    correction = torch.ones_like(s_q)
+    correction = None
     if method.startswith("sample"):
         z = s_q + noise > 0
         s_ref = s_q

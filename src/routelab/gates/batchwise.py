@@ -22,7 +22,8 @@ from torch import Tensor
 __all__ = ["batchwise_mask", "batchwise_threshold_loss", "threshold_mask"]
 
 
-def _check_scores(scores: Tensor) -> None:
+def _check_scores(scores: Tensor, thresholds: Tensor | None = None) -> None:
+    """Validate ``scores [batch, experts]`` (and ``thresholds [experts]``): one host sync for the NaN checks."""
     if not isinstance(scores, Tensor):
         raise TypeError(f"scores must be a torch.Tensor [batch, experts], got {type(scores).__name__}")
     if scores.ndim != 2:
@@ -32,8 +33,18 @@ def _check_scores(scores: Tensor) -> None:
         )
     if not scores.is_floating_point():
         raise ValueError(f"scores must be floating point, got {scores.dtype}; use scores.float()")
-    if scores.numel() and bool(torch.isnan(scores).any()):
+    if thresholds is not None:
+        if not isinstance(thresholds, Tensor) or thresholds.shape != scores.shape[-1:]:
+            got = tuple(thresholds.shape) if isinstance(thresholds, Tensor) else type(thresholds).__name__
+            raise ValueError(f"thresholds must be a tensor of shape [experts] = ({scores.shape[-1]},), got {got}")
+    checks = [torch.isnan(scores).any()]
+    if thresholds is not None:
+        checks.append(torch.isnan(thresholds).any())
+    nan = torch.stack(checks).tolist() if len(checks) > 1 else [bool(checks[0])]
+    if nan[0]:
         raise ValueError("scores contain NaN; fix the upstream computation (NaN scores cannot be ranked)")
+    if len(nan) > 1 and nan[1]:
+        raise ValueError("thresholds contain NaN; every expert needs a comparable threshold (re-initialise T)")
 
 
 def batchwise_mask(scores: Tensor, k: int) -> Tensor:
@@ -76,15 +87,16 @@ def threshold_mask(scores: Tensor, thresholds: Tensor) -> Tensor:
 
     Args:
         scores: ``[batch, experts]`` gate values.
-        thresholds: ``[experts]`` per-expert thresholds ``T``.
+        thresholds: ``[experts]`` per-expert thresholds ``T`` (not NaN).
 
     Returns:
         ``BoolTensor [batch, experts]``.
+
+    Raises:
+        ValueError: bad shapes, or NaN in ``scores`` or ``thresholds`` (a NaN threshold would
+            silently drop every example from that expert).
     """
-    _check_scores(scores)
-    if not isinstance(thresholds, Tensor) or thresholds.shape != scores.shape[-1:]:
-        got = tuple(thresholds.shape) if isinstance(thresholds, Tensor) else type(thresholds).__name__
-        raise ValueError(f"thresholds must be a tensor of shape [experts] = ({scores.shape[-1]},), got {got}")
+    _check_scores(scores, thresholds)
     return scores > thresholds
 
 

@@ -14,13 +14,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from routelab.gates.mtl_gate import MTLGate, check_k, check_nonneg, check_positive_int, uniform_init
+from routelab.gates.mtl_gate import (
+    MTLGate,
+    check_finite,
+    check_k,
+    check_nonneg,
+    check_positive_int,
+    floating_input,
+    uniform_init,
+)
 from routelab.gates.smooth_step import check_gamma, smooth_step
 
-__all__ = ["dselect_weights", "selector_outputs", "num_code_bits", "DSelectK", "ENTROPY_EPS"]
+__all__ = ["dselect_weights", "selector_outputs", "num_code_bits", "DSelectK", "ENTROPY_EPS", "UNUSED_FLOOR"]
 
 ENTROPY_EPS = 1e-6
 """The epsilon of the official entropy regularizer, -sum p log(p + eps)."""
+
+UNUSED_FLOOR = 1e-6
+"""Smallest selector mass on the real experts that the App. B.2 penalty divides by.
+
+The penalty ``1 / sum_{e < n} r_e`` is infinite when a selector sits entirely on unused codes;
+its value is computed with the mass floored here (at most ``1e6`` per selector) while the gradient
+still flows through the unfloored mass, so value and gradient stay finite and point the same way.
+Above the floor the penalty is exactly the paper's."""
 
 ALPHA_INIT = 0.05
 """Half-width of the uniform init of the selector logits (Keras RandomUniform default)."""
@@ -114,7 +130,15 @@ class DSelectK(MTLGate):
     * ``entropy``: entropy_reg * sum_i h(r(S(z^(i)))), h(p) = -sum p log(p + 1e-6), averaged
       over the batch for the per-example gate;
     * ``unused_codes`` (only when n is not a power of 2): unused_penalty * sum_i 1 / (sum of
-      selector i's weight on the n real experts), batch-averaged for per-example gates.
+      selector i's weight on the n real experts), batch-averaged for per-example gates; the sum
+      is floored at :data:`UNUSED_FLOOR` for the value (not the gradient), so the penalty is
+      finite (App. B.2 divides by 0 when a selector sits on unused codes only).
+
+    Dtypes: a per-example gate computes in its parameters' dtype (any floating ``x`` is cast to
+    it; integer ``x`` is a ValueError, NaN/inf codes ``G x``, ``W x`` too) and returns the
+    weights in ``x``'s dtype; a static gate returns them in ``x``'s dtype when ``x`` is a
+    floating tensor, else in its parameters' dtype. Penalties are computed in float32 (or
+    float64 for a float64 gate).
 
     Reporting (:meth:`report`): experts selected per example and on average, whether S(Z) is
     binary, and the first step passed to :meth:`track` at which it was.
@@ -127,7 +151,8 @@ class DSelectK(MTLGate):
         input_dim: width p of x, required when per_example.
         entropy_reg: coefficient of the entropy regularizer (>= 0).
         unused_penalty: coefficient of the App. B.2 penalty (>= 0; the official code uses 1).
-        generator: optional torch.Generator for the initialisation (reproducible).
+        generator: optional torch.Generator for the initialisation (reproducible); anything
+            else is a TypeError.
     """
 
     def __init__(self, num_experts: int, k: int, *, gamma: float = 1.0, per_example: bool = False,
@@ -174,7 +199,11 @@ class DSelectK(MTLGate):
         b = self._check_x(x)
         if self.per_example:
             assert isinstance(x, torch.Tensor)
-            return self.G(x), self.W(x).view(b, self.k, self.m)
+            x = floating_input(x, "x", self.G.weight.dtype)
+            alpha, z = self.G(x), self.W(x).view(b, self.k, self.m)
+            check_finite((alpha, z), "DSelectK codes (G x, W x)",
+                         "the input x contains NaN/inf or the gate's weights diverged")
+            return alpha, z
         return self.alpha.unsqueeze(0), self.z.unsqueeze(0)
 
     def forward(self, x: torch.Tensor | int) -> torch.Tensor:
@@ -185,17 +214,20 @@ class DSelectK(MTLGate):
         w = torch.softmax(alpha, dim=-1).unsqueeze(-1)
         weights = (w * r).sum(dim=-2)[..., : self.num_experts]     # [B', n]
         aux: dict[str, torch.Tensor] = {}
+        rp = r if r.dtype in (torch.float32, torch.float64) else r.float()  # penalties in >= float32
         if self.entropy_reg > 0:
-            ent = -(r * torch.log(r + ENTROPY_EPS)).sum(dim=-1).sum(dim=-1)   # [B']
+            ent = -(rp * torch.log(rp + ENTROPY_EPS)).sum(dim=-1).sum(dim=-1)   # [B']
             aux["entropy"] = self.entropy_reg * ent.mean()
         if not self.power_of_2 and self.unused_penalty > 0:
-            real = r[..., : self.num_experts].sum(dim=-1)          # [B', k]
-            aux["unused_codes"] = self.unused_penalty * (1.0 / real).sum(dim=-1).mean()
+            real = rp[..., : self.num_experts].sum(dim=-1)         # [B', k]
+            # max(real, floor) in value, d real in gradient: finite where App. B.2 divides by 0.
+            floored = real + (UNUSED_FLOOR - real.detach()).clamp(min=0.0)
+            aux["unused_codes"] = self.unused_penalty * (1.0 / floored).sum(dim=-1).mean()
         self.aux = aux
         self._last_s = smooth_step(z.detach(), self.gamma)
         if weights.shape[0] != b:
             weights = weights.expand(b, self.num_experts)
-        return self._remember(weights)
+        return self._remember(weights, x)
 
     def is_binary(self) -> bool:
         """Whether S(Z) (static: the parameters; per-example: the last batch) is all 0/1."""

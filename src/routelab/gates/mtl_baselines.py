@@ -23,7 +23,16 @@ import torch
 from torch import nn
 
 from routelab.gates.dselect import ALPHA_INIT, ENTROPY_EPS
-from routelab.gates.mtl_gate import MTLGate, check_k, check_nonneg, check_pos, check_positive_int, uniform_init
+from routelab.gates.mtl_gate import (
+    MTLGate,
+    check_finite,
+    check_k,
+    check_nonneg,
+    check_pos,
+    check_positive_int,
+    floating_input,
+    uniform_init,
+)
 
 __all__ = [
     "SoftmaxGate",
@@ -66,7 +75,9 @@ class _LogitGate(MTLGate):
         b = self._check_x(x)
         if self.per_example:
             assert isinstance(x, torch.Tensor)
-            return self.A(x), b
+            s = self.A(floating_input(x, "x", self.A.weight.dtype))
+            check_finite(s, "gate logits (A x + b)", "the input x contains NaN/inf or the gate's weights diverged")
+            return s, b
         return self.logits.unsqueeze(0), b
 
 
@@ -85,7 +96,7 @@ class SoftmaxGate(_LogitGate):
     def forward(self, x: torch.Tensor | int) -> torch.Tensor:
         s, b = self.scores(x)
         self.aux = {}
-        return self._remember(torch.softmax(s, dim=-1).expand(b, self.num_experts))
+        return self._remember(torch.softmax(s, dim=-1).expand(b, self.num_experts), x)
 
 
 class TopKGate(_LogitGate):
@@ -105,7 +116,7 @@ class TopKGate(_LogitGate):
     def forward(self, x: torch.Tensor | int) -> torch.Tensor:
         s, b = self.scores(x)
         self.aux = {}
-        return self._remember(torch.softmax(keep_top_k(s, self.k), dim=-1).expand(b, self.num_experts))
+        return self._remember(torch.softmax(keep_top_k(s, self.k), dim=-1).expand(b, self.num_experts), x)
 
 
 class GumbelSoftmaxGate(MTLGate):
@@ -158,7 +169,7 @@ class GumbelSoftmaxGate(MTLGate):
         self.aux = {}
         if self.sparsity_reg > 0:
             self.aux["sparsity"] = self.sparsity_reg * nn.functional.logsigmoid(self.beta).sum()
-        return self._remember(weights.unsqueeze(0).expand(b, self.num_experts))
+        return self._remember(weights.unsqueeze(0).expand(b, self.num_experts), x)
 
     def report(self) -> dict[str, Any]:
         out = super().report()
@@ -210,7 +221,7 @@ class SoftmaxSelectorGate(MTLGate):
         self.aux = {}
         if self.entropy_reg > 0:
             self.aux["entropy"] = self.entropy_reg * (-(r * torch.log(r + ENTROPY_EPS)).sum())
-        return self._remember(weights.unsqueeze(0).expand(b, self.num_experts))
+        return self._remember(weights.unsqueeze(0).expand(b, self.num_experts), x)
 
     def report(self) -> dict[str, Any]:
         out = super().report()

@@ -15,6 +15,9 @@ A gate is an ``nn.Module`` that maps a batch of inputs to expert weights::
 * ``selected_experts(weights)`` counts the experts with nonzero weight per row: ``[batch]``.
 * ``on_step(step, total_steps)`` lets gates with schedules (temperature annealing) update
   themselves; the default does nothing.
+* Dtypes: a per-example gate casts any floating ``x`` to its parameters' dtype (integer ``x``
+  is a ValueError, as are NaN/inf gate logits) and every gate returns its weights in ``x``'s
+  dtype when ``x`` is a floating tensor (else in its parameters' dtype).
 
 Every gate here is interchangeable inside :class:`routelab.layers.MultiGateMoE`.
 """
@@ -22,13 +25,52 @@ Every gate here is interchangeable inside :class:`routelab.layers.MultiGateMoE`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from routelab.assignment._checks import check_generator
+
 __all__ = ["MTLGate", "check_positive_int", "check_k", "check_nonneg", "check_pos", "uniform_init",
-           "batch_size_of"]
+           "batch_size_of", "check_finite", "floating_input"]
+
+
+# -- validators shared by every layer above this one (gates, routers, estimators, layers) -------
+# (the generator check is assignment._checks.check_generator, the lowest layer's)
+def check_finite(tensors: torch.Tensor | Sequence[torch.Tensor], what: str, fix: str) -> None:
+    """ValueError ``"{what} are not finite (NaN or inf): {fix}"`` unless every entry is finite.
+
+    One reduction per tensor and a single host synchronisation for all of them together: the
+    only sync such a check adds to a forward pass (it is a graph break under ``torch.compile``,
+    like any data-dependent check). Empty tensors pass.
+    """
+    if isinstance(tensors, torch.Tensor):
+        tensors = (tensors,)
+    flags = [torch.isfinite(t).all() for t in tensors if t.numel()]
+    if not flags:
+        return
+    ok = flags[0] if len(flags) == 1 else torch.stack(flags).all()
+    if not bool(ok):
+        raise ValueError(f"{what} are not finite (NaN or inf): {fix}")
+
+
+def floating_input(x: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` cast to the module's compute ``dtype``; ValueError (naming ``name``) unless ``x`` is floating.
+
+    The dtype policy of routelab's modules: any floating input (float16, bfloat16, float32,
+    float64) is accepted and computed in the dtype of the module's parameters; the module returns
+    its output in the input's dtype. Integer, bool and complex inputs are rejected.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(
+            f"{name} must be a floating tensor (float16, bfloat16, float32 or float64), got {x.dtype}; "
+            f"convert it with {name}.float()"
+        )
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def check_positive_int(name: str, value: Any) -> int:
@@ -63,6 +105,7 @@ def check_pos(name: str, v: Any) -> float:
 def uniform_init(shape: tuple[int, ...], half_width: float,
                  generator: torch.Generator | None = None) -> torch.Tensor:
     """Uniform in ``[-half_width, half_width)`` (Keras ``RandomUniform``), drawn from ``generator``."""
+    check_generator(generator)
     return (torch.rand(shape, generator=generator) * 2.0 - 1.0) * half_width
 
 
@@ -143,6 +186,9 @@ class MTLGate(nn.Module):
             out["experts_selected"] = sel.tolist() if self.per_example else float(sel[0])
         return out
 
-    def _remember(self, weights: torch.Tensor) -> torch.Tensor:
+    def _remember(self, weights: torch.Tensor, x: torch.Tensor | int | None = None) -> torch.Tensor:
+        """Keep ``weights`` for :meth:`report`; return them in ``x``'s dtype when ``x`` is a floating tensor."""
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != weights.dtype:
+            weights = weights.to(x.dtype)
         self._last_weights = weights.detach()
         return weights

@@ -6,34 +6,54 @@ import math
 
 import torch
 
-__all__ = ["smooth_step", "check_gamma"]
+__all__ = ["GAMMA_RANGE", "smooth_step", "check_gamma"]
+
+
+#: The widths :func:`smooth_step` accepts: wide enough a range for any use, narrow enough that
+#: ``gamma`` and ``gamma / 2`` are normal float32 numbers (the band is computed in float32 or wider).
+GAMMA_RANGE = (1e-30, 1e30)
 
 
 def check_gamma(gamma: float) -> float:
-    """Return ``gamma`` as a float if it is finite and > 0, else raise ValueError."""
+    """Return ``gamma`` as a float if it is a number in :data:`GAMMA_RANGE`, else raise ValueError."""
+    lo, hi = GAMMA_RANGE
     if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not math.isfinite(gamma) \
-            or gamma <= 0:
-        raise ValueError(f"gamma must be a finite number > 0 (the smooth-step width), got {gamma!r}.")
+            or not lo <= gamma <= hi:
+        raise ValueError(f"gamma must be a finite number in [{lo:g}, {hi:g}] (the smooth-step width, > 0), "
+                         f"got {gamma!r}.")
     return float(gamma)
 
 
 def smooth_step(t: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
-    """Cubic smooth-step S(t), element-wise (any shape -> same shape).
+    """Cubic smooth-step S(t), element-wise (any shape -> same shape and dtype).
 
     S(t) = 0 for t <= -gamma/2, 1 for t >= gamma/2, and -2/gamma^3 t^3 + 3/(2 gamma) t + 1/2
     in between; continuously differentiable, with S'(±gamma/2) = 0, so that outside the band
     the gradient is exactly zero (this is what lets DSelect-k become exactly sparse).
 
+    The cubic is evaluated on ``u = clamp(t, -gamma/2, gamma/2) / gamma`` as ``u (3/2 - 2 u^2) +
+    1/2``, so it never sees a large ``t``: value and gradient are exact 0/1 and 0 outside the
+    band and finite everywhere, in every dtype (float16 and bfloat16 are computed in float32 and
+    returned in their own dtype). NaN propagates.
+
     Args:
-        t: any real tensor.
-        gamma: the width of the fractional region, > 0 (official default 1).
+        t: any real floating tensor.
+        gamma: the width of the fractional region, in :data:`GAMMA_RANGE` (official default 1).
 
     Raises:
-        ValueError: if gamma <= 0 or not finite.
+        ValueError: if gamma is not a finite number in :data:`GAMMA_RANGE`, or ``t`` is not a
+            floating tensor.
     """
     gamma = check_gamma(gamma)
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"t must be a torch.Tensor, got {type(t).__name__}.")
+    if not t.is_floating_point():
+        raise ValueError(f"t must be a floating tensor, got {t.dtype}; use t.float().")
+    work = t if t.dtype in (torch.float32, torch.float64) else t.float()
     half = gamma / 2.0
-    cubic = (-2.0 / gamma**3) * t**3 + (3.0 / (2.0 * gamma)) * t + 0.5
-    return torch.where(t <= -half, torch.zeros_like(t), torch.where(t >= half, torch.ones_like(t), cubic))
+    # The "double where": the polynomial only ever sees the clamped input, so the branch that the
+    # outer where discards has a finite gradient (0 * finite, never 0 * inf = NaN).
+    u = work.clamp(-half, half) / gamma
+    cubic = u * (1.5 - 2.0 * u * u) + 0.5
+    out = torch.where(work <= -half, torch.zeros_like(work), torch.where(work >= half, torch.ones_like(work), cubic))
+    return out if out.dtype == t.dtype else out.to(t.dtype)

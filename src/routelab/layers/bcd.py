@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from routelab.assignment._checks import check_generator
 from routelab.layers.mae import MixtureOfAttentiveExperts, mae_modules, set_routing
 
 __all__ = ["EVAL_ROUTING", "MODES", "BCDTrainer", "gate_parameter_names"]
@@ -128,6 +129,7 @@ class BCDTrainer:
         self.mode = mode
         self.g_every = g_every
         self.clip_norm = clip_norm
+        check_generator(generator)
         self.generator = generator
         gate_names = gate_parameter_names(model)
         named = dict(model.named_parameters())

@@ -36,6 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from routelab.assignment._checks import check_generator
+from routelab.gates.mtl_gate import check_finite, floating_input
+
 __all__ = [
     "ROUTINGS",
     "MAEGate",
@@ -140,7 +143,13 @@ class MixtureOfAttentiveExperts(nn.Module):
         gate: the :class:`MAEGate` (its parameters are the ``phi`` of the paper).
         keep: buffer ``[E, h]``, the heads each expert keeps; ``dropped_heads[e]`` the ones it drops.
         routing: how the forward routes when no responsibilities are given (:data:`ROUTINGS`).
-        generator: optional :class:`torch.Generator` for the ``*sample`` routings.
+        generator: optional :class:`torch.Generator` for the ``*sample`` routings (anything
+            else is a TypeError).
+
+    Dtypes: query, key and value may be any floating dtype; the module computes in its
+    parameters' dtype and returns the output and the responsibilities in the query's dtype (the
+    same policy as :class:`~routelab.layers.MoE`). Integer inputs and inputs with NaN/inf raise a
+    ValueError.
     """
 
     def __init__(
@@ -193,7 +202,17 @@ class MixtureOfAttentiveExperts(nn.Module):
         self.dropped_heads: tuple[tuple[int, ...], ...] = dropped
         self.gate = MAEGate(embed_dim, gate_hidden or embed_dim, len(dropped))
         self.routing: str = "gate"
-        self.generator: torch.Generator | None = None
+        self.generator = None
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The :class:`torch.Generator` of the ``*sample`` routings (``None``: torch's global one)."""
+        return self._generator
+
+    @generator.setter
+    def generator(self, value: torch.Generator | None) -> None:
+        check_generator(value, "generator")
+        self._generator = value
 
     # ------------------------------------------------------------------ construction
 
@@ -375,6 +394,8 @@ class MixtureOfAttentiveExperts(nn.Module):
             )
         unbatched = query.dim() == 2
         self_attention = query is key
+        out_dtype = query.dtype
+        query, key, value = self._compute_inputs(query, key, value)
         if unbatched:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
             if key_padding_mask is not None:
@@ -417,11 +438,27 @@ class MixtureOfAttentiveExperts(nn.Module):
             heads = heads * w.transpose(1, 2).unsqueeze(-1)
         out = self.out_proj(heads.transpose(1, 2).reshape(batch, seq, d))
 
+        out, resp = out.to(out_dtype), resp.to(out_dtype)
         if unbatched:
             return out.squeeze(0), resp.squeeze(0)
         if not self.batch_first:
             out = out.transpose(0, 1)
         return out, resp
+
+    def _compute_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """query, key, value in the parameters' dtype (the same object stays the same object),
+        checked floating and finite (one host sync for all three)."""
+        dtype = self.in_proj_weight.dtype
+        q = floating_input(query, "query", dtype)
+        k = q if key is query else floating_input(key, "key", dtype)
+        v = q if value is query else k if value is key else floating_input(value, "value", dtype)
+        distinct: list[Tensor] = []
+        for t in (q, k, v):
+            if all(t is not u for u in distinct):
+                distinct.append(t)
+        check_finite(distinct, "query/key/value",
+                     "the input contains NaN/inf; check the previous layer (or the padding values)")
+        return q, k, v
 
     def _heads(
         self,
@@ -518,6 +555,7 @@ def set_routing(
     """
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}.")
+    check_generator(generator)
     mods = mae_modules(model)
     for m in mods:
         m.routing = routing

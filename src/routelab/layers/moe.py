@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..assignment._checks import check_generator
+from ..gates.mtl_gate import floating_input
 from ..routers import Router, make_router
 from ..routes import Routes
 from ..routing import DROP_POLICIES, DispatchPlan, apply_capacity, check_capacity_factor, expert_capacity
@@ -51,7 +53,14 @@ class MoE(nn.Module):
             routers and the skip correction of eq. 3) instead of ``gate``.
         activation: expert activation (name or callable).
         bias: expert biases.
-        generator: randomness of stochastic routers and of ``drop_policy="random"``.
+        generator: randomness of stochastic routers and of ``drop_policy="random"`` (a
+            :class:`torch.Generator` or ``None``; anything else is a TypeError).
+
+    Dtypes:
+        ``x`` may be any floating dtype (float16, bfloat16, float32, float64): the router scores
+        in float32, the experts compute in their parameters' dtype (``dtype=``, default float32)
+        and the output is cast back to ``x``'s dtype. Integer inputs raise a ValueError, as do
+        NaN/inf inputs (detected on the router logits, one host sync per call).
 
     Shapes:
         input ``x [..., d_model]`` -> output ``[..., d_model]`` (same dtype) and a
@@ -59,7 +68,8 @@ class MoE(nn.Module):
         the router's weighted auxiliary losses and ``stats``: ``tokens_per_expert [E]``,
         ``load_cv`` (coefficient of variation of the kept load), ``dropped_fraction`` (of the
         proposed pairs), ``tokens_dropped`` (fraction of tokens with no expert at all),
-        ``capacity``.
+        ``capacity``, plus the router's own diagnostics (``weights_clamped``, the importance
+        weights clamped at :data:`routelab.estimators.MAX_WEIGHT`, for the Gumbel-Matching router).
 
     Example:
         >>> moe = MoE(16, 32, 4, router="topk", k=2)
@@ -111,6 +121,7 @@ class MoE(nn.Module):
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
         self.importance_weighting = bool(importance_weighting)
+        check_generator(generator)
         self.generator = generator
         if generator is not None:
             self.router.generator = generator
@@ -128,10 +139,11 @@ class MoE(nn.Module):
         Returns:
             ``(y [..., d_model], routes)``; ``routes`` is over the flattened tokens.
         """
-        if x.shape[-1] != self.d_model:
+        compute = floating_input(x, "x", self.experts.w1.dtype)  # the experts' dtype
+        if x.ndim < 1 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [..., d_model={self.d_model}], got {tuple(x.shape)}")
         lead = x.shape[:-1]
-        flat = x.reshape(-1, self.d_model)
+        flat = x.reshape(-1, self.d_model)  # the router scores it in float32 itself
         n = flat.shape[0]
         capacity = self.capacity(n)
         proposed = self.router(flat, capacity)
@@ -140,7 +152,7 @@ class MoE(nn.Module):
         if plan.capacity == 0:
             y = torch.zeros_like(flat)
         else:
-            out = self.experts(plan.dispatch(flat))
+            out = self.experts(plan.dispatch(compute.reshape(-1, self.d_model)))
             y = plan.combine(out, combine).to(x.dtype)
         return y.reshape(*lead, self.d_model), routes
 
@@ -163,6 +175,7 @@ class MoE(nn.Module):
         proposed_pairs = proposed.keep.sum()
         kept = decision.kept.to(torch.float32)
         stats = {
+            **proposed.stats,  # the router's own diagnostics (e.g. weights_clamped), then the layer's
             "tokens_per_expert": decision.kept,
             "load_cv": kept.std(unbiased=False) / kept.mean().clamp(min=1e-12) if E > 1 else kept.new_zeros(()),
             "dropped_fraction": (proposed_pairs - keep.sum()) / proposed_pairs.clamp(min=1),

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from routelab.assignment._checks import check_generator
 from routelab.gates.mtl_gate import check_positive_int
 
 __all__ = ["MultiGateMoE", "SharedBottom", "StackedLinear"]
@@ -49,6 +50,7 @@ class StackedLinear(nn.Module):
         for name, v in (("num_experts", num_experts), ("in_dim", in_dim), ("out_dim", out_dim)):
             check_positive_int(name, v)
         self.num_experts, self.in_dim, self.out_dim = num_experts, in_dim, out_dim
+        check_generator(generator)
         if init_std is None:
             bound = 1.0 / math.sqrt(in_dim)
             w = (torch.rand((num_experts, in_dim, out_dim), generator=generator) * 2 - 1) * bound

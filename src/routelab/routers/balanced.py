@@ -181,4 +181,5 @@ class GumbelMatchingRouter(Router):
                           generator=self.generator)
         aux = {"balance": self.balance_coef * r.aux["balance"]} if self.balance_coef else {}
         return Routes(expert=r.expert.unsqueeze(-1), gate=r.gate.unsqueeze(-1), keep=r.keep.unsqueeze(-1),
-                      weight=r.weight.unsqueeze(-1), log_prob=r.log_prob.unsqueeze(-1), aux=aux)
+                      weight=r.weight.unsqueeze(-1), log_prob=r.log_prob.unsqueeze(-1), aux=aux,
+                      stats={"weights_clamped": r.stats["weights_clamped"]})

@@ -12,7 +12,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..assignment._checks import check_generator
+from ..gates.mtl_gate import check_finite
 from ..routes import Routes
+from ..routing.capacity import check_capacity
 
 __all__ = ["Router", "check_finite_features", "check_positive_int", "expert_grid"]
 
@@ -27,12 +30,13 @@ def check_positive_int(name: str, value: object, *, upper: int | None = None, up
 
 
 def check_finite_features(features: Tensor) -> None:
-    """ValueError if router features (logits) contain NaN or inf."""
-    if features.numel() and not bool(torch.isfinite(features).all()):
-        raise ValueError(
-            "router logits are not finite (NaN or inf): the input x contains NaN/inf or the router "
-            "weights diverged; check the previous layer or lower the learning rate"
-        )
+    """ValueError if router features (logits) contain NaN or inf (one host sync per call)."""
+    check_finite(
+        features,
+        "router logits",
+        "the input x contains NaN/inf or the router weights diverged; check the previous layer or lower "
+        "the learning rate",
+    )
 
 
 def expert_grid(n: int, num_experts: int, device: torch.device) -> Tensor:
@@ -66,7 +70,17 @@ class Router(nn.Module):
         self.num_experts = check_positive_int("num_experts", num_experts)
         self.slots = check_positive_int("k", slots, upper=num_experts, upper_name="num_experts")
         self.proj = nn.Linear(d_model, num_experts, bias=False)
-        self.generator: torch.Generator | None = None
+        self.generator = None
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The source of randomness of stochastic routers (``None``: torch's global generator)."""
+        return self._generator
+
+    @generator.setter
+    def generator(self, value: torch.Generator | None) -> None:
+        check_generator(value, "generator")
+        self._generator = value
 
     def logits(self, x: Tensor) -> Tensor:
         """Router logits ``[tokens, E]`` in float32."""
@@ -95,8 +109,12 @@ class Router(nn.Module):
             routers that choose a variable number of experts, e.g. batchwise gating uses ``E``
             slots with ``keep`` as the mask).
         """
-        if x.ndim != 2 or x.shape[-1] != self.d_model:
-            raise ValueError(f"x must have shape [tokens, d_model={self.d_model}], got {tuple(x.shape)}")
+        if not isinstance(x, Tensor) or x.ndim != 2 or x.shape[-1] != self.d_model:
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"x must have shape [tokens, d_model={self.d_model}], got {got}")
+        if not x.is_floating_point():
+            raise ValueError(f"x must be a floating tensor, got {x.dtype}; convert it with x.float()")
+        capacity = check_capacity(capacity)
         feats = self.features(x)
         check_finite_features(feats)
         return self.route(feats, capacity)

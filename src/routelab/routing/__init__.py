@@ -4,6 +4,7 @@ from routelab.routing.capacity import (
     DROP_POLICIES,
     CapacityDecision,
     apply_capacity,
+    check_capacity,
     check_capacity_factor,
     expert_capacity,
 )
@@ -14,6 +15,7 @@ __all__ = [
     "CapacityDecision",
     "DispatchPlan",
     "apply_capacity",
+    "check_capacity",
     "check_capacity_factor",
     "expert_capacity",
 ]

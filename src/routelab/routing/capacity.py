@@ -15,15 +15,37 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..assignment._checks import check_generator, resolve_capacity
 from ..assignment._groups import rank_within_groups
 
-__all__ = ["DROP_POLICIES", "CapacityDecision", "apply_capacity", "check_capacity_factor", "expert_capacity"]
+__all__ = [
+    "DROP_POLICIES",
+    "CapacityDecision",
+    "apply_capacity",
+    "check_capacity",
+    "check_capacity_factor",
+    "expert_capacity",
+]
 
 #: How candidates compete for an expert's capacity.
 #: ``position``: first slots before second slots, then earlier tokens first (Switch / GShard);
 #: ``score``: larger combine weight first (batch-prioritised routing);
 #: ``random``: uniformly at random (the skip estimator of Kool et al., for which eq. 3 is unbiased).
 DROP_POLICIES: tuple[str, ...] = ("position", "score", "random")
+
+
+def check_capacity(capacity: int | None, name: str = "capacity") -> int | None:
+    """``capacity`` as an ``int >= 0`` (``None`` passes through), else a ValueError naming ``name``.
+
+    The integer rule is the assignment layer's (``resolve_capacity``, its one home): integral
+    floats (``4.0``) are accepted; bools, ``inf``, NaN, fractions, negative numbers and
+    non-numbers are not. ``0`` is allowed here (an empty batch has capacity 0).
+    """
+    if capacity is None:
+        return None
+    if isinstance(capacity, (int, float)) and not isinstance(capacity, bool) and capacity == 0:
+        return 0
+    return resolve_capacity(0, 1, capacity, name)  # 0 tokens, 1 expert: only the integer rule applies
 
 
 def check_capacity_factor(capacity_factor: float | None) -> None:
@@ -58,7 +80,10 @@ def expert_capacity(num_tokens: int, num_experts: int, slots: float, capacity_fa
     if capacity_factor is None:
         return num_tokens
     check_capacity_factor(capacity_factor)
-    c = math.ceil(capacity_factor * num_tokens * slots / num_experts - 1e-9)
+    raw = capacity_factor * num_tokens * slots / num_experts
+    if not raw < num_tokens:  # also a huge factor whose product overflows to inf
+        return num_tokens
+    c = math.ceil(raw - 1e-9)
     return min(max(c, 1 if num_tokens else 0), num_tokens)
 
 
@@ -99,7 +124,7 @@ def apply_capacity(
         expert: ``LongTensor [tokens, slots]`` chosen expert of every slot.
         candidate: ``BoolTensor [tokens, slots]`` the router's own selection (False: the slot is
             not used at all, e.g. outside a batchwise mask).
-        capacity: ``C >= 0`` pairs per expert.
+        capacity: ``C >= 0`` pairs per expert (an integer; ValueError otherwise).
         num_experts: ``E``.
         policy: one of :data:`DROP_POLICIES`.
         score: ``[tokens, slots]`` priority for ``policy="score"`` (larger kept first).
@@ -110,6 +135,10 @@ def apply_capacity(
     """
     if policy not in DROP_POLICIES:
         raise ValueError(f"unknown drop policy {policy!r}; choose one of {', '.join(DROP_POLICIES)}")
+    capacity = check_capacity(capacity)
+    if capacity is None:
+        raise ValueError("capacity must be a non-negative integer, got None; pass the number of tokens for no limit")
+    check_generator(generator)
     n, s = expert.shape
     device = expert.device
     # Slot-major flattening: all first choices come before all second choices.
