@@ -5,8 +5,10 @@
 * :func:`gumbel_matching` — n x k Gumbel-Matching samples with their conditionals (App. D.3-D.5).
 * :func:`base_assignment` — the deterministic BASE-layers assignment, the ``tau -> 0`` limit.
 
-All functions are batched over leading dimensions, run on CPU and CUDA in float32 and float64,
-and draw randomness only from an explicit ``torch.Generator``. On CPU the solvers keep a few
+All functions are batched over leading dimensions (empty ones included), run on CPU and CUDA in
+float32 and float64 (float16/bfloat16 input is computed in float32), are exact at any magnitude
+(scores are row-shifted and scaled by a power of two first, :mod:`._normalise`) and draw
+randomness only from an explicit ``torch.Generator``. On CPU the solvers keep a few
 scratch tensors per thread between calls (page faults on fresh memory would otherwise cost more
 than the arithmetic); :func:`clear_scratch` frees them.
 """
