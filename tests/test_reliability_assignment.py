@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from routelab.assignment import balanced_assignment, base_assignment, gumbel_matching, sinkhorn
+from routelab.assignment import balanced_assignment, base_assignment, gumbel_matching, sample_gumbel, sinkhorn
 from routelab.assignment._normalise import ldexp, normalise_scores, perturbed_scores
 from routelab.layers import MoE
 from test_balanced_assignment import _np64, check_optimal, exactness_tol, objective, oracle
@@ -261,3 +261,32 @@ def test_perturbed_scores_equal_logits_over_tau_plus_noise() -> None:
         noise_free = ldexp(A, E)
         expect = (a - a.amax(-1, keepdim=True)) / tau
         np.testing.assert_allclose(noise_free.numpy(), expect.numpy(), rtol=1e-12, atol=1e-12 * float(expect.abs().max()))
+
+
+def test_overflowing_perturbed_scores_are_returned_rescaled() -> None:
+    """|logits| / tau beyond the dtype's range: ``scores`` are finite at every allowed pair, in units
+    of 2 ** log2_scale, and the sample is optimal for them; ordinary input keeps literal scores."""
+    a = torch.randn(6, 3, generator=gen(12)) * 1e10
+    a[0, 1] = NEG_INF
+    gm = gumbel_matching(a, tau=1e-30, gumbels=torch.randn(6, 3, generator=gen(13)), capacity=3)
+    assert int(gm.log2_scale) > 0
+    allowed = ~torch.isneginf(a)
+    assert torch.isfinite(gm.scores[allowed]).all() and torch.isneginf(gm.scores[~allowed]).all()
+    best, _ = oracle(_np64(gm.scores), 3)
+    assert objective(_np64(gm.scores), gm.expert.numpy()) == pytest.approx(best, abs=exactness_tol(_np64(gm.scores), torch.float32))
+    # noise negligible at this temperature: also the optimum of the logits themselves
+    best_a, _ = oracle(_np64(a), 3)
+    assert objective(_np64(a), gm.expert.numpy()) == pytest.approx(best_a, rel=1e-6)
+    x = torch.randn(2, 6, 3, generator=gen(14))
+    plain = gumbel_matching(x, tau=0.5, capacity=3, generator=gen(15))
+    assert not plain.log2_scale.any() and plain.log2_scale.shape == (2,)
+    assert torch.equal(plain.scores, x / 0.5 + plain.gumbels)  # the literal perturbed scores
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "error"),
+    [((2, -1), torch.float32, ValueError), ("2x3", torch.float32, ValueError), ((2, 3), torch.long, TypeError)],
+)
+def test_sample_gumbel_rejects_bad_arguments_by_name(shape, dtype, error) -> None:
+    with pytest.raises(error, match="shape" if error is ValueError else "dtype"):
+        sample_gumbel(shape, dtype=dtype, generator=gen())

@@ -15,6 +15,7 @@ depend on it. Cost: ``O(nk + k^3)`` per instance on top of the solve, not ``n k`
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -41,14 +42,18 @@ class GumbelMatching:
         conditional_log_probs: ``[..., n, k]``, ``log q(z_i = j | A, G_-i)`` (eq. 9); each row is a
             normalised distribution over experts; ``-inf`` for forbidden pairs.
         scores: ``[..., n, k]`` the perturbed scores ``logits / tau + gumbels`` that were maximised
-            (the solver works on a normalised form of them, so where this product overflows the
-            dtype, it holds ``+-inf`` while the assignment is still exact).
+            (the logits themselves at ``tau = 0``), finite at every allowed pair and ``-inf`` at
+            the forbidden ones. Where that sum overflows the dtype (``|logits| / tau`` beyond
+            ``finfo.max``), they are given in units of ``2 ** log2_scale`` instead, shifted per
+            token (which changes no assignment): see ``log2_scale``.
         gumbels: ``[..., n, k]`` the Gumbel noise used (zeros when ``tau == 0``).
         shortest_paths: ``[..., k, k]`` ``d*`` of the optimal expert graph (float64, in the units
-            of ``scores``), whose
-            arcs move one token or release a free slot (:mod:`routelab.assignment.balanced`).
+            of ``scores``), whose arcs move one token or release a free slot
+            (:mod:`routelab.assignment.balanced`).
         capacity: capacity per expert that was enforced.
         tau: the temperature.
+        log2_scale: ``[...]`` long, 0 unless ``logits / tau + gumbels`` overflows: then
+            ``scores * 2 ** log2_scale`` equals it up to a constant per token.
     """
 
     expert: Tensor
@@ -58,6 +63,7 @@ class GumbelMatching:
     shortest_paths: Tensor
     capacity: int
     tau: float
+    log2_scale: Tensor
 
     def log_prob_of_sample(self) -> Tensor:
         """``[..., n]`` conditional log-probability ``log q(z_i | A, G_-i)`` of each sampled expert."""
@@ -72,11 +78,28 @@ def sample_gumbel(shape: torch.Size | tuple[int, ...], *, dtype: torch.dtype = t
     in float32). Half-precision dtypes are drawn in float32 and rounded.
     """
     check_generator(generator)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.float32), got {dtype!r}")
+    shape = _check_shape(shape)
     if dtype in (torch.float16, torch.bfloat16):
         return sample_gumbel(shape, dtype=torch.float32, device=device, generator=generator).to(dtype)
     u = torch.rand(shape, dtype=dtype, device=device, generator=generator)
     tiny = torch.finfo(dtype).tiny
     return -torch.log(-torch.log(u.clamp(min=tiny, max=1.0 - torch.finfo(dtype).eps)))
+
+
+def _check_shape(shape: object) -> tuple[int, ...]:
+    """``shape`` as a tuple of non-negative ints (an int is one dimension), else a ``ValueError``."""
+    dims = (shape,) if isinstance(shape, int) else shape
+    try:
+        if isinstance(dims, (str, bytes)) or any(isinstance(d, bool) for d in dims):
+            raise TypeError
+        out = tuple(operator.index(d) for d in dims)
+    except TypeError:
+        out = None
+    if out is None or any(d < 0 for d in out):
+        raise ValueError(f"shape must be a tuple of non-negative ints, e.g. (n, k), got {shape!r}")
+    return out
 
 
 def gumbel_matching(
@@ -148,15 +171,30 @@ def gumbel_matching(
         log_q = torch.where(hit, -torch.log(hit.sum(-1, keepdim=True).to(torch.float64)), torch.full_like(val, float("-inf")))
     else:
         log_q = torch.log_softmax(ldexp(shifted, E), dim=-1)
+    scores, log2_scale = _returned_scores(a, t, g, S, E)
     return GumbelMatching(
         expert=z.view(*batch, n),
         conditional_log_probs=log_q.to(work).view(*batch, n, k),
-        scores=a if t == 0.0 else a / t + g,
+        scores=scores,
         gumbels=g,
-        shortest_paths=ldexp(d, E).view(*batch, k, k),
+        shortest_paths=ldexp(d, E - log2_scale).view(*batch, k, k),
         capacity=sol.capacity,
         tau=t,
+        log2_scale=log2_scale.view(batch),
     )
+
+
+def _returned_scores(a: Tensor, t: float, g: Tensor, S: Tensor, E: Tensor) -> tuple[Tensor, Tensor]:
+    """The ``scores`` field and its ``[B]`` exponent: ``a / t + g`` when that is finite at every
+    allowed pair (exponent 0), else the solver's normalised scores ``S`` (``[B, n, k]``, with
+    ``a / t + g = 2^E S`` + per-token constants)."""
+    zero = torch.zeros_like(E)
+    if t == 0.0:
+        return a, zero
+    literal = a / t + g
+    if not bool((torch.isinf(literal) & ~torch.isneginf(a)).any()):
+        return literal, zero
+    return S.view(a.shape), E
 
 
 def base_assignment(logits: Tensor, capacity: int | None = None) -> Tensor:
