@@ -1,7 +1,10 @@
 # routelab: one-command setup, main job and tests.
 #
 #   make run    create .venv, install routelab, run `routelab reproduce --quick`
-#   make test   create .venv, install routelab, run the test suite
+#   make test   create .venv, install routelab, run the test suite (the fuzz suite included,
+#               derandomized, bounded to about a minute)
+#   make fuzz   run the fuzz suite (tests/fuzz) 50x longer with a fresh random seed, printed;
+#               replay a run with `make fuzz FUZZ_SEED=<seed>`
 #   make data   install the real data sets the experiments use (part of `make run`)
 #   make bench  run the balanced-assignment benchmark
 #   make clean  remove the venv, build outputs and results
@@ -19,7 +22,7 @@ STAMP := $(VENV)/.installed
 DATA_STAMP := $(VENV)/.data-installed
 OUT ?= results
 
-.PHONY: all venv data run test bench clean
+.PHONY: all venv data run test fuzz bench clean
 
 all: run
 
@@ -59,6 +62,18 @@ run: $(DATA_STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The fuzz suite's every property with ROUTELAB_FUZZ_SCALE times more examples, not derandomized:
+# each run draws new input from FUZZ_SEED (default: a fresh random seed, printed first).
+FUZZ_SCALE ?= 50
+ifeq ($(origin FUZZ_SEED), undefined)
+FUZZ_SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
+endif
+
+fuzz: $(STAMP)
+	@echo "make fuzz: seed $(FUZZ_SEED), $(FUZZ_SCALE)x the examples (replay: make fuzz FUZZ_SEED=$(FUZZ_SEED))"
+	ROUTELAB_FUZZ_SCALE=$(FUZZ_SCALE) ROUTELAB_FUZZ_RANDOM=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
+		tests/fuzz --hypothesis-seed=$(FUZZ_SEED) --hypothesis-show-statistics
 
 bench: $(STAMP)
 	$(BIN)/routelab bench assignment
