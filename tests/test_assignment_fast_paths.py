@@ -15,8 +15,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from routelab.assignment import _ops, _prices, _workspace, balanced_assignment
-from routelab.assignment import balanced as balanced_module
+from dataclasses import replace
+
+from routelab.assignment import _graph, _ops, _prices, _start, _workspace, balanced_assignment
+from routelab.assignment._groups import rank_within_groups, slot_table
+from routelab.assignment._tuning import TUNING
 from test_balanced_assignment import check_optimal, family
 
 HYPOTHESIS = settings(max_examples=60, deadline=None, derandomize=True,
@@ -27,7 +30,6 @@ HYPOTHESIS = settings(max_examples=60, deadline=None, derandomize=True,
 # the active set, the shrinking and the batched (padded) paths engage
 
 
-@pytest.mark.parametrize("host_algebra", [True, False], ids=["host-algebra", "torch-algebra"])
 @pytest.mark.parametrize(
     ("name", "B", "n", "k", "capacity"),
     [
@@ -42,9 +44,8 @@ HYPOTHESIS = settings(max_examples=60, deadline=None, derandomize=True,
     ],
 )
 def test_optimal_at_sizes_where_the_fast_paths_engage(
-    name: str, B: int, n: int, k: int, capacity: int | None, host_algebra: bool, monkeypatch: pytest.MonkeyPatch
+    name: str, B: int, n: int, k: int, capacity: int | None
 ) -> None:
-    monkeypatch.setattr(_prices, "HOST_ALGEBRA", host_algebra)
     gen = torch.Generator().manual_seed(hash((name, B, n, k)) % 2**31)
     c = n // k if capacity is None else capacity
     scores = family(name, B, n, k, c, gen).to(torch.float32)
@@ -75,7 +76,7 @@ def test_active_set_prices_equal_full_step_prices(B: int, n: int, k: int, c: int
     """Frozen tokens are saturated to exp(-SATURATED_GAP): the prices barely differ."""
     S = torch.randn(B, n, k, generator=torch.Generator().manual_seed(n + k), dtype=torch.float64)
     fast = _prices.approximate_prices(S, c)
-    full = _prices.approximate_prices(S, c, active_set=False)
+    full = _prices.approximate_prices(S, c, tuning=replace(TUNING, active_set=False))
     final_T = S.std() * _prices.default_schedule(n)[-1]
     assert (fast - full).abs().max() <= 2 * final_T
 
@@ -102,16 +103,34 @@ def _random_newton_inputs(B: int, k: int, slack: bool, seed: int):
     return col, G, grad, T, prices
 
 
+def reference_newton_step(col, G, grad, T, c, prices, step_limit):
+    """The documented damped Newton step, built and solved plainly with numpy.linalg (float64)."""
+    col, G, grad = (x.double().numpy() for x in (col, G, grad))
+    B, k = col.shape
+    out = np.empty((B, k))
+    for b in range(B):
+        rho = np.mean(col[b] - np.diag(G[b])) + 1e-3 * c
+        rhs = grad[b] * T[b]
+        if prices is None:
+            A = np.diag(col[b] + 1e-6 * rho) - G[b] + rho / k
+        else:
+            keep = ~((prices[b] <= 0) & (grad[b] > 0))
+            rhs = np.where(keep, rhs, 0.0)
+            A = -G[b] * np.outer(keep, keep) + np.diag(np.where(keep, col[b], 0.0) + np.where(keep, 1e-6, 1.0 + 1e-6) * rho)
+        x = np.linalg.solve(A, rhs)
+        out[b] = x * min(1.0, step_limit * T[b] / max(np.abs(x).max(), 1e-30))
+    return out
+
+
 @pytest.mark.parametrize("slack", [False, True])
 @pytest.mark.parametrize("B", [1, 4])
-def test_host_and_torch_newton_steps_agree(B: int, slack: bool) -> None:
-    """The CPU (numpy + LAPACK) step and the device-agnostic PyTorch step are the same step."""
+def test_newton_step_equals_the_plain_numpy_step(B: int, slack: bool) -> None:
+    """The LAPACK step in place (no copies) is the documented system solved plainly."""
     for seed in range(5):
         col, G, grad, T, prices = _random_newton_inputs(B, 16, slack, seed)
-        host, host_clipped = _prices._damped_newton_step_host(col, G, grad, T, 20, prices)
-        dev, dev_clipped = _prices._damped_newton_step_torch(col, G, grad, T, 20, prices)
-        assert host_clipped == dev_clipped
-        np.testing.assert_allclose(host, dev, rtol=1e-6, atol=1e-9)
+        host, host_clipped = _prices._damped_newton_step(col, G, grad, T, 20, prices, TUNING.step_limit)
+        ref = reference_newton_step(col, G, grad, T, 20, prices, TUNING.step_limit)
+        np.testing.assert_allclose(host, ref, rtol=1e-6, atol=1e-9)
         if slack:  # experts at price 0 with a positive gradient do not move
             held = (prices <= 0) & (grad.numpy() > 0)
             assert held.any() and (host[held] == 0).all()
@@ -119,9 +138,9 @@ def test_host_and_torch_newton_steps_agree(B: int, slack: bool) -> None:
 
 def test_newton_step_is_clipped_to_the_step_limit() -> None:
     col, G, grad, T, _ = _random_newton_inputs(2, 8, False, 0)
-    step, clipped = _prices._damped_newton_step_host(col, G, grad * 1e6, T, 20, None)
+    step, clipped = _prices._damped_newton_step(col, G, grad * 1e6, T, 20, None, TUNING.step_limit)
     assert clipped
-    np.testing.assert_allclose(np.abs(step).max(-1), _prices.STEP_LIMIT * T, rtol=1e-9)
+    np.testing.assert_allclose(np.abs(step).max(-1), TUNING.step_limit * T, rtol=1e-9)
 
 
 def test_singular_hessian_falls_back_to_the_diagonal_step() -> None:
@@ -130,18 +149,17 @@ def test_singular_hessian_falls_back_to_the_diagonal_step() -> None:
     k = 4
     col, G = torch.zeros(1, k), torch.zeros(1, k, k)
     grad, T = torch.ones(1, k), np.ones(1)
-    for fn in (_prices._damped_newton_step_host, _prices._damped_newton_step_torch):
-        step, _ = fn(col, G, grad, T, 0, None)
-        assert np.isfinite(step).all()
+    step, _ = _prices._damped_newton_step(col, G, grad, T, 0, None, TUNING.step_limit)
+    assert np.isfinite(step).all()
 
 
 def test_default_schedule() -> None:
     for n in (1, 2, 64, 256, 1024, 4095, 4096, 16384, 1 << 20):
         levels = _prices.default_schedule(n)
-        assert all(a / b == pytest.approx(_prices.COOLING) for a, b in zip(levels, levels[1:]))
-        assert levels[-1] < _prices.FINAL_TEMPERATURE_N / n  # cold enough for n tokens ...
-        assert len(levels) == 1 or levels[-2] >= _prices.FINAL_TEMPERATURE_N / n  # ... and no colder
-        first = _prices.FIRST_TEMPERATURE / (_prices.COOLING if n >= _prices.LARGE_N else 1.0)
+        assert all(a / b == pytest.approx(TUNING.cooling) for a, b in zip(levels, levels[1:]))
+        assert levels[-1] < TUNING.final_temperature_n / n  # cold enough for n tokens ...
+        assert len(levels) == 1 or levels[-2] >= TUNING.final_temperature_n / n  # ... and no colder
+        first = TUNING.first_temperature / (TUNING.cooling if n >= TUNING.large_n else 1.0)
         assert levels[0] == pytest.approx(first)
 
 
@@ -253,7 +271,7 @@ def test_initial_assignment_is_feasible_and_greedy() -> None:
     gen = torch.Generator().manual_seed(8)
     S = torch.randn(2, 512, 16, generator=gen)
     c = 32
-    z = balanced_module._initial_assignment(S, c)
+    z = _start.initial_assignment(S, c)
     counts = torch.zeros(2, 16, dtype=torch.long).scatter_add_(1, z, torch.ones_like(z))
     assert (counts <= c).all() and (z >= 0).all()
     best = S.argmax(-1)
@@ -268,15 +286,15 @@ def test_tied_best_experts_are_spread_in_the_start(monkeypatch: pytest.MonkeyPat
     over them at once (taking the first maximiser would fill expert 0, then 1, ... in k rounds)."""
     n, k = 1024, 64
     rounds = []
-    rank = balanced_module.rank_within_groups
+    rank = rank_within_groups
 
     def spy(*args):
         rounds.append(1)
         return rank(*args)
 
-    monkeypatch.setattr(balanced_module, "rank_within_groups", spy)
+    monkeypatch.setattr(_start, "rank_within_groups", spy)
     S = torch.zeros(1, n, k)
-    z = balanced_module._initial_assignment(S, n // k)
+    z = _start.initial_assignment(S, n // k)
     assert torch.equal(torch.bincount(z.view(-1), minlength=k), torch.full((k,), n // k))
     assert len(rounds) == 0  # no expert was over-subscribed
     check_optimal(S[0], balanced_assignment(S[0]))
@@ -285,8 +303,6 @@ def test_tied_best_experts_are_spread_in_the_start(monkeypatch: pytest.MonkeyPat
 def test_move_arcs_without_slot_tables_equal_the_slot_table_arcs() -> None:
     """The segmented minimum the first search uses is exactly the per-slot table's minimum,
     including experts without tokens and over-full experts."""
-    from routelab.assignment._groups import slot_table
-
     gen = torch.Generator().manual_seed(12)
     B, n, k, c = 3, 200, 9, 30
     S = torch.randn(B, n, k, generator=gen)
@@ -294,7 +310,7 @@ def test_move_arcs_without_slot_tables_equal_the_slot_table_arcs() -> None:
     z[0, :40] = 0  # expert 0 of instance 0 over-full
     counts = torch.zeros(B, k, dtype=torch.long).scatter_add_(1, z, torch.ones_like(z))
     holder, counts = slot_table(z, k, max(c, int(counts.max())))
-    _, expected, _ = balanced_module.expert_graph(S, holder, counts, c)
-    got = balanced_module._move_arcs(S, z)
+    _, expected, _ = _graph.expert_graph(S, holder, counts, c)
+    got = _graph.move_arcs(S, z)
     assert torch.equal(got, expected)
     assert torch.isinf(got[:, k - 1]).all()

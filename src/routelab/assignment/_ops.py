@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-SMALL_K = 8
+from ._tuning import TUNING
+
+SMALL_K = TUNING.small_k
 
 
 def log_softmax(x: Tensor) -> Tensor:

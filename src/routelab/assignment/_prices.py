@@ -13,14 +13,14 @@ start: exactness comes from the cycle cancelling that follows.
 
 **Active set.** At low temperatures most tokens are *saturated*: one expert beats every other by
 many temperatures, so the token adds exactly one to that expert's column sum and nothing to the
-Hessian. A full step marks the tokens whose best expert leads by more than ``FREEZE_GAP``
+Hessian. A full step marks the tokens whose best expert leads by more than ``freeze_gap``
 temperatures as frozen; the following steps softmax only the other rows and add the frozen
-tokens' fixed counts. Each colder level freezes more of the remaining rows (by ``SHRINK_GAP``
+tokens' fixed counts. Each colder level freezes more of the remaining rows (by ``shrink_gap``
 of its temperature), so the steps run on fewer and fewer rows. A frozen token stays saturated
-while the prices move by less than half its lead minus ``SATURATED_GAP`` temperatures; when
+while the prices move by less than half its lead minus ``saturated_gap`` temperatures; when
 they have moved further, the step falls back to the last generation of the chain whose tokens
 are all still saturated, or to a full step (which freezes afresh). The result is the same as
-full steps up to ``exp(-SATURATED_GAP)`` per frozen token.
+full steps up to ``exp(-saturated_gap)`` per frozen token.
 
 **Host arithmetic.** Each step also does ``k x k`` work (the Newton system, the damping, the
 validity checks); the prices and temperatures therefore live in float64 numpy arrays between
@@ -37,49 +37,13 @@ import torch
 from scipy.linalg.lapack import dposv
 from torch import Tensor
 
+from ._tuning import TUNING, SolverTuning
 from ._workspace import SCORES_A, SCORES_B, scratch
 
-# Temperatures relative to the spread (standard deviation) of the scores, one Newton step each:
-# from FIRST_TEMPERATURE down by COOLING per level until below FINAL_TEMPERATURE_N / n. The more
-# tokens, the closer their score differences, and the colder the prices must be to place nearly
-# all of them (each cancelling round left to the exact phase costs more than a few extra steps
-# on the active set). From LARGE_N tokens on, the centred column means already start the prices
-# close enough to skip the hottest level (measured: fewer full steps, no more cancelling rounds
-# at n = 4096 and 16384; about even at 2048; at n = 256 it costs ~3 extra rounds).
-FIRST_TEMPERATURE = 0.3
-LARGE_N = 4096
-COOLING = 5.0
-FINAL_TEMPERATURE_N = 0.4
-# Newton steps allowed per level on average (the schedule plus repeats after clipped steps). With
-# 2, 4 of 15 instances at n = 4096, k = 64 ran out of steps and needed 3-5 cancelling rounds;
-# with 3, 40 instances needed at most 1.
-STEPS_PER_LEVEL = 3
-# A Newton step moves no price by more than STEP_LIMIT temperatures; a clipped step is repeated
-# at the same temperature, up to LEVEL_STEPS steps per temperature.
-STEP_LIMIT = 4.0
-LEVEL_STEPS = 3
-# Active set: a token is frozen when its best expert leads every other one by FREEZE_GAP
-# temperatures, and treated as saturated while that lead stays above SATURATED_GAP temperatures
-# of the current step. Freezing is skipped when it would leave more than MAX_ACTIVE of the rows.
-FREEZE_GAP = 30.0
-# Rows frozen by a shrink (at a colder level) need a larger lead: the prices then still move by
-# several of the new, smaller temperatures per step.
-SHRINK_GAP = 50.0
-SATURATED_GAP = 20.0
-MAX_ACTIVE = 0.6
-# A colder level shrinks the active set only when it has more rows than this (a step on a few
-# hundred rows costs little more than the shrink itself).
-SHRINK_MIN = 256
-# Entries further than this below their row's maximum (in log2 units, exp(-40)) are clamped: they
-# change nothing, but as denormal numbers (and products of them in the Hessian) they slow the CPU
-# down several-fold.
-CLAMP_LOG2 = -40.0 / math.log(2.0)
 LOG2E = 1.0 / math.log(2.0)
-# Do the k x k linear algebra of a Newton step in numpy on CPU (see _damped_newton_step).
-HOST_ALGEBRA = True
+# Entries further than TUNING.clamp_nats below their row's maximum are clamped (in log2 units).
+CLAMP_LOG2 = -TUNING.clamp_nats * LOG2E
 _TINY32 = float(np.finfo(np.float32).tiny)
-# Up to this many rows, the Hessian's rows are masked rather than selected (see _gram).
-SMALL_GRAM = 1024
 
 
 class _ActiveSet:
@@ -112,9 +76,11 @@ class _ActiveSet:
         prices: np.ndarray,
         leads: np.ndarray,
         parent: "_ActiveSet | None",
+        tuning: SolverTuning,
     ) -> None:
         self.scores, self.weight, self.frozen_col = scores, weight, frozen_col
         self.level, self.prices, self.leads, self.parent = level, prices, leads, parent
+        self.tuning = tuning
         self._buffers: tuple[Tensor, Tensor] | None = None
 
     def buffers(self) -> tuple[Tensor, Tensor]:
@@ -130,10 +96,10 @@ class _ActiveSet:
 
     @classmethod
     def freeze(
-        cls, S: Tensor, X: Tensor, u: np.ndarray, T: np.ndarray, level: int, max_active: int, work: Tensor
+        cls, S: Tensor, X: Tensor, u: np.ndarray, T: np.ndarray, level: int, work: Tensor, tuning: SolverTuning
     ) -> "_ActiveSet | None":
         """Generation 0: freeze the saturated rows of a full step; ``None`` if more than
-        ``max_active`` rows would stay active.
+        ``tuning.max_active`` of the rows would stay active.
 
         Args:
             S: ``[B, n, k]`` scores.
@@ -141,16 +107,17 @@ class _ActiveSet:
             u: ``[B, k]`` float64 numpy, the step's prices.
             T: ``[B]`` float64 numpy, its temperature.
             level: its schedule level.
-            max_active: the most active rows worth a restricted step.
             work: ``[B, n, k]`` scratch space.
+            tuning: the solver's tuning.
         """
         B, n, k = S.shape
         zero = torch.zeros((B, k), dtype=S.dtype, device=S.device)
-        kept = _split_saturated(S, X, None, zero, max_active, work, 0, FREEZE_GAP)
+        gap = tuning.freeze_gap
+        kept = _split_saturated(S, X, None, zero, int(tuning.max_active * n), work, 0, gap)
         if kept is None:
             return None
         scores, weight, frozen_col = kept
-        return cls(scores, weight, frozen_col, level, u[None].copy(), FREEZE_GAP * T[None], None)
+        return cls(scores, weight, frozen_col, level, u[None].copy(), gap * T[None], None, tuning)
 
     def shrink(self, X: Tensor, u: np.ndarray, T: np.ndarray, level: int, work: Tensor) -> "_ActiveSet":
         """The next generation: freeze the active rows saturated at the (lower) temperature ``T``.
@@ -162,21 +129,21 @@ class _ActiveSet:
         depth = self.prices.shape[0]
         m = self.scores.shape[1]
         scores, weight, frozen_col = _split_saturated(
-            self.scores, X, self.weight, self.frozen_col, m, work, depth, SHRINK_GAP
+            self.scores, X, self.weight, self.frozen_col, m, work, depth, self.tuning.shrink_gap
         )
         prices = np.concatenate([self.prices, u[None]])
-        leads = np.concatenate([self.leads, SHRINK_GAP * T[None]])
-        return _ActiveSet(scores, weight, frozen_col, level, prices, leads, self)
+        leads = np.concatenate([self.leads, self.tuning.shrink_gap * T[None]])
+        return _ActiveSet(scores, weight, frozen_col, level, prices, leads, self, self.tuning)
 
     def usable(self, u: np.ndarray, T: np.ndarray) -> "_ActiveSet | None":
         """The deepest generation (this one or an ancestor) whose frozen rows are all still
         saturated at prices ``u`` and temperature ``T``; ``None`` if not even generation 0's are.
 
         A row frozen with lead ``L`` at prices ``p`` leads by at least ``L - 2 max|u - p|`` at
-        ``u``; it counts as saturated while that is ``SATURATED_GAP`` temperatures or more.
+        ``u``; it counts as saturated while that is ``saturated_gap`` temperatures or more.
         """
         moved = np.abs(u[None] - self.prices).max(-1)  # [D, B]
-        ok = (self.leads - 2.0 * moved >= SATURATED_GAP * T[None]).all(-1)  # [D]
+        ok = (self.leads - 2.0 * moved >= self.tuning.saturated_gap * T[None]).all(-1)  # [D]
         good = int(np.cumprod(ok).sum())  # generations 0..good-1 are usable
         generation: _ActiveSet | None = self
         for _ in range(self.prices.shape[0] - good):
@@ -254,14 +221,14 @@ def _pack_rows(X: Tensor, keep: Tensor, out: Tensor) -> Tensor:
     return keep.gather(1, index).unsqueeze(-1).to(X.dtype)
 
 
-def default_schedule(n: int) -> tuple[float, ...]:
+def default_schedule(n: int, tuning: SolverTuning = TUNING) -> tuple[float, ...]:
     """Temperatures (fractions of the score spread) for ``n`` tokens: ``0.3, 0.06, 0.012, ...``
-    down to the first one below ``FINAL_TEMPERATURE_N / n``, without the first from ``LARGE_N``
-    tokens on."""
-    levels = [FIRST_TEMPERATURE]
-    while levels[-1] >= FINAL_TEMPERATURE_N / max(n, 1):
-        levels.append(levels[-1] / COOLING)
-    return tuple(levels[1:] if n >= LARGE_N else levels)
+    down to the first one below ``final_temperature_n / n``, without the first from ``large_n``
+    tokens on (:class:`~._tuning.SolverTuning`)."""
+    levels = [tuning.first_temperature]
+    while levels[-1] >= tuning.final_temperature_n / max(n, 1):
+        levels.append(levels[-1] / tuning.cooling)
+    return tuple(levels[1:] if n >= tuning.large_n else levels)
 
 
 def approximate_prices(
@@ -270,7 +237,7 @@ def approximate_prices(
     schedule: tuple[float, ...] | None = None,
     center: bool = True,
     max_steps: int | None = None,
-    active_set: bool = True,
+    tuning: SolverTuning = TUNING,
 ) -> Tensor:
     """Damped Newton on the smoothed dual along a temperature schedule.
 
@@ -280,19 +247,18 @@ def approximate_prices(
         schedule: temperatures as fractions of each instance's score spread (standard deviation);
             default :func:`default_schedule` of ``n``.
         center: start from the centred column means (removes additive expert biases at once).
-        max_steps: total Newton steps allowed (default ``STEPS_PER_LEVEL`` per level); a step
+        max_steps: total Newton steps allowed (default ``steps_per_level`` per level); a step
             clipped by the damping is repeated at the same temperature.
-        active_set: restrict steps to the unsaturated tokens once most are saturated (see the
-            module docstring); ``False`` makes every step a full one.
+        tuning: the solver's tuning; ``active_set=False`` there makes every step a full one.
 
     Returns:
         ``[B, k]`` prices (``>= 0`` when there is slack capacity, ``c * k > n``).
     """
     B, n, k = S.shape
     if schedule is None:
-        schedule = default_schedule(n)
+        schedule = default_schedule(n, tuning)
     if max_steps is None:
-        max_steps = STEPS_PER_LEVEL * len(schedule)
+        max_steps = tuning.steps_per_level * len(schedule)
     slack = c * k > n
     # The score spread sets the temperature scale; a few hundred tokens estimate it well.
     sample = S[:, :: max(1, n // 512)]
@@ -324,22 +290,22 @@ def approximate_prices(
             if B > 1:
                 P.mul_(active.weight)  # padding rows
             grad = (c - active.frozen_col) - P.sum(dim=1)
-            col, G = _gram(P)
-            if level > active.level and X_active.shape[1] > SHRINK_MIN:  # colder: fewer live rows
+            col, G = _gram(P, tuning.small_gram)
+            if level > active.level and X_active.shape[1] > tuning.shrink_min:  # colder: fewer live rows
                 active = active.shrink(X_active, u_host, T_host, level, P)
         else:
             P = _softmax(S, u, scale, X, P_full)  # also leaves the shifted log2 logits in X
             grad = c - P.sum(dim=1)  # [B, k]
-            col, G = _gram(P)
-            if active_set and level > 0:  # P is no longer needed: its buffer is the scratch
-                active = _ActiveSet.freeze(S, X, u_host, T_host, level, int(MAX_ACTIVE * n), P_full)
-        step, clipped = _damped_newton_step(col, G, grad, T_host, c, u_host if slack else None)
+            col, G = _gram(P, tuning.small_gram)
+            if tuning.active_set and level > 0:  # P is no longer needed: its buffer is the scratch
+                active = _ActiveSet.freeze(S, X, u_host, T_host, level, P_full, tuning)
+        step, clipped = _damped_newton_step(col, G, grad, T_host, c, u_host if slack else None, tuning.step_limit)
         u_host = u_host - step
         if slack:
             np.maximum(u_host, 0.0, out=u_host)
         # A clipped step means the prices are still far from this temperature's optimum: stay at
         # this temperature for another step (within the step budget) instead of cooling.
-        if at_level >= LEVEL_STEPS or not clipped:
+        if at_level >= tuning.level_steps or not clipped:
             level, at_level = level + 1, 0
     # The prices only warm-start the exact phase: an instance whose steps went non-finite (no
     # input known to do this once the scores are normalised) starts from zero prices instead.
@@ -357,7 +323,7 @@ def _logit_scale(T: np.ndarray, S: Tensor) -> float | Tensor:
 
 
 def _damped_newton_step(
-    col: Tensor, G: Tensor, grad: Tensor, T: np.ndarray, c: int, prices: np.ndarray | None
+    col: Tensor, G: Tensor, grad: Tensor, T: np.ndarray, c: int, prices: np.ndarray | None, step_limit: float
 ) -> tuple[np.ndarray, bool]:
     """The damped Newton step ``[B, k]`` on the smoothed dual, and whether it was clipped.
 
@@ -366,13 +332,13 @@ def _damped_newton_step(
     1e-3 c`` is added. Without slack the ridge acts on the common shift only (``rho / k`` times
     the all-ones matrix) plus ``1e-6 rho``; with slack (projected Newton) the experts at price 0
     that are under-full (positive gradient) keep price 0. The ``k x k`` system is solved in
-    float64 by Cholesky; should it not be numerically positive definite, the diagonal step is
-    taken instead. Damping: a step beyond ``STEP_LIMIT`` temperatures leaves the region where
-    the quadratic model is accurate, so longer steps are scaled down to that length (*clipped*).
+    float64 by Cholesky (LAPACK ``dposv``); should it not be numerically positive definite, the
+    diagonal step is taken instead. Damping: a step beyond ``step_limit`` temperatures leaves the
+    region where the quadratic model is accurate, so longer steps are scaled down to that length
+    (*clipped*).
 
-    On CPU this ``k x k`` work runs in numpy and LAPACK directly (a few microseconds per
-    operation instead of the tens that PyTorch's dispatch costs for tiny tensors); elsewhere in
-    PyTorch. Both give the same step (tested).
+    The ``k x k`` work runs on the host in numpy (a few microseconds per operation instead of the
+    tens that PyTorch's dispatch costs for tensors this small); the prices live there anyway.
 
     Args:
         col: ``[B, k]`` column sums of the rows in ``G``.
@@ -382,52 +348,16 @@ def _damped_newton_step(
         c: capacity.
         prices: ``[B, k]`` float64 current prices when there is slack capacity (projected
             Newton), else ``None``.
+        step_limit: the longest step, in temperatures.
 
     Returns:
         ``(step, clipped)``: the ``[B, k]`` float64 step; ``clipped`` is True when any
         instance's step was shortened.
     """
-    if col.device.type == "cpu" and HOST_ALGEBRA:
-        return _damped_newton_step_host(col, G, grad, T, c, prices)
-    return _damped_newton_step_torch(col, G, grad, T, c, prices)
-
-
-def _damped_newton_step_torch(
-    col: Tensor, G: Tensor, grad: Tensor, T: np.ndarray, c: int, prices: np.ndarray | None
-) -> tuple[np.ndarray, bool]:
-    """:func:`_damped_newton_step` in PyTorch (any device)."""
     B, k = col.shape
-    col, G, grad = col.double(), G.double(), grad.double()
-    T_dev = torch.from_numpy(T).to(G.device).view(B, 1)
-    rho = (col - G.diagonal(dim1=-2, dim2=-1)).mean(-1, keepdim=True) + 1e-3 * c  # [B, 1]
-    rhs = grad * T_dev
-    if prices is None:
-        A = (rho / k).unsqueeze(-1) - G
-        A.diagonal(dim1=-2, dim2=-1).add_(col + 1e-6 * rho)
-    else:
-        fixed = (torch.from_numpy(prices).to(G.device) <= 0) & (grad > 0)
-        rhs = rhs.masked_fill(fixed, 0.0)
-        keep = (~fixed).to(G.dtype)
-        A = G * (keep.unsqueeze(-1) * keep.unsqueeze(-2))
-        A.neg_().diagonal(dim1=-2, dim2=-1).add_(col * keep + (1.0 + 1e-6 - keep) * rho)
-    L, info = torch.linalg.cholesky_ex(A)
-    step = torch.cholesky_solve(rhs.unsqueeze(-1), L).squeeze(-1)
-    bad = (info != 0) | (step - step != 0).any(-1)  # x - x is NaN exactly for non-finite x
-    if bool(bad.any()):
-        diagonal = rhs / A.diagonal(dim1=-2, dim2=-1).clamp(min=_TINY32)
-        step = torch.where(bad.unsqueeze(-1), diagonal, step)
-    factor = (STEP_LIMIT * T_dev / step.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)).clamp(max=1.0)
-    return (step * factor).cpu().numpy(), bool((factor < 1.0).any())
-
-
-def _damped_newton_step_host(
-    col: Tensor, G: Tensor, grad: Tensor, T: np.ndarray, c: int, prices: np.ndarray | None
-) -> tuple[np.ndarray, bool]:
-    """:func:`_damped_newton_step` in numpy float64 and LAPACK ``dposv`` (CPU tensors)."""
-    B, k = col.shape
-    col64, grad64 = torch.stack([col, grad]).numpy().astype(np.float64)  # one conversion
+    col64, grad64 = torch.stack([col, grad]).cpu().numpy().astype(np.float64)  # one conversion
     rhs = grad64 * T[:, None]
-    A = G.numpy().astype(np.float64)  # becomes the system matrix, in place
+    A = G.cpu().numpy().astype(np.float64)  # becomes the system matrix, in place
     diag = A.reshape(B, k * k)[:, :: k + 1]  # a view of the diagonals
     rho = (col64.sum(-1) - diag.sum(-1)) / k + 1e-3 * c  # [B]
     if prices is None:
@@ -446,7 +376,7 @@ def _damped_newton_step_host(
         if info != 0 or not np.isfinite(x).all():
             x = rhs[b] / np.maximum(diag[b], _TINY32)
         step[b] = x
-    factor = np.minimum(STEP_LIMIT * T / np.maximum(np.abs(step).max(-1), 1e-30), 1.0)
+    factor = np.minimum(step_limit * T / np.maximum(np.abs(step).max(-1), 1e-30), 1.0)
     step *= factor[:, None]
     return step, bool((factor < 1.0).any())
 
@@ -467,7 +397,7 @@ def _softmax(S: Tensor, u: Tensor, scale: float | Tensor, X: Tensor, out: Tensor
     return P.div_(P.sum(dim=-1, keepdim=True))
 
 
-def _gram(P: Tensor) -> tuple[Tensor, Tensor]:
+def _gram(P: Tensor, small_gram: int) -> tuple[Tensor, Tensor]:
     """Column sums ``[B, k]`` and Gram matrix ``P^T P`` ``[B, k, k]`` of the rows of ``P`` that
     matter for the Hessian ``diag(col) - P^T P``.
 
@@ -476,9 +406,10 @@ def _gram(P: Tensor) -> tuple[Tensor, Tensor]:
 
     Args:
         P: ``[B, n, k]`` row-stochastic matrix.
+        small_gram: up to this many rows, saturated rows are masked rather than selected.
     """
     B, n, k = P.shape
-    if n <= SMALL_GRAM:  # mask the saturated rows: fewer (tiny) operations than selecting them
+    if n <= small_gram:  # mask the saturated rows: fewer (tiny) operations than selecting them
         Q = P * (P.amax(dim=-1, keepdim=True) < 1.0 - 1e-6)
         return Q.sum(dim=1), Q.transpose(1, 2) @ Q
     live = P.amax(dim=-1) < 1.0 - 1e-6  # [B, n]

@@ -1,8 +1,8 @@
 """Shortest paths and negative cycles on small dense graphs, batched.
 
-The graphs here are the *expert graphs* of the balanced assignment solver: ``m = k + 1`` nodes
-(the experts and one sink node), a dense ``[..., m, m]`` matrix of arc costs with ``+inf`` for
-missing arcs. All functions are batched over leading dimensions and run on any device.
+The graphs here are the *expert graphs* of the balanced assignment solver (:mod:`._graph`):
+``m = k`` nodes, one per expert (the sink node of the classic construction is contracted into
+the release arcs), a dense ``[..., m, m]`` matrix of arc costs with ``+inf`` for missing arcs. All functions are batched over leading dimensions and run on any device.
 """
 
 from __future__ import annotations

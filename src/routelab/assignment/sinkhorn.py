@@ -34,7 +34,9 @@ def sinkhorn(
             tolerance floor below then uses that dtype's ``eps``). An empty batch (a leading
             dimension of size 0) gives an empty result of the same shape.
         col_sum: target column sums, a number or a ``[..., k]`` tensor (broadcast over the batch);
-            default ``n / k``. They must be non-negative and add up to ``n``.
+            default ``n / k``. They must be non-negative and add up to ``n``. A column with target
+            0 is ``-inf`` in the result (no token uses it), with gradient 0 to its entries of
+            ``log_p``; the other columns are balanced exactly as if it had been removed.
         tol: largest absolute error of any column sum at convergence. It is floored at
             ``4 * eps(dtype) * sqrt(n) * max(1, col_sum)``, the resolution of a sum of ``n``
             terms (about ``2e-3``, i.e. ``3e-5`` relative, for float32 at ``n = 4096, k = 64``).
@@ -46,8 +48,8 @@ def sinkhorn(
 
     Raises:
         ValueError: NaN/+inf input, marginals that cannot be met (negative targets, targets that
-            do not add up to ``n``, a row that is all ``-inf``, a column that is all ``-inf`` with a
-            positive target), or no convergence within ``max_iter`` (the message gives the error).
+            do not add up to ``n``, a row that is all ``-inf`` or finite only in columns with target
+            0, a column that is all ``-inf`` with a positive target), or no convergence within ``max_iter`` (the message gives the error).
     """
     check_score_matrix(log_p, "log_p")
     n, k = log_p.shape[-2], log_p.shape[-1]
@@ -63,7 +65,9 @@ def sinkhorn(
     finite = torch.isfinite(log_p)
     dead_row = ~finite.any(-1)
     dead_col = (~finite.any(-2)) & (target > 0)
-    bad_row, bad_col = torch.stack([dead_row.any(), dead_col.any()]).tolist()
+    # A row whose finite entries all sit in columns with target 0 cannot sum to 1 either.
+    stranded = ~(finite & (target > 0).unsqueeze(-2)).any(-1) & ~dead_row
+    bad_row, bad_col, bad_stranded = torch.stack([dead_row.any(), dead_col.any(), stranded.any()]).tolist()
     if bad_row:
         where = tuple(dead_row.nonzero()[0].tolist())
         entry = f" of batch entry {where[:-1]}" if len(where) > 1 else ""
@@ -73,6 +77,14 @@ def sinkhorn(
         )
     if bad_col:
         raise ValueError("log_p has a column that is all -inf but a positive col_sum: that target cannot be met")
+    if bad_stranded:
+        where = tuple(stranded.nonzero()[0].tolist())
+        entry = f" of batch entry {where[:-1]}" if len(where) > 1 else ""
+        raise ValueError(
+            f"log_p row {where[-1]}{entry} has finite entries only in columns whose col_sum is 0: that token "
+            f"has no expert it may use, so rows cannot sum to 1; give it a finite entry in a column with "
+            f"col_sum > 0"
+        )
 
     # Below a few rounding errors of a sum of n terms of size up to max(1, target) the output
     # dtype cannot resolve column errors, so the tolerance is floored there.
@@ -108,23 +120,41 @@ def balance(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) -> tupl
         fast = _balance_two(log_p, target, tol=tol, max_iter=max_iter)
         if fast is not None:
             return fast
-    log_target = target.log()
+    # Dead columns: a target of 0 (the column is -inf in the result) or no finite entry. They are
+    # set to -inf once, up front, and never reduced over again: a logsumexp over an all -inf
+    # slice has a NaN gradient (exp(-inf - -inf)), and log(0) an infinite one. The other columns
+    # are then balanced exactly as if the dead ones had been removed.
+    dead = (target <= 0) | ~torch.isfinite(log_p).any(-2)           # [..., k]
+    any_dead = bool(dead.any())  # one sync; without dead columns the sweeps below stay as lean as ever
+    dead_entries = dead.unsqueeze(-2)                                 # [..., 1, k]
+    if any_dead:
+        log_p = log_p.masked_fill(dead_entries, float("-inf"))
+    log_target = torch.where(dead, torch.ones_like(target), target).log()  # log(1) = 0 on dead columns
     # Columns are normalised over the tokens, rows over the experts. With few experts the
     # iteration runs on the [..., k, n] transpose so both reductions stay fast (see _ops).
     transpose = k <= SMALL_K
     x = log_p - logsumexp(log_p).unsqueeze(-1)
     if transpose:
         x = x.transpose(-1, -2).contiguous()  # [..., k, n]
+        dead_entries = dead_entries.transpose(-1, -2)                 # [..., k, 1]
     cols, rows = (-1, -2) if transpose else (-2, -1)
     log_t = log_target.unsqueeze(cols)
+    dead_col = dead.unsqueeze(cols)
+    got_zero = torch.zeros((), dtype=target.dtype, device=target.device)
     err = float("inf")
     for sweep in range(max_iter + 1):
-        col = torch.logsumexp(x, dim=cols, keepdim=True)
+        # The logsumexp of a dead column reads zeros instead of its -inf entries (finite value,
+        # finite gradient); its result is never used.
+        col = torch.logsumexp(x.masked_fill(dead_entries, 0.0) if any_dead else x, dim=cols, keepdim=True)
         # The error of the current iterate (rows already sum to 1): stop before changing it.
-        err = float((col.detach().exp().squeeze(cols) - target.detach()).abs().amax())
+        got = col.detach().exp().squeeze(cols).to(target.dtype)
+        if any_dead:
+            got = torch.where(dead, got_zero, got)
+        err = float((got - target.detach()).abs().amax())
         if err <= tol or sweep == max_iter:
             break
-        x = x + torch.where(torch.isinf(col), torch.zeros_like(col), log_t - col)
+        step = log_t - col
+        x = x + (torch.where(dead_col, torch.zeros_like(col), step) if any_dead else step)
         row = logsumexp(x.transpose(-1, -2)) if transpose else logsumexp(x)
         x = x - row.unsqueeze(rows)
     return (x.transpose(-1, -2) if transpose else x), err

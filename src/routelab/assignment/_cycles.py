@@ -1,0 +1,190 @@
+"""Cycle cancelling on the expert graph until no negative cycle is left (Kool et al. 2021, App. D.2).
+
+Bellman-Ford from a virtual source; a cycle in its predecessor graph is a negative cycle.
+Node-disjoint negative cycles are collected for a few more sweeps and all cancelled at once (one
+token moves along each move arc); the touched experts' rows of the graph are refreshed
+incrementally. When Bellman-Ford converges, there is no negative cycle: the assignment is optimal
+(the certificate, up to the rounding guard of :func:`cycle_tolerance`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._graph import expert_graph, move_arcs, move_costs, release_arcs, release_weight
+from ._groups import slot_table
+from ._tuning import TUNING
+from ._workspace import SCORES_A, scratch
+from .shortest_paths import functional_graph_cycles, relax
+
+__all__ = ["cancel_negative_cycles", "cycle_tolerance", "find_negative_cycles"]
+
+
+def cycle_tolerance(scale: Tensor, k: int) -> Tensor:
+    """``[B, 1]`` threshold below which a cycle's cost counts as negative (rounding guard).
+
+    A cycle has at most ``k + 1`` arcs, each a difference of two scores of size at most
+    ``scale``; costs below a few rounding errors of that size are treated as zero.
+    """
+    return (4 * (k + 1) * torch.finfo(scale.dtype).eps * scale).unsqueeze(-1)
+
+
+def find_negative_cycles(
+    arc: Tensor, tol: Tensor, running: Tensor, dist: Tensor, extra_sweeps: int = 6
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Bellman-Ford from a virtual source, collecting node-disjoint negative cycles.
+
+    The virtual source reaches every node ``v`` with an arc of cost ``dist[v]``: any initial
+    labels give a valid search, and labels close to the optimal potentials (the previous round's,
+    or the negated expert prices) make it converge in a few sweeps. A cycle in the predecessor
+    graph is a negative cycle; once one is found its nodes are blocked and the search goes on for
+    up to ``extra_sweeps`` sweeps to collect more cycles among the remaining nodes, so that one
+    round of the caller cancels several.
+
+    Args:
+        arc: ``[B, m, m]`` arc costs.
+        tol: ``[B, 1]`` improvement threshold (rounding guard).
+        running: ``[B]`` bool, instances to examine.
+        dist: ``[B, m]`` initial labels.
+        extra_sweeps: sweeps to continue after the first cycle of an instance is found.
+
+    Returns:
+        ``(optimal, cycle_nodes, pred, dist)``: ``optimal`` ``[B]`` bool (Bellman-Ford converged
+        without finding a cycle: no negative cycle exists); ``cycle_nodes`` ``[B, m]`` bool, the
+        nodes on the negative cycles found (node-disjoint, each cycle formed by ``pred``);
+        ``pred`` ``[B, m]`` the predecessor of every node; ``dist`` the final labels.
+    """
+    B, m, _ = arc.shape
+    dev = arc.device
+    # Nodes whose label never improved point to an extra node m (a self-loop there), so that
+    # every cycle of the predecessor graph among the real nodes is a negative cycle.
+    pred = torch.full((B, m + 1), m, dtype=torch.long, device=dev)
+    optimal = torch.zeros(B, dtype=torch.bool, device=dev)
+    found = torch.zeros(B, dtype=torch.bool, device=dev)
+    cycle_nodes = torch.zeros((B, m), dtype=torch.bool, device=dev)
+    run = running.clone()
+    gate = run.unsqueeze(-1).expand(B, m).clone()  # labels that may still change
+    work = arc
+    stop_collecting = None  # sweep after which instances with a cycle stop looking for more
+    for sweep in range(1, 2 * m + 4 + extra_sweeps):
+        cand, arg = relax(dist, work)
+        better = (cand < dist - tol) & gate
+        dist = torch.where(better, cand, dist)
+        pred[:, :m] = torch.where(better, arg, pred[:, :m])
+        if sweep % TUNING.check_every:
+            continue  # book-keeping every few sweeps: a converged instance just idles meanwhile
+        moved = better.any(-1)
+        optimal |= run & ~moved & ~found
+        run &= moved
+        on_cycle = functional_graph_cycles(pred)[:, :m] & gate & run.unsqueeze(-1)
+        new = on_cycle.any(-1)
+        if bool(new.any()):
+            found |= new
+            cycle_nodes |= on_cycle
+            work = arc.masked_fill(cycle_nodes.unsqueeze(-1) | cycle_nodes.unsqueeze(-2), float("inf"))
+            if stop_collecting is None:
+                stop_collecting = sweep + extra_sweeps
+        if stop_collecting is not None and sweep >= stop_collecting:
+            run &= ~found
+        gate = run.unsqueeze(-1) & ~cycle_nodes
+        if not bool(run.any()):
+            return optimal, cycle_nodes, pred[:, :m], dist
+    if bool((run & ~found).any()):
+        raise RuntimeError(
+            "balanced_assignment: Bellman-Ford found neither convergence nor a cycle; please report this input"
+        )
+    return optimal, cycle_nodes, pred[:, :m], dist
+
+
+def cancel_negative_cycles(
+    S: Tensor,
+    z: Tensor,
+    c: int,
+    prices: Tensor | None = None,
+    scale: Tensor | None = None,
+    max_rounds: int | None = None,
+) -> tuple[Tensor, Tensor, int]:
+    """Cycle cancelling until no negative cycle is left (App. D.2).
+
+    The expert graph is kept up to date incrementally: a cancelled cycle changes the token sets of
+    the experts on it only, so only their rows of the move-cost table are recomputed.
+
+    Args:
+        S: ``[B, n, k]`` finite scores.
+        z: ``[B, n]`` any assignment, possibly over capacity (a modified copy is returned).
+        c: capacity.
+        prices: optional ``[B, k]`` approximate expert prices; their negation starts the
+            Bellman-Ford labels near the optimal potentials.
+        scale: optional ``[B]`` magnitude of the finite scores (default: of ``S``), which sets
+            the rounding tolerance.
+
+    Returns:
+        ``(z, arc_cost, rounds)`` with the optimal assignment, the float64 expert graph at the
+        optimum ``[B, k, k]`` and the number of rounds.
+    """
+    B, n, k = S.shape
+    dev = S.device
+    z = z.clone()
+    if scale is None:
+        scale = torch.maximum(S.amax(dim=(-2, -1)).abs(), S.amin(dim=(-2, -1)).abs())
+    tol = cycle_tolerance(scale, k).to(torch.float64)  # rounding errors of the scores' dtype
+    big = release_weight(S)
+    counts = torch.zeros((B, k), dtype=torch.long, device=dev).scatter_add_(-1, z, torch.ones_like(z))
+    # The graph straight from the assignment; the slot tables that cancelling needs are built
+    # only if the first search finds a negative cycle (a good start often has none).
+    move_arc = move_arcs(S, z)
+    arc = torch.minimum(move_arc, release_arcs(counts, c, big))
+    holder = move = None
+    running = torch.ones(B, dtype=torch.bool, device=dev)
+    dist = torch.zeros((B, k), dtype=torch.float64, device=dev)
+    if prices is not None:
+        dist -= prices.to(torch.float64)
+    rounds = 0
+    if max_rounds is None:
+        max_rounds = 10 * n * k + 100  # each round strictly improves; this only guards against bugs
+    while True:
+        optimal, cycle_nodes, pred, dist = find_negative_cycles(arc, tol, running, dist)
+        running &= ~optimal
+        if not bool(running.any()):
+            if bool((counts > c).any()):
+                raise RuntimeError("balanced_assignment: over-full expert left without a negative cycle")
+            return z, arc, rounds
+        rounds += 1
+        if rounds > max_rounds:
+            raise RuntimeError("balanced_assignment: cycle cancelling did not terminate; please report this input")
+        if move is None:  # the first cycles: build the per-slot tables (same arcs as _move_arcs)
+            slots = max(c, int(counts.max()))  # over-full experts need room for their extra tokens
+            holder, counts = slot_table(z, k, slots)
+            work = scratch(SCORES_A, (B, k, slots, k), S.dtype, dev)  # the start's input is spent
+            _, move_arc, move = expert_graph(S, holder, counts, c, big, out=work)
+        # Every cycle node v whose in-arc u -> v is a move arc receives the cheapest token of
+        # u (cycle nodes have one out-arc each, so no token moves twice); release arcs move
+        # nothing: their tail absorbs a token, their head sends one without receiving.
+        inst, v = cycle_nodes.nonzero(as_tuple=True)
+        u = pred[inst, v]
+        is_move = move_arc[inst, u, v] <= arc[inst, u, v]
+        inst, u, v = inst[is_move], u[is_move], v[is_move]
+        slot_u = move[inst, u, :, v].argmin(dim=-1)
+        token = holder[inst, u, slot_u]
+        # The token takes the slot that v's own outgoing token leaves, or a free slot of v when v
+        # absorbs it (its out-arc is a release arc, which exists only while v has a free slot).
+        vacated = torch.full((B, k), -1, dtype=torch.long, device=dev)
+        vacated[inst, u] = slot_u
+        slot_v = vacated[inst, v]
+        first_free = (holder[inst, v] == n).long().argmax(dim=-1)
+        slot_v = torch.where(slot_v < 0, first_free, slot_v)
+        holder[inst, u, slot_u] = n
+        holder[inst, v, slot_v] = token
+        z[inst, token] = v
+        counts.index_put_((inst, u), torch.full_like(u, -1), accumulate=True)
+        counts.index_put_((inst, v), torch.ones_like(v), accumulate=True)
+        # Refresh the move rows of the experts whose tokens changed, and the release arcs.
+        key = torch.unique(torch.cat([inst * k + u, inst * k + v]))
+        ci, ce = key // k, key % k
+        rows = move_costs(S, holder, ci, ce)
+        move[ci, ce] = rows
+        row_arc = rows.amin(dim=1).to(torch.float64)
+        row_arc[torch.arange(ce.numel(), device=dev), ce] = float("inf")
+        move_arc[ci, ce] = row_arc
+        arc = torch.minimum(move_arc, release_arcs(counts, c, big))
