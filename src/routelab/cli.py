@@ -2,13 +2,16 @@
 
 Subcommands::
 
-    routelab reproduce [NAME ...] [--quick] [--out DIR]   run experiments, write DIR/report.md
+    routelab reproduce [NAME ...] [--quick] [--out DIR] [--fresh] [--allow-missing-data]
+                                                          run experiments, write DIR/report.md
     routelab bench assignment [--quick] [--threads N] [--device cpu|cuda] [--out FILE]
     routelab bench moe [--quick] [--threads N] [--device cpu|cuda] [--out FILE]
     routelab bench moe --world-size N [N ...] [--quick] [--out FILE]   expert parallel, gloo workers
     routelab list                                         list the registered experiments
 
-Exit codes: 0 on success, 2 on a usage error (unknown experiment, bad option).
+Exit codes: 0 on success, 1 when an experiment could not run (the others still run; the report
+and one ``routelab: error: ...`` line say which and why), 2 on a usage error (unknown
+experiment, bad option), 130 when interrupted with Ctrl-C (finished runs stay recorded).
 """
 
 from __future__ import annotations
@@ -18,18 +21,22 @@ import os
 import platform
 import re
 import sys
+import traceback
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
 import routelab
 from routelab import experiments
-from routelab.experiments.runner import atomic_write_text
+from routelab.data.errors import DataUnavailable
+from routelab.experiments.runner import ResultsFileError, atomic_write_text
 
 __all__ = ["main", "build_parser"]
 
 EXIT_OK = 0
+EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # as a shell reports a process ended by Ctrl-C (128 + SIGINT)
 
 BENCHMARKS: tuple[str, ...] = ("assignment", "moe")
 
@@ -104,6 +111,53 @@ def _rebase_links(markdown: str, prefix: str) -> str:
     return _RELATIVE_LINK.sub(lambda m: f"{m.group(1)}{prefix}/{m.group(2)}", markdown)
 
 
+def _one_line(text: str, limit: int = 600) -> str:
+    """``text`` on one line (whitespace collapsed), at most ``limit`` characters."""
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _move_aside(exp_dir: Path) -> Path | None:
+    """``--fresh``: rename a non-empty ``exp_dir`` to ``exp_dir.old-<UTC time>``; returns the new path."""
+    if not exp_dir.exists() or not any(exp_dir.iterdir()):
+        return None
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    target = exp_dir.with_name(f"{exp_dir.name}.old-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = exp_dir.with_name(f"{exp_dir.name}.old-{stamp}-{n}")
+    exp_dir.rename(target)
+    return target
+
+
+def _run_experiment(exp: experiments.Experiment, exp_dir: Path, quick: bool) -> tuple[Path | None, str, str]:
+    """Run one experiment; never raises except on Ctrl-C.
+
+    Returns:
+        ``(report path, "", "")`` on success, else ``(None, kind, reason)``: kind ``"skipped"``
+        (its data is not installed) or ``"failed"``; reason is one line that says what is wrong
+        and how to fix it. The traceback of an unexpected error goes to ``exp_dir/error.txt``.
+    """
+    try:
+        report = Path(exp.run(exp_dir, quick))
+        (exp_dir / "error.txt").unlink(missing_ok=True)  # from an earlier failed invocation
+        return report, "", ""
+    except DataUnavailable as err:
+        return None, "skipped", _one_line(f"its data is not installed: {err}")
+    except ResultsFileError as err:
+        return None, "failed", _one_line(f"cannot resume from its results: {err}")
+    except Exception as err:  # noqa: BLE001 - one experiment's bug must not stop the others
+        log = exp_dir / "error.txt"
+        try:
+            atomic_write_text(log, traceback.format_exc())
+            where = f"; traceback in {log}"
+        except OSError:
+            where = ""
+        first = (str(err).strip().splitlines() or [""])[0]
+        return None, "failed", _one_line(f"{type(err).__name__}: {first}{where}")
+
+
 def _report_header(quick: bool) -> list[str]:
     """The first lines of the aggregated report: what ran, where and when."""
     import torch
@@ -138,7 +192,10 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
         return _error(f"unknown experiment(s): {', '.join(unknown)} ({valid}).")
 
     out_dir: Path = args.out
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return _error(f"cannot create the output directory {out_dir}: {err.strerror or err}; choose another --out.")
     lines = _report_header(args.quick)
 
     if not registry:
@@ -151,18 +208,27 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
             _run_assignment_benchmark(quick=args.quick).strip(),
             "",
         ]
-    else:
-        names = list(args.names) or list(registry)
-        for name in dict.fromkeys(names):  # de-duplicate, keep order
+    not_run: list[tuple[str, str, str]] = []  # (name, "skipped" | "failed", reason)
+    if registry:
+        names = list(dict.fromkeys(args.names or registry))  # de-duplicate, keep order
+        sections: list[str] = []
+        for name in names:
             exp = registry[name]
             exp_dir = out_dir / name
+            if args.fresh and (old := _move_aside(exp_dir)) is not None:
+                print(f"== {name}: --fresh: moved the earlier results aside to {old}", flush=True)
             exp_dir.mkdir(parents=True, exist_ok=True)
             print(f"== {name}: {exp.description}", flush=True)
-            report_path = Path(exp.run(exp_dir, args.quick))
+            report_path, kind, reason = _run_experiment(exp, exp_dir, args.quick)
+            if report_path is None:
+                not_run.append((name, kind, reason))
+                print(f"== {name}: {kind}: {reason}", file=sys.stderr, flush=True)
+                sections += [f"## {name}", "", exp.description, "", f"**Not run ({kind}):** {reason}", ""]
+                continue
             rel = Path(os.path.relpath(report_path, out_dir)).as_posix()
             body = report_path.read_text(encoding="utf-8")
             body = _rebase_links(body, Path(rel).parent.as_posix())
-            lines += [
+            sections += [
                 f"## {name}",
                 "",
                 exp.description,
@@ -172,10 +238,33 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
                 _demote_headings(body).strip(),
                 "",
             ]
+        if not_run:
+            lines += [f"**{len(not_run)} of {len(names)} experiment(s) did not run**; the others ran and are "
+                      "reported below.", "", "| experiment | status | reason and fix |", "|---|---|---|"]
+            lines += [f"| {n} | {k} | {r.replace('|', '/')} |" for n, k, r in not_run]
+            lines.append("")
+        lines += sections
 
     report = atomic_write_text(out_dir / "report.md", "\n".join(lines))
-    print(f"report: {report}")
-    return EXIT_OK
+    print(f"report: {report}", flush=True)
+    if args.allow_missing_data:
+        for name, _, reason in [x for x in not_run if x[1] == "skipped"]:
+            print(f"routelab: warning: {name} skipped: {reason}", file=sys.stderr)
+        not_run = [x for x in not_run if x[1] != "skipped"]
+    if not not_run:
+        return EXIT_OK
+    if len(not_run) == 1:
+        name, kind, reason = not_run[0]
+        message = f"{name} {'was skipped' if kind == 'skipped' else 'failed'}: {reason}"
+    else:  # one line still: the missing data sets by name, each failure with its reason
+        skipped = [n for n, k, _ in not_run if k == "skipped"]
+        parts = [f"{n} failed: {r}" for n, k, r in not_run if k != "skipped"]
+        if skipped:
+            parts.insert(0, f"{', '.join(skipped)} skipped: data not installed (run `make data`; what is "
+                            "missing is listed in the report)")
+        message = f"{len(not_run)} experiments did not run, the others did (see {report}): " + "; ".join(parts)
+    print(f"routelab: error: {_one_line(message, limit=4000)}", file=sys.stderr)
+    return EXIT_FAILED
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -236,7 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
         "reproduce",
         help="run registered experiments and write DIR/report.md",
         description="Run the named experiments (all if none is named) and aggregate their "
-        "reports into DIR/report.md. While no experiment is registered, the "
+        "reports into DIR/report.md. Finished runs are recorded as they end, so an interrupted "
+        "call resumes. An experiment that cannot run (its data is not installed, its results file "
+        "is corrupt, an error) does not stop the others: the report and one `routelab: error:` "
+        "line say which and why, and the exit status is 1. While no experiment is registered, the "
         "balanced-assignment benchmark stands in.",
     )
     rep.add_argument("names", nargs="*", metavar="NAME", help="experiments to run (default: all)")
@@ -244,6 +336,16 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument(
         "--out", type=Path, default=Path("results"), metavar="DIR",
         help="output directory (default: results)",
+    )
+    rep.add_argument(
+        "--fresh", action="store_true",
+        help="start the experiments over: move their earlier results in DIR/NAME aside to "
+        "DIR/NAME.old-<time> (nothing is deleted) instead of resuming from them",
+    )
+    rep.add_argument(
+        "--allow-missing-data", action="store_true",
+        help="an experiment whose data is not installed is skipped with a warning and does not make "
+        "the exit status nonzero (it is still listed in the report)",
     )
     rep.set_defaults(func=_cmd_reproduce)
 
@@ -279,15 +381,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments without the program name (default: ``sys.argv[1:]``).
 
     Returns:
-        The exit code: 0 on success, 2 on a usage error. (argparse's own usage errors raise
-        ``SystemExit(2)``.)
+        The exit code: 0 on success, 1 when an experiment could not run, 2 on a usage error,
+        130 on Ctrl-C. (argparse's own usage errors raise ``SystemExit(2)``.)
     """
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("\nroutelab: interrupted; every finished run is recorded, rerun the same command to resume.",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

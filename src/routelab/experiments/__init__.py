@@ -7,7 +7,11 @@ of its markdown report. ``routelab reproduce`` runs them and aggregates their re
 To add one, write a module in this package that builds the experiment and calls
 :func:`register`, then import that module at the bottom of this file so that the registry is
 filled when :mod:`routelab.experiments` is imported. Use :mod:`routelab.experiments.runner`
-for resumable results (one JSON line per finished run) and atomic report writes.
+for resumable results (one JSON line per finished run) and atomic report writes, and
+:mod:`routelab.experiments.failures` so that a run that diverges is recorded as failed (with its
+reason) instead of stopping the sweep. ``run`` raises :class:`routelab.data.DataUnavailable`
+when its data is not installed; ``routelab reproduce`` then reports the experiment as skipped
+and goes on with the others.
 """
 
 from __future__ import annotations

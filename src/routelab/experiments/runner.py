@@ -11,6 +11,9 @@ by an interrupted run) is ignored by :func:`read_jsonl` and removed by the next
             continue
         append_jsonl_atomic(path, {"method": method, "seed": seed, **run(method, seed)})
 
+A complete line that is not a JSON object is damage, not an interruption: :func:`read_jsonl`
+raises :class:`ResultsFileError` naming the file, the line and the fix.
+
 The functions assume a single writer per file (one sweep at a time).
 """
 
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "ResultsFileError",
     "csv_cell",
     "append_jsonl_atomic",
     "read_jsonl",
@@ -31,6 +35,28 @@ __all__ = [
     "missing_keys",
     "atomic_write_text",
 ]
+
+
+class ResultsFileError(ValueError):
+    """A results file that cannot be resumed from: a corrupt line, or records of another sweep.
+
+    An interrupted write never causes it (its unfinished last line is ignored); only damage or
+    a foreign file does. The message names the file (and line) and the fix; ``routelab
+    reproduce`` prints it as one ``routelab: error:`` line.
+
+    Attributes:
+        path: the file.
+        line: the 1-based line number, or ``None`` when the whole file is at fault.
+    """
+
+    def __init__(self, message: str, path: Path, line: int | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.line = line
+
+
+_FIX = ("delete that line (its run is redone) or the whole file, or rerun `routelab reproduce` with "
+        "`--fresh` (which moves the experiment's old results aside)")
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -108,29 +134,33 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         The records, in file order.
 
     Raises:
-        ValueError: if a complete (newline-terminated) line is not a JSON object — that is
-            corruption, not an interruption, and is not skipped silently.
+        ResultsFileError: (a ``ValueError``) if a complete (newline-terminated) line is not a
+            UTF-8 JSON object — that is corruption, not an interruption, and is not skipped
+            silently. The message names the file and line and says how to fix it.
     """
     path = Path(path)
     if not path.exists():
         return []
     data = path.read_bytes()
-    complete = data[: data.rfind(b"\n") + 1].decode("utf-8")  # drop the partial tail, if any
+    complete = data[: data.rfind(b"\n") + 1]  # drop the partial tail, if any
     records: list[dict[str, Any]] = []
-    for lineno, line in enumerate(complete.split("\n"), start=1):
-        if not line.strip():
+    for lineno, raw in enumerate(complete.split(b"\n"), start=1):
+        if not raw.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise ResultsFileError(
+                f"{path}:{lineno}: not UTF-8 text (byte {err.start + 1} of the line); the file is "
+                f"corrupt, not just interrupted: {_FIX}.", path, lineno) from err
         except json.JSONDecodeError as err:
-            raise ValueError(
+            raise ResultsFileError(
                 f"{path}:{lineno}: not valid JSON ({err.msg}); the file is corrupt, not just "
-                f"interrupted. Fix or delete that line."
-            ) from err
+                f"interrupted: {_FIX}.", path, lineno) from err
         if not isinstance(record, dict):
-            raise ValueError(
-                f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}."
-            )
+            raise ResultsFileError(
+                f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}; the file is "
+                f"corrupt: {_FIX}.", path, lineno)
         records.append(record)
     return records
 
@@ -158,8 +188,8 @@ def completed_keys(
         ``{(record[f] for f in key_fields), ...}``; JSON lists in keys become tuples.
 
     Raises:
-        ValueError: if a record lacks one of ``key_fields`` (the file belongs to another
-            sweep, or the key changed: use a new file).
+        ResultsFileError: (a ``ValueError``) if a record lacks one of ``key_fields`` (the file
+            belongs to another sweep, or the key changed: use a new file).
     """
     fields: tuple[str, ...] = (key_fields,) if isinstance(key_fields, str) else tuple(key_fields)
     if not fields:
@@ -168,9 +198,10 @@ def completed_keys(
     for i, record in enumerate(read_jsonl(path)):
         missing = [f for f in fields if f not in record]
         if missing:
-            raise ValueError(
+            raise ResultsFileError(
                 f"{path}: record {i} lacks key field(s) {missing} (has {sorted(record)}); "
-                f"results from a different sweep? Write to a new file."
+                f"results from a different sweep? Write to a new file, or rerun `routelab "
+                f"reproduce` with `--fresh` (which moves the old results aside).", Path(path)
             )
         keys.add(tuple(_freeze(record[f]) for f in fields))
     return keys

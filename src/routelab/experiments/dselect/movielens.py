@@ -21,6 +21,7 @@ from torch import nn
 from routelab.data import DataUnavailable
 from routelab.layers import MultiGateMoE, SharedBottom, StackedLinear
 
+from ..failures import add_failures_to_report, is_failed, split_failed, train_or_fail
 from ..runner import append_jsonl_atomic, atomic_write_text, completed_keys, read_jsonl
 from .common import (
     GATE_LABELS,
@@ -201,7 +202,11 @@ def evaluate(model: MTLNet, split: dict[str, torch.Tensor], alpha: float) -> dic
 
 
 def run_movielens(out_dir: Path, quick: bool) -> Path:
-    """Run (or resume) the sweep; write report.md and results.csv."""
+    """Run (or resume) the sweep; write report.md and results.csv.
+
+    A run that diverges is recorded as failed and listed in the report. Raises
+    ``DataUnavailable`` when MovieLens is not installed and no run is recorded yet.
+    """
     torch.set_num_threads(1)
     s = QUICK if quick else FULL
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -225,17 +230,30 @@ def run_movielens(out_dir: Path, quick: bool) -> Path:
                         bce, mse = task_losses(out, y)
                         return a * bce + (1 - a) * mse
 
-                    info = train_mtl(model, model, loss_fn, tr["ids"], tr["y"], epochs=s.epochs, batch=s.batch,
-                                     lr=s.lr, generator=torch.Generator().manual_seed(80_000 + seed))
-                    res = evaluate(model, data["test"], alpha)
-                    rec = {"model": kind, "alpha": alpha, "seed": seed, **res, **info, "wall_s": t()}
+                    def train(model=model, tr=tr, loss_fn=loss_fn, seed=seed, alpha=alpha, kind=kind, t=t,
+                              data=data) -> dict[str, Any]:
+                        info = train_mtl(model, model, loss_fn, tr["ids"], tr["y"], epochs=s.epochs,
+                                         batch=s.batch, lr=s.lr,
+                                         generator=torch.Generator().manual_seed(80_000 + seed))
+                        res = evaluate(model, data["test"], alpha)
+                        return {"model": kind, "alpha": alpha, "seed": seed, **res, **info, "wall_s": t()}
+
+                    label = f"dselect-movielens rep {seed + 1}/{s.reps} alpha={alpha} {kind}"
+                    rec = train_or_fail(train, {"model": kind, "alpha": alpha, "seed": seed},
+                                        on_fail=lambda why, label=label: log(f"{label}: FAILED, {why}"))
                     append_jsonl_atomic(path, rec)
-                    log(f"dselect-movielens rep {seed + 1}/{s.reps} alpha={alpha} {kind}: loss {res['loss']:.4f} "
-                        f"acc {res['t1_acc']:.3f} mse {res['t2_mse']:.3f} experts {res['experts']} {rec['wall_s']:.0f}s")
+                    if not is_failed(rec):
+                        log(f"{label}: loss {rec['loss']:.4f} acc {rec['t1_acc']:.3f} mse {rec['t2_mse']:.3f} "
+                            f"experts {rec['experts']} {rec['wall_s']:.0f}s")
         missing = None
     except DataUnavailable as err:
+        if not read_jsonl(path):  # nothing to report: the experiment is skipped (routelab reproduce)
+            raise
         missing = str(err)
-    return write_report(out_dir, read_jsonl(path), s, timer(), missing)
+    records = read_jsonl(path)
+    ok, failed = split_failed(records)
+    return add_failures_to_report(write_report(out_dir, ok, s, timer(), missing), failed, len(records),
+                                  ("model", "alpha", "seed"))
 
 
 def write_report(out_dir: Path, records: list[dict[str, Any]], s: MovieLensSettings, wall: float,

@@ -15,6 +15,7 @@ from torch import nn
 
 from routelab.layers import MultiGateMoE
 
+from ..failures import check_finite, diverged_on_error
 from .common import minibatches, steps_per_epoch
 
 __all__ = ["train_mtl", "experts_selected"]
@@ -46,6 +47,10 @@ def train_mtl(model: nn.Module, forward: Callable[[torch.Tensor], list[torch.Ten
     ``forward`` maps a batch of x to the model's outputs (it may embed ids first).
     Records the first step at which every DSelect-k gate's S(Z) was binary, as reported by the
     gates (``binary_step``; for per-example gates: binary on that step's batch).
+
+    Raises:
+        RunDiverged: the loss or a parameter became non-finite (the sweep records the run as
+            failed, see :func:`routelab.experiments.failures.train_or_fail`).
     """
     n = x.shape[0]
     if y.shape[0] != n:
@@ -58,12 +63,15 @@ def train_mtl(model: nn.Module, forward: Callable[[torch.Tensor], list[torch.Ten
     for ep, step, idx in minibatches(n, batch, epochs, generator):
         model.on_step(step, total)
         opt.zero_grad()
-        loss = loss_fn(forward(x[idx]), y[idx]) + model.regularization()
+        with diverged_on_error(model, step):
+            loss = loss_fn(forward(x[idx]), y[idx]) + model.regularization()
+        check_finite(step, loss=loss)
         loss.backward()
         opt.step()
         model.track(step)
         if log_every and on_log and step % log_every == 0:
             on_log(f"epoch {ep + 1} step {step}/{total} loss {float(loss):.4f}")
+    check_finite(total - 1, params=model)
     model.eval()
     dselect = [r for r in model.report() if "binary" in r]     # the gates that report S(Z)
     steps = [r["binary_step"] for r in dselect]

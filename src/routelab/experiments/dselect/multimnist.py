@@ -20,6 +20,7 @@ from torch import nn
 from routelab.data import DataUnavailable, make_overlays
 from routelab.layers import MultiGateMoE, SharedBottom, StackedLinear
 
+from ..failures import add_failures_to_report, is_failed, split_failed, train_or_fail
 from ..runner import append_jsonl_atomic, atomic_write_text, completed_keys, read_jsonl
 from .common import (
     GATE_LABELS,
@@ -137,7 +138,11 @@ def _loss(out: list[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
 
 
 def run_multimnist(out_dir: Path, quick: bool) -> Path:
-    """Run (or resume) both data sets; write report.md and results.csv."""
+    """Run (or resume) both data sets; write report.md and results.csv.
+
+    A run that diverges is recorded as failed and listed in the report. Raises
+    ``DataUnavailable`` when neither data set is installed and no run is recorded yet.
+    """
     torch.set_num_threads(1)
     s = QUICK if quick else FULL
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -157,21 +162,34 @@ def run_multimnist(out_dir: Path, quick: bool) -> Path:
                     except DataUnavailable as err:
                         missing.append(f"{name}: {err}")
                         break
-                x_tr, y_tr, x_te, y_te = data
                 t = Timer()
                 model = build_model(kind, s, seed)
-                info = train_mtl(model, model, _loss, x_tr, y_tr, epochs=s.epochs, batch=s.batch, lr=s.lr,
-                                 generator=torch.Generator().manual_seed(110_000 + seed))
-                with torch.no_grad():
-                    outs = [model(x_te[i:i + 500]) for i in range(0, s.n_test, 500)]
-                acc = [float((torch.cat([o[tk] for o in outs]).argmax(1) == y_te[:, tk]).float().mean()) for tk in range(2)]
-                sel = experts_selected(model, model, [x_te[i:i + 500] for i in range(0, s.n_test, 500)])
-                rec = {"dataset": name, "model": kind, "seed": seed, "acc1": acc[0], "acc2": acc[1],
-                       "experts": sel, **info, "wall_s": t()}
+
+                def train(model=model, name=name, kind=kind, seed=seed, t=t, data=data) -> dict[str, Any]:
+                    x_tr, y_tr, x_te, y_te = data
+                    info = train_mtl(model, model, _loss, x_tr, y_tr, epochs=s.epochs, batch=s.batch, lr=s.lr,
+                                     generator=torch.Generator().manual_seed(110_000 + seed))
+                    with torch.no_grad():
+                        outs = [model(x_te[i:i + 500]) for i in range(0, s.n_test, 500)]
+                    acc = [float((torch.cat([o[tk] for o in outs]).argmax(1) == y_te[:, tk]).float().mean())
+                           for tk in range(2)]
+                    sel = experts_selected(model, model, [x_te[i:i + 500] for i in range(0, s.n_test, 500)])
+                    return {"dataset": name, "model": kind, "seed": seed, "acc1": acc[0], "acc2": acc[1],
+                            "experts": sel, **info, "wall_s": t()}
+
+                label = f"dselect-multimnist rep {seed + 1}/{s.reps} {name} {kind}"
+                rec = train_or_fail(train, {"dataset": name, "model": kind, "seed": seed},
+                                    on_fail=lambda why, label=label: log(f"{label}: FAILED, {why}"))
                 append_jsonl_atomic(path, rec)
-                log(f"dselect-multimnist rep {seed + 1}/{s.reps} {name} {kind}: acc {acc[0]:.3f}/{acc[1]:.3f} "
-                    f"experts {sel} {rec['wall_s']:.0f}s")
-    return write_report(out_dir, read_jsonl(path), s, timer(), sorted(set(missing)))
+                if not is_failed(rec):
+                    log(f"{label}: acc {rec['acc1']:.3f}/{rec['acc2']:.3f} experts {rec['experts']} "
+                        f"{rec['wall_s']:.0f}s")
+    records = read_jsonl(path)
+    if missing and not records:  # no data set installed, nothing recorded: the experiment is skipped
+        raise DataUnavailable("; ".join(sorted(set(missing))))
+    ok, failed = split_failed(records)
+    return add_failures_to_report(write_report(out_dir, ok, s, timer(), sorted(set(missing))), failed,
+                                  len(records), ("dataset", "model", "seed"))
 
 
 def write_report(out_dir: Path, records: list[dict[str, Any]], s: MultiMnistSettings, wall: float,

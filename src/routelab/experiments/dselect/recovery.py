@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..failures import (add_failures_to_report, check_finite, diverged_on_error, is_failed, split_failed,
+                        train_or_fail)
 from ..runner import append_jsonl_atomic, atomic_write_text, completed_keys, read_jsonl
 from .common import (GATE_LABELS, Timer, fmt_mean_se, log, make_gate, md_table, mean_se, minibatches, provenance,
                      steps_per_epoch, write_csv)
@@ -78,7 +80,12 @@ def _forward(gate: nn.Module, prob: dict[str, Any], x: torch.Tensor) -> torch.Te
 
 def train_one(kind: str, lr: float, entropy_reg: float, seed: int, s: RecoverySettings,
               prob: dict[str, Any], record_traj: bool) -> dict[str, Any]:
-    """Train one gate on one problem; returns the run's record (JSON-ready)."""
+    """Train one gate on one problem; returns the run's record (JSON-ready).
+
+    Raises:
+        RunDiverged: the loss or the gate's parameters became non-finite (the sweep records
+            the run as failed).
+    """
     timer = Timer()
     gate = make_gate(kind, EXPERTS, k=K, input_dim=None, seed=seed, entropy_reg=entropy_reg)
     opt = torch.optim.Adam(gate.parameters(), lr=lr)
@@ -92,7 +99,9 @@ def train_one(kind: str, lr: float, entropy_reg: float, seed: int, s: RecoverySe
     for _, step, idx in minibatches(s.n_train, s.batch, s.epochs, gen, drop_last=False):
         gate.on_step(step, total)
         opt.zero_grad()
-        loss = bce(_forward(gate, prob, prob["x_tr"][idx]), prob["y_tr"][idx]) + gate.regularization()
+        with diverged_on_error(gate, step):
+            loss = bce(_forward(gate, prob, prob["x_tr"][idx]), prob["y_tr"][idx]) + gate.regularization()
+        check_finite(step, loss=loss)
         loss.backward()
         opt.step()
         gate.track(step)
@@ -105,6 +114,7 @@ def train_one(kind: str, lr: float, entropy_reg: float, seed: int, s: RecoverySe
         prev_support = support
         if record_traj and step % every == 0:
             traj.append([round(v, 5) for v in w.tolist()])
+    check_finite(total - 1, params=gate)
     with torch.no_grad():
         logits = _forward(gate, prob, prob["x_va"])
         val_loss = float(bce(logits, prob["y_va"]))
@@ -150,15 +160,20 @@ def run_recovery(out_dir: Path, quick: bool) -> Path:
                 continue
             if prob is None:
                 prob = make_problem(seed, s)
-            rec = train_one(kind, lr, er, seed, s, prob, record_traj=(seed == 0))
+            label = f"dselect-recovery rep {seed + 1}/{s.reps} {kind} lr={lr} ent={er}"
+            rec = train_or_fail(lambda: train_one(kind, lr, er, seed, s, prob, record_traj=(seed == 0)),
+                                {"gate": kind, "lr": lr, "entropy_reg": er, "seed": seed},
+                                on_fail=lambda why: log(f"{label}: FAILED, {why}"))
             append_jsonl_atomic(path, rec)
-            log(f"dselect-recovery rep {seed + 1}/{s.reps} {kind} lr={lr} ent={er}: recovered "
-                f"{rec['recovered']}/4, val acc {rec['val_acc']:.3f}, {rec['wall_s']:.1f}s")
+            if not is_failed(rec):
+                log(f"{label}: recovered {rec['recovered']}/4, val acc {rec['val_acc']:.3f}, {rec['wall_s']:.1f}s")
     planned = set(configs)
     everything = read_jsonl(path)
     records = [r for r in everything if (r["gate"], r["lr"], r["entropy_reg"]) in planned
                and r["seed"] < s.reps]
-    return write_report(out_dir, records, s, timer(), unused=len(everything) - len(records))
+    ok, failed = split_failed(records)
+    report = write_report(out_dir, ok, s, timer(), unused=len(everything) - len(records))
+    return add_failures_to_report(report, failed, len(records), ("gate", "lr", "entropy_reg", "seed"))
 
 
 def _best_config(records: list[dict[str, Any]], kind: str) -> tuple[float, float]:

@@ -31,6 +31,8 @@ from routelab.gates.dselect import ALPHA_INIT, ENTROPY_EPS, num_code_bits
 from routelab.gates.mtl_gate import uniform_init
 from routelab.layers import StackedLinear
 
+from ..failures import (add_failures_to_report, check_finite, diverged_on_error, is_failed, split_failed,
+                        train_or_fail)
 from ..runner import append_jsonl_atomic, atomic_write_text, completed_keys, read_jsonl
 from .common import (GATE_LABELS, Timer, fmt_mean_se, log, md_table, mean_se, minibatches, provenance,
                      steps_per_epoch, write_csv)
@@ -196,6 +198,9 @@ def train_one(kind: str, tasks: int, seed: int, s: SyntheticSettings,
 
     The model is y_t(x) = sum_i w_t,i f_i(x) (MultiGateMoE with identity towers), written as one
     matmul of the experts' outputs ``[B, n]`` with the gate bank's weights ``[T, n]``.
+
+    Raises:
+        RunDiverged: the loss or a parameter became non-finite (the sweep records the run as failed).
     """
     timer = Timer()
     x, y = data
@@ -208,17 +213,22 @@ def train_one(kind: str, tasks: int, seed: int, s: SyntheticSettings,
     bank = StaticGateBank(kind, tasks, n, min(K, n), gamma=s.gamma, entropy_reg=ent, anneal=s.anneal,
                           generator=g)
     opt = torch.optim.Adam(list(experts.parameters()) + list(bank.parameters()), lr=s.lr)
+    params = [(f"experts.{n}", p) for n, p in experts.named_parameters()]
+    params += [(f"gates.{n}", p) for n, p in bank.named_parameters()]
     total = s.epochs * steps_per_epoch(s.n_train, s.batch)
     binary_step = None
     for _, step, idx in minibatches(s.n_train, s.batch, s.epochs, g):
         bank.on_step(step, total)
         opt.zero_grad()
-        out = experts(x_tr[idx]).squeeze(-1) @ bank().T                    # [B, T]
-        loss = ((out - y_tr[idx]) ** 2).mean(0).sum() / tasks + bank.aux / tasks
+        with diverged_on_error(params, step):
+            out = experts(x_tr[idx]).squeeze(-1) @ bank().T                    # [B, T]
+            loss = ((out - y_tr[idx]) ** 2).mean(0).sum() / tasks + bank.aux / tasks
+        check_finite(step, loss=loss)
         loss.backward()
         opt.step()
         if kind == "dselect_static" and binary_step is None and all(bank.is_binary()):
             binary_step = step
+    check_finite(total - 1, params=params)
     with torch.no_grad():
         w = bank()
         out = experts(x_te).squeeze(-1) @ w.T
@@ -249,11 +259,18 @@ def run_synthetic(out_dir: Path, quick: bool) -> Path:
                     continue
                 if data is None:
                     data = make_data(seed, s)
-                rec = train_one(kind, tasks, seed, s, data)
+                label = f"dselect-synthetic rep {seed + 1}/{s.reps} T={tasks} {kind}"
+                rec = train_or_fail(lambda: train_one(kind, tasks, seed, s, data),
+                                    {"gate": kind, "tasks": tasks, "seed": seed},
+                                    on_fail=lambda why: log(f"{label}: FAILED, {why}"))
                 append_jsonl_atomic(path, rec)
-                log(f"dselect-synthetic rep {seed + 1}/{s.reps} T={tasks} {kind}: test MSE "
-                    f"{rec['test_mse']:.3f}, J related {rec['jaccard_related']}, {rec['wall_s']:.0f}s")
-    return write_report(out_dir, read_jsonl(path), s, timer())
+                if not is_failed(rec):
+                    log(f"{label}: test MSE {rec['test_mse']:.3f}, J related {rec['jaccard_related']}, "
+                        f"{rec['wall_s']:.0f}s")
+    records = read_jsonl(path)
+    ok, failed = split_failed(records)
+    return add_failures_to_report(write_report(out_dir, ok, s, timer()), failed, len(records),
+                                  ("gate", "tasks", "seed"))
 
 
 def _figure(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSettings) -> str:

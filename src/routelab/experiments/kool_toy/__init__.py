@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from .. import SweepExperiment
+from ..failures import is_failed, split_failed
 from ..runner import append_jsonl_atomic, atomic_write_text, read_jsonl
 from .figures import FIGURES, draw_figures
 from .marginals import marginals_check
@@ -69,9 +70,12 @@ def run_sweep(
 ) -> Path:
     """Train every chunk not yet recorded in ``out_dir/runs.jsonl``, then write all outputs.
 
+    A run that diverges (non-finite loss, parameters or router logits) is recorded as failed
+    with its reason and the other runs of its chunk finish unchanged (:func:`.model.train_chunk`).
     A chunk that raises a ``ValueError`` from the library (e.g. a Sinkhorn call that does not
     converge) is recorded in ``errors.jsonl`` and reported; the other chunks go on, and a rerun
     retries it. Any other exception (and Ctrl-C) stops the sweep; finished chunks stay recorded.
+    Worker processes die with this process, even when it is killed (:mod:`.parallel`).
 
     Args:
         out_dir: where runs.jsonl, results.csv, the figures and report.md go.
@@ -111,10 +115,15 @@ def run_sweep(
             print(f"kool-toy: chunk {chunk.name} failed: {done_chunk.error}", file=sys.stderr)
             return
         wanted = {r.key for r in chunk.runs if (*r.key, settings.steps) not in done}
+        diverged = 0
         for res in done_chunk.results or []:
             if (res["config"], res["method"], res["tau"], res["seed"]) in wanted:
                 res.update(chunk=chunk.name, chunk_wall_s=round(done_chunk.wall_s, 3))
                 append_jsonl_atomic(runs_path, res)
+                diverged += is_failed(res)
+        if diverged:
+            print(f"kool-toy: chunk {chunk.name}: {diverged} run(s) diverged and are recorded as failed "
+                  "(see the report)", file=sys.stderr)
         append_jsonl_atomic(out_dir / "chunks.jsonl", {
             "chunk": chunk.name, "steps": settings.steps, "runs": len(chunk.runs),
             "wall_s": round(done_chunk.wall_s, 3),
@@ -185,7 +194,11 @@ def write_outputs(
     figures: bool = True,
     skipped: dict[str, str] | None = None,
 ) -> Path:
-    """Write results.csv, the figures and report.md from the records in ``out_dir/runs.jsonl``."""
+    """Write results.csv, the figures and report.md from the records in ``out_dir/runs.jsonl``.
+
+    Failed runs (diverged; ``status: "failed"``) are rows of results.csv with their reason, are
+    left out of the figures, count as unsuccessful seeds in the success tables, and are listed
+    with their reasons in the report."""
     planned = {(*r.key, settings.steps) for c in plan_chunks(settings) for r in c.runs}
     records = [r for r in read_jsonl(out_dir / "runs.jsonl") if record_key(r) in planned]
     order = {k: i for i, k in enumerate(
@@ -196,7 +209,7 @@ def write_outputs(
     atomic_write_text(out_dir / "results.csv", results_csv(records))
 
     if figures:
-        draw_figures(out_dir, records, marginals)
+        draw_figures(out_dir, split_failed(records)[0], marginals)
     text = render_report(settings, records, marginals=marginals, errors=errors, wall_s=wall_s,
                          n_planned=len(planned), skipped=skipped or {}, chunks=chunks)
     return atomic_write_text(out_dir / "report.md", text)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...estimators import METHODS
+from ..failures import is_failed
 from .model import SUCCESS_MSE
 
 __all__ = [
@@ -72,10 +73,13 @@ class SuccessTable:
     """Successes per (config, method, tau) cell.
 
     Attributes:
-        cells: ``{(config, method, tau): (successes, seeds)}``.
+        cells: ``{(config, method, tau): (successes, seeds)}``; a seed whose run failed
+            (diverged) counts as a seed without success.
+        failed: ``{(config, method, tau): failed runs}`` for the cells with any.
     """
 
     cells: dict[tuple[str, str, float], tuple[int, int]] = field(default_factory=dict)
+    failed: dict[tuple[str, str, float], int] = field(default_factory=dict)
 
     def rate(self, config: str, method: str, tau: float) -> float | None:
         c = self.cells.get((config, method, tau))
@@ -103,13 +107,22 @@ class SuccessTable:
 
 
 def success_table(records: Iterable[Mapping]) -> SuccessTable:
-    """Count successes per (config, method, tau) from run records (``mse`` decides success)."""
+    """Count successes per (config, method, tau) from run records (``mse`` decides success).
+
+    A failed run (diverged: ``status == "failed"``, no ``mse``) did not solve the task: it counts
+    as a seed without success, and in :attr:`SuccessTable.failed`.
+    """
     cells: dict[tuple[str, str, float], list[int]] = defaultdict(lambda: [0, 0])
+    failed: dict[tuple[str, str, float], int] = defaultdict(int)
     for r in records:
-        cell = cells[(r["config"], r["method"], float(r["tau"]))]
-        cell[0] += int(is_success(float(r["mse"])))
+        key = (r["config"], r["method"], float(r["tau"]))
+        cell = cells[key]
+        if is_failed(r):
+            failed[key] += 1
+        else:
+            cell[0] += int(is_success(float(r["mse"])))
         cell[1] += 1
-    return SuccessTable({k: (v[0], v[1]) for k, v in cells.items()})
+    return SuccessTable({k: (v[0], v[1]) for k, v in cells.items()}, dict(failed))
 
 
 # ----------------------------------------------------------------------------- claims
@@ -239,7 +252,7 @@ def claim3(table: SuccessTable, records: Sequence[Mapping]) -> Claim:
     less = [m for m, n in counts.items() if n < n_skip]
     hi = defaultdict(list)
     for r in records:
-        if r["config"] == cfg and float(r["tau"]) > 1 + 1e-9:
+        if r["config"] == cfg and float(r["tau"]) > 1 + 1e-9 and not is_failed(r):
             hi[r["method"]].append(float(r["iw_max"]))
     gm_w = float(np.median(hi["gumbel_matching_iw"])) if hi.get("gumbel_matching_iw") else float("nan")
     sk_w = float(np.median(hi["sample_skip_iw"])) if hi.get("sample_skip_iw") else float("nan")
@@ -399,7 +412,8 @@ def claim9(marginals: Sequence[Mapping] | None) -> Claim:
 
 
 def evaluate_claims(records: Sequence[Mapping], marginals: Sequence[Mapping] | None) -> list[Claim]:
-    """Evaluate the nine claims from the run records and the marginals check."""
+    """Evaluate the nine claims from the run records (failed runs included: they count as
+    unsuccessful seeds) and the marginals check."""
     table = success_table(records)
     return [
         claim1(table), claim2(table), claim3(table, records), claim4(table), claim5(table),

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from ...estimators import METHODS, EMABaseline, gating_objective, reinforce_objective, sample_routes
 from ...routes import Routes
+from ..failures import failed_record, nonfinite_rows
 
 __all__ = [
     "CAPACITY",
@@ -351,6 +352,32 @@ def _group_generators(batch: ToyBatch, chunk_seed: int) -> dict[tuple[bool, str]
     }
 
 
+def _retire(batch: ToyBatch, opt: torch.optim.Optimizer, rows: list[int], alive: Tensor | None) -> Tensor:
+    """Take diverged runs out of training without touching the others; returns the new ``alive`` mask.
+
+    A retired run's parameters, Adam moments and baseline are set to 0 (finite) and its objective
+    is masked out of the backward pass from the next step on, so it stays at 0. It keeps its
+    slot in the batch, so every other run sees exactly the same batch shapes, sampling noise and
+    arithmetic as if the retired run had never diverged: their results are unchanged, bit for bit
+    (every operation on the ``[R, ...]`` tensors is per run, except Sinkhorn's shared sweep
+    count in the Sinkhorn groups).
+    """
+    idx = torch.tensor(rows)
+    with torch.no_grad():
+        for p in batch.parameters():
+            p.index_fill_(0, idx, 0.0)
+            state = opt.state.get(p, {})
+            for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                if isinstance(state.get(name), Tensor):
+                    state[name].index_fill_(0, idx, 0.0)
+        if batch.baseline.value is not None:
+            batch.baseline.value = batch.baseline.value.index_fill(0, idx, 0.0)
+    if alive is None:
+        alive = torch.ones(batch.R, dtype=torch.bool)
+    alive[idx] = False
+    return alive
+
+
 def train_chunk(
     runs: Sequence[RunSpec],
     steps: int,
@@ -377,7 +404,11 @@ def train_chunk(
         (last step), importance-weight statistics over training (``iw_mean``: mean weight of kept
         tokens; ``iw_max``: largest weight seen; ``iw_mean_max``: mean over steps of the per-step
         largest weight), ``dropped``: mean dropped fraction, ``mse_curve``: ``[step, mse]`` every
-        ``steps // 10`` steps.
+        ``steps // 10`` steps. A run that diverges (its loss, parameters or router logits become
+        non-finite) is taken out of training at that step (:func:`_retire`; the other runs are
+        unaffected) and its dict is a failed record
+        (:func:`routelab.experiments.failures.failed_record`: the run's fields, ``steps``,
+        ``status: "failed"``, ``reason``, ``failed_step``).
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -396,18 +427,32 @@ def train_chunk(
     routes = None
     curve_every = max(1, steps // 10)
     curve: list[tuple[int, list[float]]] = []
+    failed: dict[int, tuple[str, int]] = {}  # run index -> (reason, step)
+    alive: Tensor | None = None  # bool [R] once a run has failed: the runs still training
     for step in range(steps):
         t0 = clock()
         logits = batch.logits()
+        overflow = nonfinite_rows(step, params={"the router logits a x + c": logits}, label="")
+        if overflow:  # finite but huge parameters (a diverging run): retire before sampling
+            for i, reason in overflow.items():
+                failed.setdefault(i, (reason, step))
+            alive = _retire(batch, opt, list(overflow), alive)
+            logits = batch.logits()
         routes = batch.sample(logits, gens)
         t1 = clock()
         obj, _ = batch.objective(routes)
         t2 = clock()
         opt.zero_grad(set_to_none=True)
-        obj.sum().backward()
+        raw = obj.detach()
+        (obj if alive is None else torch.where(alive, obj, torch.zeros_like(obj))).sum().backward()
         t3 = clock()
         opt.step()
         t4 = clock()
+        diverged = nonfinite_rows(step, loss=raw, params=dict(zip(("w", "b", "a", "c"), batch.parameters())),
+                                  rows=alive)
+        if diverged:
+            failed.update((i, (reason, step)) for i, reason in diverged.items())
+            alive = _retire(batch, opt, list(diverged), alive)
         with torch.no_grad():
             w = routes.weight  # 0 where dropped
             iw_sum += w.sum(-1)
@@ -442,6 +487,10 @@ def train_chunk(
 
     results = []
     for i, r in enumerate(batch.runs):
+        if i in failed:
+            key = {"config": r.config, "method": r.method, "tau": r.tau, "seed": r.seed, "steps": steps}
+            results.append(failed_record(key, *failed[i]))
+            continue
         mse = ev["mse"][i]
         results.append(
             {

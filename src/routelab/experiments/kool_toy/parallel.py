@@ -4,13 +4,19 @@ Each chunk is one batched model whose tensors are small, so a chunk uses one int
 well and a second thread hardly helps; two chunks on two cores finish in about half the time.
 Workers are started with ``forkserver`` (``torch`` preloaded once), never by forking a parent
 whose OpenMP pool may already be running. Results come back to the parent, which alone writes
-``runs.jsonl``, so an interrupted sweep keeps every chunk that finished.
+``runs.jsonl``, so an interrupted sweep keeps every chunk that finished, and workers die with the
+parent even when it is killed with SIGKILL (:func:`die_with_parent`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
+import os
 import queue as queue_mod
+import signal
+import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,7 +26,7 @@ import torch
 from .model import RunSpec, train_chunk
 from .sweep import Chunk
 
-__all__ = ["ChunkResult", "train_chunks"]
+__all__ = ["ChunkResult", "die_with_parent", "train_chunks"]
 
 _progress_queue = None  # set in each worker by _init_worker
 
@@ -36,11 +42,71 @@ class ChunkResult:
     error: str | None = None
 
 
-def _init_worker(progress_queue, threads: int | None) -> None:
+def _init_worker(progress_queue, threads: int | None, main_pid: int | None = None) -> None:
     global _progress_queue
     _progress_queue = progress_queue
     if threads is not None:
         torch.set_num_threads(threads)
+    if main_pid is not None:
+        die_with_parent(main_pid)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+WATCH_INTERVAL_S = 0.25
+"""How often a worker's watchdog checks that the process that started the sweep is alive."""
+
+
+def die_with_parent(main_pid: int) -> None:
+    """Make this worker process exit as soon as its parent or ``main_pid`` is gone.
+
+    Pool workers otherwise outlive a killed sweep: a worker in the middle of a chunk keeps
+    computing until the chunk ends (tens of seconds), since nothing tells it that nobody will
+    read its result. Two mechanisms, both armed here (in the worker initializer):
+
+    * everywhere: a daemon watchdog thread that calls ``os._exit`` within
+      :data:`WATCH_INTERVAL_S` once ``main_pid`` (the process running the sweep) no longer
+      exists or has become a zombie, or the worker's parent changed (it was re-parented). With
+      ``forkserver`` the worker's parent is the fork server, which stays up as long as any
+      worker does, so it is this check of ``main_pid`` that catches a killed sweep.
+    * Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, so the kernel kills the worker at once if
+      its parent (the fork server) is killed.
+
+    A worker holds no state worth saving: the main process alone writes ``runs.jsonl``.
+    """
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # no libc / prctl: the watchdog alone
+            pass
+    if not (_alive(main_pid) and _alive(parent)):  # died before the guard was armed
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(WATCH_INTERVAL_S)
+            if os.getppid() != parent or not _alive(main_pid):
+                os._exit(1)
+
+    threading.Thread(target=watch, name="routelab-die-with-parent", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a zombie counts as gone on Linux)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    if sys.platform.startswith("linux"):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+        except (OSError, IndexError):
+            return False
+    return True
 
 
 def _report(k: int) -> None:
@@ -97,7 +163,7 @@ def train_chunks(
     progress_queue = ctx.Queue()
     # Largest chunks first, so the last one to start is a small one.
     ordered = sorted(chunks, key=lambda c: -len(c.runs))
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(progress_queue, threads)) as pool:
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(progress_queue, threads, os.getpid())) as pool:
         pending = {c.name: (c, pool.apply_async(_train, (c.runs, steps, c.seed))) for c in ordered}
         while pending:
             try:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ...estimators import METHODS
+from ..failures import failures_markdown, split_failed
 from ..runner import csv_cell
 from . import claims as cl
 from .claims import METHOD_LABELS, tau_str
@@ -29,7 +30,7 @@ def results_csv(records: Sequence[Mapping]) -> str:
         "config", "signal", "balance", "sinkhorn", "importance_weights", "method", "tau", "seed",
         "steps", "mse", "argmax_mse", "mse_ungated", "success", "load", "tokens_expert0",
         "tokens_expert1", "iw_mean", "iw_max", "iw_mean_max", "dropped", "w0", "w1", "b0", "b1",
-        "a", "c", "chunk", "chunk_wall_s",
+        "a", "c", "chunk", "chunk_wall_s", "status", "failed_step", "reason",
     ]
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
@@ -37,7 +38,7 @@ def results_csv(records: Sequence[Mapping]) -> str:
     for r in records:
         cfg = CONFIGS.get(r["config"])
         p = r.get("params", {})
-        tpe = r.get("tokens_per_expert", [None, None])
+        tpe = r.get("tokens_per_expert") or [None, None]
         row = {
             **r,
             "signal": cfg.signal if cfg else "",
@@ -47,7 +48,7 @@ def results_csv(records: Sequence[Mapping]) -> str:
             "tokens_expert0": tpe[0], "tokens_expert1": tpe[1],
             "w0": p.get("w", [None, None])[0], "w1": p.get("w", [None, None])[1],
             "b0": p.get("b", [None, None])[0], "b1": p.get("b", [None, None])[1],
-            "a": p.get("a"), "c": p.get("c"),
+            "a": p.get("a"), "c": p.get("c"), "status": r.get("status", "ok"),
         }
         w.writerow([csv_cell(row.get(c)) for c in cols])
     return buf.getvalue()
@@ -56,7 +57,8 @@ def results_csv(records: Sequence[Mapping]) -> str:
 
 
 def success_markdown(table: cl.SuccessTable, config: str) -> str:
-    """Markdown table: methods x tau, entries ``successes/seeds`` (bold when solved)."""
+    """Markdown table: methods x tau, entries ``successes/seeds`` (bold when solved), plus
+    ``(n failed)`` where runs diverged."""
     taus = table.taus(config)
     lines = [
         "| method | " + " | ".join(f"τ={tau_str(t)}" for t in taus) + " |",
@@ -70,7 +72,9 @@ def success_markdown(table: cl.SuccessTable, config: str) -> str:
                 cells.append("–")
             else:
                 s = f"{c[0]}/{c[1]}"
-                cells.append(f"**{s}**" if table.solved(config, m, t) else s)
+                s = f"**{s}**" if table.solved(config, m, t) else s
+                n_failed = table.failed.get((config, m, t), 0)
+                cells.append(f"{s} ({n_failed} failed)" if n_failed else s)
         lines.append(f"| {METHOD_LABELS.get(m, m)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -179,9 +183,15 @@ def render_report(
     skipped: dict[str, str] | None = None,
     chunks: Sequence[Mapping] | None = None,
 ) -> str:
-    """The markdown report (setup, wall time, success tables, claims, figures)."""
+    """The markdown report (setup, wall time, success tables, claims, figures).
+
+    ``records`` may hold failed runs (diverged): they count as unsuccessful seeds in the success
+    tables and claims, are left out of every median and figure, and are listed with their
+    reasons."""
     table = cl.success_table(records)
     claims = cl.evaluate_claims(records, marginals)
+    all_records = records
+    records, failed = split_failed(all_records)
     walls = _chunk_walls(records, chunks or ())
     train_s = sum(w for w, *_ in walls.values() if math.isfinite(w))
     marg_s = sum(r["seconds"] for r in marginals) if marginals else 0.0
@@ -222,7 +232,8 @@ def render_report(
         f"{settings.threads if settings.threads is not None else torch.get_num_threads()} torch thread(s)"
         + (f" per worker, chunks trained on {max(c.get('workers', 1) for c in chunks)} worker process(es) side by side."
            if chunks else "."),
-        f"- Runs recorded: {len(records)} of {n_planned} planned.",
+        f"- Runs recorded: {len(all_records)} of {n_planned} planned"
+        + (f"; **{len(failed)} of them failed** (diverged; see *Failed runs*)." if failed else "."),
         "",
         "## Setup",
         "",
@@ -258,11 +269,11 @@ def render_report(
     ]
     for c in settings.configs:
         cfg = CONFIGS[c]
-        n = sum(1 for r in records if r["config"] == c)
+        n = sum(1 for r in all_records if r["config"] == c)
         L.append(f"| `{c}` | {cfg.signal} | {cfg.balance:g} | {'yes' if cfg.sinkhorn else 'no'} | "
                  f"{'yes' if cfg.importance_weights else 'no'} | {n} |")
     L.append("")
-    have = {record_key(r) for r in records}
+    have = {record_key(r) for r in all_records}
     missing = [(c, sum((*r.key, settings.steps) not in have for r in c.runs)) for c in plan_chunks(settings)]
     missing = [(c, n) for c, n in missing if n]
     if missing:
@@ -282,6 +293,8 @@ def render_report(
         for e in errors:
             L.append(f"- `{e['chunk']}`: {e['error'][:400]}")
         L.append("")
+    if failed:
+        L.append(failures_markdown(failed, len(all_records), ("config", "method", "tau", "seed")))
     L += ["## Claims", "", cl.claims_markdown(claims), ""]
     L += ["## Router diagnostics", "",
           "Medians over all runs of a configuration (all methods and τ): the router slope |a| (a router "
@@ -300,7 +313,8 @@ def render_report(
         L += ["Fraction of runs below the success threshold during training (all τ pooled):", "",
               f"![training curves]({FIGURES['curves']})", ""]
     L += ["## Success rates", "",
-          f"Seeds with final MSE < {SUCCESS_MSE}, per method and τ; **bold** = solved.", ""]
+          f"Seeds with final MSE < {SUCCESS_MSE}, per method and τ; **bold** = solved"
+          + ("; *(n failed)*: runs that diverged, counted as seeds without success." if failed else "."), ""]
     for c in settings.configs:
         if table.has(c):
             L += [f"### `{c}`: {CONFIGS[c].title}", "", success_markdown(table, c), ""]

@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 
-from routelab.data.errors import DataUnavailable
-from routelab.data.parallel_text import INSTALL_COMMAND, load_parallel_text
+from routelab.data.parallel_text import load_parallel_text
 from routelab.layers.bcd import EVAL_ROUTING
 from routelab.layers.mae import set_routing
 
 from .. import SweepExperiment
-from ..runner import append_jsonl_atomic, atomic_write_text, read_jsonl
+from ..failures import RunDiverged, add_failures_to_report, failed_record, is_failed, split_failed, train_or_fail
+from ..runner import append_jsonl_atomic, read_jsonl
 from .analyses import attribution_shares, collect_gates, mean_entropy, pmi_tokens
 from .corpus import build_corpus
 from .model import LMConfig, TransformerLM
@@ -95,18 +95,23 @@ def _windows_subset(w: torch.Tensor, frac: float, seed: int) -> torch.Tensor:
 
 
 def run(out_dir: Path, s: Settings) -> Path:
-    """Train the variants, run the analyses and fine-tuning, write the report (resumable)."""
-    from .report import write_report  # lazy: matplotlib
+    """Train the variants, run the analyses and fine-tuning, write the report (resumable).
+
+    A variant or fine-tuning run that diverges is recorded as failed (with the reason) in
+    ``runs.jsonl`` / ``finetune.jsonl``; the other variants still train. The analyses and claims
+    compare all five variants, so with a failed variant the report gives the scores of the others
+    and the failures only.
+
+    Raises:
+        DataUnavailable: the parallel text is not installed (``routelab reproduce`` reports
+            the experiment as skipped, with the install command).
+    """
+    from .report import write_failed_report, write_report  # lazy: matplotlib
 
     torch.set_num_threads(1)
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    try:
-        pairs = load_parallel_text()
-    except DataUnavailable as err:
-        text = (f"# MAE reproduction (Peng et al. 2020)\n\nNot run: the data is missing. {err}\n\n"
-                f"Install it with `{INSTALL_COMMAND}` (or `make data`) and rerun.\n")
-        return atomic_write_text(out_dir / "report.md", text)
+    pairs = load_parallel_text()  # DataUnavailable (with the install command) if not installed
     corpus = build_corpus(pairs, s.vocab, s.seq)
     train = corpus.windows["train"]
     if s.train_limit is not None:
@@ -122,6 +127,8 @@ def run(out_dir: Path, s: Settings) -> Path:
     models: dict[str, TransformerLM] = {}
     for v in VARIANTS:
         path = models_dir / f"{v.name}.pt"
+        if v.name in done and is_failed(done[v.name]):
+            continue
         if v.name in done and path.exists():
             model = TransformerLM(replace(cfg, drop_heads=v.drop_heads))
             model.load_state_dict(torch.load(path, weights_only=True))
@@ -129,7 +136,14 @@ def run(out_dir: Path, s: Settings) -> Path:
             models[v.name] = model
             continue
         _log(f"training {v.name} ({v.mode}, drop_heads={v.drop_heads})")
-        model, state = train_variant(v, cfg, train, corpus.windows["dev"], sched, ckpt_dir)
+        try:
+            model, state = train_variant(v, cfg, train, corpus.windows["dev"], sched, ckpt_dir)
+        except RunDiverged as err:
+            rec = failed_record({"variant": v.name, "mode": v.mode, "drop_heads": v.drop_heads}, err.reason, err.step)
+            append_jsonl_atomic(runs_path, rec)
+            done[v.name] = rec
+            _log(f"{v.name}: FAILED, {err.reason}")
+            continue
         routing = EVAL_ROUTING[v.mode]
         gated = routing == "gate"  # the gates are part of the model only where it uses them
         dev = evaluate(model, corpus.windows["dev"], routing)
@@ -149,6 +163,10 @@ def run(out_dir: Path, s: Settings) -> Path:
         done[v.name] = rec
         models[v.name] = model
         _log(f"{v.name}: dev ppl {rec['dev_ppl']:.2f}, test ppl {rec['test_ppl']:.2f}")
+
+    failed_variants = [r for r in done.values() if is_failed(r)]
+    if failed_variants:  # the analyses, fine-tuning and claims compare all five variants
+        return write_failed_report(out_dir, s, list(done.values()), time.perf_counter() - t_start)
 
     # ---- 2. analyses of Sec. 5.1 / App. C on the dev set
     an_path = out_dir / "analyses.jsonl"
@@ -228,15 +246,18 @@ def run(out_dir: Path, s: Settings) -> Path:
             if (method, frac) in ft_done:
                 continue
             _log(f"fine-tuning MAE-7 with {method} on {frac:.0%} of the New Testament windows")
-            r = finetune(models["MAE-7"], method, sub, nt_dev, nt_test, ft_sched, ckpt_dir,
-                         f"{method}_{frac}")
-            r.update({"method": method, "fraction": frac, "windows": int(sub.shape[0])})
+            key = {"method": method, "fraction": frac, "windows": int(sub.shape[0])}
+            r = train_or_fail(lambda: finetune(models["MAE-7"], method, sub, nt_dev, nt_test, ft_sched,
+                                               ckpt_dir, f"{method}_{frac}"), key,
+                              on_fail=lambda why: _log(f"fine-tuning {method} on {frac:.0%}: FAILED, {why}"))
+            r.update(key)
             append_jsonl_atomic(ft_path, r)
             ft_done[(method, frac)] = r
 
     elapsed = time.perf_counter() - t_start
-    return write_report(out_dir, s, corpus, list(done.values()), analyses, list(ft_done.values()),
-                        elapsed)
+    ft_ok, ft_failed = split_failed(ft_done.values())
+    report = write_report(out_dir, s, corpus, list(done.values()), analyses, ft_ok, elapsed)
+    return add_failures_to_report(report, ft_failed, len(ft_done), ("method", "fraction"))
 
 
 EXPERIMENT = SweepExperiment(

@@ -10,10 +10,11 @@ from typing import Any
 
 import torch
 
+from ..failures import split_failed, with_failures_section
 from ..runner import atomic_write_text
 from .train import FINETUNE_METHODS, VARIANTS
 
-__all__ = ["claims", "write_report"]
+__all__ = ["claims", "write_failed_report", "write_report"]
 
 # The paper's numbers, as printed in its text (Sec. 5.1, Table 5 text, App. C Table 8 layer 1).
 PAPER_ENTROPY = {"MAE-7": 1.91, "NOBCD": 2.02, "UNI-MAE-7": 2.08}
@@ -144,7 +145,7 @@ def claims(runs: dict[str, dict[str, Any]], analyses: dict[str, Any],
     noft = by.get(("NOFT", 0.0))
     full = max((r["fraction"] for r in ft), default=0.0)
     small = min((r["fraction"] for r in ft if r["fraction"] > 0), default=0.0)
-    if noft and ("FTG", full) in by:
+    if noft and all((m, full) in by for m in ("FTG", "FTG+", "FTALL")):  # (a failed run is not in ft)
         g, gp, al = (math.exp(by[(m, full)]["test_loss_at_best"]) for m in ("FTG", "FTG+", "FTALL"))
         n0 = math.exp(noft["test_loss_at_best"])
         rows.append(("FTG improves over NOFT (Table 7)", "+0.8 BLEU", f"NT test ppl {g:.2f} vs {n0:.2f}",
@@ -158,7 +159,7 @@ def claims(runs: dict[str, dict[str, Any]], analyses: dict[str, Any],
                      "inconclusive (every method still improving at its last step)"
                      if len(set(gs.values())) == 1 and gs["FTALL"] == by[("FTALL", full)]["curve"][-1]["step"]
                      else _verdict(max(gs["FTG"], gs["FTG+"]) < gs["FTALL"])))
-    if ("FTG+", small) in by and small < full:
+    if all((m, f) in by for m in ("FTG+", "FTALL") for f in (small, full)) and small < full:
         gap_small = math.exp(by[("FTG+", small)]["test_loss_at_best"]) - math.exp(by[("FTALL", small)]["test_loss_at_best"])
         gap_full = math.exp(by[("FTG+", full)]["test_loss_at_best"]) - math.exp(by[("FTALL", full)]["test_loss_at_best"])
         rows.append(("with less data the FTG+ - FTALL gap shrinks (Fig. 2)", "FTG+ wins below 20% of the data",
@@ -366,3 +367,21 @@ def write_report(out_dir: Path, s: Any, corpus: Any, run_list: list[dict[str, An
           "minutes on a CPU, not the paper's WMT14 / WikiText-103 models; they test the mechanisms "
           "(identity of eq. 5, BCD, the analyses), not the paper's absolute gains.", ""]
     return atomic_write_text(out_dir / "report.md", "\n".join(L))
+
+
+def write_failed_report(out_dir: Path, s: Any, run_list: list[dict[str, Any]], elapsed: float) -> Path:
+    """The report when a variant's training diverged: the scores of the variants that finished,
+    the failed runs with their reasons, and why nothing else was computed."""
+    ok, failed = split_failed(run_list)
+    L = ["# MAE: mixture of attentive experts with block coordinate descent (Peng et al. 2020)", ""]
+    if s.quick:
+        L += ["**Quick form** (`--quick`).", ""]
+    L += [f"**Incomplete: {len(failed)} of {len(VARIANTS)} variants failed to train** (they diverged). The "
+          "analyses, the fine-tuning and the claims compare all five variants, so they were not run; the "
+          f"last invocation ran {elapsed / 60:.1f} min.", "",
+          "## Scores of the variants that finished", "",
+          "| variant | dev ppl | test ppl | training time |", "|---|---|---|---|"]
+    L += [f"| {r['variant']} | {r['dev_ppl']:.2f} | {r['test_ppl']:.2f} | {r['seconds'] / 60:.1f} min |" for r in ok]
+    L.append("")
+    text = with_failures_section("\n".join(L), failed, len(run_list), ("variant",))
+    return atomic_write_text(out_dir / "report.md", text)

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from routelab.layers.bcd import BCDTrainer
 from routelab.layers.mae import set_routing
 
+from ..failures import check_finite, diverged_on_error
 from .model import LMConfig, TransformerLM, lm_loss
 
 __all__ = [
@@ -130,7 +131,12 @@ def _run_training(
     label: str,
     extra_eval: dict[str, Tensor] | None = None,
 ) -> dict[str, Any]:
-    """Epoch loop with a checkpoint after every epoch (resumes from ``ckpt``)."""
+    """Epoch loop with a checkpoint after every epoch (resumes from ``ckpt``).
+
+    Raises:
+        RunDiverged: a loss or a parameter became non-finite (no checkpoint is written for
+            that epoch; the caller records the run as failed).
+    """
     total = s.epochs * s.batches_per_epoch
     state: dict[str, Any] = {"epoch": 0, "curve": [], "seconds": 0.0}
     torch.manual_seed(s.seed)
@@ -151,10 +157,14 @@ def _run_training(
             if trainer.optimizer is not None:
                 for group in trainer.optimizer.param_groups:
                     group["lr"] = _lr_at(step, total, s)
-            out = trainer.train_step(b, epoch)
+            with diverged_on_error(model, step):
+                out = trainer.train_step(b, epoch)
+            check_finite(step, loss=out["loss"])
             losses.append(out["loss"])
             if "g_loss" in out:
+                check_finite(step, loss=out["g_loss"])
                 g_losses.append(out["g_loss"])
+        check_finite(step, params=model)  # before the checkpoint: never save a diverged model
         point = {
             "epoch": epoch + 1,
             "step": (epoch + 1) * s.batches_per_epoch,

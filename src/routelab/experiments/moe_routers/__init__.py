@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from .. import SweepExperiment
+from ..failures import is_failed, split_failed, train_or_fail, with_failures_section
 from ..runner import append_jsonl_atomic, atomic_write_text, missing_keys, read_jsonl
 from .model import ROUTER_SPECS, MnistMoE, RouterSpec, Settings, evaluate, prepare_data, train_run
 from .report import draw_figures, render_report, results_csv
@@ -82,12 +83,14 @@ def run_sweep(out_dir: Path, settings: Settings, *, figures: bool = True, progre
                 if progress:
                     print(f"moe-routers [{i}/{len(pending)}] {router} seed {seed}: {msg}", file=sys.stderr, flush=True)
 
-            record = train_run(spec, seed, settings, data, progress=say)
+            record = train_or_fail(lambda: train_run(spec, seed, settings, data, progress=say),
+                                   {"router": router, "seed": seed}, on_fail=lambda why: say(f"FAILED, {why}"))
             record["settings"] = key
             record["threads"] = torch.get_num_threads()
             append_jsonl_atomic(runs_path, record)
-            say(f"test acc {record['test']['acc']:.4f}, train load CV {record['train']['load_cv']:.3f}, "
-                f"{record['train_s']:.0f} s train + {record['eval_s']:.0f} s eval")
+            if not is_failed(record):
+                say(f"test acc {record['test']['acc']:.4f}, train load CV {record['train']['load_cv']:.3f}, "
+                    f"{record['train_s']:.0f} s train + {record['eval_s']:.0f} s eval")
     finally:
         torch.set_num_threads(old_threads)
     wall_s = time.perf_counter() - t_start
@@ -107,18 +110,24 @@ def _load_average() -> str:
 
 def write_outputs(out_dir: Path, settings: Settings, *, wall_s: float | None = None, figures: bool = True,
                   resumed: int = 0) -> Path:
-    """Write results.csv, the figures and report.md from the records of ``settings`` in runs.jsonl."""
+    """Write results.csv, the figures and report.md from the records of ``settings`` in runs.jsonl.
+
+    Failed runs (diverged) are left out of the CSV, the figures and the statistics, and listed
+    with their reasons in the report."""
     key = _settings_key(settings)
     wanted = {(r, s) for s in settings.seeds for r in settings.routers}
     records = [r for r in read_jsonl(out_dir / "runs.jsonl")
                if (r.get("router"), r.get("seed")) in wanted and r.get("settings") == key]
     order = {(r, s): i for i, (r, s) in enumerate((r, s) for r in settings.routers for s in settings.seeds)}
     records.sort(key=lambda r: order[(r["router"], r["seed"])])
+    total = len(records)
+    records, failed = split_failed(records)
     atomic_write_text(out_dir / "results.csv", results_csv(records))
     figure_files = draw_figures(out_dir, records, settings) if figures else []
     invocations = [i for i in read_jsonl(out_dir / "invocations.jsonl") if i.get("settings") == key]
     text = render_report(settings, records, wall_s=wall_s, figures=figure_files, resumed=resumed,
                          invocations=invocations)
+    text = with_failures_section(text, failed, total, ("router", "seed"))
     return atomic_write_text(out_dir / "report.md", text)
 
 

@@ -8,7 +8,6 @@ network whose MoE output were zero would be a linear classifier.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from torch import Tensor, nn
 from ...gates.batchwise import batchwise_mask, threshold_mask
 from ...layers import MoE
 from ...routers import BatchwiseRouter
+from ..failures import check_finite, diverged_on_error
 
 __all__ = ["ROUTER_SPECS", "MnistMoE", "RouterSpec", "Settings", "evaluate", "prepare_data", "train_run"]
 
@@ -295,6 +295,10 @@ def train_run(spec: RouterSpec, seed: int, settings: Settings, data: tuple[Tenso
     Same ``seed``: same initialisation, data order and router noise. (A rerun of the full sweep
     reproduced every test metric and load curve; one router's mean training loss differed in the
     9th digit, so CPU kernels are not bit-for-bit identical across processes.)
+
+    Raises:
+        RunDiverged: the loss or a parameter became non-finite (:func:`run_sweep` records the
+            run as failed, with the reason).
     """
     settings.validate()
     train_x, train_y, test_x, test_y = data
@@ -321,9 +325,11 @@ def train_run(spec: RouterSpec, seed: int, settings: Settings, data: tuple[Tenso
         perm = torch.randperm(train_x.shape[0], generator=order_gen)
         for b in range(steps_per_epoch):
             idx = perm[b * bs:(b + 1) * bs]
-            logits, routes = model(train_x[idx])
-            task = F.cross_entropy(logits, train_y[idx])
-            loss = task + sum(routes.aux.values(), torch.zeros(()))
+            with diverged_on_error(model, step):
+                logits, routes = model(train_x[idx])
+                task = F.cross_entropy(logits, train_y[idx])
+                loss = task + sum(routes.aux.values(), torch.zeros(()))
+            check_finite(step, loss=loss)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -350,6 +356,7 @@ def train_run(spec: RouterSpec, seed: int, settings: Settings, data: tuple[Tenso
         if progress is not None:
             progress(f"epoch {epoch + 1}/{settings.epochs}: last-batch loss {float(task.detach()):.4f}")
     counter.remove()
+    check_finite(step - 1, params=model)
     train_s = time.perf_counter() - t0
 
     t1 = time.perf_counter()
@@ -377,6 +384,4 @@ def train_run(spec: RouterSpec, seed: int, settings: Settings, data: tuple[Tenso
     if isinstance(model.moe.router, BatchwiseRouter):
         record["batchwise"] = batchwise_diagnostics(model, test_x, test_y, settings)
     record["eval_s"] = round(time.perf_counter() - t1, 2)
-    if not math.isfinite(record["train"]["loss"]):
-        raise ValueError(f"run {spec.name} seed {seed}: the training loss is not finite")
     return record
