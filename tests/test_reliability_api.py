@@ -507,3 +507,269 @@ def test_half_precision_sample_routes_equals_float32(method, k, dtype):
         log_p, log_q = exact_log_p_q(lg, 0.7)
         want = (chosen(log_p, r.expert) - chosen(log_q, r.expert)).exp()
         torch.testing.assert_close(r.weight.double(), want, rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------ fuzz findings: routing, gates, layers
+# (tests/fuzz found these; each test pins the behaviour against an independent truth)
+from routelab.gates import keep_top_k, selector_outputs  # noqa: E402
+from routelab.layers import MultiGateMoE, StackedExperts  # noqa: E402
+from routelab.routing import DispatchPlan  # noqa: E402
+
+
+def _removed_column_problem(lp, col_sum, j):
+    """``lp`` and ``col_sum`` without column ``j`` (the problem a zero target should reduce to)."""
+    keep = [c for c in range(lp.shape[-1]) if c != j]
+    return lp[..., keep], col_sum[..., keep], keep
+
+
+@pytest.mark.parametrize("n, k", [(4, 2), (5, 3), (6, 10)])
+def test_fuzz_sinkhorn_gradient_matches_finite_differences(n, k):
+    """Without zero targets the gradient is autograd's through the iteration: it must agree with
+    central finite differences of the converged map (gradcheck, float64; k = 2 is the Newton path)."""
+    g = gen(n * k)
+    lp = torch.randn(2, n, k, generator=g, dtype=torch.float64, requires_grad=True)
+    cs = torch.rand(k, generator=g, dtype=torch.float64) + 0.5
+    cs = cs / cs.sum() * n
+    assert torch.autograd.gradcheck(lambda a: sinkhorn(a, col_sum=cs, tol=1e-13, max_iter=10_000), (lp,),
+                                    atol=1e-7, rtol=1e-6)
+
+
+def test_fuzz_sinkhorn_zero_target_column_repro_has_finite_gradient():
+    lp = torch.tensor([[1.541, -.2934, -2.1788], [.5684, -1.0845, -1.3986]], requires_grad=True)
+    out = sinkhorn(lp, col_sum=torch.tensor([0., 1.2, .8], dtype=torch.float64))
+    assert torch.isneginf(out[:, 0]).all() and torch.isfinite(out[:, 1:]).all()
+    out.exp().sum().backward()
+    assert torch.isfinite(lp.grad).all() and (lp.grad[:, 0] == 0).all()
+
+
+@pytest.mark.parametrize("n, k, zero", [(2, 3, 0), (5, 4, 2), (6, 10, 3), (6, 11, 10)])
+def test_fuzz_sinkhorn_zero_target_column_equals_the_problem_without_it(n, k, zero):
+    """A zero target: that column is -inf with gradient 0, and the rest (values and gradient of any
+    loss) equal the balancing of the problem with the column removed (float64, tight tol)."""
+    g = gen(100 + k)
+    lp = torch.randn(n, k, generator=g, dtype=torch.float64)
+    cs = torch.rand(k, generator=g, dtype=torch.float64) + 0.5
+    cs[zero] = 0.0
+    cs = cs / cs.sum() * n
+    w = torch.randn(n, k, generator=g, dtype=torch.float64)  # a loss that is not constant
+    leaf = lp.clone().requires_grad_(True)
+    out = sinkhorn(leaf, col_sum=cs, tol=1e-13, max_iter=10_000)
+    (out.exp() * w).sum().backward()
+    sub_lp, sub_cs, keep = _removed_column_problem(lp, cs, zero)
+    sub_leaf = sub_lp.clone().requires_grad_(True)
+    ref = sinkhorn(sub_leaf, col_sum=sub_cs, tol=1e-13, max_iter=10_000)
+    (ref.exp() * w[:, keep]).sum().backward()
+    assert torch.isneginf(out[:, zero]).all()
+    torch.testing.assert_close(out[:, keep], ref, rtol=1e-9, atol=1e-10)
+    assert torch.isfinite(leaf.grad).all() and (leaf.grad[:, zero] == 0).all()
+    torch.testing.assert_close(leaf.grad[:, keep], sub_leaf.grad, rtol=1e-6, atol=1e-9)
+    # a col_sum that itself requires grad gets a finite gradient too (0 on the zero column)
+    cs_leaf = cs.clone().requires_grad_(True)
+    (sinkhorn(lp, col_sum=cs_leaf, tol=1e-13, max_iter=10_000).exp() * w).sum().backward()
+    assert torch.isfinite(cs_leaf.grad).all() and cs_leaf.grad[zero] == 0
+
+
+def test_fuzz_sinkhorn_row_only_on_zero_target_columns_is_a_value_error():
+    lp = torch.tensor([[0.0, float("-inf"), float("-inf")], [0.0, 1.0, 2.0], [1.0, 0.0, 0.0]])
+    with pytest.raises(ValueError, match=r"log_p row 0 has finite entries only in columns whose col_sum is 0"):
+        sinkhorn(lp, col_sum=torch.tensor([0.0, 1.5, 1.5]))
+
+
+@pytest.mark.parametrize("per_example", [False, True])
+def test_fuzz_dselect_one_expert_no_warning_and_weight_one(per_example):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gate = DSelectK(1, 1, per_example=per_example, input_dim=1 if per_example else None,
+                        entropy_reg=0.1, generator=gen())
+        x = torch.randn(3, 1, generator=gen(1), requires_grad=True)
+        w = gate(x)
+        loss = w.sum() + gate.regularization()
+        loss.backward()
+    assert w.shape == (3, 1) and torch.equal(w, torch.ones(3, 1))  # m = 0 code bits: all weight on expert 0
+    assert torch.isfinite(gate.regularization())
+    for p in gate.parameters():
+        assert p.grad is None or torch.isfinite(p.grad).all()
+    if per_example:
+        assert isinstance(gate.W, torch.nn.Linear) and gate.W.weight.shape == (0, 1)
+        assert set(gate.state_dict()) == {"G.weight", "G.bias", "W.weight", "W.bias"}
+
+
+def _top_k_reference(row: list[float], k: int) -> set[int]:
+    """The k largest entries, ties to the lowest index: sort by (-value, index)."""
+    return set(sorted(range(len(row)), key=lambda i: (-row[i], i))[:k])
+
+
+def test_fuzz_keep_top_k_ties_go_to_the_lowest_index():
+    out = keep_top_k(torch.ones(4), 1)
+    assert torch.equal(out, torch.tensor([1.0, -math.inf, -math.inf, -math.inf]))
+    x = torch.randint(0, 3, (64, 9), generator=gen()).float()
+    for k in (1, 2, 5, 9):
+        out = keep_top_k(x, k)
+        for row, kept in zip(x.tolist(), (out == x).tolist()):
+            assert {i for i, v in enumerate(kept) if v} == _top_k_reference(row, k)
+        assert torch.isneginf(out[out != x]).all()
+
+
+def test_fuzz_gate_functions_name_bad_arguments():
+    with pytest.raises(TypeError, match=r"^z must be a torch.Tensor"):
+        selector_outputs([0.0], 1.0)
+    with pytest.raises(ValueError, match=r"^z must be a floating tensor"):
+        selector_outputs(torch.zeros(2, dtype=torch.long))
+    torch.testing.assert_close(selector_outputs(torch.zeros(0)), torch.ones(1))  # m = 0: one code, prob 1
+    with pytest.raises(TypeError, match=r"^logits must be a torch.Tensor"):
+        keep_top_k([1.0, 2.0], 1)
+    with pytest.raises(ValueError, match=r"^logits must be a floating tensor"):
+        keep_top_k(torch.tensor([1, 2]), 1)
+    with pytest.raises(ValueError, match=r"^k must be an integer"):
+        keep_top_k(torch.zeros(3), 1.5)
+    with pytest.raises(ValueError, match=r"^seed must be an integer"):
+        GumbelSoftmaxGate(3, seed="a")
+    for bad in (True, 1.5, -1, 2**64):
+        with pytest.raises(ValueError, match=r"^seed must be an integer"):
+            GumbelSoftmaxGate(3, seed=bad)
+    # integer-like seeds (numpy, 0-dim tensors) are the same seed
+    import numpy as np
+
+    a, b, c = (GumbelSoftmaxGate(4, seed=s, generator=gen()) for s in (5, np.int64(5), torch.tensor(5)))
+    assert a(2).tolist() == b(2).tolist() == c(2).tolist()
+
+
+def test_fuzz_stacked_experts_validates_buffers_and_follows_the_dtype_policy():
+    ex = StackedExperts(1, 2, 1)
+    for shape in ((2, 1, 1), (1, 1, 2), (1, 1)):
+        with pytest.raises(ValueError, match=r"buffers must have shape \[num_experts=1, capacity, d_model=1\]"):
+            ex(torch.randn(shape))
+    with pytest.raises(ValueError, match="buffers must be a floating tensor"):
+        ex(torch.ones(1, 1, 1, dtype=torch.long))
+    torch.manual_seed(0)
+    ex = StackedExperts(3, 5, 2)
+    buf = torch.randn(2, 4, 3, dtype=torch.float64)
+    y = ex(buf)
+    assert y.dtype == torch.float64 and torch.equal(y, ex(buf.float()).double())  # float32 compute
+    for e in range(2):
+        torch.testing.assert_close(y[e].float(), ex.expert(e, buf[e].float()))
+
+
+def test_fuzz_stacked_linear_and_multigate_follow_the_dtype_policy():
+    sl = StackedLinear(1, 2, 1)
+    x = torch.randn(1, 2, dtype=torch.float64)
+    y = sl(x)
+    assert y.dtype == torch.float64 and torch.equal(y, sl(x.float()).double())
+    torch.testing.assert_close(y.float(), (x.float() @ sl.weight[0] + sl.bias[0]).unsqueeze(1))
+    with pytest.raises(ValueError, match="x must be a floating tensor"):
+        sl(torch.ones(1, 2, dtype=torch.long))
+    torch.manual_seed(0)
+    gates = [DSelectK(3, 2, per_example=True, input_dim=2, generator=gen()), SoftmaxGate(3, generator=gen(1))]
+    model = MultiGateMoE(StackedLinear(3, 2, 4, activation=torch.relu, generator=gen(2)), gates,
+                         [torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)])
+    for dtype in (torch.float64, torch.float16, torch.bfloat16):
+        x = torch.randn(5, 2, generator=gen(3)).to(dtype)
+        outs, ref = model(x), model(x.float())
+        for o, r in zip(outs, ref):
+            assert o.dtype == dtype and torch.equal(o, r.to(dtype))
+    bad = torch.randn(5, 2)
+    bad[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="x are not finite"):
+        model(bad)
+
+
+def test_fuzz_multigate_with_no_expert_weighed_returns_zeros():
+    """Every gate weight exactly 0 (DSelect-k codes on unused codes): the mixture is 0, no crash."""
+    gate = DSelectK(3, 1, generator=gen())
+    with torch.no_grad():
+        gate.z.fill_(1.0)  # code 3 of 4: no expert (n = 3)
+    experts = [torch.nn.Linear(2, 4) for _ in range(3)]
+    out = MultiGateMoE(experts, [gate])(torch.randn(5, 2))
+    assert torch.equal(out[0], torch.zeros(5, 4))
+
+
+def test_fuzz_expert_capacity_validates_every_argument():
+    for args, name in [((4, 0, 1, 1.0), "num_experts"), ((0, 0, 1, None), "num_experts"),
+                       ((-4, 2, 1, 1.0), "num_tokens"), ((4, 2, 0, 1.0), "slots"), ((4, 2, -1, 1.0), "slots"),
+                       ((4.0, 2, 1, 1.0), "num_tokens"), ((True, 2, 1, 1.0), "num_tokens"),
+                       ((4, 2, float("nan"), None), "slots")]:
+        with pytest.raises(ValueError, match=rf"^{name} must be"):
+            expert_capacity(*args)
+    assert expert_capacity(0, 4, 2, 1.25) == 0 and expert_capacity(0, 4, 2, None) == 0  # an empty batch
+    for n, E, s, cf in [(10, 4, 2, 1.0), (7, 3, 1, 1.25), (5, 8, 0.5, 2.0), (1, 64, 1, 1.0)]:
+        assert expert_capacity(n, E, s, cf) == min(max(math.ceil(cf * n * s / E), 1), n)
+
+
+E3 = torch.tensor([[0], [1], [2]])
+K3 = torch.ones(3, 1, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: apply_capacity(E3, K3, 1, 2), r"^expert must hold expert indices in \[0, num_experts=2\)"),
+    (lambda: apply_capacity(E3 - 1, K3, 1, 3), r"^expert must hold expert indices in \[0, num_experts=3\)"),
+    (lambda: apply_capacity(E3.squeeze(-1), K3, 1, 3), r"^expert must have 2 dimensions"),
+    (lambda: apply_capacity(E3.float(), K3, 1, 3), r"^expert must be an integer tensor"),
+    (lambda: apply_capacity(E3, K3.long(), 1, 3), r"^candidate must be a BoolTensor"),
+    (lambda: apply_capacity(E3, K3[:2], 1, 3), r"^candidate must have the shape of expert"),
+    (lambda: apply_capacity(E3[:0], torch.ones(0, 1, 2, dtype=torch.bool), 1, 3),
+     r"^candidate must have the shape of expert"),
+    (lambda: apply_capacity(E3, K3, 1, 0), r"^num_experts must be an integer >= 1"),
+    (lambda: apply_capacity(E3, K3, 1, 3, policy="score", score=torch.ones(2, 1)), r"^score must be a real tensor"),
+    (lambda: apply_capacity(E3, K3, 1, 3, policy="score", score=torch.tensor([[0.0], [float("nan")], [1.0]])),
+     r"^score contains NaN"),
+])
+def test_fuzz_apply_capacity_names_bad_arguments(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_fuzz_apply_capacity_valid_input_unchanged():
+    """Int32 experts are read as long; the decision is the documented one (position policy)."""
+    expert = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0]], dtype=torch.int32)
+    d = apply_capacity(expert, torch.ones(4, 2, dtype=torch.bool), 2, 3)
+    # slot-major: first choices (tokens 0..3) before second choices, so expert 0 keeps tokens 0, 1
+    # and expert 1 keeps token 3's first choice and token 0's second (token 2's second is dropped)
+    assert d.keep.tolist() == [[True, True], [True, True], [False, False], [True, False]]
+    assert d.load.tolist() == [4, 3, 1] and d.kept.tolist() == [2, 2, 1]
+    assert d.position.dtype == torch.long
+
+
+def _compile_fullgraph(fn):
+    return torch.compile(fn, backend="eager", fullgraph=True)
+
+
+def test_fuzz_routing_value_checks_are_skipped_while_compiling():
+    """The range checks need a host sync: under torch.compile they are skipped (no graph break:
+    fullgraph=True would raise on one), and the compiled result equals the eager one."""
+    torch._dynamo.reset()
+
+    def route(expert, candidate, position_x):
+        d = apply_capacity(expert, candidate, 1, 3)
+        plan = DispatchPlan.build(expert, d.keep, d.position, 3, 1)
+        return d.keep, d.position, plan.dispatch(position_x)
+
+    x = torch.arange(6.0).view(3, 2)
+    eager = route(E3, K3, x)
+    compiled = _compile_fullgraph(route)(E3, K3, x)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+
+
+def test_fuzz_dispatch_plan_rejects_bad_positions_and_token_counts():
+    with pytest.raises(ValueError, match=r"^position\[0, 0\] = 5 is kept but outside the expert's buffer"):
+        DispatchPlan.build(E3, K3, torch.tensor([[5], [0], [0]]), 3, 2)
+    with pytest.raises(ValueError, match=r"^position\[1, 0\] = -1 is kept"):
+        DispatchPlan.build(E3, K3, torch.tensor([[0], [-1], [0]]), 3, 2)
+    with pytest.raises(ValueError, match=r"^expert\[2, 0\] = 3 is kept but outside"):
+        DispatchPlan.build(E3 + 1, K3, torch.zeros(3, 1, dtype=torch.long), 3, 1)
+    with pytest.raises(ValueError, match=r"^position puts kept pairs of two tokens in the same"):
+        DispatchPlan.build(torch.tensor([[0], [0]]), torch.ones(2, 1, dtype=torch.bool),
+                           torch.zeros(2, 1, dtype=torch.long), 3, 1)
+    # a dropped pair's expert/position are not used, so they are not checked
+    keep = torch.tensor([[True], [False], [True]])
+    plan = DispatchPlan.build(E3, keep, torch.tensor([[0], [99], [0]]), 3, 1)
+    assert plan.token_of_row.tolist() == [0, 3, 2] and plan.row_of_slot.tolist() == [[0], [3], [2]]
+    plan = DispatchPlan.build(E3, K3, torch.zeros(3, 1, dtype=torch.long), 3, 1)
+    with pytest.raises(ValueError, match=r"^x must have shape \[tokens=3, d\] \(the plan was built for 3 tokens\)"):
+        plan.dispatch(torch.ones(4, 2))
+    with pytest.raises(ValueError, match=r"^expert_out must have shape \[E=3, C=1, d\]"):
+        plan.combine(torch.ones(1, 3, 2), torch.ones(3, 1))
+    with pytest.raises(ValueError, match=r"^weight must have shape \[tokens, slots\] = \(3, 1\)"):
+        plan.combine(torch.ones(3, 1, 2), torch.ones(3))
+    x = torch.arange(6.0).view(3, 2)
+    torch.testing.assert_close(plan.combine(plan.dispatch(x), torch.full((3, 1), 2.0)), 2 * x)

@@ -49,7 +49,8 @@ def sinkhorn(
     Raises:
         ValueError: NaN/+inf input, marginals that cannot be met (negative targets, targets that
             do not add up to ``n``, a row that is all ``-inf`` or finite only in columns with target
-            0, a column that is all ``-inf`` with a positive target), or no convergence within ``max_iter`` (the message gives the error).
+            0, a column that is all ``-inf`` with a positive target), or no convergence within
+            ``max_iter`` (the message gives the error).
     """
     check_score_matrix(log_p, "log_p")
     n, k = log_p.shape[-2], log_p.shape[-1]

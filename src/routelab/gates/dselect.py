@@ -58,7 +58,16 @@ def selector_outputs(z: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
     Returns:
         ``[..., 2^m]``: entry e is prod_j (S(z_j) if bit j of e is set else 1 - S(z_j)); each
         row is a probability vector (Prop. 2).
+
+    Raises:
+        TypeError: ``z`` is not a tensor.
+        ValueError: ``z`` is a scalar or not floating, or ``gamma`` is not a valid width.
     """
+    if not isinstance(z, torch.Tensor):
+        raise TypeError(f"z must be a torch.Tensor [..., m] of code logits, got {type(z).__name__}")
+    if z.dim() < 1:
+        raise ValueError("z must have shape [..., m] (m code bits; m = 0 for one expert), got a scalar")
+    floating_input(z, "z", z.dtype)  # the floating check only (no cast)
     s = smooth_step(z, gamma)
     m = z.shape[-1]
     # Built bit by bit (a Kronecker product): after bit j, entry e < 2^(j+1) holds
@@ -117,6 +126,15 @@ def dselect_weights(alpha: torch.Tensor, z: torch.Tensor, num_experts: int,
     return (w * r).sum(dim=-2)[..., :num_experts]
 
 
+class _CodelessLinear(nn.Linear):
+    """``nn.Linear`` without the default initialisation, for a per-example gate's ``W`` when there
+    are no code bits (one expert): its weight is ``[0, p]``, so that initialisation is a no-op
+    whose only effect is the warning "Initializing zero-element tensors is a no-op"."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class DSelectK(MTLGate):
     """The DSelect-k gate, static (Sec. 3.1) or per-example (Sec. 3.2).
 
@@ -171,7 +189,9 @@ class DSelectK(MTLGate):
             p = self.input_dim
             assert p is not None
             self.G = nn.Linear(p, k)
-            self.W = nn.Linear(p, k * self.m)
+            # One expert has m = 0 code bits, so W has no outputs (z is empty and the only expert
+            # gets weight 1); nn.Linear's default init would only warn about a zero-element tensor.
+            self.W = nn.Linear(p, k * self.m) if self.m else _CodelessLinear(p, 0)
             with torch.no_grad():
                 self.G.weight.copy_(uniform_init((k, p), ALPHA_INIT, g))
                 self.G.bias.copy_(uniform_init((k,), ALPHA_INIT, g))

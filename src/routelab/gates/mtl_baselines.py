@@ -30,6 +30,7 @@ from routelab.gates.mtl_gate import (
     check_nonneg,
     check_pos,
     check_positive_int,
+    check_seed,
     floating_input,
     uniform_init,
 )
@@ -46,11 +47,23 @@ __all__ = [
 
 
 def keep_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """KeepTopK: ``logits [..., n]`` with all but the k largest entries set to -inf (ties: lowest index)."""
-    n = logits.shape[-1]
-    if not 1 <= k <= n:
-        raise ValueError(f"k = {k} must be in [1, {n}] (the number of experts).")
-    idx = logits.topk(k, dim=-1).indices
+    """KeepTopK: ``logits [..., n]`` with all but the k largest entries set to -inf.
+
+    Ties go to the lowest index, deterministically on every device: the kept entries are the
+    first k of a stable descending sort (``torch.topk`` leaves the order of ties unspecified).
+
+    Raises:
+        TypeError: ``logits`` is not a tensor.
+        ValueError: ``logits`` is not a floating tensor with at least one dimension, or ``k`` is
+            not an integer in ``[1, n]``.
+    """
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor [..., n], got {type(logits).__name__}")
+    if logits.dim() < 1:
+        raise ValueError("logits must have shape [..., n] (one entry per expert), got a scalar")
+    floating_input(logits, "logits", logits.dtype)  # the floating check only (no cast)
+    check_k(k, logits.shape[-1])
+    idx = torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., :k]
     mask = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, idx, True)
     return logits.masked_fill(~mask, float("-inf"))
 
@@ -131,7 +144,8 @@ class GumbelSoftmaxGate(MTLGate):
         num_experts: n.
         temperature: Gumbel-softmax temperature (> 0).
         sparsity_reg: lambda >= 0.
-        seed: seed of the gate's own torch.Generator for the Gumbel noise (same seed, same run).
+        seed: seed of the gate's own torch.Generator for the Gumbel noise (same seed, same run),
+            an integer in ``[0, 2**64)``.
         generator: optional generator for the initialisation.
         input_dim: accepted for interchangeability (ignored: the gate is static).
     """
@@ -146,7 +160,7 @@ class GumbelSoftmaxGate(MTLGate):
         self.alpha = nn.Parameter(uniform_init((n,), ALPHA_INIT, generator))
         # start with every expert likely on (pi ~ 0.73), as a sparsifying penalty then prunes
         self.beta = nn.Parameter(1.0 + uniform_init((n,), ALPHA_INIT, generator))
-        self.noise = torch.Generator().manual_seed(int(seed))
+        self.noise = torch.Generator().manual_seed(check_seed(seed))
 
     def probabilities(self) -> torch.Tensor:
         """pi = P(U_i = 1): ``[n]``."""

@@ -25,6 +25,7 @@ Every gate here is interchangeable inside :class:`routelab.layers.MultiGateMoE`.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ from torch import nn
 from routelab.assignment._checks import check_generator
 
 __all__ = ["MTLGate", "check_positive_int", "check_k", "check_nonneg", "check_pos", "uniform_init",
-           "batch_size_of", "check_finite", "floating_input"]
+           "batch_size_of", "check_finite", "floating_input", "check_seed"]
 
 
 # -- validators shared by every layer above this one (gates, routers, estimators, layers) -------
@@ -77,6 +78,18 @@ def check_positive_int(name: str, value: Any) -> int:
     """Return ``value`` if it is an int >= 1, else raise a ValueError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+    return value
+
+
+def check_seed(seed: Any, name: str = "seed") -> int:
+    """``seed`` as an int for ``torch.Generator.manual_seed``: an integer (Python, numpy or a
+    0-dim integer tensor; not a bool) in ``[0, 2**64)``, else a ValueError naming ``name``."""
+    try:
+        value = None if isinstance(seed, bool) else operator.index(seed)
+    except TypeError:
+        value = None
+    if value is None or not 0 <= value < 2**64:
+        raise ValueError(f"{name} must be an integer in [0, 2**64), got {seed!r}")
     return value
 
 

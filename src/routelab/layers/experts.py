@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..gates.mtl_gate import floating_input
 from ..routers.base import check_positive_int
 
 __all__ = ["ACTIVATIONS", "StackedExperts"]
@@ -79,11 +80,23 @@ class StackedExperts(nn.Module):
         """Run expert ``e`` on ``buffers[e]``.
 
         Args:
-            buffers: ``[E, C, d_model]``.
+            buffers: ``[E, C, d_model]``, any floating dtype: computed in the parameters' dtype
+                and returned in ``buffers``' dtype (the dtype policy of routelab's modules).
 
         Returns:
             ``[E, C, d_model]``.
+
+        Raises:
+            TypeError, ValueError: ``buffers`` is not a floating ``[E, C, d_model]`` tensor.
         """
+        x = floating_input(buffers, "buffers", self.w1.dtype)
+        if x.dim() != 3 or x.shape[0] != self.num_experts or x.shape[2] != self.d_model:
+            raise ValueError(f"buffers must have shape [num_experts={self.num_experts}, capacity, "
+                             f"d_model={self.d_model}], got {tuple(x.shape)}")
+        y = self._run(x)
+        return y if y.dtype == buffers.dtype else y.to(buffers.dtype)
+
+    def _run(self, buffers: Tensor) -> Tensor:
         if self.b1 is not None:
             h = torch.baddbmm(self.b1, buffers, self.w1)
         else:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from routelab.assignment._checks import check_generator
-from routelab.gates.mtl_gate import check_positive_int
+from routelab.gates.mtl_gate import check_finite, check_positive_int, floating_input
 
 __all__ = ["MultiGateMoE", "SharedBottom", "StackedLinear"]
 
@@ -33,6 +33,9 @@ class StackedLinear(nn.Module):
     ``[batch, n, out_dim]``, then ``activation``. Initialised like ``nn.Linear`` (uniform
     ±1/sqrt(in_dim)) unless ``init_std`` is given (then normal with that std, biases too);
     ``dropout`` (default 0) is applied after the activation.
+
+    Dtypes (routelab's module policy): any floating ``x`` is computed in the parameters' dtype
+    and the output returned in ``x``'s dtype; a non-floating ``x`` is a ValueError.
 
     Args:
         num_experts: n. in_dim / out_dim: widths. activation: applied after (default none).
@@ -63,6 +66,8 @@ class StackedLinear(nn.Module):
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out_dtype = x.dtype if isinstance(x, torch.Tensor) else None
+        x = floating_input(x, "x", self.weight.dtype)
         if x.dim() == 2:
             if x.shape[1] != self.in_dim:
                 raise ValueError(f"x must be [batch, {self.in_dim}], got {tuple(x.shape)}.")
@@ -75,7 +80,8 @@ class StackedLinear(nn.Module):
             raise ValueError(f"x must be [batch, in_dim] or [batch, n, in_dim], got {tuple(x.shape)}.")
         y = y + self.bias
         y = self.activation(y) if self.activation is not None else y
-        return self.dropout(y) if self.dropout is not None else y
+        y = self.dropout(y) if self.dropout is not None else y
+        return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
 def _as_tower_list(towers: Sequence[nn.Module] | None, num_tasks: int) -> nn.ModuleList:
@@ -105,6 +111,13 @@ class MultiGateMoE(nn.Module):
     ``gate_x`` if given, else ``x.flatten(1)``. After a forward, :attr:`last_weights` holds the
     gates' weights (``[batch, n]`` per task) and :meth:`regularization` the sum of the gates'
     penalties.
+
+    Dtypes (routelab's module policy): a floating ``x`` is cast to the experts' parameter dtype
+    (the first floating parameter of ``experts``; none: ``x``'s own), experts, gates' mixture and
+    towers compute in it, and every floating task output is returned in ``x``'s dtype. A
+    non-floating ``x`` (token ids, say) goes to the experts unchanged. ``gate_x`` goes to the
+    gates as given (each gate applies the policy itself). A floating ``x`` with NaN/inf entries
+    is a ValueError (one host synchronisation per forward).
     """
 
     def __init__(self, experts: nn.Module | Sequence[nn.Module], gates: Sequence[nn.Module],
@@ -154,12 +167,30 @@ class MultiGateMoE(nn.Module):
             o = e(x)
             ref = o
             outs.append(o)
-        assert ref is not None
+        if ref is None:  # no gate weighs any expert (e.g. DSelect-k codes all on unused codes):
+            with torch.no_grad():  # one expert, run only for the output's shape, dtype and device
+                ref = self.experts[0](x)
         zero = torch.zeros_like(ref)
         return torch.stack([zero if o is None else o for o in outs], dim=1)
 
+    def _compute_dtype(self) -> torch.dtype | None:
+        """The dtype the experts compute in: that of their first floating parameter (None if none)."""
+        for p in self.experts.parameters():
+            if p.is_floating_point():
+                return p.dtype
+        return None
+
     def forward(self, x: torch.Tensor, gate_x: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Task outputs, a list of ``[batch, out_t]`` tensors."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor [batch, ...], got {type(x).__name__}")
+        out_dtype = x.dtype if x.is_floating_point() else None
+        if out_dtype is not None:
+            check_finite(x, "x", "the input contains NaN/inf (or a magnitude its dtype cannot hold); fix the "
+                                 "previous layer or the data")
+        compute = self._compute_dtype()
+        if out_dtype is not None and compute is not None and compute != out_dtype:
+            x = x.to(compute)
         gx = x.flatten(1) if gate_x is None else gate_x
         weights = [g(gx) for g in self.gates]                        # T x [batch, n]
         needed = None
@@ -169,8 +200,10 @@ class MultiGateMoE(nn.Module):
         if e.dim() != 3 or e.shape[1] != self.num_experts:
             raise ValueError(f"experts must produce [batch, {self.num_experts}, d], got {tuple(e.shape)}.")
         self.last_weights = [w.detach() for w in weights]
-        return [tower(torch.einsum("bn,bnd->bd", w.to(e.dtype), e))
-                for w, tower in zip(weights, self.towers)]
+        outs = [tower(torch.einsum("bn,bnd->bd", w.to(e.dtype), e)) for w, tower in zip(weights, self.towers)]
+        if out_dtype is None:
+            return outs
+        return [o.to(out_dtype) if o.is_floating_point() and o.dtype != out_dtype else o for o in outs]
 
     def regularization(self) -> torch.Tensor:
         """Sum of the gates' penalties from the last forward (scalar)."""

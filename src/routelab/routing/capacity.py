@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..assignment._checks import check_generator, resolve_capacity
 from ..assignment._groups import rank_within_groups
+from ..gates.mtl_gate import check_pos, check_positive_int
 
 __all__ = [
     "DROP_POLICIES",
@@ -64,9 +65,10 @@ def expert_capacity(num_tokens: int, num_experts: int, slots: float, capacity_fa
     """Capacity ``C = ceil(capacity_factor * tokens * slots / experts)``, at most ``tokens``.
 
     Args:
-        num_tokens: tokens in the batch, ``n >= 0``.
-        num_experts: ``E >= 1``.
-        slots: average experts per token ``k`` (``E`` for dense softmax gating).
+        num_tokens: tokens in the batch, an integer ``n >= 0`` (``0``: an empty batch).
+        num_experts: ``E``, an integer ``>= 1``.
+        slots: average experts per token ``k``, a finite number ``> 0`` (``E`` for dense
+            softmax gating).
         capacity_factor: ``> 0``; ``None`` means dropless (``C = n``: an expert can take every
             token, since a token never chooses the same expert twice).
 
@@ -75,8 +77,14 @@ def expert_capacity(num_tokens: int, num_experts: int, slots: float, capacity_fa
         capacity could not be filled, so the buffer is not padded beyond it.
 
     Raises:
-        ValueError: ``capacity_factor <= 0`` or not finite.
+        ValueError: naming the argument: ``num_tokens`` not an integer ``>= 0``, ``num_experts``
+            not an integer ``>= 1``, ``slots`` not a finite number ``> 0``, ``capacity_factor``
+            ``<= 0`` or not finite.
     """
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_tokens must be an integer >= 0 (tokens in the batch), got {num_tokens!r}")
+    check_positive_int("num_experts", num_experts)
+    check_pos("slots", slots)
     if capacity_factor is None:
         return num_tokens
     check_capacity_factor(capacity_factor)
@@ -85,6 +93,38 @@ def expert_capacity(num_tokens: int, num_experts: int, slots: float, capacity_fa
         return num_tokens
     c = math.ceil(raw - 1e-9)
     return min(max(c, 1 if num_tokens else 0), num_tokens)
+
+
+def _checks_run() -> bool:
+    """Whether the value checks that need a host sync run: always, except while ``torch.compile``
+    traces (a data-dependent check there would be a graph break on every call)."""
+    return not torch.compiler.is_compiling()
+
+
+def _index_tensor(t: object, name: str) -> Tensor:
+    """``t`` as a ``LongTensor [tokens, slots]``: TypeError/ValueError naming ``name`` unless ``t``
+    is a 2-D tensor of an integer dtype (values are checked by the caller)."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a LongTensor [tokens, slots], got {type(t).__name__}")
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise ValueError(f"{name} must be an integer tensor (LongTensor [tokens, slots]), got {t.dtype}; "
+                         f"indices are whole numbers, e.g. {name}.long() if its values are integral")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must have 2 dimensions [tokens, slots], got shape {tuple(t.shape)}; "
+                         f"for one slot per token use {name}.unsqueeze(-1)")
+    return t if t.dtype == torch.long else t.long()
+
+
+def _mask_tensor(t: object, name: str, shape: torch.Size) -> Tensor:
+    """``t`` if it is a ``BoolTensor`` of ``shape``, else a TypeError/ValueError naming ``name``."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a BoolTensor [tokens, slots], got {type(t).__name__}")
+    if t.dtype != torch.bool:
+        raise ValueError(f"{name} must be a BoolTensor [tokens, slots], got {t.dtype}; use {name} != 0")
+    if t.shape != shape:
+        raise ValueError(f"{name} must have the shape of expert [tokens, slots] = {tuple(shape)}, "
+                         f"got {tuple(t.shape)}")
+    return t
 
 
 @dataclass(frozen=True)
@@ -121,17 +161,24 @@ def apply_capacity(
     """Keep at most ``capacity`` candidate pairs per expert.
 
     Args:
-        expert: ``LongTensor [tokens, slots]`` chosen expert of every slot.
+        expert: ``LongTensor [tokens, slots]`` chosen expert of every slot, each in
+            ``[0, num_experts)`` (any integer dtype is accepted and read as long).
         candidate: ``BoolTensor [tokens, slots]`` the router's own selection (False: the slot is
             not used at all, e.g. outside a batchwise mask).
         capacity: ``C >= 0`` pairs per expert (an integer; ValueError otherwise).
-        num_experts: ``E``.
+        num_experts: ``E``, an integer ``>= 1``.
         policy: one of :data:`DROP_POLICIES`.
-        score: ``[tokens, slots]`` priority for ``policy="score"`` (larger kept first).
+        score: ``[tokens, slots]`` priority for ``policy="score"`` (larger kept first; no NaN).
         generator: randomness for ``policy="random"``.
 
     Returns:
         A :class:`CapacityDecision`; ties in priority go to the earlier (slot, token).
+
+    Raises:
+        TypeError, ValueError: naming the argument, for a wrong type, dtype or shape, an expert
+            outside ``[0, num_experts)``, a NaN score, an unknown policy or a bad capacity. The
+            value checks (expert range, NaN score) cost one host synchronisation together and
+            are skipped while ``torch.compile`` traces.
     """
     if policy not in DROP_POLICIES:
         raise ValueError(f"unknown drop policy {policy!r}; choose one of {', '.join(DROP_POLICIES)}")
@@ -139,6 +186,28 @@ def apply_capacity(
     if capacity is None:
         raise ValueError("capacity must be a non-negative integer, got None; pass the number of tokens for no limit")
     check_generator(generator)
+    check_positive_int("num_experts", num_experts)
+    expert = _index_tensor(expert, "expert")
+    candidate = _mask_tensor(candidate, "candidate", expert.shape)
+    if policy == "score":
+        if score is None:
+            raise ValueError("policy='score' needs score= [tokens, slots] priorities")
+        if not isinstance(score, Tensor):
+            raise TypeError(f"score must be a tensor [tokens, slots], got {type(score).__name__}")
+        if score.shape != expert.shape or score.is_complex():
+            raise ValueError(f"score must be a real tensor of the shape of expert [tokens, slots] = "
+                             f"{tuple(expert.shape)}, got {score.dtype} of shape {tuple(score.shape)}")
+    if expert.numel() and _checks_run():
+        # One host sync for every value check: min and max of expert, and whether a score is NaN.
+        flags = [expert.amin(), expert.amax()]
+        if policy == "score" and score.is_floating_point():
+            flags.append(torch.isnan(score).any().long())
+        lo, hi, *nan = torch.stack(flags).tolist()
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"expert must hold expert indices in [0, num_experts={num_experts}), got values "
+                             f"from {lo} to {hi}")
+        if nan and nan[0]:
+            raise ValueError("score contains NaN; NaN priorities cannot be ranked (fix the router's gates)")
     n, s = expert.shape
     device = expert.device
     # Slot-major flattening: all first choices come before all second choices.
@@ -148,8 +217,6 @@ def apply_capacity(
     if policy == "position":
         priority = -torch.arange(n * s, device=device, dtype=torch.float64)
     elif policy == "score":
-        if score is None:
-            raise ValueError("policy='score' needs score= [tokens, slots] priorities")
         priority = score.detach().t().reshape(-1).to(torch.float64)
     else:
         priority = torch.rand(n * s, generator=generator, device=device, dtype=torch.float64)
