@@ -773,3 +773,19 @@ def test_fuzz_dispatch_plan_rejects_bad_positions_and_token_counts():
         plan.combine(torch.ones(3, 1, 2), torch.ones(3))
     x = torch.arange(6.0).view(3, 2)
     torch.testing.assert_close(plan.combine(plan.dispatch(x), torch.full((3, 1), 2.0)), 2 * x)
+
+
+def test_batchwise_router_with_one_expert_keeps_every_token_in_eval() -> None:
+    """One expert: every token has gate probability 1 and must reach it in train and in eval
+    (the output then equals the expert applied to every token)."""
+    from routelab.layers import MoE
+
+    torch.manual_seed(0)
+    layer = MoE(8, 16, 1, router="batchwise")
+    x = torch.randn(6, 8)
+    for mode in (layer.train, layer.eval):
+        mode()
+        y, routes = layer(x)
+        assert bool(routes.keep.all())
+        expected = layer.experts(x.unsqueeze(0)).squeeze(0)
+        torch.testing.assert_close(y, expected)

@@ -45,8 +45,11 @@ class BatchwiseRouter(Router):
             raise ValueError(f"inference must be one of {INFERENCE_MASKS}, got {inference!r}")
         self.inference = inference
         self.threshold_coef = float(threshold_coef)
-        # Start at the uniform gate value: the median score of an untrained router.
-        self.thresholds = nn.Parameter(torch.full((num_experts,), 1.0 / num_experts))
+        # Start at the uniform gate value: the median score of an untrained router. With one
+        # expert every score is exactly 1 and the strict mask G > T would drop every token: start
+        # that threshold below it.
+        start = 1.0 / num_experts if num_experts > 1 else 0.5
+        self.thresholds = nn.Parameter(torch.full((num_experts,), start))
 
     def mask(self, probs: Tensor) -> Tensor:
         """The mask in use: batchwise in training (or if ``inference="batchwise"``), else threshold."""
