@@ -226,6 +226,8 @@ def test_gumbel_conditionals_match_brute_force(case: ScoreCase, cap_choice: str,
     c = resolve(n, k, capacity)
     if c is None or not feasible(np64(x), c):
         return
+    if bool(torch.isnan(x).any() or torch.isposinf(x).any()):
+        return  # invalid input: the error contract is tested by test_gumbel_matching
     valid = None if _overflows(x, tau) else True
     ok, gm = _gumbel_call(x, tau, capacity, None, seed, valid)
     if not ok:
@@ -265,7 +267,9 @@ def test_gumbel_conditionals_match_brute_force(case: ScoreCase, cap_choice: str,
         f"conditionals differ from brute force by {err.max():.3g} > {ptol:.3g} at "
         f"{np.unravel_index(err.argmax(), err.shape)}: q={p.round(6).tolist()} ref={p_ref.round(6).tolist()}"
     )
-    assert (np.isneginf(lq) == np.isneginf(ref)).all(), (
+    # A log-probability below the dtype's range rounds to -inf: only that may differ from the oracle.
+    beyond = ref < -float(torch.finfo(x.dtype).max)
+    assert ((np.isneginf(lq) == np.isneginf(ref)) | (np.isneginf(lq) & beyond)).all(), (
         f"zero conditionals differ from brute force: log q {lq.tolist()} ref {ref.tolist()}"
     )
 

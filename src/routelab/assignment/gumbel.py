@@ -151,50 +151,65 @@ def gumbel_matching(
         g = sample_gumbel(logits.shape, dtype=work, device=logits.device, generator=generator)
     n, k = logits.shape[-2], logits.shape[-1]
     batch = logits.shape[:-2]
-    flat = a.reshape(-1, n, k)
-    S, A, E = perturbed_scores(flat, t, None if t == 0.0 else g.reshape(-1, n, k))
+    S, A, E = _solver_scores(a.reshape(-1, n, k), t, g.reshape(-1, n, k))
     sol = solve_balanced(S, capacity, name="logits")
     z = sol.expert  # [B, n]
     # d* in the units of S (the solver normalised S once more by 2^log2_scale).
     d = ldexp(floyd_warshall(sol.arc_cost), sol.log2_scale)  # [B, k, k], float64
     # d_to[b, i, j] = d*[j, z_i]: cheapest way to refill the slot token i leaves.
     d_to = d.transpose(-1, -2).gather(1, z.unsqueeze(-1).expand(-1, -1, k))
-    val = A.to(torch.float64) - d_to  # the a / tau - d* of eq. 9, in units of 2^E
+    val = A - d_to  # the a / tau - d* of eq. 9, in units of 2^E
     top = val.amax(-1, keepdim=True)
     shifted = val - torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # <= 0, 0 at the best
     if t == 0.0:
         # tau -> 0 limit of log_softmax((a - tau d) / tau): mass on the maximisers of a - d*. The
         # sampled expert is one (the certificate of the solve); others within its rounding guard
-        # (relative to the normalised spread, 1) count as ties.
-        hit = shifted >= -_TIE_GUARD * (k + 1) * torch.finfo(work).eps
+        # (relative to the spread of S, about 2^log2_scale) count as ties.
+        guard = _TIE_GUARD * (k + 1) * torch.finfo(work).eps
+        hit = shifted >= -ldexp(torch.full_like(top, guard), sol.log2_scale)
         hit.scatter_(-1, z.unsqueeze(-1), True)
         log_q = torch.where(hit, -torch.log(hit.sum(-1, keepdim=True).to(torch.float64)), torch.full_like(val, float("-inf")))
     else:
         log_q = torch.log_softmax(ldexp(shifted, E), dim=-1)
-    scores, log2_scale = _returned_scores(a, t, g, S, E)
     return GumbelMatching(
         expert=z.view(*batch, n),
         conditional_log_probs=log_q.to(work).view(*batch, n, k),
-        scores=scores,
+        scores=S.view(a.shape),
         gumbels=g,
-        shortest_paths=ldexp(d, E - log2_scale).view(*batch, k, k),
+        shortest_paths=d.view(*batch, k, k),
         capacity=sol.capacity,
         tau=t,
-        log2_scale=log2_scale.view(batch),
+        log2_scale=E.view(batch),
     )
 
 
-def _returned_scores(a: Tensor, t: float, g: Tensor, S: Tensor, E: Tensor) -> tuple[Tensor, Tensor]:
-    """The ``scores`` field and its ``[B]`` exponent: ``a / t + g`` when that is finite at every
-    allowed pair (exponent 0), else the solver's normalised scores ``S`` (``[B, n, k]``, with
-    ``a / t + g = 2^E S`` + per-token constants)."""
-    zero = torch.zeros_like(E)
-    if t == 0.0:
-        return a, zero
-    literal = a / t + g
+def _solver_scores(a: Tensor, t: float, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """What the solver maximises, the noise-free part of it, and their units.
+
+    The perturbed scores ``a / t + g`` themselves (exponent 0) whenever they are finite at every
+    allowed pair: the sample is then exact for the very numbers returned as ``scores``. Where
+    they overflow the dtype, the same problem brought to a common power-of-two exponent ``E``
+    (:func:`._normalise.perturbed_scores`): ``a / t + g = 2^E S`` + per-token constants.
+
+    Args:
+        a: ``[B, n, k]`` logits (``-inf`` forbids a pair).
+        t: temperature (``0``: no noise, ``S = a``).
+        g: ``[B, n, k]`` the noise (zeros at ``t = 0``).
+
+    Returns:
+        ``(S, A, E)``: ``[B, n, k]`` scores to solve, ``[B, n, k]`` float64 ``a / t`` in the same
+        units (shifted per token), ``[B]`` long exponent.
+    """
+    B = a.shape[0]
+    literal = a if t == 0.0 else a / t + g
     if not bool((torch.isinf(literal) & ~torch.isneginf(a)).any()):
-        return literal, zero
-    return S.view(a.shape), E
+        a64 = a.to(torch.float64)
+        top = a64.amax(-1, keepdim=True)
+        shifted = a64 - torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        A = shifted if t == 0.0 else shifted / t  # finite: |a| / t does not overflow here
+        return literal, A, torch.zeros(B, dtype=torch.long, device=a.device)
+    S, A, E = perturbed_scores(a, t, g)
+    return S, A.to(torch.float64), E
 
 
 def base_assignment(logits: Tensor, capacity: int | None = None) -> Tensor:

@@ -30,8 +30,8 @@ def sinkhorn(
     Args:
         log_p: ``[..., n, k]`` log-probabilities (any per-row scale is fine: only ratios within a
             row and column matter). ``-inf`` entries (impossible pairs) stay ``-inf``. float16
-            and bfloat16 input is balanced in float32 and returned in its own dtype (the
-            tolerance floor below then uses that dtype's ``eps``). An empty batch (a leading
+            and bfloat16 input is balanced (and its convergence judged) in float32, and returned in
+            its own dtype. An empty batch (a leading
             dimension of size 0) gives an empty result of the same shape.
         col_sum: target column sums, a number or a ``[..., k]`` tensor (broadcast over the batch);
             default ``n / k``. They must be non-negative and add up to ``n``. A column with target
@@ -39,7 +39,8 @@ def sinkhorn(
             ``log_p``; the other columns are balanced exactly as if it had been removed.
         tol: largest absolute error of any column sum at convergence. It is floored at
             ``4 * eps(dtype) * sqrt(n) * max(1, col_sum)``, the resolution of a sum of ``n``
-            terms (about ``2e-3``, i.e. ``3e-5`` relative, for float32 at ``n = 4096, k = 64``).
+            terms (about ``2e-3``, i.e. ``3e-5`` relative, for float32 at ``n = 4096, k = 64``),
+            with ``eps`` of the computation dtype (float32 for half-precision input).
         max_iter: maximum number of row+column normalisation sweeps.
 
     Returns:
@@ -90,7 +91,8 @@ def sinkhorn(
     # Below a few rounding errors of a sum of n terms of size up to max(1, target) the output
     # dtype cannot resolve column errors, so the tolerance is floored there.
     top = float(target.detach().max()) if target.numel() else 0.0
-    resolution = 4 * torch.finfo(out_dtype).eps * n**0.5 * max(1.0, top)
+    # (in the dtype of the computation: half precision is balanced, and judged, in float32)
+    resolution = 4 * torch.finfo(log_p.dtype).eps * n**0.5 * max(1.0, top)
     eff_tol = max(tol, resolution)
     x, err = balance(log_p, target, tol=eff_tol, max_iter=max_iter)
     if err <= eff_tol:
@@ -134,7 +136,12 @@ def balance(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) -> tupl
     # Columns are normalised over the tokens, rows over the experts. With few experts the
     # iteration runs on the [..., k, n] transpose so both reductions stay fast (see _ops).
     transpose = k <= SMALL_K
-    x = log_p - logsumexp(log_p).unsqueeze(-1)
+    # Shift every row by its maximum first: the normalised rows are then accurate relative to the
+    # row's spread, not to its magnitude (a row of logits near 211 in float32 would otherwise
+    # sum to 1 only within 211 eps). A row scaling changes no Sinkhorn result.
+    top = log_p.amax(-1, keepdim=True)
+    x = log_p - torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    x = x - logsumexp(x).unsqueeze(-1)
     if transpose:
         x = x.transpose(-1, -2).contiguous()  # [..., k, n]
         dead_entries = dead_entries.transpose(-1, -2)                 # [..., k, 1]
