@@ -290,3 +290,19 @@ def test_overflowing_perturbed_scores_are_returned_rescaled() -> None:
 def test_sample_gumbel_rejects_bad_arguments_by_name(shape, dtype, error) -> None:
     with pytest.raises(error, match="shape" if error is ValueError else "dtype"):
         sample_gumbel(shape, dtype=dtype, generator=gen())
+
+
+def test_importance_weight_with_a_forbidden_column_is_p_over_q() -> None:
+    """D2's second repro: ``sample_routes(..., "gumbel_matching_iw")`` with a forbidden expert that
+    has free slots gives the finite weight p / q, q the sampled expert's conditional (eq. 6)."""
+    from routelab.estimators import sample_routes
+
+    lg = torch.randn(3, 3, generator=gen())
+    lg[:, 2] = NEG_INF
+    r = sample_routes(lg, "gumbel_matching_iw", capacity=2, generator=gen(1))
+    assert torch.isfinite(r.weight).all()
+    gm = gumbel_matching(lg, capacity=2, generator=gen(1))  # the same noise: the same sample
+    assert torch.equal(gm.expert, r.expert)
+    p = torch.softmax(lg.double(), -1).gather(-1, r.expert.unsqueeze(-1)).squeeze(-1)
+    q = gm.log_prob_of_sample().double().exp()
+    torch.testing.assert_close(r.weight.double(), p / q, rtol=1e-5, atol=0)
