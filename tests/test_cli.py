@@ -9,8 +9,10 @@ from typing import Any, TextIO
 
 import pytest
 
-from routelab import cli, experiments
-from routelab.experiments import FunctionExperiment, register
+from routelab import cli
+from routelab.experiments import registry as experiment_registry
+from routelab.experiments.kit.experiment import Experiment
+from routelab.experiments.registry import register
 
 TABLE = "| n | k | ms |\n|---|---|---|\n| 8 | 2 | 0.1 |\n"
 
@@ -38,18 +40,18 @@ def fake_bench(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 def registry(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """An isolated, initially empty experiment registry."""
     fresh: dict[str, Any] = {}
-    monkeypatch.setattr(experiments, "REGISTRY", fresh)
+    monkeypatch.setattr(experiment_registry, "REGISTRY", fresh)
     return fresh
 
 
-def toy_experiment(name: str) -> FunctionExperiment:
+def toy_experiment(name: str) -> Experiment:
     def fn(out_dir: Path, quick: bool) -> Path:
         (out_dir / "fig.png").write_bytes(b"png")
         report = out_dir / "report.md"
         report.write_text(f"# {name}\n\nquick={quick}\n\n![plot](fig.png)\n", encoding="utf-8")
         return report
 
-    return FunctionExperiment(name=name, description=f"Toy experiment {name}.", fn=fn)
+    return Experiment(name=name, description=f"Toy experiment {name}.", sweep=fn, full=False, quick_settings=True)
 
 
 def test_unknown_experiment_exits_2_and_lists_valid_names(
@@ -64,37 +66,11 @@ def test_unknown_experiment_exits_2_and_lists_valid_names(
     assert not (tmp_path / "report.md").exists()
 
 
-def test_unknown_experiment_with_empty_registry(
-    registry: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
-    assert cli.main(["reproduce", "nope", "--out", str(tmp_path)]) == 2
-    assert "no experiment is registered yet" in capsys.readouterr().err
-
-
 def test_list(registry: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["list"]) == 0
-    assert "No experiment is registered yet" in capsys.readouterr().out
     register(toy_experiment("alpha"))
     assert cli.main(["list"]) == 0
     out = capsys.readouterr().out
     assert "alpha" in out and "Toy experiment alpha." in out
-
-
-def test_reproduce_without_experiments_runs_the_benchmark(
-    registry: dict[str, Any],
-    fake_bench: list[dict[str, Any]],
-    capsys: pytest.CaptureFixture[str],
-    tmp_path: Path,
-) -> None:
-    out_dir = tmp_path / "results"
-    assert cli.main(["reproduce", "--quick", "--out", str(out_dir)]) == 0
-    assert len(fake_bench) == 1 and fake_bench[0]["quick"] is True
-    report = (out_dir / "report.md").read_text(encoding="utf-8")
-    assert "No experiment is registered yet" in report
-    assert "| 8 | 2 | 0.1 |" in report
-    stdout = capsys.readouterr().out
-    assert "fake benchmark running" in stdout
-    assert str(out_dir / "report.md") in stdout
 
 
 def test_reproduce_aggregates_registered_experiments(
@@ -103,7 +79,7 @@ def test_reproduce_aggregates_registered_experiments(
     register(toy_experiment("alpha"))
     register(toy_experiment("beta"))
     assert cli.main(["reproduce", "beta", "--out", str(tmp_path)]) == 0
-    assert fake_bench == []  # the benchmark only stands in while nothing is registered
+    assert fake_bench == []  # reproduce runs the experiments only, never the benchmark
     report = (tmp_path / "report.md").read_text(encoding="utf-8")
     assert "## beta" in report and "## alpha" not in report
     assert "### beta" in report  # the experiment's own title is demoted under its section

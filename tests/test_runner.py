@@ -1,4 +1,5 @@
-"""Tests for routelab.experiments.runner: resumable JSONL results and atomic writes."""
+"""Tests for routelab.experiments.kit.store (resumable JSONL results and atomic writes) and the
+results.csv cells of routelab.experiments.kit.tables."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from routelab.experiments.runner import (
+from routelab.experiments.kit.store import (
     append_jsonl_atomic,
     atomic_write_text,
     completed_keys,
@@ -148,7 +149,7 @@ def test_records_are_single_lines(tmp_path: Path) -> None:
 
 
 def test_csv_cell() -> None:
-    from routelab.experiments.runner import csv_cell
+    from routelab.experiments.kit.tables import csv_cell
 
     assert csv_cell(None) == "" and csv_cell(0.123456789) == "0.123457" and csv_cell(3) == "3"
     assert csv_cell(True) == "True" and csv_cell("a,b") == "a,b"

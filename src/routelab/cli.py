@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import re
 import sys
 import traceback
@@ -27,9 +26,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import routelab
-from routelab import experiments
 from routelab.data.errors import DataUnavailable
-from routelab.experiments.runner import ResultsFileError, atomic_write_text
+from routelab.experiments import registry
+from routelab.experiments.kit.experiment import Experiment
+from routelab.experiments.kit.provenance import software_line
+from routelab.experiments.kit.store import ResultsFileError, atomic_write_text
 
 __all__ = ["main", "build_parser"]
 
@@ -131,7 +132,7 @@ def _move_aside(exp_dir: Path) -> Path | None:
     return target
 
 
-def _run_experiment(exp: experiments.Experiment, exp_dir: Path, quick: bool) -> tuple[Path | None, str, str]:
+def _run_experiment(exp: Experiment, exp_dir: Path, quick: bool) -> tuple[Path | None, str, str]:
     """Run one experiment; never raises except on Ctrl-C.
 
     Returns:
@@ -160,15 +161,12 @@ def _run_experiment(exp: experiments.Experiment, exp_dir: Path, quick: bool) -> 
 
 def _report_header(quick: bool) -> list[str]:
     """The first lines of the aggregated report: what ran, where and when."""
-    import torch
-
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return [
         "# routelab reproduce report",
         "",
         f"- mode: {'quick' if quick else 'full'}",
-        f"- routelab {routelab.__version__}, torch {torch.__version__}, "
-        f"Python {platform.python_version()}, {platform.machine()} ({os.cpu_count()} CPUs)",
+        f"- {software_line()} ({os.cpu_count()} CPUs)",
         f"- generated: {stamp}",
         "",
     ]
@@ -178,18 +176,11 @@ def _report_header(quick: bool) -> list[str]:
 
 
 def _cmd_reproduce(args: argparse.Namespace) -> int:
-    """``routelab reproduce``: run experiments (or the benchmark stand-in), write the report."""
-    registry = experiments.REGISTRY
-    unknown = [name for name in args.names if name not in registry]
+    """``routelab reproduce``: run the experiments, write the combined report."""
+    experiments = registry.REGISTRY
+    unknown = [name for name in args.names if name not in experiments]
     if unknown:
-        if registry:
-            valid = "valid names: " + ", ".join(sorted(registry))
-        else:
-            valid = (
-                "no experiment is registered yet; run `routelab reproduce` without a name "
-                "to run the balanced-assignment benchmark instead"
-            )
-        return _error(f"unknown experiment(s): {', '.join(unknown)} ({valid}).")
+        return _error(f"unknown experiment(s): {', '.join(unknown)} (valid names: {', '.join(sorted(experiments))}).")
 
     out_dir: Path = args.out
     try:
@@ -197,53 +188,41 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     except OSError as err:
         return _error(f"cannot create the output directory {out_dir}: {err.strerror or err}; choose another --out.")
     lines = _report_header(args.quick)
-
-    if not registry:
-        lines += [
-            "No experiment is registered yet, so the balanced-assignment benchmark "
-            f"({'quick' if args.quick else 'full'} form) stands in for the reproduction.",
+    not_run: list[tuple[str, str, str]] = []  # (name, "skipped" | "failed", reason)
+    names = list(dict.fromkeys(args.names or experiments))  # de-duplicate, keep order
+    sections: list[str] = []
+    for name in names:
+        exp = experiments[name]
+        exp_dir = out_dir / name
+        if args.fresh and (old := _move_aside(exp_dir)) is not None:
+            print(f"== {name}: --fresh: moved the earlier results aside to {old}", flush=True)
+        exp_dir.mkdir(parents=True, exist_ok=True)
+        print(f"== {name}: {exp.description}", flush=True)
+        report_path, kind, reason = _run_experiment(exp, exp_dir, args.quick)
+        if report_path is None:
+            not_run.append((name, kind, reason))
+            print(f"== {name}: {kind}: {reason}", file=sys.stderr, flush=True)
+            sections += [f"## {name}", "", exp.description, "", f"**Not run ({kind}):** {reason}", ""]
+            continue
+        rel = Path(os.path.relpath(report_path, out_dir)).as_posix()
+        body = report_path.read_text(encoding="utf-8")
+        body = _rebase_links(body, Path(rel).parent.as_posix())
+        sections += [
+            f"## {name}",
             "",
-            "## Benchmark: balanced assignment",
+            exp.description,
             "",
-            _run_assignment_benchmark(quick=args.quick).strip(),
+            f"Full report: [{rel}]({rel})",
+            "",
+            _demote_headings(body).strip(),
             "",
         ]
-    not_run: list[tuple[str, str, str]] = []  # (name, "skipped" | "failed", reason)
-    if registry:
-        names = list(dict.fromkeys(args.names or registry))  # de-duplicate, keep order
-        sections: list[str] = []
-        for name in names:
-            exp = registry[name]
-            exp_dir = out_dir / name
-            if args.fresh and (old := _move_aside(exp_dir)) is not None:
-                print(f"== {name}: --fresh: moved the earlier results aside to {old}", flush=True)
-            exp_dir.mkdir(parents=True, exist_ok=True)
-            print(f"== {name}: {exp.description}", flush=True)
-            report_path, kind, reason = _run_experiment(exp, exp_dir, args.quick)
-            if report_path is None:
-                not_run.append((name, kind, reason))
-                print(f"== {name}: {kind}: {reason}", file=sys.stderr, flush=True)
-                sections += [f"## {name}", "", exp.description, "", f"**Not run ({kind}):** {reason}", ""]
-                continue
-            rel = Path(os.path.relpath(report_path, out_dir)).as_posix()
-            body = report_path.read_text(encoding="utf-8")
-            body = _rebase_links(body, Path(rel).parent.as_posix())
-            sections += [
-                f"## {name}",
-                "",
-                exp.description,
-                "",
-                f"Full report: [{rel}]({rel})",
-                "",
-                _demote_headings(body).strip(),
-                "",
-            ]
-        if not_run:
-            lines += [f"**{len(not_run)} of {len(names)} experiment(s) did not run**; the others ran and are "
-                      "reported below.", "", "| experiment | status | reason and fix |", "|---|---|---|"]
-            lines += [f"| {n} | {k} | {r.replace('|', '/')} |" for n, k, r in not_run]
-            lines.append("")
-        lines += sections
+    if not_run:
+        lines += [f"**{len(not_run)} of {len(names)} experiment(s) did not run**; the others ran and are "
+                  "reported below.", "", "| experiment | status | reason and fix |", "|---|---|---|"]
+        lines += [f"| {n} | {k} | {r.replace('|', '/')} |" for n, k, r in not_run]
+        lines.append("")
+    lines += sections
 
     report = atomic_write_text(out_dir / "report.md", "\n".join(lines))
     print(f"report: {report}", flush=True)
@@ -296,15 +275,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _cmd_list(args: argparse.Namespace) -> int:
     """``routelab list``: print the registered experiments, one per line."""
-    registry = experiments.REGISTRY
-    if not registry:
-        print(
-            "No experiment is registered yet; `routelab reproduce` runs the "
-            "balanced-assignment benchmark instead."
-        )
-        return EXIT_OK
-    width = max(len(name) for name in registry)
-    for name, exp in registry.items():
+    experiments = registry.REGISTRY
+    width = max((len(name) for name in experiments), default=0)
+    for name, exp in experiments.items():
         print(f"{name:<{width}}  {exp.description}")
     return EXIT_OK
 
@@ -328,8 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
         "reports into DIR/report.md. Finished runs are recorded as they end, so an interrupted "
         "call resumes. An experiment that cannot run (its data is not installed, its results file "
         "is corrupt, an error) does not stop the others: the report and one `routelab: error:` "
-        "line say which and why, and the exit status is 1. While no experiment is registered, the "
-        "balanced-assignment benchmark stands in.",
+        "line say which and why, and the exit status is 1.",
     )
     rep.add_argument("names", nargs="*", metavar="NAME", help="experiments to run (default: all)")
     rep.add_argument("--quick", action="store_true", help="reduced sizes and seeds (minutes)")

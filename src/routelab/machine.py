@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import platform
 
-__all__ = ["cpu_model"]
+__all__ = ["cpu_model", "load_average"]
 
 
 def cpu_model() -> str:
@@ -17,3 +18,11 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown"
+
+
+def load_average() -> str:
+    """The 1-minute load average (other work on the machine skews timings), or ``"unavailable"``."""
+    try:
+        return f"{os.getloadavg()[0]:.2f}"
+    except (AttributeError, OSError):
+        return "unavailable"

@@ -39,6 +39,7 @@ from scipy.optimize import linear_sum_assignment
 
 import routelab
 from ..machine import cpu_model as _cpu_model
+from ..machine import load_average
 from ._checks import check_device_and_threads
 from routelab.assignment import balanced_assignment, gumbel_matching, sinkhorn
 
@@ -528,14 +529,6 @@ def _batched_timing(
 
 
 
-def _load_average() -> str:
-    """The 1-minute load average (other work on the machine skews timings), if available."""
-    try:
-        return f"{os.getloadavg()[0]:.2f}"
-    except (AttributeError, OSError):
-        return "unavailable"
-
-
 def _header(*, quick: bool, device: str) -> list[str]:
     """Markdown lines stating what runs where, all facts read at run time."""
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -550,7 +543,7 @@ def _header(*, quick: bool, device: str) -> list[str]:
         f"- device: {device}"
         + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else "")
         + f"; dtype: {str(DTYPE).removeprefix('torch.')} (scipy: float64 on CPU)",
-        f"- date: {stamp}; 1-minute load average at start: {_load_average()}",
+        f"- date: {stamp}; 1-minute load average at start: {load_average()}",
         "",
     ]
     return lines

@@ -55,6 +55,7 @@ from torch import Tensor
 
 import routelab
 from ..machine import cpu_model as _cpu_model
+from ..machine import load_average
 from ._checks import check_device_and_threads
 from routelab.layers import MoE
 from routelab.routing import apply_capacity
@@ -595,10 +596,6 @@ def _benchmark(cfg: BenchConfig, *, device: str = "cpu", out: TextIO | None = No
 
 def _header(quick: bool, device: str, cfg: BenchConfig) -> list[str]:
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-    try:
-        load = f"{os.getloadavg()[0]:.2f}"
-    except (AttributeError, OSError):
-        load = "unavailable"
     gpu = f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""
     return [
         f"**routelab MoE layer benchmark** ({'quick' if quick else 'full'} mode)",
@@ -606,7 +603,7 @@ def _header(quick: bool, device: str, cfg: BenchConfig) -> list[str]:
         f"- CPU: {_cpu_model()} ({os.cpu_count()} logical CPUs); torch threads: {torch.get_num_threads()}",
         f"- device: {device}{gpu}; routelab {routelab.__version__}, torch {torch.__version__}, "
         f"Python {platform.python_version()}",
-        f"- date: {stamp}; 1-minute load average at start: {load}",
+        f"- date: {stamp}; 1-minute load average at start: {load_average()}",
         f"- sizes: E in {list(cfg.experts)}, top-k in {list(cfg.ks)}, d_model {cfg.d_model}, "
         f"d_hidden {cfg.d_hidden}, {cfg.tokens} tokens",
         "",

@@ -1,12 +1,9 @@
-"""Helpers shared by the DSelect-k experiments: gate factories, the minibatch loop, statistics,
-markdown, provenance."""
+"""Helpers shared by the DSelect-k experiments: the gates compared, the minibatch loop, progress
+lines, results.csv, per-run summaries. (Statistics, tables and provenance come from the kit,
+:mod:`routelab.experiments.kit`.)"""
 
 from __future__ import annotations
 
-import math
-import os
-import platform
-import subprocess
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -14,7 +11,6 @@ from typing import Any
 
 import torch
 
-import routelab
 from routelab.gates import (
     DSelectK,
     GumbelSoftmaxGate,
@@ -25,17 +21,13 @@ from routelab.gates import (
     ablation_entropy,
 )
 
-from ..runner import atomic_write_text
+from ..kit.store import atomic_write_text
 
 __all__ = [
     "GATE_LABELS",
     "minibatches",
     "steps_per_epoch",
     "make_gate",
-    "mean_se",
-    "fmt_mean_se",
-    "md_table",
-    "provenance",
     "log",
     "Timer",
     "weights_matrix",
@@ -84,53 +76,6 @@ def make_gate(kind: str, num_experts: int, *, k: int, input_dim: int | None, see
     if kind == "ablation_entropy":
         return ablation_entropy(num_experts, k, entropy_reg=ablation_entropy_reg, generator=g)
     raise ValueError(f"unknown gate kind {kind!r}; one of {sorted(GATE_LABELS)}.")
-
-
-def mean_se(values: Iterable[float]) -> tuple[float, float, int]:
-    """Mean, standard error (sample std / sqrt(n); nan for n < 2) and n of finite values."""
-    v = [float(x) for x in values if x is not None and math.isfinite(float(x))]
-    n = len(v)
-    if n == 0:
-        return float("nan"), float("nan"), 0
-    m = sum(v) / n
-    if n < 2:
-        return m, float("nan"), n
-    var = sum((x - m) ** 2 for x in v) / (n - 1)
-    return m, math.sqrt(var / n), n
-
-
-def fmt_mean_se(values: Iterable[float], digits: int = 3, scale: float = 1.0) -> str:
-    """``mean ± se`` (scaled), or ``mean`` when only one value, or ``—`` when none."""
-    m, se, n = mean_se(values)
-    if n == 0:
-        return "—"
-    if n == 1 or not math.isfinite(se):
-        return f"{m * scale:.{digits}f}"
-    return f"{m * scale:.{digits}f} ± {se * scale:.{digits}f}"
-
-
-def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    """A GitHub markdown table."""
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def _commit() -> str:
-    try:
-        root = os.path.dirname(os.path.abspath(__file__))
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                             text=True, timeout=10)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def provenance() -> str:
-    """One line: routelab version, commit, torch, Python, machine, threads, device."""
-    return (f"routelab {routelab.__version__} (commit {_commit()}), torch {torch.__version__}, "
-            f"Python {platform.python_version()}, {platform.machine()}, "
-            f"{torch.get_num_threads()} torch thread(s), CPU")
 
 
 def log(msg: str) -> None:

@@ -21,25 +21,27 @@ from torch import nn
 from routelab.data import DataUnavailable
 from routelab.layers import MultiGateMoE, SharedBottom, StackedLinear
 
-from ..failures import add_failures_to_report, is_failed, split_failed, train_or_fail
-from ..runner import append_jsonl_atomic, atomic_write_text, completed_keys, read_jsonl
+from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown
+from ..kit.divergence import train_or_fail
+from ..kit.experiment import Experiment
+from ..kit.failed_runs import add_failures_to_report
+from ..kit.provenance import software_line
+from ..kit.stats import mean_se
+from ..kit.store import append_jsonl_atomic, atomic_write_text, completed_keys, is_failed, read_jsonl, split_failed
+from ..kit.tables import md_table
 from .common import (
     GATE_LABELS,
     MTL_MODELS as MODELS,
     Timer,
     binary_step_percent,
     experts_per_run,
-    fmt_mean_se,
     log,
     make_gate,
-    md_table,
-    mean_se,
-    provenance,
     write_csv,
 )
 from .mtl_train import experts_selected, train_mtl
 
-__all__ = ["MovieLensSettings", "FULL", "QUICK", "run_movielens", "build_examples"]
+__all__ = ["EXPERIMENT", "MovieLensSettings", "FULL", "QUICK", "run_movielens", "build_examples"]
 
 ALPHAS = (0.1, 0.5, 0.9)
 EXPERTS = 8
@@ -201,14 +203,13 @@ def evaluate(model: MTLNet, split: dict[str, torch.Tensor], alpha: float) -> dic
             "t2_mse": float(mse), "experts": sel}
 
 
-def run_movielens(out_dir: Path, quick: bool) -> Path:
+def run_movielens(out_dir: Path, s: MovieLensSettings) -> Path:
     """Run (or resume) the sweep; write report.md and results.csv.
 
     A run that diverges is recorded as failed and listed in the report. Raises
     ``DataUnavailable`` when MovieLens is not installed and no run is recorded yet.
     """
     torch.set_num_threads(1)
-    s = QUICK if quick else FULL
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "runs.jsonl"
     timer = Timer()
@@ -266,7 +267,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MovieLensSetti
         return [r for r in records if r["model"] == kind and r["alpha"] == a]
 
     def experts(rs: list[dict[str, Any]]) -> str:
-        return fmt_mean_se(experts_per_run(rs), 2)
+        return mean_se(experts_per_run(rs)).fmt(2)
 
     rows = []
     for kind in MODELS:
@@ -274,7 +275,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MovieLensSetti
         for ai, a in enumerate(ALPHAS):
             rs = sel(kind, a)
             pl, pse, pe = PAPER_TABLE1[kind][ai]
-            row += [fmt_mean_se((r["loss"] for r in rs), 1, 1e4), experts(rs),
+            row += [mean_se(r["loss"] for r in rs).fmt(1, 1e4), experts(rs),
                     f"{pl} ± {pse}" + (f", {pe}" if pe is not None else "")]
         rows.append(row)
     rows2 = []
@@ -282,7 +283,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MovieLensSetti
         row = [GATE_LABELS[kind]]
         for a in ALPHAS:
             rs = sel(kind, a)
-            row += [fmt_mean_se((r["t1_acc"] for r in rs), 2, 100), fmt_mean_se((r["t2_mse"] for r in rs), 3)]
+            row += [mean_se(r["t1_acc"] for r in rs).fmt(2, 100), mean_se(r["t2_mse"] for r in rs).fmt(3)]
         rows2.append(row)
     bin_rows = []
     for kind in ("dselect_static", "dselect_per_example"):
@@ -290,34 +291,34 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MovieLensSetti
             rs = sel(kind, a)
             if rs:
                 fr = binary_step_percent(rs)
-                bin_rows.append([GATE_LABELS[kind], a, f"{len(fr)}/{len(rs)}", fmt_mean_se(fr, 1)])
+                bin_rows.append([GATE_LABELS[kind], a, f"{len(fr)}/{len(rs)}", mean_se(fr).fmt(1)])
     claims = []
     complete = all(sel(k, a) for k in MODELS for a in ALPHAS)
     if records and not complete:
-        claims.append(["—", "Table 1 claims", "need runs of every model and α", "some (model, α) have no runs",
-                       "**not measured**"])
+        claims.append(Claim(text="Table 1 claims", criterion="need runs of every model and α",
+                            measured="some (model, α) have no runs", verdict=NOT_MEASURED))
     if records and complete:
         def mloss(kind: str, a: float) -> float:
-            return mean_se(r["loss"] for r in sel(kind, a))[0]
+            return mean_se(r["loss"] for r in sel(kind, a)).mean
 
         wins = sum(min(mloss("dselect_static", a), mloss("dselect_per_example", a))
                    < min(mloss(k, a) for k in MODELS if not k.startswith("dselect")) for a in ALPHAS)
-        claims.append(["1", "For every α, one of the DSelect-k gates has the lowest test loss (Table 1).",
-                       "every α: holds; some α: partly", f"{wins}/3 α",
-                       "**holds**" if wins == 3 else ("**partly**" if wins else "**does not hold**")])
+        claims.append(Claim(text="For every α, one of the DSelect-k gates has the lowest test loss (Table 1).",
+                            criterion="every α: holds; some α: partly", measured=f"{wins}/3 α",
+                            verdict=HOLDS if wins == 3 else (PARTLY if wins else NOT_HOLD)))
         sm = sum(mloss("softmax", a) > max(mloss("dselect_static", a), mloss("topk_static", a)) for a in ALPHAS)
-        claims.append(["2", "The softmax MoE is outperformed by the (static) DSelect-k and Top-k gates at every α.",
-                       "every α: holds; some α: partly", f"{sm}/3 α",
-                       "**holds**" if sm == 3 else ("**partly**" if sm else "**does not hold**")])
+        claims.append(Claim(text="The softmax MoE is outperformed by the (static) DSelect-k and Top-k gates at every α.",
+                            criterion="every α: holds; some α: partly", measured=f"{sm}/3 α",
+                            verdict=HOLDS if sm == 3 else (PARTLY if sm else NOT_HOLD)))
 
         def mexp(kind: str, a: float) -> float:
             vals = [sum(r["experts"]) / len(r["experts"]) for r in sel(kind, a) if r["experts"]]
             return sum(vals) / len(vals) if vals else float("nan")
 
         fewer = sum(mexp("dselect_static", a) <= s.k and mexp("dselect_per_example", a) <= s.k for a in ALPHAS)
-        claims.append(["3", f"DSelect-k selects at most k = {s.k} experts on average (paper: 1.1–2.7 with k tuned in {{2, 4}}).",
-                       "both DSelect-k gates ≤ k at every α: holds; some α: partly", f"{fewer}/3 α",
-                       "**holds**" if fewer == 3 else ("**partly**" if fewer else "**does not hold**")])
+        claims.append(Claim(text=f"DSelect-k selects at most k = {s.k} experts on average (paper: 1.1–2.7 with k tuned in {{2, 4}}).",
+                            criterion="both DSelect-k gates ≤ k at every α: holds; some α: partly",
+                            measured=f"{fewer}/3 α", verdict=HOLDS if fewer == 3 else (PARTLY if fewer else NOT_HOLD)))
     lines = [
         "# DSelect-k on MovieLens (Hazimeh et al. 2021, Sec. 4.1, Table 1 / C.5)",
         "",
@@ -329,7 +330,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MovieLensSetti
         "",
         f"- Wall time of the last invocation (runs already recorded are not re-run): {wall:.0f} s (training recorded in runs.jsonl: "
         f"{sum(r['wall_s'] for r in records):.0f} s over {len(records)} runs).",
-        f"- {provenance()}.",
+        f"- {software_line(torch.get_num_threads())}, CPU.",
     ]
     if missing:
         lines += ["", f"**Data unavailable:** {missing}"]
@@ -367,5 +368,15 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MovieLensSetti
         "",
     ]
     if claims:
-        lines += ["## Claims", "", md_table(["#", "claim (paper)", "criterion", "measured", "verdict"], claims), ""]
+        lines += ["## Claims", "", claims_markdown(claims), ""]
     return atomic_write_text(out_dir / "report.md", "\n".join(lines))
+
+
+EXPERIMENT = Experiment(
+    "dselect-movielens",
+    "Hazimeh et al. 2021 Sec. 4.1: MovieLens (100k here) watch + rating tasks (Table 1, C.5)",
+    run_movielens,
+    FULL,
+    QUICK,
+)
+"""The registered experiment (``routelab reproduce dselect-movielens``)."""

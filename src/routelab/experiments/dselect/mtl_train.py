@@ -15,7 +15,7 @@ from torch import nn
 
 from routelab.layers import MultiGateMoE
 
-from ..failures import check_finite, diverged_on_error
+from ..kit.divergence import check_finite, diverged_on_error
 from .common import minibatches, steps_per_epoch
 
 __all__ = ["train_mtl", "experts_selected"]
@@ -50,7 +50,7 @@ def train_mtl(model: nn.Module, forward: Callable[[torch.Tensor], list[torch.Ten
 
     Raises:
         RunDiverged: the loss or a parameter became non-finite (the sweep records the run as
-            failed, see :func:`routelab.experiments.failures.train_or_fail`).
+            failed, see :func:`routelab.experiments.kit.divergence.train_or_fail`).
     """
     n = x.shape[0]
     if y.shape[0] != n:

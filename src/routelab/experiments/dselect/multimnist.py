@@ -20,25 +20,27 @@ from torch import nn
 from routelab.data import DataUnavailable, make_overlays
 from routelab.layers import MultiGateMoE, SharedBottom, StackedLinear
 
-from ..failures import add_failures_to_report, is_failed, split_failed, train_or_fail
-from ..runner import append_jsonl_atomic, atomic_write_text, completed_keys, read_jsonl
+from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown
+from ..kit.divergence import train_or_fail
+from ..kit.experiment import Experiment
+from ..kit.failed_runs import add_failures_to_report
+from ..kit.provenance import software_line
+from ..kit.stats import mean_se
+from ..kit.store import append_jsonl_atomic, atomic_write_text, completed_keys, is_failed, read_jsonl, split_failed
+from ..kit.tables import md_table
 from .common import (
     GATE_LABELS,
     MTL_MODELS as MODELS,
     Timer,
     binary_step_percent,
     experts_per_run,
-    fmt_mean_se,
     log,
     make_gate,
-    md_table,
-    mean_se,
-    provenance,
     write_csv,
 )
 from .mtl_train import experts_selected, train_mtl
 
-__all__ = ["MultiMnistSettings", "FULL", "QUICK", "run_multimnist", "CNNExperts"]
+__all__ = ["EXPERIMENT", "MultiMnistSettings", "FULL", "QUICK", "run_multimnist", "CNNExperts"]
 
 DATASETS = ("multi_mnist", "multi_fashion")
 EXPERTS = 8
@@ -137,14 +139,13 @@ def _loss(out: list[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
     return sum(nn.functional.cross_entropy(o, y[:, t]) for t, o in enumerate(out))
 
 
-def run_multimnist(out_dir: Path, quick: bool) -> Path:
+def run_multimnist(out_dir: Path, s: MultiMnistSettings) -> Path:
     """Run (or resume) both data sets; write report.md and results.csv.
 
     A run that diverges is recorded as failed and listed in the report. Raises
     ``DataUnavailable`` when neither data set is installed and no run is recorded yet.
     """
     torch.set_num_threads(1)
-    s = QUICK if quick else FULL
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "runs.jsonl"
     timer = Timer()
@@ -208,7 +209,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MultiMnistSett
         "",
         f"- Wall time of the last invocation (runs already recorded are not re-run): {wall:.0f} s (training recorded in runs.jsonl: "
         f"{sum(r['wall_s'] for r in records):.0f} s over {len(records)} runs).",
-        f"- {provenance()}.",
+        f"- {software_line(torch.get_num_threads())}, CPU.",
     ]
     for m in missing:
         lines += [f"- **Data unavailable:** {m}"]
@@ -236,59 +237,60 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MultiMnistSett
         for kind in MODELS:
             rs = sel(name, kind)
             p1, p2, pe = PAPER_TABLE2[name][kind]
-            rows.append([GATE_LABELS[kind], len(rs), fmt_mean_se((r["acc1"] for r in rs), 2, 100),
-                         fmt_mean_se((r["acc2"] for r in rs), 2, 100),
-                         fmt_mean_se(experts_per_run(rs), 2), p1, p2, pe])
+            rows.append([GATE_LABELS[kind], len(rs), mean_se(r["acc1"] for r in rs).fmt(2, 100),
+                         mean_se(r["acc2"] for r in rs).fmt(2, 100),
+                         mean_se(experts_per_run(rs)).fmt(2), p1, p2, pe])
         lines += [f"## {title}", "", md_table(["model", "reps", "accuracy 1 (%)", "accuracy 2 (%)", "experts",
                                                 "paper acc 1", "paper acc 2", "paper experts"], rows), ""]
         if not any(sel(name, k) for k in MODELS):
             continue
 
         def avg(kind: str) -> float:
-            return mean_se((r["acc1"] + r["acc2"]) / 2 for r in sel(name, kind))[0]
+            return mean_se((r["acc1"] + r["acc2"]) / 2 for r in sel(name, kind)).mean
 
         needed = ("dselect_static", "topk_static", "gumbel_static", "shared_bottom")
         if any(avg(k) != avg(k) for k in needed):  # nan: some model has no runs
-            claims.append([f"{title}: claims", "needs runs of every model", "some models not run", "**not measured**"])
+            claims.append(Claim(text=f"{title}: claims", criterion="needs runs of every model",
+                                measured="some models not run", verdict=NOT_MEASURED))
             continue
-        def ms(kind: str) -> tuple[float, float]:
-            m, se, _ = mean_se((r["acc1"] + r["acc2"]) / 2 for r in sel(name, kind))
-            return m, se
 
         def verdict(a: str, b: str) -> str:
-            """holds: a > b by more than 2 combined standard errors; partly: a > b within noise."""
-            (ma, sa), (mb, sb) = ms(a), ms(b)
-            if ma <= mb:
-                return "**does not hold**"
-            noise = 2 * (sa**2 + sb**2) ** 0.5
-            return "**holds**" if noise == noise and ma - mb > noise else "**partly** (within 2 s.e.)"
+            """holds: a > b by more than 2 combined standard errors; partly: a > b within noise (or with
+            one repetition, which has no standard error)."""
+            sa, sb = (mean_se((r["acc1"] + r["acc2"]) / 2 for r in sel(name, kind)) for kind in (a, b))
+            if sa.mean <= sb.mean:
+                return NOT_HOLD
+            if sa.se is not None and sb.se is not None and sa.mean - sb.mean > 2 * (sa.se**2 + sb.se**2) ** 0.5:
+                return HOLDS
+            return f"{PARTLY} (within 2 s.e.)"
 
         statics = ("dselect_static", "topk_static", "gumbel_static")
         best_static = max(statics, key=avg)
         runner_up = max((k for k in statics if k != "dselect_static"), key=avg)
-        claims.append([f"{title}: static DSelect-k has the best mean accuracy of the static gates.",
-                       "DSelect-k (static) highest, by more than 2 s.e. of the difference: holds; highest within "
-                       "noise: partly",
-                       f"best static: {GATE_LABELS[best_static]} ({100 * avg(best_static):.2f} %; DSelect-k "
-                       f"{100 * avg('dselect_static'):.2f} %, Top-k {100 * avg('topk_static'):.2f} %, Gumbel "
-                       f"{100 * avg('gumbel_static'):.2f} %)",
-                       verdict("dselect_static", runner_up)])
-        claims.append([f"{title}: DSelect-k (static) beats the shared bottom.",
-                       "higher mean accuracy by more than 2 s.e.: holds; higher within noise: partly",
-                       f"{100 * avg('dselect_static'):.2f} % vs {100 * avg('shared_bottom'):.2f} %",
-                       verdict("dselect_static", "shared_bottom")])
+        claims.append(Claim(
+            text=f"{title}: static DSelect-k has the best mean accuracy of the static gates.",
+            criterion="DSelect-k (static) highest, by more than 2 s.e. of the difference: holds; highest within "
+                      "noise: partly",
+            measured=f"best static: {GATE_LABELS[best_static]} ({100 * avg(best_static):.2f} %; DSelect-k "
+                     f"{100 * avg('dselect_static'):.2f} %, Top-k {100 * avg('topk_static'):.2f} %, Gumbel "
+                     f"{100 * avg('gumbel_static'):.2f} %)",
+            verdict=verdict("dselect_static", runner_up)))
+        claims.append(Claim(text=f"{title}: DSelect-k (static) beats the shared bottom.",
+                            criterion="higher mean accuracy by more than 2 s.e.: holds; higher within noise: partly",
+                            measured=f"{100 * avg('dselect_static'):.2f} % vs {100 * avg('shared_bottom'):.2f} %",
+                            verdict=verdict("dselect_static", "shared_bottom")))
         e = experts_per_run(sel(name, "dselect_static"))
         me = sum(e) / len(e) if e else float("nan")
-        claims.append([f"{title}: DSelect-k (static) uses fewer experts than Top-k (paper: 1.7–1.8 vs 4).",
-                       f"mean experts < k = {s.k} (Top-k uses exactly k here): holds; = k: partly",
-                       f"{me:.2f}", "**holds**" if me < s.k else ("**partly**" if me == s.k else "**does not hold**")])
+        claims.append(Claim(text=f"{title}: DSelect-k (static) uses fewer experts than Top-k (paper: 1.7–1.8 vs 4).",
+                            criterion=f"mean experts < k = {s.k} (Top-k uses exactly k here): holds; = k: partly",
+                            measured=f"{me:.2f}", verdict=HOLDS if me < s.k else (PARTLY if me == s.k else NOT_HOLD)))
     bin_rows = []
     for name in DATASETS:
         for kind in ("dselect_static", "dselect_per_example"):
             rs = sel(name, kind)
             if rs:
                 fr = binary_step_percent(rs)
-                bin_rows.append([name, GATE_LABELS[kind], f"{len(fr)}/{len(rs)}", fmt_mean_se(fr, 1),
+                bin_rows.append([name, GATE_LABELS[kind], f"{len(fr)}/{len(rs)}", mean_se(fr).fmt(1),
                                  rs[0]["steps"]])
     if bin_rows:
         lines += ["## DSelect-k convergence (Table C.4): runs whose S(Z) became binary, and when", "",
@@ -297,7 +299,17 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MultiMnistSett
                   "(Multi-Fashion) of the steps. A static DSelect-k gate that is not binary yet weighs all 8 "
                   "experts, which is why its 'experts' column reads 8.", ""]
     if claims:
-        lines += ["## Claims", "", md_table(["claim (paper)", "criterion", "measured", "verdict"], claims), ""]
+        lines += ["## Claims", "", claims_markdown(claims), ""]
     lines += ["Paper's k was tuned in {2, 4} (Top-k used 4); here k = 2 for every sparse gate, so 'experts' of Top-k is "
               "2 by construction.", ""]
     return atomic_write_text(out_dir / "report.md", "\n".join(lines))
+
+
+EXPERIMENT = Experiment(
+    "dselect-multimnist",
+    "Hazimeh et al. 2021 Sec. 4.2: Multi-MNIST and Multi-Fashion (Table 2)",
+    run_multimnist,
+    FULL,
+    QUICK,
+)
+"""The registered experiment (``routelab reproduce dselect-multimnist``)."""

@@ -13,7 +13,6 @@ A repetition counts how many of the 4 true experts the trained gate selects (non
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
@@ -22,13 +21,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..failures import (add_failures_to_report, check_finite, diverged_on_error, is_failed, split_failed,
-                        train_or_fail)
-from ..runner import append_jsonl_atomic, atomic_write_text, completed_keys, read_jsonl
-from .common import (GATE_LABELS, Timer, fmt_mean_se, log, make_gate, md_table, mean_se, minibatches, provenance,
-                     steps_per_epoch, write_csv)
+from ..kit.claims import HOLDS, NOT_HOLD, PARTLY, Claim, claims_markdown
+from ..kit.divergence import check_finite, diverged_on_error, train_or_fail
+from ..kit.experiment import Experiment
+from ..kit.failed_runs import add_failures_to_report
+from ..kit.provenance import software_line
+from ..kit.stats import mean_se
+from ..kit.store import append_jsonl_atomic, atomic_write_text, completed_keys, is_failed, read_jsonl, split_failed
+from ..kit.tables import md_table
+from .common import GATE_LABELS, Timer, log, make_gate, minibatches, steps_per_epoch, write_csv
 
-__all__ = ["RecoverySettings", "FULL", "QUICK", "run_recovery", "train_one", "make_problem"]
+__all__ = ["EXPERIMENT", "RecoverySettings", "FULL", "QUICK", "run_recovery", "train_one", "make_problem"]
 
 P, UNITS, TRUE_EXPERTS, EXPERTS, K = 10, 4, 4, 16, 4
 
@@ -144,10 +147,9 @@ def _configs(s: RecoverySettings) -> list[tuple[str, float, float]]:
     return out
 
 
-def run_recovery(out_dir: Path, quick: bool) -> Path:
-    """Run (or resume) the sweep, then write report.md, figures and results.csv."""
+def run_recovery(out_dir: Path, s: RecoverySettings) -> Path:
+    """Run (or resume) the sweep of ``s``, then write report.md, figures and results.csv."""
     torch.set_num_threads(1)
-    s = QUICK if quick else FULL
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "runs.jsonl"
     done = completed_keys(path, ("gate", "lr", "entropy_reg", "seed"))
@@ -187,7 +189,7 @@ def _best_config(records: list[dict[str, Any]], kind: str) -> tuple[float, float
     if kind == "dselect_static":
         binary = {c: g for c, g in groups.items() if sum(bool(r["binary"]) for r in g) * 2 > len(g)}
         cands = binary or groups
-    return min(cands, key=lambda c: mean_se(r["val_loss"] for r in cands[c])[0])
+    return min(cands, key=lambda c: mean_se(r["val_loss"] for r in cands[c]).mean)
 
 
 def _figure(out_dir: Path, records: list[dict[str, Any]], best: dict[str, tuple[float, float]]) -> list[str]:
@@ -238,11 +240,11 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: RecoverySettin
     for (kind, lr, er), g in sorted(groups.items()):
         sel = "**best**" if best.get(kind) == (lr, er) else ""
         rows.append([GATE_LABELS[kind], lr, er if kind == "dselect_static" else "—", len(g),
-                     fmt_mean_se((r["recovered"] for r in g), 2),
+                     mean_se(r["recovered"] for r in g).fmt(2),
                      f"{sum(r['recovered'] == 4 for r in g)}/{len(g)}",
-                     fmt_mean_se((r["mistakes"] for r in g), 2),
-                     fmt_mean_se((r["val_acc"] for r in g), 3), fmt_mean_se((r["val_loss"] for r in g), 3),
-                     fmt_mean_se((r["support_changes_second_half"] for r in g), 1),
+                     mean_se(r["mistakes"] for r in g).fmt(2),
+                     mean_se(r["val_acc"] for r in g).fmt(3), mean_se(r["val_loss"] for r in g).fmt(3),
+                     mean_se(r["support_changes_second_half"] for r in g).fmt(1),
                      (f"{sum(bool(r['binary']) for r in g)}/{len(g)}" if kind == "dselect_static" else "—"),
                      sel])
     headline = {}
@@ -256,7 +258,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: RecoverySettin
         "",
         f"- Wall time of the last invocation (runs already recorded are not re-run): {wall:.0f} s (training time recorded in runs.jsonl: "
         f"{sum(r['wall_s'] for r in records):.0f} s over {len(records)} runs).",
-        f"- {provenance()}.",
+        f"- {software_line(torch.get_num_threads())}, CPU.",
         "",
         "## Setup",
         "",
@@ -284,27 +286,28 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: RecoverySettin
     claims = []
     if len(headline) == 2:
         d, t = headline["dselect_static"], headline["topk_static"]
-        dm, tm = mean_se(r["recovered"] for r in d)[0], mean_se(r["recovered"] for r in t)[0]
+        dm, tm = mean_se(r["recovered"] for r in d).mean, mean_se(r["recovered"] for r in t).mean
         dall = sum(r["recovered"] == 4 for r in d) / len(d)
         ok1 = dm >= 3.5 and dall >= 0.5
         part1 = dm > tm
-        claims.append(["1", "DSelect-k recovers all 4 true experts (paper: 4 of 4).",
-                       "mean recovered ≥ 3.5 and all 4 in ≥ half the repetitions: holds; more than Top-k: partly",
-                       f"{dm:.2f} of 4 on average, all 4 in {dall:.0%} of repetitions",
-                       "**holds**" if ok1 else ("**partly**" if part1 else "**does not hold**")])
+        claims.append(Claim(text="DSelect-k recovers all 4 true experts (paper: 4 of 4).",
+                            criterion="mean recovered ≥ 3.5 and all 4 in ≥ half the repetitions: holds; more than Top-k: partly",
+                            measured=f"{dm:.2f} of 4 on average, all 4 in {dall:.0%} of repetitions",
+                            verdict=HOLDS if ok1 else (PARTLY if part1 else NOT_HOLD)))
         ok2 = tm <= 2.0
-        claims.append(["2", "Top-k recovers few true experts (paper: 1 of 4, 3 mistakes).",
-                       "mean recovered ≤ 2: holds; fewer than DSelect-k: partly",
-                       f"{tm:.2f} of 4 on average (mistakes {mean_se(r['mistakes'] for r in t)[0]:.2f})",
-                       "**holds**" if ok2 else ("**partly**" if tm < dm else "**does not hold**")])
-        dc = mean_se(r["support_changes_second_half"] for r in d)[0]
-        tc = mean_se(r["support_changes_second_half"] for r in t)[0]
-        claims.append(["3", "Top-k's weights oscillate during training, DSelect-k's change smoothly (Fig. 2, C.7–C.8).",
-                       "mean support changes in the 2nd half of training: Top-k ≥ 5 and DSelect-k ≤ 1: holds; "
-                       "Top-k > DSelect-k: partly",
-                       f"Top-k {tc:.1f}, DSelect-k {dc:.1f}",
-                       "**holds**" if (tc >= 5 and dc <= 1) else ("**partly**" if tc > dc else "**does not hold**")])
-        lines += ["## Claims", "", md_table(["#", "claim (paper)", "criterion", "measured", "verdict"], claims), ""]
+        claims.append(Claim(text="Top-k recovers few true experts (paper: 1 of 4, 3 mistakes).",
+                            criterion="mean recovered ≤ 2: holds; fewer than DSelect-k: partly",
+                            measured=f"{tm:.2f} of 4 on average (mistakes {mean_se(r['mistakes'] for r in t).mean:.2f})",
+                            verdict=HOLDS if ok2 else (PARTLY if tm < dm else NOT_HOLD)))
+        dc = mean_se(r["support_changes_second_half"] for r in d).mean
+        tc = mean_se(r["support_changes_second_half"] for r in t).mean
+        claims.append(Claim(
+            text="Top-k's weights oscillate during training, DSelect-k's change smoothly (Fig. 2, C.7–C.8).",
+            criterion="mean support changes in the 2nd half of training: Top-k ≥ 5 and DSelect-k ≤ 1: holds; "
+                      "Top-k > DSelect-k: partly",
+            measured=f"Top-k {tc:.1f}, DSelect-k {dc:.1f}",
+            verdict=HOLDS if (tc >= 5 and dc <= 1) else (PARTLY if tc > dc else NOT_HOLD)))
+        lines += ["## Claims", "", claims_markdown(claims), ""]
     for f in figs:
         lines += [f"![{f}]({f})", ""]
     lines += ["Per-run results: `results.csv`; raw records with weight trajectories of repetition 0: `runs.jsonl`."
@@ -314,7 +317,12 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: RecoverySettin
     return atomic_write_text(out_dir / "report.md", "\n".join(lines))
 
 
-if __name__ == "__main__":  # pragma: no cover
-    import sys
 
-    print(json.dumps(str(run_recovery(Path(sys.argv[1]), quick=len(sys.argv) > 2))))
+EXPERIMENT = Experiment(
+    "dselect-recovery",
+    "Hazimeh et al. 2021 App. C.2.2: expert recovery by DSelect-k vs Top-k (Fig. 2, C.7-C.8)",
+    run_recovery,
+    FULL,
+    QUICK,
+)
+"""The registered experiment (``routelab reproduce dselect-recovery``)."""

@@ -31,13 +31,17 @@ from routelab.gates.dselect import ALPHA_INIT, ENTROPY_EPS, num_code_bits
 from routelab.gates.mtl_gate import uniform_init
 from routelab.layers import StackedLinear
 
-from ..failures import (add_failures_to_report, check_finite, diverged_on_error, is_failed, split_failed,
-                        train_or_fail)
-from ..runner import append_jsonl_atomic, atomic_write_text, completed_keys, read_jsonl
-from .common import (GATE_LABELS, Timer, fmt_mean_se, log, md_table, mean_se, minibatches, provenance,
-                     steps_per_epoch, write_csv)
+from ..kit.claims import HOLDS, NOT_HOLD, PARTLY, Claim, claims_markdown
+from ..kit.divergence import check_finite, diverged_on_error, train_or_fail
+from ..kit.experiment import Experiment
+from ..kit.failed_runs import add_failures_to_report
+from ..kit.provenance import software_line
+from ..kit.stats import mean_se
+from ..kit.store import append_jsonl_atomic, atomic_write_text, completed_keys, is_failed, read_jsonl, split_failed
+from ..kit.tables import md_table
+from .common import GATE_LABELS, Timer, log, minibatches, steps_per_epoch, write_csv
 
-__all__ = ["SyntheticSettings", "FULL", "QUICK", "run_synthetic", "make_data", "random_gate_jaccard"]
+__all__ = ["EXPERIMENT", "SyntheticSettings", "FULL", "QUICK", "run_synthetic", "make_data", "random_gate_jaccard"]
 
 P, UNITS, K, GROUP_TASKS, CORR = 10, 4, 4, 16, 0.8
 GROUPS = 8  # 16 tasks each; see the module docstring on the paper's group count
@@ -243,10 +247,9 @@ def train_one(kind: str, tasks: int, seed: int, s: SyntheticSettings,
             "binary_step": binary_step, "steps": total, "wall_s": timer()}
 
 
-def run_synthetic(out_dir: Path, quick: bool) -> Path:
-    """Run (or resume) the sweep and write report.md, figure and results.csv."""
+def run_synthetic(out_dir: Path, s: SyntheticSettings) -> Path:
+    """Run (or resume) the sweep of ``s`` and write report.md, figure and results.csv."""
     torch.set_num_threads(1)
-    s = QUICK if quick else FULL
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "runs.jsonl"
     done = completed_keys(path, ("gate", "tasks", "seed"))
@@ -284,12 +287,12 @@ def _figure(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSettings) 
         for ax, key in zip(axes, ("test_mse", "jaccard_related", "jaccard_unrelated")):
             xs, ms, ses = [], [], []
             for t in s.tasks:
-                m, se, n = mean_se(r[key] for r in records if r["gate"] == kind and r["tasks"] == t
-                                   and r[key] is not None)
-                if n:
+                stat = mean_se(r[key] for r in records if r["gate"] == kind and r["tasks"] == t
+                               and r[key] is not None)
+                if stat.n:
                     xs.append(t)
-                    ms.append(m)
-                    ses.append(0 if not math.isfinite(se) else se)
+                    ms.append(stat.mean)
+                    ses.append(stat.se or 0)
             if xs:
                 ax.errorbar(xs, ms, yerr=ses, marker="o", capsize=3, label=GATE_LABELS[kind])
     for ax in axes[1:]:
@@ -314,8 +317,8 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSetti
     fig = _figure(out_dir, records, s) if records else None
 
     def cell(kind: str, t: int, key: str, digits: int = 3) -> str:
-        return fmt_mean_se((r[key] for r in records if r["gate"] == kind and r["tasks"] == t
-                            and r[key] is not None), digits)
+        return mean_se(r[key] for r in records if r["gate"] == kind and r["tasks"] == t
+                            and r[key] is not None).fmt(digits)
 
     rows = []
     for kind in GATES:
@@ -328,7 +331,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSetti
     rand = [[t, f"{random_gate_jaccard(t // 4):.3f}"] for t in s.tasks]
 
     def m(kind: str, t: int, key: str) -> float:
-        return mean_se(r[key] for r in records if r["gate"] == kind and r["tasks"] == t and r[key] is not None)[0]
+        return mean_se(r[key] for r in records if r["gate"] == kind and r["tasks"] == t and r[key] is not None).mean
 
     claims = []
     tmax = max((t for t in s.tasks if any(r["tasks"] == t for r in records)), default=None)
@@ -336,36 +339,38 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSetti
         d_mse, t_mse = m("dselect_static", tmax, "test_mse"), m("topk_static", tmax, "test_mse")
         better = sum(m("dselect_static", t, "test_mse") < m("topk_static", t, "test_mse") for t in s.tasks)
         imp = (t_mse - d_mse) / t_mse if t_mse == t_mse and t_mse else float("nan")
-        claims.append(["1", "DSelect-k has lower test MSE than Top-k at every T, over 40% lower at T = 128.",
-                       "lower at every T and ≥ 40% lower at the largest T: holds; lower at most T: partly",
-                       f"lower at {better}/{len(s.tasks)} T; at T = {tmax}: {d_mse:.3f} vs {t_mse:.3f} ({imp:+.0%})",
-                       "**holds**" if (better == len(s.tasks) and imp >= 0.4) else
-                       ("**partly**" if better * 2 > len(s.tasks) else "**does not hold**")])
+        claims.append(Claim(
+            text="DSelect-k has lower test MSE than Top-k at every T, over 40% lower at T = 128.",
+            criterion="lower at every T and ≥ 40% lower at the largest T: holds; lower at most T: partly",
+            measured=f"lower at {better}/{len(s.tasks)} T; at T = {tmax}: {d_mse:.3f} vs {t_mse:.3f} ({imp:+.0%})",
+            verdict=HOLDS if (better == len(s.tasks) and imp >= 0.4) else
+                    (PARTLY if better * 2 > len(s.tasks) else NOT_HOLD)))
         d_rel, t_rel = m("dselect_static", tmax, "jaccard_related"), m("topk_static", tmax, "jaccard_related")
         rel_better = sum(m("dselect_static", t, "jaccard_related") > m("topk_static", t, "jaccard_related") for t in s.tasks)
-        claims.append(["2", "DSelect-k's related tasks share more experts than Top-k's (76% higher Jaccard at T = 128).",
-                       "higher at every T: holds; at most T: partly",
-                       f"higher at {rel_better}/{len(s.tasks)} T; at T = {tmax}: {d_rel:.3f} vs {t_rel:.3f}",
-                       "**holds**" if rel_better == len(s.tasks) else
-                       ("**partly**" if rel_better * 2 > len(s.tasks) else "**does not hold**")])
+        claims.append(Claim(
+            text="DSelect-k's related tasks share more experts than Top-k's (76% higher Jaccard at T = 128).",
+            criterion="higher at every T: holds; at most T: partly",
+            measured=f"higher at {rel_better}/{len(s.tasks)} T; at T = {tmax}: {d_rel:.3f} vs {t_rel:.3f}",
+            verdict=HOLDS if rel_better == len(s.tasks) else
+                    (PARTLY if rel_better * 2 > len(s.tasks) else NOT_HOLD)))
         multi = [t for t in s.tasks if t > GROUP_TASKS]
         un_better = sum(m("dselect_static", t, "jaccard_unrelated") < m("topk_static", t, "jaccard_unrelated") for t in multi)
-        claims.append(["3", "DSelect-k's unrelated tasks share fewer experts than Top-k's.",
-                       "lower at every T > 16: holds; at most: partly",
-                       f"lower at {un_better}/{len(multi)} T > 16",
-                       "**holds**" if multi and un_better == len(multi) else
-                       ("**partly**" if un_better * 2 > len(multi) else "**does not hold**")])
+        claims.append(Claim(
+            text="DSelect-k's unrelated tasks share fewer experts than Top-k's.",
+            criterion="lower at every T > 16: holds; at most: partly",
+            measured=f"lower at {un_better}/{len(multi)} T > 16",
+            verdict=HOLDS if multi and un_better == len(multi) else
+                    (PARTLY if un_better * 2 > len(multi) else NOT_HOLD)))
         abl = sum(m("dselect_static", t, "test_mse") < min(m("ablation_annealing", t, "test_mse"),
                                                           m("ablation_entropy", t, "test_mse")) for t in s.tasks)
-        claims.append(["4", "DSelect-k beats both softmax-selector ablations (binary encoding helps).",
-                       "lower MSE than both at every T: holds; at most T: partly",
-                       f"lower than both at {abl}/{len(s.tasks)} T",
-                       "**holds**" if abl == len(s.tasks) else ("**partly**" if abl * 2 > len(s.tasks) else "**does not hold**")])
+        claims.append(Claim(text="DSelect-k beats both softmax-selector ablations (binary encoding helps).",
+                            criterion="lower MSE than both at every T: holds; at most T: partly",
+                            measured=f"lower than both at {abl}/{len(s.tasks)} T",
+                            verdict=HOLDS if abl == len(s.tasks) else (PARTLY if abl * 2 > len(s.tasks) else NOT_HOLD)))
         ent_sel = m("ablation_entropy", tmax, "experts_selected_mean")
-        claims.append(["5", "Ablation (entropy) ends up with fewer than k = 4 distinct experts (often 2).",
-                       "mean distinct argmax experts < 4 at the largest T: holds",
-                       f"{ent_sel:.2f} at T = {tmax}",
-                       "**holds**" if ent_sel < 4 else "**does not hold**"])
+        claims.append(Claim(text="Ablation (entropy) ends up with fewer than k = 4 distinct experts (often 2).",
+                            criterion="mean distinct argmax experts < 4 at the largest T: holds",
+                            measured=f"{ent_sel:.2f} at T = {tmax}", verdict=HOLDS if ent_sel < 4 else NOT_HOLD))
     lines = [
         "# DSelect-k on synthetic multi-task data (Hazimeh et al. 2021, App. C.1, Fig. C.5)",
         "",
@@ -373,7 +378,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSetti
         "",
         f"- Wall time of the last invocation (runs already recorded are not re-run): {wall:.0f} s (training recorded in runs.jsonl: "
         f"{sum(r['wall_s'] for r in records):.0f} s over {len(records)} runs).",
-        f"- {provenance()}.",
+        f"- {software_line(torch.get_num_threads())}, CPU.",
         "",
         "## Setup",
         "",
@@ -410,9 +415,9 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSetti
         for t in s.tasks:
             rs = [r for r in prelim if r["tasks"] == t]
             if rs:
-                prow.append([t, len(rs), fmt_mean_se((r["test_mse"] for r in rs), 3),
-                             fmt_mean_se((r["binary_fraction"] for r in rs), 2),
-                             fmt_mean_se((r["experts_selected_mean"] for r in rs), 2)])
+                prow.append([t, len(rs), mean_se(r["test_mse"] for r in rs).fmt(3),
+                             mean_se(r["binary_fraction"] for r in rs).fmt(2),
+                             mean_se(r["experts_selected_mean"] for r in rs).fmt(2)])
         lines += ["### Preliminary run: DSelect-k with γ = 10 (from the paper's grid {5, 10, 15})", "",
                   "Recorded in `runs_gamma10.jsonl` (same data seeds and training; the other gates' rows there match "
                   "the main run's settings). With γ = 10, S(Z) did not become binary for any gate within the "
@@ -420,7 +425,17 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSetti
                   "default γ = 1.", "",
                   md_table(["tasks", "runs", "test MSE", "binary S(Z) fraction", "experts selected per task"], prow), ""]
     if claims:
-        lines += ["## Claims", "", md_table(["#", "claim (paper)", "criterion", "measured", "verdict"], claims), ""]
+        lines += ["## Claims", "", claims_markdown(claims), ""]
     if fig:
         lines += [f"![Fig. C.5]({fig})", ""]
     return atomic_write_text(out_dir / "report.md", "\n".join(lines))
+
+
+EXPERIMENT = Experiment(
+    "dselect-synthetic",
+    "Hazimeh et al. 2021 App. C.1: synthetic multi-task MoE, 16-128 tasks, MSE and Jaccard (Fig. C.5)",
+    run_synthetic,
+    FULL,
+    QUICK,
+)
+"""The registered experiment (``routelab reproduce dselect-synthetic``)."""

@@ -28,14 +28,14 @@ from pathlib import Path
 
 import torch
 
-from .. import SweepExperiment
-from ..failures import is_failed, split_failed
-from ..runner import append_jsonl_atomic, atomic_write_text, read_jsonl
+from ..kit.experiment import Experiment
+from ..kit.provenance import routelab_version
+from ..kit.store import append_jsonl_atomic, atomic_write_text, is_failed, read_jsonl, split_failed
 from .figures import FIGURES, draw_figures
 from .marginals import marginals_check
 from .model import CONFIGS, Config, RunSpec, make_data, train_chunk
 from .parallel import ChunkResult, train_chunks
-from .report import provenance, render_report, results_csv
+from .report import render_report, results_csv
 from .sweep import FULL, QUICK, Chunk, Settings, log_taus, plan_chunks, record_key
 
 __all__ = [
@@ -129,7 +129,7 @@ def run_sweep(
             "wall_s": round(done_chunk.wall_s, 3),
             "timings_s": {k: round(v, 3) for k, v in done_chunk.timings.items()},
             "threads": settings.threads if settings.threads is not None else torch.get_num_threads(),
-            "workers": workers, "routelab": provenance(),
+            "workers": workers, "routelab": routelab_version(),
         })
 
     workers = settings.resolved_workers(len(pending))
@@ -215,7 +215,7 @@ def write_outputs(
     return atomic_write_text(out_dir / "report.md", text)
 
 
-EXPERIMENT = SweepExperiment(
+EXPERIMENT = Experiment(
     "kool-toy",
     ("Kool, Maddison & Mnih (2021), Sec. 3 / App. E toy experiment: capacity-constrained "
      "routing estimators (Fig. 2, Fig. 3), balance losses, Sinkhorn vs Gumbel-Matching marginals."

@@ -21,21 +21,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...estimators import METHODS
-from ..failures import is_failed
+from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, verdict_of
+from ..kit.store import is_failed
 from .model import SUCCESS_MSE
 
 __all__ = [
     "CAPPED_IW_METHODS",
     "GM_METHODS",
-    "HOLDS",
     "METHOD_LABELS",
-    "NOT_HOLD",
-    "NOT_MEASURED",
-    "PARTLY",
     "SOLVED_FRACTION",
-    "Claim",
     "SuccessTable",
-    "claims_markdown",
     "evaluate_claims",
     "is_success",
     "success_table",
@@ -52,7 +47,6 @@ METHOD_LABELS = {
     "gumbel_matching_iw": "Gumbel-Matching IW",
     "gumbel_matching_sh": "Gumbel-Matching SH",
 }
-HOLDS, NOT_HOLD, PARTLY, NOT_MEASURED = "holds", "does not hold", "partly", "not measured"
 
 
 def tau_str(t: float) -> str:
@@ -128,17 +122,6 @@ def success_table(records: Iterable[Mapping]) -> SuccessTable:
 # ----------------------------------------------------------------------------- claims
 
 
-@dataclass
-class Claim:
-    """One claim of the paper with its criterion, what was measured and the verdict."""
-
-    number: int
-    text: str
-    criterion: str
-    measured: str
-    verdict: str
-
-
 def _cells_str(cells: Sequence[tuple[str, float]]) -> str:
     if not cells:
         return "none"
@@ -148,20 +131,12 @@ def _cells_str(cells: Sequence[tuple[str, float]]) -> str:
     return "; ".join(f"{METHOD_LABELS.get(m, m)} at τ={','.join(ts)}" for m, ts in by_m.items())
 
 
-def _verdict(parts: Sequence[bool]) -> str:
-    if all(parts):
-        return HOLDS
-    if any(parts):
-        return PARTLY
-    return NOT_HOLD
-
-
 def _verdict_of(parts: Mapping[str, bool | None]) -> str:
     """Verdict over the measured sub-criteria (``None`` = not measured), saying which were."""
     measured = {k: v for k, v in parts.items() if v is not None}
     if not measured:
         return NOT_MEASURED
-    v = _verdict(list(measured.values()))
+    v = verdict_of(list(measured.values()))
     if len(measured) < len(parts):
         v += f" (only {', '.join(f'({k})' for k in measured)} measured)"
     return v
@@ -178,14 +153,16 @@ def _gaps(table: "SuccessTable", configs: Sequence[str]) -> str:
     return f" [{'; '.join(notes)}]" if notes else ""
 
 
-def _missing(table: SuccessTable, configs: Sequence[str], text: str, number: int, criterion: str) -> Claim | None:
+def _missing(table: SuccessTable, configs: Sequence[str], text: str, criterion: str) -> Claim | None:
     absent = [c for c in configs if not table.has(c)]
     if absent:
-        return Claim(number, text, criterion, f"configuration(s) {', '.join(absent)} not run", NOT_MEASURED)
+        return Claim(text=text, criterion=criterion, measured=f"configuration(s) {', '.join(absent)} not run",
+                     verdict=NOT_MEASURED)
     return None
 
 
-def claim1(table: SuccessTable) -> Claim:
+def skip_iw_matches_sample(table: SuccessTable) -> Claim:
+    """Claim 1 of the report (its text, criterion and verdict below)."""
     text = "Sample Skip IW matches Sample, both solving the task for τ ≥ 1 (Fig. 2b)."
     crit = (
         "REINFORCE: (a) Sample and Sample Skip IW both solve every τ ≥ 1; (b) their success rates "
@@ -193,7 +170,7 @@ def claim1(table: SuccessTable) -> Claim:
         "least one τ ≥ 1 solved by both; does not hold: otherwise."
     )
     cfg = "reinforce"
-    if (m := _missing(table, [cfg], text, 1, crit)):
+    if (m := _missing(table, [cfg], text, crit)):
         return m
     high = [t for t in table.taus(cfg) if t >= 1 - 1e-9]
     s_ok = [t for t in high if table.solved(cfg, "sample", t)]
@@ -210,17 +187,18 @@ def claim1(table: SuccessTable) -> Claim:
     )
     both = set(s_ok) & set(k_ok)
     verdict = HOLDS if a and b else (PARTLY if a or (b and both) else NOT_HOLD)
-    return Claim(1, text, crit, measured, verdict)
+    return Claim(text=text, criterion=crit, measured=measured, verdict=verdict)
 
 
-def claim2(table: SuccessTable) -> Claim:
+def skip_without_iw_falls_behind(table: SuccessTable) -> Claim:
+    """Claim 2 of the report (its text, criterion and verdict below)."""
     text = "Sample Skip (no IW correction) does not match Sample (Fig. 2b)."
     crit = (
         "REINFORCE: (a) at some τ, Sample's success rate exceeds Sample Skip's by ≥ 0.3; (b) averaged "
         "over τ it exceeds it by ≥ 0.1. holds: both; partly: one; does not hold: neither."
     )
     cfg = "reinforce"
-    if (m := _missing(table, [cfg], text, 2, crit)):
+    if (m := _missing(table, [cfg], text, crit)):
         return m
     gaps = [(table.rate(cfg, "sample", t) or 0) - (table.rate(cfg, "sample_skip", t) or 0) for t in table.taus(cfg)]
     a = bool(gaps) and max(gaps) >= 0.3 - 1e-12
@@ -229,10 +207,11 @@ def claim2(table: SuccessTable) -> Claim:
         f"success-rate gap Sample − Sample Skip per τ: {', '.join(f'{g:+.1f}' for g in gaps)} "
         f"(mean {np.mean(gaps) if gaps else float('nan'):+.2f})"
     )
-    return Claim(2, text, crit, measured, _verdict([a, b]))
+    return Claim(text=text, criterion=crit, measured=measured, verdict=verdict_of([a, b]))
 
 
-def claim3(table: SuccessTable, records: Sequence[Mapping]) -> Claim:
+def gumbel_matching_less_effective(table: SuccessTable, records: Sequence[Mapping]) -> Claim:
+    """Claim 3 of the report (its text, criterion and verdict below)."""
     text = (
         "The Gumbel-Matching estimators are less effective than Sample Skip IW, because of the "
         "variance of their importance weights (Fig. 2b)."
@@ -245,7 +224,7 @@ def claim3(table: SuccessTable, records: Sequence[Mapping]) -> Claim:
         "(a) for none."
     )
     cfg = "reinforce"
-    if (m := _missing(table, [cfg], text, 3, crit)):
+    if (m := _missing(table, [cfg], text, crit)):
         return m
     n_skip = sum(table.solved(cfg, "sample_skip_iw", t) for t in table.taus(cfg))
     counts = {m: sum(table.solved(cfg, m, t) for t in table.taus(cfg)) for m in GM_METHODS if m in table.methods(cfg)}
@@ -271,10 +250,11 @@ def claim3(table: SuccessTable, records: Sequence[Mapping]) -> Claim:
         verdict = PARTLY
     else:
         verdict = NOT_HOLD
-    return Claim(3, text, crit, measured, verdict)
+    return Claim(text=text, criterion=crit, measured=measured, verdict=verdict)
 
 
-def claim4(table: SuccessTable) -> Claim:
+def gating_needs_a_small_balance_loss(table: SuccessTable) -> Claim:
+    """Claim 4 of the report (its text, criterion and verdict below)."""
     text = (
         "Differentiable gating succeeds only with a balance loss of 0.01–0.03, and with balanced "
         "sampling with importance weights at low τ (Sec. 3.1, Fig. 2c)."
@@ -286,7 +266,7 @@ def claim4(table: SuccessTable) -> Claim:
         "holds: (a) and (b); partly: one; does not hold: neither."
     )
     cfgs = ["gating_balance0", "gating", "gating_balance0.03", "gating_balance0.1"]
-    if (m := _missing(table, cfgs, text, 4, crit)):
+    if (m := _missing(table, cfgs, text, crit)):
         return m
     n = {c: len(table.solved_cells(c)) for c in cfgs}
     good = table.solved_cells("gating") + table.solved_cells("gating_balance0.03")
@@ -299,16 +279,17 @@ def claim4(table: SuccessTable) -> Claim:
         f"{_cells_str(table.solved_cells('gating'))}; with 0.03: {_cells_str(table.solved_cells('gating_balance0.03'))}"
         + _gaps(table, cfgs)
     )
-    return Claim(4, text, crit, measured, _verdict([a, b]))
+    return Claim(text=text, criterion=crit, measured=measured, verdict=verdict_of([a, b]))
 
 
-def claim5(table: SuccessTable) -> Claim:
+def gating_fails_without_iw(table: SuccessTable) -> Claim:
+    """Claim 5 of the report (its text, criterion and verdict below)."""
     text = "Without importance weights, differentiable gating fails (App. E, Fig. 3 bottom right)."
     crit = (
         "gating (balance 0.01) without importance weights solves no cell: holds; fewer than half as "
         "many cells as with importance weights: partly; otherwise: does not hold."
     )
-    if (m := _missing(table, ["gating_no_iw", "gating"], text, 5, crit)):
+    if (m := _missing(table, ["gating_no_iw", "gating"], text, crit)):
         return m
     n0 = len(table.solved_cells("gating_no_iw"))
     n1 = len(table.solved_cells("gating"))
@@ -316,10 +297,11 @@ def claim5(table: SuccessTable) -> Claim:
     if n1 == 0:
         measured += " (gating with IW solves nothing either, so the comparison is uninformative)"
     verdict = HOLDS if n0 == 0 else (PARTLY if n0 < 0.5 * n1 else NOT_HOLD)
-    return Claim(5, text, crit, measured, verdict)
+    return Claim(text=text, criterion=crit, measured=measured, verdict=verdict)
 
 
-def claim6(table: SuccessTable) -> Claim:
+def sinkhorn_helps_at_extreme_tau(table: SuccessTable) -> Claim:
+    """Claim 6 of the report (its text, criterion and verdict below)."""
     text = (
         "With REINFORCE, Sinkhorn before sampling works only at high τ (and plain sampling works "
         "better); with gating, Sinkhorn does better than without, at very low τ (App. E, Fig. 3)."
@@ -345,10 +327,12 @@ def claim6(table: SuccessTable) -> Claim:
         notes.append(f"(b) gating solved cells with Sinkhorn {len(gs)} ({_cells_str(gs)}) vs without {len(g0)}")
     else:
         notes.append("(b) not measured: gating with or without Sinkhorn not run")
-    return Claim(6, text, crit, "; ".join(notes) + _gaps(table, cfgs), _verdict_of({"a": a, "b": b}))
+    return Claim(text=text, criterion=crit, measured="; ".join(notes) + _gaps(table, cfgs),
+                 verdict=_verdict_of({"a": a, "b": b}))
 
 
-def claim7(table: SuccessTable) -> Claim:
+def dropping_iw_works_only_for_reinforce_at_low_tau(table: SuccessTable) -> Claim:
+    """Claim 7 of the report (its text, criterion and verdict below)."""
     text = (
         "Dropping importance weights works only for REINFORCE at low τ, and not with the "
         "Gumbel-Matching estimators (App. E, Fig. 3 right)."
@@ -358,7 +342,7 @@ def claim7(table: SuccessTable) -> Claim:
         "τ > 1; (b) no Gumbel-Matching method solves any τ without IW; (c) gating without IW solves "
         "nothing. holds: all three; partly: one or two; does not hold: none."
     )
-    if (m := _missing(table, ["reinforce_no_iw", "gating_no_iw"], text, 7, crit)):
+    if (m := _missing(table, ["reinforce_no_iw", "gating_no_iw"], text, crit)):
         return m
     cells = table.solved_cells("reinforce_no_iw")
     non_gm = [(mm, t) for mm, t in cells if mm not in GM_METHODS]
@@ -370,17 +354,18 @@ def claim7(table: SuccessTable) -> Claim:
         f"REINFORCE without IW solves: {_cells_str(cells)}; gating without IW solves: "
         f"{_cells_str(table.solved_cells('gating_no_iw'))}" + _gaps(table, ["reinforce_no_iw", "gating_no_iw"])
     )
-    return Claim(7, text, crit, measured, _verdict([a, b, c]))
+    return Claim(text=text, criterion=crit, measured=measured, verdict=verdict_of([a, b, c]))
 
 
-def claim8(table: SuccessTable) -> Claim:
+def strong_balance_loss_fails_every_method(table: SuccessTable) -> Claim:
+    """Claim 8 of the report (its text, criterion and verdict below)."""
     text = "A balance loss of 0.1 makes every method fail (App. E)."
     crit = (
         "REINFORCE and gating with balance weight 0.1 solve no cell: holds; fewer than 10 % of their "
         "cells: partly; otherwise: does not hold."
     )
     cfgs = ["reinforce_balance0.1", "gating_balance0.1"]
-    if (m := _missing(table, cfgs, text, 8, crit)):
+    if (m := _missing(table, cfgs, text, crit)):
         return m
     solved = {c: table.solved_cells(c) for c in cfgs}
     total = sum(table.n_cells(c) for c in cfgs)
@@ -388,10 +373,11 @@ def claim8(table: SuccessTable) -> Claim:
     measured = "; ".join(f"{c}: {len(v)}/{table.n_cells(c)} cells solved ({_cells_str(v)})" for c, v in solved.items())
     measured += _gaps(table, cfgs)
     verdict = HOLDS if n == 0 else (PARTLY if n < 0.1 * total else NOT_HOLD)
-    return Claim(8, text, crit, measured, verdict)
+    return Claim(text=text, criterion=crit, measured=measured, verdict=verdict)
 
 
-def claim9(marginals: Sequence[Mapping] | None) -> Claim:
+def sinkhorn_marginals_match_gumbel_matching(marginals: Sequence[Mapping] | None) -> Claim:
+    """Claim 9 of the report (its text, criterion and verdict below)."""
     text = "Sinkhorn marginals closely approximate the Gumbel-Matching marginals, at least for n ≥ 4 (Sec. 2.3)."
     crit = (
         "for every n ≥ 4, the mean absolute difference between the Gumbel-Matching and the Sinkhorn "
@@ -400,7 +386,7 @@ def claim9(marginals: Sequence[Mapping] | None) -> Claim:
         "holds: every n ≥ 4; partly: some n ≥ 4; does not hold: none."
     )
     if not marginals:
-        return Claim(9, text, crit, "marginals check not run", NOT_MEASURED)
+        return Claim(text=text, criterion=crit, measured="marginals check not run", verdict=NOT_MEASURED)
     rows = [r for r in marginals if r["n"] >= 4]
     ok = [r["mean_abs_diff"] <= 0.02 and r["mean_abs_diff"] <= 0.25 * r["mean_abs_diff_unbalanced"] for r in rows]
     measured = "; ".join(
@@ -408,21 +394,21 @@ def claim9(marginals: Sequence[Mapping] | None) -> Claim:
         f"softmax gap {r['mean_abs_diff_unbalanced']:.3f}"
         for r in marginals
     )
-    return Claim(9, text, crit, measured, _verdict(ok) if rows else NOT_MEASURED)
+    return Claim(text=text, criterion=crit, measured=measured, verdict=verdict_of(ok) if rows else NOT_MEASURED)
 
 
 def evaluate_claims(records: Sequence[Mapping], marginals: Sequence[Mapping] | None) -> list[Claim]:
-    """Evaluate the nine claims from the run records (failed runs included: they count as
-    unsuccessful seeds) and the marginals check."""
+    """The nine claims, in the report's order (claim 1 first), evaluated from the run records
+    (failed runs included: they count as unsuccessful seeds) and the marginals check."""
     table = success_table(records)
     return [
-        claim1(table), claim2(table), claim3(table, records), claim4(table), claim5(table),
-        claim6(table), claim7(table), claim8(table), claim9(marginals),
+        skip_iw_matches_sample(table),
+        skip_without_iw_falls_behind(table),
+        gumbel_matching_less_effective(table, records),
+        gating_needs_a_small_balance_loss(table),
+        gating_fails_without_iw(table),
+        sinkhorn_helps_at_extreme_tau(table),
+        dropping_iw_works_only_for_reinforce_at_low_tau(table),
+        strong_balance_loss_fails_every_method(table),
+        sinkhorn_marginals_match_gumbel_matching(marginals),
     ]
-
-
-def claims_markdown(claims: Sequence[Claim]) -> str:
-    lines = ["| # | claim (paper) | criterion | measured | verdict |", "|---|---|---|---|---|"]
-    for c in claims:
-        lines.append(f"| {c.number} | {c.text} | {c.criterion} | {c.measured} | **{c.verdict}** |")
-    return "\n".join(lines)

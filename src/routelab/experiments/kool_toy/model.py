@@ -27,7 +27,8 @@ from torch import Tensor
 
 from ...estimators import METHODS, EMABaseline, gating_objective, reinforce_objective, sample_routes
 from ...routes import Routes
-from ..failures import failed_record, nonfinite_rows
+from ..kit.divergence import nonfinite_rows
+from ..kit.store import failed_record
 
 __all__ = [
     "CAPACITY",
@@ -407,7 +408,7 @@ def train_chunk(
         ``steps // 10`` steps. A run that diverges (its loss, parameters or router logits become
         non-finite) is taken out of training at that step (:func:`_retire`; the other runs are
         unaffected) and its dict is a failed record
-        (:func:`routelab.experiments.failures.failed_record`: the run's fields, ``steps``,
+        (:func:`routelab.experiments.kit.store.failed_record`: the run's fields, ``steps``,
         ``status: "failed"``, ``reason``, ``failed_step``).
     """
     if steps < 1:

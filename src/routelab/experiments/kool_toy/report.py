@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import io
 import math
-import platform
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
@@ -13,15 +12,18 @@ import numpy as np
 import torch
 
 from ...estimators import METHODS
-from ..failures import failures_markdown, split_failed
-from ..runner import csv_cell
+from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, claims_markdown
+from ..kit.failed_runs import failures_markdown
+from ..kit.provenance import software_line
+from ..kit.store import split_failed
+from ..kit.tables import csv_cell
 from . import claims as cl
 from .claims import METHOD_LABELS, tau_str
 from .figures import FIGURES
 from .model import CAPACITY, CONFIGS, INIT_STD, LR, N_POINTS, SUCCESS_MSE
 from .sweep import Settings, plan_chunks, record_key
 
-__all__ = ["diagnostics_markdown", "iw_markdown", "provenance", "render_report", "results_csv", "success_markdown"]
+__all__ = ["diagnostics_markdown", "iw_markdown", "render_report", "results_csv", "success_markdown"]
 
 
 def results_csv(records: Sequence[Mapping]) -> str:
@@ -131,25 +133,6 @@ def _chunk_walls(records: Sequence[Mapping], chunks: Sequence[Mapping]) -> dict[
     return out
 
 
-def provenance() -> str:
-    """The routelab version and, when run from a git checkout, its commit (``+dirty`` if modified)."""
-    import subprocess
-    from pathlib import Path
-
-    import routelab
-
-    text = routelab.__version__
-    root = Path(routelab.__file__).resolve().parents[2]
-    try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "src"], capture_output=True,
-                               text=True, timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return text
-    return f"{text} (commit {commit}{'+dirty' if dirty else ''})" if commit else text
-
-
 def _balance_note() -> str:
     """A line on what the library's balance loss does for balanced (Gumbel-Matching) assignments,
     measured now (so the report stays true if the library changes)."""
@@ -209,14 +192,13 @@ def render_report(
             "",
         ]
     wall_txt = "n/a" if wall_s is None else f"{wall_s:.1f} s"
-    counts = {v: sum(c.verdict.split(" (")[0] == v for c in claims)
-              for v in (cl.HOLDS, cl.PARTLY, cl.NOT_HOLD, cl.NOT_MEASURED)}
-    disagree = [str(c.number) for c in claims if c.verdict.split(" (")[0] in (cl.NOT_HOLD, cl.PARTLY)]
-    partial = [str(c.number) for c in claims
-               if c.verdict != cl.NOT_MEASURED and ("only (" in c.verdict or "not run" in c.measured)]
+    counts = {v: sum(c.outcome == v for c in claims) for v in (HOLDS, PARTLY, NOT_HOLD, NOT_MEASURED)}
+    disagree = [str(i) for i, c in enumerate(claims, 1) if c.outcome in (NOT_HOLD, PARTLY)]
+    partial = [str(i) for i, c in enumerate(claims, 1)
+               if c.verdict != NOT_MEASURED and ("only (" in c.verdict or "not run" in c.measured)]
     L += [
-        f"**Summary:** of the paper's 9 claims checked here, {counts[cl.HOLDS]} hold, {counts[cl.PARTLY]} "
-        f"hold partly, {counts[cl.NOT_HOLD]} do not hold and {counts[cl.NOT_MEASURED]} were not measured"
+        f"**Summary:** of the paper's 9 claims checked here, {counts[HOLDS]} hold, {counts[PARTLY]} "
+        f"hold partly, {counts[NOT_HOLD]} do not hold and {counts[NOT_MEASURED]} were not measured"
         + (f"; routelab's results disagree with the paper, fully or in part, on claim(s) {', '.join(disagree)}."
            if disagree else ".")
         + (f" Claim(s) {', '.join(partial)} are judged on partial data (some runs were not made; see "
@@ -228,8 +210,7 @@ def render_report(
         f"- **Wall time of this invocation: {wall_txt}** (training recorded in runs.jsonl: "
         f"{train_s:.1f} s over {len(walls)} chunks; marginals check {marg_s:.1f} s; chunks already "
         "recorded by an earlier invocation are not re-run).",
-        f"- routelab {provenance()}, torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}, "
-        f"{settings.threads if settings.threads is not None else torch.get_num_threads()} torch thread(s)"
+        f"- {software_line(settings.threads if settings.threads is not None else torch.get_num_threads())}"
         + (f" per worker, chunks trained on {max(c.get('workers', 1) for c in chunks)} worker process(es) side by side."
            if chunks else "."),
         f"- Runs recorded: {len(all_records)} of {n_planned} planned"
@@ -295,7 +276,7 @@ def render_report(
         L.append("")
     if failed:
         L.append(failures_markdown(failed, len(all_records), ("config", "method", "tau", "seed")))
-    L += ["## Claims", "", cl.claims_markdown(claims), ""]
+    L += ["## Claims", "", claims_markdown(claims), ""]
     L += ["## Router diagnostics", "",
           "Medians over all runs of a configuration (all methods and τ): the router slope |a| (a router "
           "that ignores x has a ≈ 0), the minority load (the smaller of the two experts' mean router "

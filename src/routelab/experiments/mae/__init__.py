@@ -33,9 +33,10 @@ from routelab.data.parallel_text import load_parallel_text
 from routelab.layers.bcd import EVAL_ROUTING
 from routelab.layers.mae import set_routing
 
-from .. import SweepExperiment
-from ..failures import RunDiverged, add_failures_to_report, failed_record, is_failed, split_failed, train_or_fail
-from ..runner import append_jsonl_atomic, read_jsonl
+from ..kit.divergence import RunDiverged, train_or_fail
+from ..kit.experiment import Experiment
+from ..kit.failed_runs import add_failures_to_report
+from ..kit.store import append_jsonl_atomic, failed_record, is_failed, read_jsonl, split_failed
 from .analyses import attribution_shares, collect_gates, mean_entropy, pmi_tokens
 from .corpus import build_corpus
 from .model import LMConfig, TransformerLM
@@ -260,7 +261,7 @@ def run(out_dir: Path, s: Settings) -> Path:
     return add_failures_to_report(report, ft_failed, len(ft_done), ("method", "fraction"))
 
 
-EXPERIMENT = SweepExperiment(
+EXPERIMENT = Experiment(
     "mae",
     ("Peng et al. (2020) mixture of attentive experts trained by block coordinate descent: "
      "BASE / MAE-7 / MAE-6 / UNI-MAE-7 / NOBCD language models (Tables 2-5, 8), gate analyses "

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from ..failures import split_failed, with_failures_section
-from ..runner import atomic_write_text
+from ..kit.claims import HOLDS, NOT_HOLD, Claim, claims_markdown
+from ..kit.failed_runs import with_failures_section
+from ..kit.provenance import software_line
+from ..kit.store import atomic_write_text, split_failed
 from .train import FINETUNE_METHODS, VARIANTS
 
 __all__ = ["claims", "write_failed_report", "write_report"]
@@ -101,7 +100,7 @@ TIE = 0.005
 
 
 def _verdict(ok: bool | None) -> str:
-    return "n/a" if ok is None else ("holds" if ok else "does not hold")
+    return "n/a" if ok is None else (HOLDS if ok else NOT_HOLD)
 
 
 def _less(a: float, b: float) -> str:
@@ -111,36 +110,45 @@ def _less(a: float, b: float) -> str:
     return _verdict(a < b)
 
 
-def claims(runs: dict[str, dict[str, Any]], analyses: dict[str, Any],
-           ft: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
-    """``(claim, paper, measured, verdict)`` rows, each verdict computed from the numbers."""
-    rows: list[tuple[str, str, str, str]] = []
+def claims(runs: dict[str, dict[str, Any]], analyses: dict[str, Any], ft: list[dict[str, Any]]) -> list[Claim]:
+    """The paper's claims next to what it reports, each verdict computed from the numbers (a comparison
+    of two numbers is a tie within :data:`TIE`)."""
+    rows: list[Claim] = []
     ppl = {n: r["test_ppl"] for n, r in runs.items()}
-    rows.append(("MAE-7 beats BASE (Tables 2-4)", "+0.8 BLEU WMT14, +0.9 BLEU IWSLT14, >0.3 lower ppl WikiText-103",
-                 f"test ppl {ppl['MAE-7']:.2f} vs {ppl['BASE']:.2f}", _less(ppl["MAE-7"], ppl["BASE"])))
-    rows.append(("MAE-6 slightly underperforms MAE-7 (Table 2)", "MAE-6 below MAE-7",
-                 f"test ppl {ppl['MAE-6']:.2f} vs {ppl['MAE-7']:.2f}", _less(ppl["MAE-7"], ppl["MAE-6"])))
-    rows.append(("UNI-MAE-7 underperforms BASE in language modelling (Table 4)", "higher ppl than BASE",
-                 f"test ppl {ppl['UNI-MAE-7']:.2f} vs {ppl['BASE']:.2f}", _less(ppl["BASE"], ppl["UNI-MAE-7"])))
-    rows.append(("NOBCD underperforms BASE (Tables 2, 4)", "worse than BASE",
-                 f"test ppl {ppl['NOBCD']:.2f} vs {ppl['BASE']:.2f}", _less(ppl["BASE"], ppl["NOBCD"])))
-    rows.append(("MAE-7 beats NOBCD (BCD matters)", "MAE-7 better than NOBCD",
-                 f"test ppl {ppl['MAE-7']:.2f} vs {ppl['NOBCD']:.2f}", _less(ppl["MAE-7"], ppl["NOBCD"])))
+    rows.append(Claim(text="MAE-7 beats BASE (Tables 2-4)",
+                      paper="+0.8 BLEU WMT14, +0.9 BLEU IWSLT14, >0.3 lower ppl WikiText-103",
+                      measured=f"test ppl {ppl['MAE-7']:.2f} vs {ppl['BASE']:.2f}",
+                      verdict=_less(ppl["MAE-7"], ppl["BASE"])))
+    rows.append(Claim(text="MAE-6 slightly underperforms MAE-7 (Table 2)", paper="MAE-6 below MAE-7",
+                      measured=f"test ppl {ppl['MAE-6']:.2f} vs {ppl['MAE-7']:.2f}",
+                      verdict=_less(ppl["MAE-7"], ppl["MAE-6"])))
+    rows.append(Claim(text="UNI-MAE-7 underperforms BASE in language modelling (Table 4)", paper="higher ppl than BASE",
+                      measured=f"test ppl {ppl['UNI-MAE-7']:.2f} vs {ppl['BASE']:.2f}",
+                      verdict=_less(ppl["BASE"], ppl["UNI-MAE-7"])))
+    rows.append(Claim(text="NOBCD underperforms BASE (Tables 2, 4)", paper="worse than BASE",
+                      measured=f"test ppl {ppl['NOBCD']:.2f} vs {ppl['BASE']:.2f}",
+                      verdict=_less(ppl["BASE"], ppl["NOBCD"])))
+    rows.append(Claim(text="MAE-7 beats NOBCD (BCD matters)", paper="MAE-7 better than NOBCD",
+                      measured=f"test ppl {ppl['MAE-7']:.2f} vs {ppl['NOBCD']:.2f}",
+                      verdict=_less(ppl["MAE-7"], ppl["NOBCD"])))
     ent = analyses["gates"]["entropy"]
-    rows.append(("BCD gates are more focused: H(MAE-7) < H(NOBCD) < ln h (Sec. 5.1)", "1.91 < 2.02 < 2.08",
-                 f"{ent['MAE-7']['mean']:.3f} vs {ent['NOBCD']['mean']:.3f} vs {ent['UNI-MAE-7']['mean']:.3f}",
-                 _verdict(ent["MAE-7"]["mean"] < ent["NOBCD"]["mean"] < ent["UNI-MAE-7"]["mean"] + 1e-9)))
+    rows.append(Claim(text="BCD gates are more focused: H(MAE-7) < H(NOBCD) < ln h (Sec. 5.1)",
+                      paper="1.91 < 2.02 < 2.08",
+                      measured=f"{ent['MAE-7']['mean']:.3f} vs {ent['NOBCD']['mean']:.3f} vs {ent['UNI-MAE-7']['mean']:.3f}",
+                      verdict=_verdict(ent["MAE-7"]["mean"] < ent["NOBCD"]["mean"] < ent["UNI-MAE-7"]["mean"] + 1e-9)))
     sh = analyses["gates"]["shares"]["MAE-7"]
     lo, hi = min(min(s) for s in sh), max(max(s) for s in sh)
-    rows.append(("attribution is balanced, no rich-get-richer (Sec. 5.1, Table 8): every expert gets 5-25% of instances",
-                 "6.9-16.4% over 6 encoder layers", f"{lo:.1f}-{hi:.1f}% over {len(sh)} layers",
-                 _verdict(lo >= 5.0 and hi <= 25.0)))
+    rows.append(Claim(text="attribution is balanced, no rich-get-richer (Sec. 5.1, Table 8): every expert gets 5-25% of instances",
+                      paper="6.9-16.4% over 6 encoder layers", measured=f"{lo:.1f}-{hi:.1f}% over {len(sh)} layers",
+                      verdict=_verdict(lo >= 5.0 and hi <= 25.0)))
     top = analyses["top1"]["models"]
     d = {n: top[n]["single_ppl"] - top[n]["mixture_ppl"] for n in top}
-    rows.append(("top expert only costs MAE-7 less than NOBCD (Table 5)", "-0.3 vs -0.7 BLEU",
-                 f"+{d['MAE-7']:.2f} vs +{d['NOBCD']:.2f} dev ppl", _less(d["MAE-7"], d["NOBCD"])))
-    rows.append(("...and less than UNI-MAE-7 with a random expert (Table 5)", "NOBCD's drop is similar to UNI-MAE-7's",
-                 f"+{d['MAE-7']:.2f} vs +{d['UNI-MAE-7']:.2f} dev ppl", _less(d["MAE-7"], d["UNI-MAE-7"])))
+    rows.append(Claim(text="top expert only costs MAE-7 less than NOBCD (Table 5)", paper="-0.3 vs -0.7 BLEU",
+                      measured=f"+{d['MAE-7']:.2f} vs +{d['NOBCD']:.2f} dev ppl", verdict=_less(d["MAE-7"], d["NOBCD"])))
+    rows.append(Claim(text="...and less than UNI-MAE-7 with a random expert (Table 5)",
+                      paper="NOBCD's drop is similar to UNI-MAE-7's",
+                      measured=f"+{d['MAE-7']:.2f} vs +{d['UNI-MAE-7']:.2f} dev ppl",
+                      verdict=_less(d["MAE-7"], d["UNI-MAE-7"])))
     by = {(r["method"], r["fraction"]): r for r in ft}
     noft = by.get(("NOFT", 0.0))
     full = max((r["fraction"] for r in ft), default=0.0)
@@ -148,35 +156,41 @@ def claims(runs: dict[str, dict[str, Any]], analyses: dict[str, Any],
     if noft and all((m, full) in by for m in ("FTG", "FTG+", "FTALL")):  # (a failed run is not in ft)
         g, gp, al = (math.exp(by[(m, full)]["test_loss_at_best"]) for m in ("FTG", "FTG+", "FTALL"))
         n0 = math.exp(noft["test_loss_at_best"])
-        rows.append(("FTG improves over NOFT (Table 7)", "+0.8 BLEU", f"NT test ppl {g:.2f} vs {n0:.2f}",
-                     _less(g, n0)))
-        rows.append(("FTG+ almost matches FTALL; FTG is well behind (Table 7)", "FTG+ -0.2, FTG -1.8 BLEU from FTALL",
-                     f"NT test ppl FTG {g:.2f}, FTG+ {gp:.2f}, FTALL {al:.2f}",
-                     _verdict(abs(gp - al) < abs(g - al))))
+        rows.append(Claim(text="FTG improves over NOFT (Table 7)", paper="+0.8 BLEU",
+                          measured=f"NT test ppl {g:.2f} vs {n0:.2f}", verdict=_less(g, n0)))
+        rows.append(Claim(text="FTG+ almost matches FTALL; FTG is well behind (Table 7)",
+                          paper="FTG+ -0.2, FTG -1.8 BLEU from FTALL",
+                          measured=f"NT test ppl FTG {g:.2f}, FTG+ {gp:.2f}, FTALL {al:.2f}",
+                          verdict=_verdict(abs(gp - al) < abs(g - al))))
         gs = {m: by[(m, full)]["best_step"] for m in ("FTG", "FTG+", "FTALL")}
-        rows.append(("FTG / FTG+ reach their best in fewer steps than FTALL (Table 7)", "~1K vs more",
-                     f"best dev at step FTG {gs['FTG']}, FTG+ {gs['FTG+']}, FTALL {gs['FTALL']}",
-                     "inconclusive (every method still improving at its last step)"
-                     if len(set(gs.values())) == 1 and gs["FTALL"] == by[("FTALL", full)]["curve"][-1]["step"]
-                     else _verdict(max(gs["FTG"], gs["FTG+"]) < gs["FTALL"])))
+        rows.append(Claim(
+            text="FTG / FTG+ reach their best in fewer steps than FTALL (Table 7)", paper="~1K vs more",
+            measured=f"best dev at step FTG {gs['FTG']}, FTG+ {gs['FTG+']}, FTALL {gs['FTALL']}",
+            verdict="inconclusive (every method still improving at its last step)"
+                    if len(set(gs.values())) == 1 and gs["FTALL"] == by[("FTALL", full)]["curve"][-1]["step"]
+                    else _verdict(max(gs["FTG"], gs["FTG+"]) < gs["FTALL"])))
     if all((m, f) in by for m in ("FTG+", "FTALL") for f in (small, full)) and small < full:
         gap_small = math.exp(by[("FTG+", small)]["test_loss_at_best"]) - math.exp(by[("FTALL", small)]["test_loss_at_best"])
         gap_full = math.exp(by[("FTG+", full)]["test_loss_at_best"]) - math.exp(by[("FTALL", full)]["test_loss_at_best"])
-        rows.append(("with less data the FTG+ - FTALL gap shrinks (Fig. 2)", "FTG+ wins below 20% of the data",
-                     f"gap (ppl) {gap_small:+.2f} at {small:.0%} vs {gap_full:+.2f} at {full:.0%}",
-                     _verdict(gap_small < gap_full)))
+        rows.append(Claim(text="with less data the FTG+ - FTALL gap shrinks (Fig. 2)",
+                          paper="FTG+ wins below 20% of the data",
+                          measured=f"gap (ppl) {gap_small:+.2f} at {small:.0%} vs {gap_full:+.2f} at {full:.0%}",
+                          verdict=_verdict(gap_small < gap_full)))
     b, nb, m7 = runs["BASE"]["curve"], runs["NOBCD"]["curve"], runs["MAE-7"]["curve"]
-    rows.append(("NOBCD fits the training data faster than BASE (App. B)", "lower training loss",
-                 f"final train loss {nb[-1]['train_loss']:.3f} vs {b[-1]['train_loss']:.3f}",
-                 _less(nb[-1]["train_loss"], b[-1]["train_loss"])))
-    rows.append(("...but never beats BASE on dev (App. B)", "NOBCD dev >= BASE dev throughout",
-                 f"best dev loss {min(c['dev_loss'] for c in nb):.3f} vs {min(c['dev_loss'] for c in b):.3f}",
-                 "inconclusive (within 0.5% throughout)"
-                 if all(abs(x["dev_loss"] - y["dev_loss"]) <= TIE * y["dev_loss"] for x, y in zip(nb, b))
-                 else _verdict(all(x["dev_loss"] >= y["dev_loss"] for x, y in zip(nb, b)))))
-    rows.append(("MAE-7 beats both on dev (App. B)", "MAE-7 best dev",
-                 f"best dev loss {min(c['dev_loss'] for c in m7):.3f}",
-                 _verdict(min(c["dev_loss"] for c in m7) < min(min(c["dev_loss"] for c in nb), min(c["dev_loss"] for c in b)))))
+    rows.append(Claim(text="NOBCD fits the training data faster than BASE (App. B)", paper="lower training loss",
+                      measured=f"final train loss {nb[-1]['train_loss']:.3f} vs {b[-1]['train_loss']:.3f}",
+                      verdict=_less(nb[-1]["train_loss"], b[-1]["train_loss"])))
+    rows.append(Claim(
+        text="...but never beats BASE on dev (App. B)", paper="NOBCD dev >= BASE dev throughout",
+        measured=f"best dev loss {min(c['dev_loss'] for c in nb):.3f} vs {min(c['dev_loss'] for c in b):.3f}",
+        verdict="inconclusive (within 0.5% throughout)"
+                if all(abs(x["dev_loss"] - y["dev_loss"]) <= TIE * y["dev_loss"] for x, y in zip(nb, b))
+                else _verdict(all(x["dev_loss"] >= y["dev_loss"] for x, y in zip(nb, b)))))
+    rows.append(Claim(
+        text="MAE-7 beats both on dev (App. B)", paper="MAE-7 best dev",
+        measured=f"best dev loss {min(c['dev_loss'] for c in m7):.3f}",
+        verdict=_verdict(min(c["dev_loss"] for c in m7)
+                < min(min(c["dev_loss"] for c in nb), min(c["dev_loss"] for c in b)))))
     return rows
 
 
@@ -254,7 +268,7 @@ def write_report(out_dir: Path, s: Any, corpus: Any, run_list: list[dict[str, An
         f"significance test: small differences may be noise.",
         f"- **Run time**: training and fine-tuning took {train_secs / 60:.1f} min of the recorded "
         f"epochs; the last invocation of `routelab reproduce mae` ran {elapsed / 60:.1f} min "
-        f"(torch {torch.__version__}, 1 thread, {platform.machine()}).",
+        f"({software_line(threads=1)}).",
         "",
         "## Scores (Tables 2-4)",
         "",
@@ -350,11 +364,10 @@ def write_report(out_dir: Path, s: Any, corpus: Any, run_list: list[dict[str, An
     L += [""]
 
     rows = claims(runs, analyses, ft)
-    L += ["## Claims", "", "| claim | paper | measured here | verdict |", "|---|---|---|---|"]
-    L += [f"| {c} | {p} | {m} | {v} |" for c, p, m, v in rows]
-    held = [c for c, _, _, v in rows if v == "holds"]
-    failed = [c for c, _, _, v in rows if v == "does not hold"]
-    ties = [c for c, _, _, v in rows if v.startswith("inconclusive")]
+    L += ["## Claims", "", claims_markdown(rows)]
+    held = [c.text for c in rows if c.outcome == HOLDS]
+    failed = [c.text for c in rows if c.outcome == NOT_HOLD]
+    ties = [c.text for c in rows if c.outcome == "inconclusive"]
     L += ["", f"A claim comparing two numbers is called inconclusive when they differ by less than "
           f"{TIE:.1%} (one seed cannot separate them).", "", "## Closing note", "",
           f"{len(held)} of {len(rows)} claims hold in this run, {len(failed)} do not and "

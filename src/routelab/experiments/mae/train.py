@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from routelab.layers.bcd import BCDTrainer
 from routelab.layers.mae import set_routing
 
-from ..failures import check_finite, diverged_on_error
+from ..kit.divergence import check_finite, diverged_on_error
 from .model import LMConfig, TransformerLM, lm_loss
 
 __all__ = [

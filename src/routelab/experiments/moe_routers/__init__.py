@@ -16,7 +16,6 @@ finished (router, seed) run in ``DIR/runs.jsonl``; a rerun skips recorded runs).
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from datetime import datetime, timezone
@@ -24,9 +23,11 @@ from pathlib import Path
 
 import torch
 
-from .. import SweepExperiment
-from ..failures import is_failed, split_failed, train_or_fail, with_failures_section
-from ..runner import append_jsonl_atomic, atomic_write_text, missing_keys, read_jsonl
+from ..kit.divergence import train_or_fail
+from ..kit.experiment import Experiment
+from ..kit.failed_runs import with_failures_section
+from ..kit.provenance import load_average
+from ..kit.store import append_jsonl_atomic, atomic_write_text, is_failed, missing_keys, read_jsonl, split_failed
 from .model import ROUTER_SPECS, MnistMoE, RouterSpec, Settings, evaluate, prepare_data, train_run
 from .report import draw_figures, render_report, results_csv
 
@@ -64,7 +65,7 @@ def run_sweep(out_dir: Path, settings: Settings, *, figures: bool = True, progre
     settings.validate()
     t_start = time.perf_counter()
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    load_start = _load_average()
+    load_start = load_average()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs_path = out_dir / "runs.jsonl"
@@ -97,15 +98,8 @@ def run_sweep(out_dir: Path, settings: Settings, *, figures: bool = True, progre
     if pending:
         append_jsonl_atomic(out_dir / "invocations.jsonl", {
             "started": started, "wall_s": round(wall_s, 1), "trained": len(pending), "settings": key,
-            "load_start": load_start, "load_end": _load_average(), "threads": settings.threads})
+            "load_start": load_start, "load_end": load_average(), "threads": settings.threads})
     return write_outputs(out_dir, settings, wall_s=wall_s, figures=figures, resumed=len(plan) - len(pending))
-
-
-def _load_average() -> str:
-    try:
-        return f"{os.getloadavg()[0]:.2f}"
-    except (AttributeError, OSError):
-        return "unavailable"
 
 
 def write_outputs(out_dir: Path, settings: Settings, *, wall_s: float | None = None, figures: bool = True,
@@ -131,7 +125,7 @@ def write_outputs(out_dir: Path, settings: Settings, *, wall_s: float | None = N
     return atomic_write_text(out_dir / "report.md", text)
 
 
-EXPERIMENT = SweepExperiment(
+EXPERIMENT = Experiment(
     "moe-routers",
     ("MoE routers on MNIST: accuracy, load balance and dropped tokens of every routelab router; "
      "batchwise vs threshold masks at inference (Shazeer et al. 2017, App. F)."

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from ...gates.batchwise import batchwise_mask, threshold_mask
 from ...layers import MoE
 from ...routers import BatchwiseRouter
-from ..failures import check_finite, diverged_on_error
+from ..kit.divergence import check_finite, diverged_on_error
 
 __all__ = ["ROUTER_SPECS", "MnistMoE", "RouterSpec", "Settings", "evaluate", "prepare_data", "train_run"]
 

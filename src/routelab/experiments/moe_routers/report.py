@@ -6,22 +6,18 @@ import csv
 import io
 import math
 import os
-import platform
-import subprocess
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-import routelab
-
 from ...machine import cpu_model as _cpu_model
-from ..runner import csv_cell
+from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown, verdict_of
+from ..kit.provenance import software_line
+from ..kit.stats import Stat, mean_se
+from ..kit.tables import csv_cell, md_table
 from .model import MNIST_MEAN, MNIST_STD, ROUTER_SPECS, Settings
 
-__all__ = ["Claim", "aggregate", "claims", "draw_figures", "render_report", "results_csv"]
+__all__ = ["aggregate", "claims", "draw_figures", "render_report", "results_csv"]
 
 #: Accuracy margin (absolute) used by the App. F criteria: 0.5 percentage point.
 ACC_MARGIN = 0.005
@@ -30,34 +26,6 @@ AGREEMENT_MIN = 0.9
 
 
 # ----------------------------------------------------------------------------- aggregation
-
-
-@dataclass(frozen=True)
-class Stat:
-    """Mean and standard error over seeds (``se`` is ``None`` for one seed)."""
-
-    mean: float
-    se: float | None
-    n: int
-
-    def fmt(self, pct: bool = False, digits: int = 2) -> str:
-        if self.n == 0 or math.isnan(self.mean):
-            return "—"
-        scale = 100.0 if pct else 1.0
-        m = f"{self.mean * scale:.{digits}f}"
-        return m if self.se is None else f"{m} ± {self.se * scale:.{digits}f}"
-
-
-def _stat(values: Sequence[float]) -> Stat:
-    vals = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    n = len(vals)
-    if n == 0:
-        return Stat(float("nan"), None, 0)
-    mean = sum(vals) / n
-    if n == 1:
-        return Stat(mean, None, 1)
-    var = sum((v - mean) ** 2 for v in vals) / (n - 1)
-    return Stat(mean, math.sqrt(var / n), n)
 
 
 def _get(record: Mapping[str, Any], path: str) -> Any:
@@ -71,7 +39,7 @@ def _get(record: Mapping[str, Any], path: str) -> Any:
 
 def aggregate(records: Sequence[Mapping[str, Any]], router: str, path: str) -> Stat:
     """Mean ± s.e. over the seeds of ``router`` of the record field ``path`` (dotted)."""
-    return _stat([_get(r, path) for r in records if r["router"] == router])
+    return mean_se([_get(r, path) for r in records if r["router"] == router])
 
 
 # ----------------------------------------------------------------------------- csv
@@ -98,8 +66,6 @@ def results_csv(records: Sequence[Mapping[str, Any]]) -> str:
         row += [csv_cell((_get(r, "batchwise.acc_batchwise") or {}).get(b)) for b in bw_batches]
         w.writerow(row)
     return buf.getvalue()
-
-
 
 
 # ----------------------------------------------------------------------------- figures
@@ -183,9 +149,9 @@ def draw_figures(out_dir: Path, records: Sequence[Mapping[str, Any]], settings: 
         for r in bw:
             ax.plot(batches, [100 * r["batchwise"]["acc_batchwise"][str(b)] for b in batches], "o-", alpha=0.5,
                     label=f"batchwise mask, seed {r['seed']}")
-        thr = _stat([r["batchwise"]["acc_threshold_batch1"] for r in bw])
+        thr = mean_se([r["batchwise"]["acc_threshold_batch1"] for r in bw])
         ax.axhline(100 * thr.mean, color="tab:red", ls="--", label="threshold mask, batch size 1 (mean)")
-        test = _stat([r["test"]["acc"] for r in bw])
+        test = mean_se([r["test"]["acc"] for r in bw])
         ax.axhline(100 * test.mean, color="tab:green", ls=":",
                    label=f"threshold mask, batch {settings.batch_size} + capacity (mean)")
         ax.set_xscale("log", base=2)
@@ -205,17 +171,6 @@ def draw_figures(out_dir: Path, records: Sequence[Mapping[str, Any]], settings: 
 # ----------------------------------------------------------------------------- claims
 
 
-@dataclass(frozen=True)
-class Claim:
-    """A claim of a paper, its criterion, what was measured and the verdict."""
-
-    source: str
-    claim: str
-    criterion: str
-    measured: str
-    verdict: str
-
-
 def _pct(x: float) -> str:
     return f"{100 * x:.2f} %"
 
@@ -233,53 +188,56 @@ def claims(records: Sequence[Mapping[str, Any]], settings: Settings) -> list[Cla
         drop = max(_get(r, "train.dropped_fraction") for r in records if r["router"] == "batchwise")
         ok = cv <= 1e-9 and kcv <= 1e-9 and drop <= 1e-9
         out.append(Claim(
-            "Shazeer et al. 2017, App. F, eq. 18",
-            "With the batchwise mask every expert receives exactly the same number of examples, m = k · batch / E, "
-            "in every training batch.",
-            "over the last training epoch of every seed, the CV of the proposed and of the kept load is 0 and the "
-            "capacity drops nothing. holds: all three are 0; otherwise does not hold.",
-            f"largest over seeds: proposed-load CV {cv:.2g}, kept-load CV {kcv:.2g}, pairs dropped {_pct(drop)}",
-            "**holds**" if ok else "**does not hold**"))
+            paper="Shazeer et al. 2017, App. F, eq. 18",
+            text="With the batchwise mask every expert receives exactly the same number of examples, "
+                 "m = k · batch / E, in every training batch.",
+            criterion="over the last training epoch of every seed, the CV of the proposed and of the kept load "
+                      "is 0 and the capacity drops nothing. holds: all three are 0; otherwise does not hold.",
+            measured=f"largest over seeds: proposed-load CV {cv:.2g}, kept-load CV {kcv:.2g}, "
+                     f"pairs dropped {_pct(drop)}",
+            verdict=HOLDS if ok else NOT_HOLD))
     else:
-        out.append(Claim("Shazeer et al. 2017, App. F, eq. 18", "batchwise mask balances exactly", "—",
-                         "batchwise not run", "not measured"))
+        out.append(Claim(paper="Shazeer et al. 2017, App. F, eq. 18", text="batchwise mask balances exactly",
+                         criterion="—", measured="batchwise not run", verdict=NOT_MEASURED))
 
     # C2: App. F -- threshold mask at inference replaces the batchwise mask.
     bw = [r for r in records if r.get("batchwise")]
     if bw:
         b = str(settings.batch_size)
-        acc_bw = _stat([r["batchwise"]["acc_batchwise"][b] for r in bw])
-        acc_t1 = _stat([r["batchwise"]["acc_threshold_batch1"] for r in bw])
-        agree = _stat([r["batchwise"]["mask_agreement"] for r in bw])
-        epx = _stat([r["batchwise"]["threshold_experts_per_token"] for r in bw])
+        acc_bw = mean_se([r["batchwise"]["acc_batchwise"][b] for r in bw])
+        acc_t1 = mean_se([r["batchwise"]["acc_threshold_batch1"] for r in bw])
+        agree = mean_se([r["batchwise"]["mask_agreement"] for r in bw])
+        epx = mean_se([r["batchwise"]["threshold_experts_per_token"] for r in bw])
         a = acc_t1.mean >= acc_bw.mean - ACC_MARGIN
         g = agree.mean >= AGREEMENT_MIN
-        verdict = "**holds**" if a and g else "**partly**" if a or g else "**does not hold**"
+        verdict = verdict_of([a, g])
         out.append(Claim(
-            "Shazeer et al. 2017, App. F, eq. 19-20",
-            "Per-expert thresholds T trained with L_batchwise approximate the batchwise mask, so the threshold "
-            "mask can be used at inference where there is no large batch.",
-            f"(a) test accuracy with the threshold mask at batch size 1 is at least that of the batchwise mask "
-            f"over batches of the training size ({settings.batch_size}) minus {100 * ACC_MARGIN:.1f} point "
-            f"(means over seeds); (b) the two masks agree on at least {AGREEMENT_MIN:.0%} of the (image, expert) "
-            "entries of the test set. holds: (a) and (b); partly: one; does not hold: neither.",
-            f"(a) threshold @ batch 1: {_pct(acc_t1.mean)}, batchwise @ batch {b}: {_pct(acc_bw.mean)} "
-            f"(difference {100 * (acc_t1.mean - acc_bw.mean):+.2f} points); (b) agreement {_pct(agree.mean)}; "
-            f"experts per image under the threshold mask {epx.mean:.2f} (k = {settings.spec('batchwise').k})"
-            + quick_note,
-            verdict))
+            paper="Shazeer et al. 2017, App. F, eq. 19-20",
+            text="Per-expert thresholds T trained with L_batchwise approximate the batchwise mask, so the threshold "
+                 "mask can be used at inference where there is no large batch.",
+            criterion=f"(a) test accuracy with the threshold mask at batch size 1 is at least that of the "
+                      f"batchwise mask over batches of the training size ({settings.batch_size}) minus "
+                      f"{100 * ACC_MARGIN:.1f} point "
+                      f"(means over seeds); (b) the two masks agree on at least {AGREEMENT_MIN:.0%} of the (image, expert) "
+                      "entries of the test set. holds: (a) and (b); partly: one; does not hold: neither.",
+            measured=f"(a) threshold @ batch 1: {_pct(acc_t1.mean)}, batchwise @ batch {b}: {_pct(acc_bw.mean)} "
+                     f"(difference {100 * (acc_t1.mean - acc_bw.mean):+.2f} points); (b) agreement {_pct(agree.mean)}; "
+                     f"experts per image under the threshold mask {epx.mean:.2f} (k = {settings.spec('batchwise').k})"
+                     + quick_note,
+            verdict=verdict))
         small = min(int(x) for x in bw[0]["batchwise"]["acc_batchwise"])
-        acc_small = _stat([r["batchwise"]["acc_batchwise"][str(small)] for r in bw])
+        acc_small = mean_se([r["batchwise"]["acc_batchwise"][str(small)] for r in bw])
         drop_pts = acc_bw.mean - acc_small.mean
         out.append(Claim(
-            "Shazeer et al. 2017, App. F",
-            "A batchwise function used in training requires modifications to the inference when there may not "
-            "be a large batch of examples.",
-            f"the batchwise mask at inference over batches of {small} loses at least {100 * ACC_MARGIN:.1f} point of "
-            f"test accuracy against batches of {settings.batch_size}: holds; otherwise does not hold.",
-            f"batchwise mask @ batch {small}: {_pct(acc_small.mean)} vs @ batch {b}: {_pct(acc_bw.mean)} "
-            f"({100 * -drop_pts:+.2f} points)" + quick_note,
-            "**holds**" if drop_pts >= ACC_MARGIN else "**does not hold**"))
+            paper="Shazeer et al. 2017, App. F",
+            text="A batchwise function used in training requires modifications to the inference when there may not "
+                 "be a large batch of examples.",
+            criterion=f"the batchwise mask at inference over batches of {small} loses at least "
+                      f"{100 * ACC_MARGIN:.1f} point of test accuracy against batches of {settings.batch_size}: holds; "
+                      "otherwise does not hold.",
+            measured=f"batchwise mask @ batch {small}: {_pct(acc_small.mean)} vs @ batch {b}: {_pct(acc_bw.mean)} "
+                     f"({100 * -drop_pts:+.2f} points)" + quick_note,
+            verdict=HOLDS if drop_pts >= ACC_MARGIN else NOT_HOLD))
 
     # C3: Kool et al. Sec. 2.2 / BASE -- balanced assignments.
     balanced = [r for r in ("base", "gumbel_matching") if r in have]
@@ -290,14 +248,14 @@ def claims(records: Sequence[Mapping[str, Any]], settings: Settings) -> list[Cla
             drop = max(_get(r, "train.dropped_fraction") for r in records if r["router"] == name)
             parts.append(f"{name}: proposed-load CV {cv:.2g}, dropped {_pct(drop)}")
             oks.append(cv <= 1e-9 and drop <= 1e-9)
-        verdict = "**holds**" if all(oks) else "**partly**" if any(oks) else "**does not hold**"
+        verdict = verdict_of(oks)
         out.append(Claim(
-            "Kool et al. 2021, Sec. 2.2 (eq. 4); BASE layers",
-            "The (Gumbel-)matching assignment under capacity c = n/k is perfectly balanced: no token is skipped.",
-            f"over the last training epoch of every seed, proposed-load CV 0 and nothing dropped (batch "
-            f"{settings.batch_size} = {settings.batch_size // settings.num_experts} per expert) for "
-            f"{' and '.join(balanced)}. holds: all; partly: some; does not hold: none.",
-            "; ".join(parts), verdict))
+            paper="Kool et al. 2021, Sec. 2.2 (eq. 4); BASE layers",
+            text="The (Gumbel-)matching assignment under capacity c = n/k is perfectly balanced: no token is skipped.",
+            criterion=f"over the last training epoch of every seed, proposed-load CV 0 and nothing dropped (batch "
+                      f"{settings.batch_size} = {settings.batch_size // settings.num_experts} per expert) for "
+                      f"{' and '.join(balanced)}. holds: all; partly: some; does not hold: none.",
+            measured="; ".join(parts), verdict=verdict))
 
     # C4: Sinkhorn balancing steers top-1 choices towards balance.
     if "sinkhorn" in have and "switch" in have:
@@ -307,14 +265,15 @@ def claims(records: Sequence[Mapping[str, Any]], settings: Settings) -> list[Cla
         sw_cv = aggregate(records, "switch", "train.proposed_load_cv").mean
         a, b_ = sk_d <= 0.5 * sw_d, sk_cv < sw_cv
         out.append(Claim(
-            "Kool et al. 2021, Sec. 2.3; S-BASE (as in routelab's SinkhornRouter)",
-            "Balancing the router probabilities by Sinkhorn before the top-1 choice approximates a balanced "
-            "assignment at a fraction of its cost.",
-            "in training (means over seeds), Sinkhorn top-1 against plain top-1 (switch): (a) at most half the "
-            "dropped pairs; (b) a lower proposed-load CV. holds: both; partly: one; does not hold: neither.",
-            f"dropped pairs: sinkhorn {_pct(sk_d)} vs switch {_pct(sw_d)}; proposed-load CV: sinkhorn {sk_cv:.3f} vs "
-            f"switch {sw_cv:.3f}",
-            "**holds**" if a and b_ else "**partly**" if a or b_ else "**does not hold**"))
+            paper="Kool et al. 2021, Sec. 2.3; S-BASE (as in routelab's SinkhornRouter)",
+            text="Balancing the router probabilities by Sinkhorn before the top-1 choice approximates a balanced "
+                 "assignment at a fraction of its cost.",
+            criterion="in training (means over seeds), Sinkhorn top-1 against plain top-1 (switch): (a) at most "
+                      "half the dropped pairs; (b) a lower proposed-load CV. holds: both; partly: one; does not hold: "
+                      "neither.",
+            measured=f"dropped pairs: sinkhorn {_pct(sk_d)} vs switch {_pct(sw_d)}; proposed-load CV: sinkhorn "
+                     f"{sk_cv:.3f} vs switch {sw_cv:.3f}",
+            verdict=verdict_of([a, b_])))
 
     # C5: Kool et al. Sec. 4 -- IW variance outweighs balanced capacity use.
     if "gumbel_matching" in have and "switch" in have:
@@ -324,44 +283,22 @@ def claims(records: Sequence[Mapping[str, Any]], settings: Settings) -> list[Cla
         se = math.sqrt((gm.se or 0.0) ** 2 + (sw.se or 0.0) ** 2) if gm.se is not None and sw.se is not None else None
         bound = 2 * se if se is not None else 0.0
         out.append(Claim(
-            "Kool et al. 2021, Sec. 4 (Discussion)",
-            "Balanced sampling with importance weights does not beat skipping: the variance of the importance "
-            "weights eliminates the benefit of using all the capacity. (Shown there on a REINFORCE toy; here "
-            "an analogue with differentiable gating on MNIST.)",
-            "test accuracy of Gumbel-Matching with importance weights (nothing skipped) is not above that of "
-            "top-1 with capacity skipping (switch) by more than 2 standard errors of the difference (with one "
-            "seed: not above at all). holds: so; does not hold: otherwise.",
-            f"gumbel_matching {_pct(gm.mean)} vs switch {_pct(sw.mean)}: difference {100 * diff:+.2f} points"
-            + (f" (2 s.e. = {200 * se:.2f})" if se is not None else quick_note)
-            + f"; training pairs dropped by switch: {_pct(aggregate(records, 'switch', 'train.dropped_fraction').mean)}",
-            "**holds**" if diff <= bound else "**does not hold**"))
+            paper="Kool et al. 2021, Sec. 4 (Discussion)",
+            text="Balanced sampling with importance weights does not beat skipping: the variance of the importance "
+                 "weights eliminates the benefit of using all the capacity. (Shown there on a REINFORCE toy; here "
+                 "an analogue with differentiable gating on MNIST.)",
+            criterion="test accuracy of Gumbel-Matching with importance weights (nothing skipped) is not above that of "
+                      "top-1 with capacity skipping (switch) by more than 2 standard errors of the difference (with one "
+                      "seed: not above at all). holds: so; does not hold: otherwise.",
+            measured=f"gumbel_matching {_pct(gm.mean)} vs switch {_pct(sw.mean)}: difference {100 * diff:+.2f} points"
+                     + (f" (2 s.e. = {200 * se:.2f})" if se is not None else quick_note)
+                     + "; training pairs dropped by switch: "
+                     + _pct(aggregate(records, "switch", "train.dropped_fraction").mean),
+            verdict=HOLDS if diff <= bound else NOT_HOLD))
     return out
 
 
 # ----------------------------------------------------------------------------- report
-
-
-def _git_commit() -> str:
-    try:
-        root = Path(__file__).resolve().parents[4]
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=root, capture_output=True,
-                               text=True, timeout=10)
-        if rev.returncode:
-            return "unknown"
-        return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str | None = None) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |",
-             "|" + (align.rstrip("|") if align else "|".join("---" for _ in header)) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return lines
 
 
 def observations(records: Sequence[Mapping[str, Any]], settings: Settings) -> list[str]:
@@ -398,15 +335,15 @@ def render_report(settings: Settings, records: Sequence[Mapping[str, Any]], *, w
     routers = [r for r in settings.routers if any(rec["router"] == r for rec in records)]
     planned = len(settings.routers) * len(settings.seeds)
     cl = claims(records, settings)
-    counts = {v: sum(1 for c in cl if c.verdict == f"**{v}**") for v in ("holds", "partly", "does not hold")}
+    counts = {v: sum(c.outcome == v for c in cl) for v in (HOLDS, PARTLY, NOT_HOLD)}
     train_total = sum(r["train_s"] for r in records)
     eval_total = sum(r["eval_s"] for r in records)
     threads = sorted({r.get("threads", settings.threads) for r in records})
     L: list[str] = [
         "# MoE routers on MNIST (routelab)" + (" — quick form" if settings.quick else ""),
         "",
-        f"**Summary:** {len(cl)} claims checked: {counts['holds']} hold, {counts['partly']} hold partly, "
-        f"{counts['does not hold']} do not hold (criteria with each claim below). Runs recorded: "
+        f"**Summary:** {len(cl)} claims checked: {counts[HOLDS]} hold, {counts[PARTLY]} hold partly, "
+        f"{counts[NOT_HOLD]} do not hold (criteria with each claim below). Runs recorded: "
         f"{len(records)} of {planned} planned.",
         "",
     ]
@@ -429,8 +366,7 @@ def render_report(settings: Settings, records: Sequence[Mapping[str, Any]], *, w
     L += [
         f"- Hardware: {_cpu_model()} ({os.cpu_count()} logical CPUs), CPU only, {', '.join(map(str, threads))} "
         "torch thread(s); other jobs shared the machine, so times are indicative.",
-        f"- routelab {routelab.__version__} (commit {_git_commit()}), torch {torch.__version__}, "
-        f"Python {platform.python_version()}.",
+        f"- {software_line()}.",
         "",
         "## Setup",
         "",
@@ -462,25 +398,25 @@ def render_report(settings: Settings, records: Sequence[Mapping[str, Any]], *, w
         "Routers (all built by `MoE(..., router=name)`):",
         "",
     ]
-    L += _table(["name", "router", "k", "importance weighting", "what"],
-                [[s.name, f"`{s.router}`", str(s.k) if s.k else "—", "yes" if s.importance_weighting else "no", s.note]
-                 for s in ROUTER_SPECS if s.name in routers])
+    L.append(md_table(["name", "router", "k", "importance weighting", "what"],
+                      [[s.name, f"`{s.router}`", str(s.k) if s.k else "—", "yes" if s.importance_weighting else "no",
+                        s.note] for s in ROUTER_SPECS if s.name in routers]))
     L += ["", "## Results", "", "Accuracy (%):", ""]
     rows = []
     for r in routers:
-        rows.append([r, aggregate(records, r, "test.acc").fmt(pct=True),
-                     aggregate(records, r, "test_dropless.acc").fmt(pct=True),
-                     aggregate(records, r, "test_subset.acc").fmt(pct=True),
-                     aggregate(records, r, "test_batch1.acc").fmt(pct=True),
-                     _stat([_get(x, "test_batch1.acc") - _get(x, "test_subset.acc") for x in records
-                            if x["router"] == r and _get(x, "test_subset.acc") is not None]).fmt(pct=True),
+        rows.append([r, aggregate(records, r, "test.acc").fmt(scale=100),
+                     aggregate(records, r, "test_dropless.acc").fmt(scale=100),
+                     aggregate(records, r, "test_subset.acc").fmt(scale=100),
+                     aggregate(records, r, "test_batch1.acc").fmt(scale=100),
+                     mean_se([_get(x, "test_batch1.acc") - _get(x, "test_subset.acc") for x in records
+                              if x["router"] == r and _get(x, "test_subset.acc") is not None]).fmt(scale=100),
                      aggregate(records, r, "train.loss").fmt(digits=4),
                      f"{aggregate(records, r, 'train_s').mean:.0f}"])
     n1 = settings.batch1_images
-    L += _table(["router", f"test, batch {settings.batch_size}", f"test, dropless, batch {settings.batch_size}",
-                 f"first {n1} test images, batch {settings.batch_size}", f"first {n1}, batch 1",
-                 "batch 1 − batch (points)", "train CE (last epoch)", "train s / run"], rows,
-                "---|" + "---:|" * 7)
+    L.append(md_table(["router", f"test, batch {settings.batch_size}", f"test, dropless, batch {settings.batch_size}",
+                       f"first {n1} test images, batch {settings.batch_size}", f"first {n1}, batch 1",
+                       "batch 1 − batch (points)", "train CE (last epoch)", "train s / run"], rows,
+                      "---|" + "---:|" * 7))
     L += ["", "Load balance and dropped tokens, training (last epoch) and test "
               f"(batch {settings.batch_size}, capacity factor {settings.capacity_factor:g}):", ""]
     rows = []
@@ -488,16 +424,16 @@ def render_report(settings: Settings, records: Sequence[Mapping[str, Any]], *, w
         rows.append([r,
                      aggregate(records, r, "train.proposed_load_cv").fmt(digits=3),
                      aggregate(records, r, "train.load_cv").fmt(digits=3),
-                     aggregate(records, r, "train.dropped_fraction").fmt(pct=True),
-                     aggregate(records, r, "train.tokens_dropped").fmt(pct=True),
+                     aggregate(records, r, "train.dropped_fraction").fmt(scale=100),
+                     aggregate(records, r, "train.tokens_dropped").fmt(scale=100),
                      aggregate(records, r, "test.proposed_load_cv").fmt(digits=3),
                      aggregate(records, r, "test.load_cv").fmt(digits=3),
-                     aggregate(records, r, "test.dropped_fraction").fmt(pct=True),
-                     aggregate(records, r, "test.tokens_dropped").fmt(pct=True),
+                     aggregate(records, r, "test.dropped_fraction").fmt(scale=100),
+                     aggregate(records, r, "test.tokens_dropped").fmt(scale=100),
                      aggregate(records, r, "test.experts_per_token").fmt(digits=2)])
-    L += _table(["router", "train CV proposed", "train CV kept", "train pairs dropped %", "train images w/o expert %",
-                 "test CV proposed", "test CV kept", "test pairs dropped %", "test images w/o expert %",
-                 "test experts / image"], rows, "---|" + "---:|" * 9)
+    L.append(md_table(["router", "train CV proposed", "train CV kept", "train pairs dropped %",
+                       "train images w/o expert %", "test CV proposed", "test CV kept", "test pairs dropped %",
+                       "test images w/o expert %", "test experts / image"], rows, "---|" + "---:|" * 9))
 
     obs = observations(records, settings)
     if obs:
@@ -524,25 +460,24 @@ def render_report(settings: Settings, records: Sequence[Mapping[str, Any]], *, w
                          ", ".join(f"{t:.3f}" for t in d["thresholds"])])
         if len(bw) > 1:
             def agg(fn):
-                return _stat([fn(r) for r in bw])
-            rows.append(["mean ± s.e.", *(agg(lambda r, b=b: r["batchwise"]["acc_batchwise"][str(b)]).fmt(pct=True)
+                return mean_se([fn(r) for r in bw])
+            rows.append(["mean ± s.e.", *(agg(lambda r, b=b: r["batchwise"]["acc_batchwise"][str(b)]).fmt(scale=100)
                                           + " %" for b in batches),
-                         agg(lambda r: r["batchwise"]["acc_threshold_batch1"]).fmt(pct=True) + " %",
-                         agg(lambda r: r["test"]["acc"]).fmt(pct=True) + " %",
-                         agg(lambda r: r["batchwise"]["mask_agreement"]).fmt(pct=True) + " %",
+                         agg(lambda r: r["batchwise"]["acc_threshold_batch1"]).fmt(scale=100) + " %",
+                         agg(lambda r: r["test"]["acc"]).fmt(scale=100) + " %",
+                         agg(lambda r: r["batchwise"]["mask_agreement"]).fmt(scale=100) + " %",
                          agg(lambda r: r["batchwise"]["threshold_experts_per_token"]).fmt(),
                          agg(lambda r: r["batchwise"]["threshold_load_cv"]).fmt(digits=3),
-                         agg(lambda r: r["test"]["dropped_fraction"]).fmt(pct=True) + " %", ""])
-        L += _table(["seed", *(f"batchwise mask, batch {b}" for b in batches), "threshold, batch 1",
-                     f"threshold, batch {settings.batch_size}", "mask agreement", "threshold experts / image",
-                     "threshold load CV", f"threshold pairs dropped, batch {settings.batch_size}",
-                     "learned thresholds T"], rows, "---|" + "---:|" * (len(batches) + 7) + "---|")
+                         agg(lambda r: r["test"]["dropped_fraction"]).fmt(scale=100) + " %", ""])
+        L.append(md_table(["seed", *(f"batchwise mask, batch {b}" for b in batches), "threshold, batch 1",
+                           f"threshold, batch {settings.batch_size}", "mask agreement", "threshold experts / image",
+                           "threshold load CV", f"threshold pairs dropped, batch {settings.batch_size}",
+                           "learned thresholds T"], rows, "---|" + "---:|" * (len(batches) + 7) + "---|"))
 
     L += ["", "## Claims", "",
           "Verdicts follow the stated criteria, computed by the code from the records above."
           + (" With one seed (quick form) they are indicative." if len(settings.seeds) < 2 else ""), ""]
-    L += _table(["#", "source", "claim (paper)", "criterion", "measured (routelab)", "verdict"],
-                [[str(i), c.source, c.claim, c.criterion, c.measured, c.verdict] for i, c in enumerate(cl, 1)])
+    L.append(claims_markdown(cl))
     if figures:
         L += ["", "## Figures", ""]
         for f in figures:

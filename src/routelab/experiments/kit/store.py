@@ -1,4 +1,4 @@
-"""Small file utilities every experiment uses: resumable JSONL results and atomic writes.
+"""The results store every experiment uses: resumable JSONL records, atomic writes, failed runs.
 
 Results are recorded as one JSON object per line, appended and fsync'ed as each run finishes.
 The trailing newline is the commit marker: whatever follows the last newline (a line cut short
@@ -14,6 +14,11 @@ by an interrupted run) is ignored by :func:`read_jsonl` and removed by the next
 A complete line that is not a JSON object is damage, not an interruption: :func:`read_jsonl`
 raises :class:`ResultsFileError` naming the file, the line and the fix.
 
+A run that diverged is recorded too, as a *failed record* (:func:`failed_record`: the run's key
+fields plus ``status: "failed"``, ``reason`` and ``failed_step``), so that a rerun sees it as done
+(training is deterministic: delete its line, or rerun with ``--fresh``, to retry it); reports
+separate the two kinds with :func:`split_failed`.
+
 The functions assume a single writer per file (one sweep at a time).
 """
 
@@ -22,19 +27,25 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "FAILED",
     "ResultsFileError",
-    "csv_cell",
     "append_jsonl_atomic",
-    "read_jsonl",
-    "completed_keys",
-    "missing_keys",
     "atomic_write_text",
+    "completed_keys",
+    "failed_record",
+    "is_failed",
+    "missing_keys",
+    "read_jsonl",
+    "split_failed",
 ]
+
+FAILED = "failed"
+"""The ``status`` of a failed run's record (records of finished runs carry no ``status``)."""
 
 
 class ResultsFileError(ValueError):
@@ -246,10 +257,22 @@ def missing_keys(
     return [k for k in all_keys if _freeze(list(k)) not in done]
 
 
-def csv_cell(value: Any) -> str:
-    """One results.csv cell: empty for ``None``, 6 significant digits for floats, else ``str``."""
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    return str(value)
+# ----------------------------------------------------------------------------- failed runs
+
+
+def failed_record(key: Mapping[str, Any], reason: str, step: int | None = None) -> dict[str, Any]:
+    """The record of a failed run: its key fields, ``status: "failed"``, ``reason``, ``failed_step``."""
+    return {**key, "status": FAILED, "reason": reason, "failed_step": step}
+
+
+def is_failed(record: Mapping[str, Any]) -> bool:
+    """Whether ``record`` is a failed run's record."""
+    return record.get("status") == FAILED
+
+
+def split_failed(records: Iterable[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(finished, failed)`` records, each in the original order."""
+    done, failed = [], []
+    for r in records:
+        (failed if is_failed(r) else done).append(r)
+    return done, failed

@@ -1,19 +1,18 @@
-"""Failed runs: a training run that diverges is recorded, not raised.
+"""Diverged runs: a training run whose loss or parameters become non-finite is recorded, not raised.
 
-A run whose loss or parameters become non-finite (NaN or +-inf) cannot recover; before this
-module, the next forward pass raised (e.g. ``sample_routes`` or ``MoE`` rejecting NaN scores)
-and took the whole sweep down with it. Every experiment's training loop uses the helpers here
-instead, so the policy is the same everywhere:
+A run whose loss or parameters become non-finite (NaN or +-inf) cannot recover; left alone, the
+next forward pass raises (e.g. ``sample_routes`` or ``MoE`` rejecting NaN scores) and takes the
+whole sweep down with it. Every experiment's training loop uses the helpers here instead, so the
+policy is the same everywhere:
 
 * the loop calls :func:`check_finite` on the step's loss (and, where cheap, the parameters),
   and runs the step inside :func:`diverged_on_error`, which turns an exception raised because
   the parameters already went non-finite into :class:`RunDiverged`;
-* the sweep calls :func:`train_or_fail`, which returns the run's record, or a *failed record*
-  (:func:`failed_record`: the run's key fields plus ``status: "failed"``, ``reason`` and
-  ``failed_step``) that is appended to ``runs.jsonl`` like any other (a rerun does not retry
-  it: training is deterministic; delete its line, or rerun with ``--fresh``, to retry);
-* the report splits the records (:func:`split_failed`), computes its statistics on the runs
-  that finished, and says how many failed and why (:func:`failures_markdown`).
+* the sweep calls :func:`train_or_fail`, which returns the run's record, or its failed record
+  (:func:`routelab.experiments.kit.store.failed_record`), appended to ``runs.jsonl`` like any
+  other;
+* the report computes its statistics on the runs that finished and says how many failed and why
+  (:mod:`routelab.experiments.kit.failed_runs`).
 
 Batched experiments (kool-toy trains many runs as one model) find the failing rows with
 :func:`nonfinite_rows` and take them out of the batch themselves; the reasons read the same.
@@ -22,33 +21,23 @@ Batched experiments (kool-toy trains many runs as one model) find the failing ro
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from .store import failed_record
+
 __all__ = [
-    "FAILED",
     "RunDiverged",
-    "add_failures_to_report",
     "check_finite",
     "diverged_on_error",
     "divergence_reason",
-    "failed_record",
-    "failures_markdown",
-    "is_failed",
     "nonfinite_rows",
-    "split_failed",
     "train_or_fail",
-    "with_failures_section",
 ]
-
-FAILED = "failed"
-"""The ``status`` of a failed run's record (records of finished runs carry no ``status``)."""
 
 Params = nn.Module | Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]
 
@@ -210,12 +199,7 @@ def nonfinite_rows(step: int | None, *, loss: Tensor | None = None,
     return out
 
 
-# ----------------------------------------------------------------------------- records
-
-
-def failed_record(key: Mapping[str, Any], reason: str, step: int | None = None) -> dict[str, Any]:
-    """The record of a failed run: its key fields, ``status: "failed"``, ``reason``, ``failed_step``."""
-    return {**key, "status": FAILED, "reason": reason, "failed_step": step}
+# ----------------------------------------------------------------------------- sweeps
 
 
 def train_or_fail(train: Callable[[], dict[str, Any]], key: Mapping[str, Any],
@@ -234,71 +218,3 @@ def train_or_fail(train: Callable[[], dict[str, Any]], key: Mapping[str, Any],
         if on_fail is not None:
             on_fail(err.reason)
         return failed_record(key, err.reason, err.step)
-
-
-def is_failed(record: Mapping[str, Any]) -> bool:
-    """Whether ``record`` is a failed run's record."""
-    return record.get("status") == FAILED
-
-
-def split_failed(records: Iterable[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """``(finished, failed)`` records, each in the original order."""
-    done, failed = [], []
-    for r in records:
-        (failed if is_failed(r) else done).append(r)
-    return done, failed
-
-
-def failures_markdown(failed: Sequence[Mapping[str, Any]], total: int, fields: Sequence[str],
-                      *, heading: str = "## Failed runs", limit: int = 30) -> str:
-    """A report section on the failed runs: how many, which, and why ("" when none failed).
-
-    Args:
-        failed: the failed records.
-        total: the number of runs recorded (finished + failed), for "F of N".
-        fields: the key fields that name a run (e.g. ``("gate", "lr", "seed")``).
-        heading: the section heading.
-        limit: list at most this many runs one by one (the reasons are always counted).
-    """
-    if not failed:
-        return ""
-    lines = [heading, "",
-             f"**{len(failed)} of {total} runs failed** (their loss or parameters became non-finite). "
-             "They are left out of every average, median and figure; where a table counts successes per "
-             "seed, a failed run counts as a seed without success and is marked *failed*. A rerun does not "
-             "retry them (training is deterministic); delete their lines from the results file, or rerun "
-             "with `--fresh`, to retry them.", ""]
-    kinds = Counter(str(r.get("reason", "")).split(":", 1)[-1].strip().split(" (then:")[0] for r in failed)
-    if len(kinds) > 1:
-        lines += ["Reasons (without the step):", ""]
-        lines += [f"- {n} x {k}" for k, n in kinds.most_common()]
-        lines.append("")
-    for r in list(failed)[:limit]:
-        name = ", ".join(f"{f}={r.get(f)}" for f in fields)
-        lines.append(f"- {name}: {r.get('reason', 'no reason recorded')}")
-    if len(failed) > limit:
-        lines.append(f"- ... and {len(failed) - limit} more (see the results file).")
-    lines.append("")
-    return "\n".join(lines)
-
-
-def with_failures_section(text: str, failed: Sequence[Mapping[str, Any]], total: int,
-                          fields: Sequence[str]) -> str:
-    """``text`` (a report) with :func:`failures_markdown` inserted before its first ``## `` section
-    (appended when it has none); ``text`` unchanged when nothing failed."""
-    section = failures_markdown(failed, total, fields)
-    if not section:
-        return text
-    lines = text.split("\n")
-    at = next((i for i, line in enumerate(lines) if line.startswith("## ")), len(lines))
-    return "\n".join(lines[:at] + section.split("\n") + lines[at:])
-
-
-def add_failures_to_report(report: Path, failed: Sequence[Mapping[str, Any]], total: int,
-                           fields: Sequence[str]) -> Path:
-    """Rewrite the report file ``report`` with the failed-runs section (see :func:`with_failures_section`)."""
-    if failed:
-        from .runner import atomic_write_text  # local: runner imports nothing from here
-
-        atomic_write_text(report, with_failures_section(report.read_text(encoding="utf-8"), failed, total, fields))
-    return report

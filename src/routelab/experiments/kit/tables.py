@@ -1,0 +1,31 @@
+"""Tables of results: markdown tables for the reports and the cells of ``results.csv``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+__all__ = ["csv_cell", "md_table"]
+
+
+def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], align: str | None = None) -> str:
+    """A GitHub markdown table: a header row, the separator row, one row per item of ``rows``.
+
+    Args:
+        headers: the column headers.
+        rows: the cells of each row (``str()`` of each cell is printed).
+        align: the separator row without its leading ``|`` (e.g. ``"---|---:|"`` to right-align
+            the second column); default ``---`` for every column.
+    """
+    lines = ["| " + " | ".join(headers) + " |", "|" + (align or "---|" * len(headers))]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def csv_cell(value: Any) -> str:
+    """One results.csv cell: empty for ``None``, 6 significant digits for floats, else ``str``."""
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
