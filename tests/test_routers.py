@@ -12,7 +12,7 @@ from scipy.optimize import linear_sum_assignment
 
 from routelab.gates import batchwise_mask, batchwise_threshold_loss, threshold_mask
 from routelab.routers import (
-    BaseRouter,
+    BASERouter,
     BatchwiseRouter,
     GumbelMatchingRouter,
     NoisyTopKRouter,
@@ -178,7 +178,7 @@ def test_cv_squared() -> None:
 def test_base_router_is_the_optimal_balanced_assignment() -> None:
     torch.manual_seed(0)
     n, E = 12, 3
-    router = BaseRouter(D, E)
+    router = BASERouter(D, E)
     x = torch.randn(n, D)
     r = router(x, capacity=n // E)
     logits = (x @ router.proj.weight.t()).detach().double().numpy()
@@ -254,10 +254,20 @@ def test_make_router_validation() -> None:
     with pytest.raises(ValueError, match="sweeps"):
         SinkhornRouter(D, 4, sweeps=0)
     with pytest.raises(ValueError, match="capacity_factor >= 1"):
-        BaseRouter(D, 4)(torch.randn(9, D), capacity=2)
+        BASERouter(D, 4)(torch.randn(9, D), capacity=2)
 
 
 def test_router_name_spellings() -> None:
     assert isinstance(make_router("noisy-topk", D, 4), NoisyTopKRouter)
     assert isinstance(make_router("Top_K", D, 4, k=2), TopKRouter)
     assert isinstance(make_router("gumbel-matching", D, 4), GumbelMatchingRouter)
+
+
+def test_base_router_old_name_is_a_deprecated_alias() -> None:
+    import routelab.routers as routers
+
+    with pytest.warns(DeprecationWarning, match="BASERouter"):
+        old = routers.BaseRouter
+    assert old is BASERouter and routers.ROUTERS["base"] is BASERouter
+    with pytest.warns(DeprecationWarning):
+        from routelab.routers.balanced import BaseRouter  # noqa: F401

@@ -2,16 +2,20 @@
 
 Layers (each depends only on the ones above it):
 
-1. :mod:`routelab.assignment` — pure tensor algorithms (sinkhorn, balanced assignment,
-   Gumbel matching).
-2. ``routelab.gates`` — modules producing expert scores (planned).
-3. ``routelab.routing`` / ``routelab.estimators`` — scores to :class:`Routes` under capacity,
-   and the training signal (planned).
-4. ``routelab.layers`` — MoE layers and trainers (planned).
-5. :mod:`routelab.experiments` — reproduced experiments on one small runner.
+0. ``routelab._checks`` — every argument check, once; :class:`routelab.Routes`, the one shared
+   record every routing method returns.
+1. :mod:`routelab.assignment` — pure tensor algorithms (Sinkhorn, balanced assignment,
+   Gumbel-Matching with its conditionals).
+2. :mod:`routelab.gates` — modules and functions turning inputs into expert scores or weights
+   (DSelect-k and its baselines, App. F batchwise gating).
+3. :mod:`routelab.routing` / :mod:`routelab.estimators` — scores to :class:`Routes` under capacity
+   (capacity, the eq. 3 skip correction, drop policies, the Switch balance loss, dispatch plans)
+   and the training signals (sampling estimators with importance weights, REINFORCE, gating);
+   :mod:`routelab.routers` — the routers (score tokens, then apply a routing rule).
+4. :mod:`routelab.layers` — the MoE layer, multi-gate MoE, mixture of attentive experts and its
+   trainer; :mod:`routelab.parallel` beside it (expert parallelism over ``torch.distributed``).
+5. :mod:`routelab.experiments` — reproduced experiments.
 6. :mod:`routelab.cli` — the ``routelab`` command.
-
-The one shared type is :class:`routelab.Routes`.
 """
 
 from routelab.routes import Routes

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from routelab.routers.balanced import BaseRouter, GumbelMatchingRouter, SinkhornRouter
+from routelab.routers.balanced import BASERouter, GumbelMatchingRouter, SinkhornRouter
 from routelab.routers.base import Router
 from routelab.routers.batchwise import BatchwiseRouter
 from routelab.routers.softmax import SoftmaxRouter
@@ -27,7 +27,7 @@ from routelab.routers.topk import NoisyTopKRouter, TopKRouter
 __all__ = [
     "ALIASES",
     "ROUTERS",
-    "BaseRouter",
+    "BASERouter",
     "BatchwiseRouter",
     "GumbelMatchingRouter",
     "NoisyTopKRouter",
@@ -45,7 +45,7 @@ ROUTERS: dict[str, type[Router]] = {
     "switch": TopKRouter,
     "noisy_topk": NoisyTopKRouter,
     "batchwise": BatchwiseRouter,
-    "base": BaseRouter,
+    "base": BASERouter,
     "sinkhorn": SinkhornRouter,
     "gumbel_matching": GumbelMatchingRouter,
 }
@@ -98,3 +98,12 @@ def make_router(name: str, d_model: int, num_experts: int, *, k: int | None = No
             raise ValueError(f"router 'switch' is top-1; use router='topk' with k={k}")
         k = 1
     return cls(d_model, num_experts, k if k is not None else (2 if name == "noisy_topk" else 1), **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    """``BaseRouter``: the deprecated name of :class:`BASERouter`."""
+    if name == "BaseRouter":
+        from routelab.routers import balanced
+
+        return balanced.__getattr__(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

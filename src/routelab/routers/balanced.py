@@ -2,36 +2,33 @@
 
 from __future__ import annotations
 
-import math
+import warnings
 
 import torch
 from torch import Tensor
 
-from ..assignment import balanced_assignment
-from ..assignment.sinkhorn import balance
+from .._checks import check_positive_int, check_tau, resolve_capacity
+from ..assignment import balanced_assignment, sinkhorn_balance
 from ..estimators.sampling import METHODS, sample_routes
 from ..routes import Routes
 from .base import Router
 from .losses import switch_balance
 
-__all__ = ["BaseRouter", "GumbelMatchingRouter", "SinkhornRouter"]
+__all__ = ["BASERouter", "GumbelMatchingRouter", "SinkhornRouter"]
 
 
 def _balanced_capacity(n: int, num_experts: int, capacity: int | None, router: str) -> int:
-    """The capacity a balanced solve uses: the layer's, which must hold every token."""
-    need = math.ceil(n / num_experts)
-    if capacity is None:
-        return max(need, 1)
-    if capacity * num_experts < n:
-        raise ValueError(
-            f"the {router} router assigns every token, but capacity={capacity} x {num_experts} experts < "
-            f"{n} tokens; use capacity_factor >= 1 (capacity >= {need})"
-        )
-    return min(capacity, n)
+    """The capacity a balanced solve uses: the layer's (at most ``n``), which must hold every token;
+    ``ceil(n / E)`` without one (:func:`routelab._checks.resolve_capacity`)."""
+    need = -(-n // num_experts)
+    return resolve_capacity(n, num_experts, capacity, default="ceil", at_most_tokens=True,
+                            fix=f"the {router} router assigns every token: use capacity_factor >= 1 (capacity >= {need})")
 
 
-class BaseRouter(Router):
+class BASERouter(Router):
     """BASE layers (Lewis et al. 2021): the exact balanced assignment maximising total score.
+
+    (Named after the paper's BASE layers; ``BaseRouter``, its old name, is a deprecated alias.)
 
     Training: ``expert = balanced_assignment(x W, capacity)`` (Kool et al. eq. 4, exact), one
     expert per token, every expert at most ``capacity`` tokens. The combine weight is
@@ -44,8 +41,6 @@ class BaseRouter(Router):
         num_experts: ``E``.
         eval_balanced: whether inference also solves the balanced assignment.
     """
-
-    balanced = True
 
     def __init__(self, d_model: int, num_experts: int, *, eval_balanced: bool = True) -> None:
         super().__init__(d_model, num_experts, 1)
@@ -92,9 +87,7 @@ class SinkhornRouter(Router):
                  renormalize: bool = False, eval_balanced: bool = False, balance_coef: float = 0.0) -> None:
         super().__init__(d_model, num_experts, k)
         self.k = self.slots
-        if isinstance(sweeps, bool) or not isinstance(sweeps, int) or sweeps < 1:
-            raise ValueError(f"sweeps must be a positive integer, got {sweeps!r}")
-        self.sweeps = sweeps
+        self.sweeps = check_positive_int("sweeps", sweeps)
         self.renormalize = bool(renormalize)
         self.eval_balanced = bool(eval_balanced)
         self.balance_coef = float(balance_coef)
@@ -104,7 +97,7 @@ class SinkhornRouter(Router):
         n, E = log_p.shape
         target = torch.full((E,), n / E, dtype=log_p.dtype, device=log_p.device)
         # Stop early once every column is within 1% of its target (selection only needs that).
-        out, _ = balance(log_p.detach().unsqueeze(0), target, tol=0.01 * n / E, max_iter=self.sweeps)
+        out, _ = sinkhorn_balance(log_p.detach().unsqueeze(0), target, tol=0.01 * n / E, max_iter=self.sweeps)
         return out.squeeze(0)
 
     def route(self, logits: Tensor, capacity: int | None) -> Routes:
@@ -147,19 +140,14 @@ class GumbelMatchingRouter(Router):
         balance_coef: weight of the Switch balance loss in ``aux["balance"]``.
     """
 
-    balanced = True
-
     def __init__(self, d_model: int, num_experts: int, *, tau: float = 1.0, method: str = "gumbel_matching_iw",
                  sinkhorn: bool = False, eval_balanced: bool = True, balance_coef: float = 0.0) -> None:
         super().__init__(d_model, num_experts, 1)
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not (math.isfinite(tau) and tau > 0):
-            raise ValueError(f"tau must be a finite number > 0, got {tau!r}")
-        self.tau, self.method, self.sinkhorn = float(tau), method, bool(sinkhorn)
+        self.tau, self.method, self.sinkhorn = check_tau(tau, positive=True), method, bool(sinkhorn)
         self.eval_balanced = bool(eval_balanced)
         self.balance_coef = float(balance_coef)
-        self.balanced = method.startswith("gumbel")
 
     def route(self, logits: Tensor, capacity: int | None) -> Routes:
         n, E = logits.shape
@@ -175,11 +163,20 @@ class GumbelMatchingRouter(Router):
                           log_prob=log_prob)
         if self.method.startswith("gumbel"):
             c = _balanced_capacity(n, E, capacity, "gumbel_matching")
-        else:  # the sampling methods skip what does not fit; "sample" ignores capacity
-            c = capacity if capacity is not None else max(math.ceil(n / E), 1)
+        else:  # the sampling methods skip what does not fit (sample_routes checks it); "sample" ignores it
+            c = resolve_capacity(n, E, capacity, default="ceil")
         r = sample_routes(logits, self.method, tau=self.tau, capacity=c, sinkhorn=self.sinkhorn,
                           generator=self.generator)
         aux = {"balance": self.balance_coef * r.aux["balance"]} if self.balance_coef else {}
         return Routes(expert=r.expert.unsqueeze(-1), gate=r.gate.unsqueeze(-1), keep=r.keep.unsqueeze(-1),
                       weight=r.weight.unsqueeze(-1), log_prob=r.log_prob.unsqueeze(-1), aux=aux,
                       stats={"weights_clamped": r.stats["weights_clamped"]})
+
+
+def __getattr__(name: str) -> type:
+    """``BaseRouter``: the deprecated name of :class:`BASERouter` (it read as "the base class")."""
+    if name == "BaseRouter":
+        warnings.warn("routelab.routers.BaseRouter is deprecated: use BASERouter (the BASE-layers router)",
+                      DeprecationWarning, stacklevel=2)
+        return BASERouter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

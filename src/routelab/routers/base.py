@@ -12,21 +12,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..assignment._checks import check_generator
-from ..gates.mtl_gate import check_finite
+from .._checks import check_capacity, check_finite, check_generator, check_positive_int
 from ..routes import Routes
-from ..routing.capacity import check_capacity
 
 __all__ = ["Router", "check_finite_features", "check_positive_int", "expert_grid"]
-
-
-def check_positive_int(name: str, value: object, *, upper: int | None = None, upper_name: str = "") -> int:
-    """``value`` as an int in ``[1, upper]``, else a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if upper is not None and value > upper:
-        raise ValueError(f"{name}={value} is larger than {upper_name}={upper}; use {name} <= {upper}")
-    return value
 
 
 def check_finite_features(features: Tensor) -> None:
@@ -60,9 +49,6 @@ class Router(nn.Module):
         generator: the source of randomness of stochastic routers (``None``: torch's global
             generator); set it for bit-for-bit reproducible runs.
     """
-
-    #: Whether the router's decision already respects the capacity it is given.
-    balanced: bool = False
 
     def __init__(self, d_model: int, num_experts: int, slots: int) -> None:
         super().__init__()
