@@ -820,3 +820,19 @@ def test_capacity_larger_than_n_never_binds(method: str) -> None:
     torch.testing.assert_close(r.weight, gathered(p / q_w, r.expert), rtol=1e-4, atol=1e-9)
     z = zscores(torch.nn.functional.one_hot(r.expert, k), q)
     assert float(z.abs().max()) < z_bound(n * k), z
+
+
+@pytest.mark.parametrize("objective", [reinforce_objective, gating_objective])
+def test_objectives_take_routes_with_one_slot(objective) -> None:
+    """The [..., n, 1] layout of every router gives the same objective as sample_routes' [..., n]."""
+    logits = torch.randn(3, 6, 2, generator=gen(7), requires_grad=True)
+    routes = sample_routes(logits, "sample_skip_iw", capacity=4, generator=gen(8))
+    slots = routes.with_slot_dim()
+    assert not slots.single and slots.expert.shape == (3, 6, 1) and slots.num_tokens == 6
+    assert slots.batch_shape == (3,) and slots.aux is not routes.aux
+    assert torch.equal(slots.dropped_fraction(), routes.dropped_fraction())
+    loss = torch.rand(3, 6, generator=gen(9))
+    torch.testing.assert_close(objective(slots, loss), objective(routes, loss), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="loss must have"):
+        objective(slots, loss.unsqueeze(-1))
+    assert routes.with_slot_dim().with_slot_dim().expert.shape == (3, 6, 1)

@@ -6,9 +6,11 @@ weight (``weight``) and under what router log-probability (``log_prob``). Becaus
 returns the same :class:`Routes`, every layer accepts every method.
 
 All per-slot tensors share one shape ``[..., tokens, slots]``: optional leading batch
-dimensions, then tokens, then slots (``slots = k`` for top-k). Methods that choose exactly one
-expert per token (the sampling estimators of :mod:`routelab.estimators`) set ``single=True`` and
-drop the slot dimension: their tensors are ``[..., tokens]``.
+dimensions, then tokens, then slots (``slots = k`` for top-k, ``1`` for sampling). Every router
+and layer uses that layout. One legacy layout remains: the records of
+:func:`routelab.estimators.sample_routes` set ``single=True`` and drop the slot dimension
+(``[..., tokens]``), as their callers expect; :meth:`Routes.with_slot_dim` turns one into the
+``[..., tokens, 1]`` layout, and the training objectives of :mod:`routelab.estimators` take both.
 
 The property that makes a stochastic method *unbiased*: for any table ``h``,
 ``E[sum_i keep_i * weight_i * h(i, expert_i)] = sum_i sum_j p_ij * h_ij`` with ``p`` the
@@ -49,8 +51,9 @@ class Routes:
             ``"entropy"``, ``"threshold"``), each a tensor (usually a scalar).
         stats: named diagnostics that are not losses (e.g. tokens per expert, dropped
             fraction), each a tensor.
-        single: ``True`` when every token has exactly one slot and the tensors are
-            ``[..., tokens]`` (no slot dimension).
+        single: ``True`` for the legacy layout of :func:`routelab.estimators.sample_routes`:
+            one slot per token and tensors ``[..., tokens]`` (no slot dimension); see
+            :meth:`with_slot_dim`.
 
     Raises:
         TypeError: if a per-slot field is not a tensor, or ``aux``/``stats`` is not a dict of
@@ -212,6 +215,21 @@ class Routes:
             keep=lift(keep),
             weight=lift(weight),
             log_prob=lift(log_prob),
+        )
+
+    def with_slot_dim(self) -> Routes:
+        """This record in the ``[..., tokens, slots]`` layout.
+
+        A ``single`` record (``[..., tokens]``, from :func:`routelab.estimators.sample_routes`)
+        gains a slot dimension of size 1 (views, no copy; ``aux`` and ``stats`` are shared);
+        any other record is returned as it is.
+        """
+        if not self.single:
+            return self
+        return Routes(
+            **{name: getattr(self, name).unsqueeze(-1) for name in _SLOT_FIELDS},
+            aux=dict(self.aux),
+            stats=dict(self.stats),
         )
 
     # ------------------------------------------------------------------ properties

@@ -1,8 +1,10 @@
 """Training signals for routers (Kool et al. 2021, eq. 2, App. B and Sec. 3.1).
 
-Both objectives take the per-token loss ``f_i = f(x_i, z_i)`` of the routed expert and a
-:class:`~routelab.routes.Routes` from :func:`~routelab.estimators.sample_routes`, and average over
-the ``n`` tokens with the routes' importance weights (dropped tokens count 0):
+Both objectives take the per-token loss ``f_i = f(x_i, z_i)`` ``[..., n]`` of the routed expert
+and single-choice :class:`~routelab.routes.Routes`: one slot per token, ``[..., n, 1]`` (the
+layout of every router) or ``[..., n]`` (the ``single`` layout of
+:func:`~routelab.estimators.sample_routes`). They average over the ``n`` tokens with the routes'
+importance weights (dropped tokens count 0):
 
 * REINFORCE (eq. 2, with a baseline): the gradient of
   ``(1/n) sum_i keep_i w_i [f_i + (f_i - b) log p(z_i | x_i)]`` (the second term's factor is
@@ -53,7 +55,7 @@ def reinforce_objective(routes: Routes, loss: Tensor, baseline: Tensor | float =
     """The off-policy REINFORCE surrogate of eq. 2, importance weighted.
 
     Args:
-        routes: routing with ``single=True`` (``[..., n]`` fields).
+        routes: single-choice routing, ``[..., n, 1]`` or ``[..., n]`` (``single=True``) fields.
         loss: ``[..., n]`` per-token loss ``f(x_i, z_i)`` of the routed expert (differentiable in
             the experts' parameters).
         baseline: ``b``: a number, a tensor of the batch shape ``[...]`` (one per run), or a
@@ -64,8 +66,8 @@ def reinforce_objective(routes: Routes, loss: Tensor, baseline: Tensor | float =
         ``[...]`` surrogate whose gradient estimates ``grad E_p[(1/n) sum_i f_i]``; its value is
         the weighted mean loss.
     """
-    _check(routes, loss)
-    w = routes.weight * routes.keep.to(routes.weight.dtype)
+    weight, keep, log_prob = _per_token(routes, loss)
+    w = weight * keep.to(weight.dtype)
     b = torch.as_tensor(baseline, dtype=loss.dtype, device=loss.device)
     if 0 < b.ndim < loss.ndim:
         if b.shape != loss.shape[:-1]:
@@ -81,14 +83,15 @@ def reinforce_objective(routes: Routes, loss: Tensor, baseline: Tensor | float =
             f"a number, one per run {tuple(loss.shape[:-1])}, or a tensor broadcastable to {tuple(loss.shape)}"
         )
     advantage = (loss - b).detach()
-    return (w * (loss + advantage * (routes.log_prob - routes.log_prob.detach()))).mean(-1)
+    return (w * (loss + advantage * (log_prob - log_prob.detach()))).mean(-1)
 
 
 def gating_objective(routes: Routes, loss: Tensor, *, use_weights: bool = True) -> Tensor:
     """Weighted mean of per-token losses computed from gated outputs (Sec. 3.1).
 
     Args:
-        routes: routing with ``single=True``; compute ``loss`` from ``routes.gate * output``.
+        routes: single-choice routing, ``[..., n, 1]`` or ``[..., n]`` (``single=True``) fields;
+            compute ``loss`` from ``routes.gate * output``.
         loss: ``[..., n]`` per-token loss of the gated output.
         use_weights: multiply by the importance weights (False: plain mean over kept tokens
             times ``n_kept / n``, as MoE code without importance weights does).
@@ -96,21 +99,30 @@ def gating_objective(routes: Routes, loss: Tensor, *, use_weights: bool = True) 
     Returns:
         ``[...]`` objective to minimise.
     """
-    _check(routes, loss)
-    keep = routes.keep.to(loss.dtype)
-    w = routes.weight * keep if use_weights else keep
+    weight, keep, _ = _per_token(routes, loss)
+    keep = keep.to(loss.dtype)
+    w = weight * keep if use_weights else keep
     return (w * loss).mean(-1)
 
 
-def _check(routes: Routes, loss: Tensor) -> None:
+def _per_token(routes: Routes, loss: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(weight, keep, log_prob)`` of single-choice ``routes`` as ``[..., n]`` tensors, checked
+    against the per-token ``loss [..., n]``."""
     if not isinstance(routes, Routes):
         raise TypeError(f"routes must be a Routes from sample_routes, got {type(routes).__name__}")
     if not isinstance(loss, Tensor):
         raise TypeError(f"loss must be a tensor [..., n], got {type(loss).__name__}")
-    if not routes.single:
-        raise ValueError("these objectives take single-choice routes ([..., n]) from sample_routes")
-    if loss.shape != routes.expert.shape:
+    if not routes.single and routes.num_slots != 1:
         raise ValueError(
-            f"loss must have the routes' shape {tuple(routes.expert.shape)} (one loss per token), "
-            f"got {tuple(loss.shape)}"
+            f"these objectives take single-choice routes (one slot per token: [..., n, 1] from a router, or the "
+            f"[..., n] of sample_routes), got {routes.num_slots} slots per token"
         )
+    per_token = routes.expert.shape if routes.single else routes.expert.shape[:-1]
+    if loss.shape != per_token:
+        raise ValueError(
+            f"loss must have the routes' per-token shape {tuple(per_token)} (one loss per token of the "
+            f"single-choice routes), got {tuple(loss.shape)}"
+        )
+    if routes.single:
+        return routes.weight, routes.keep, routes.log_prob
+    return routes.weight.squeeze(-1), routes.keep.squeeze(-1), routes.log_prob.squeeze(-1)

@@ -167,10 +167,10 @@ class GumbelMatchingRouter(Router):
             c = resolve_capacity(n, E, capacity, default="ceil")
         r = sample_routes(logits, self.method, tau=self.tau, capacity=c, sinkhorn=self.sinkhorn,
                           generator=self.generator)
-        aux = {"balance": self.balance_coef * r.aux["balance"]} if self.balance_coef else {}
-        return Routes(expert=r.expert.unsqueeze(-1), gate=r.gate.unsqueeze(-1), keep=r.keep.unsqueeze(-1),
-                      weight=r.weight.unsqueeze(-1), log_prob=r.log_prob.unsqueeze(-1), aux=aux,
-                      stats={"weights_clamped": r.stats["weights_clamped"]})
+        r = r.with_slot_dim()
+        r.aux = {"balance": self.balance_coef * r.aux["balance"]} if self.balance_coef else {}
+        r.stats = {"weights_clamped": r.stats["weights_clamped"]}
+        return r
 
 
 def __getattr__(name: str) -> type:
