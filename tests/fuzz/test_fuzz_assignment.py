@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from scipy.optimize import linprog
 
 import routelab.assignment as A
+from test_fuzz_helpers import COVERED_ASSIGNMENT
 from fuzz_strategies import (
     FLOAT_DTYPES,
     HALF_DTYPES,
@@ -50,7 +51,7 @@ from fuzz_strategies import (
 )
 
 COVERED = {"GumbelMatching", "balanced_assignment", "base_assignment", "clear_scratch", "gumbel_matching",
-           "sample_gumbel", "sinkhorn"}
+           "sample_gumbel", "sinkhorn"} | COVERED_ASSIGNMENT
 
 
 def test_public_api_is_covered() -> None:

@@ -18,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import routelab.estimators as E
+from test_fuzz_rules import COVERED_ESTIMATOR_RULES
 from fuzz_strategies import (
     HALF_DTYPES,
     ScoreCase,
@@ -43,6 +44,7 @@ from fuzz_strategies import (
 )
 
 COVERED = {"EMABaseline", "gating_objective", "reinforce_objective", "sample_routes", "switch_balance_loss"}
+COVERED |= COVERED_ESTIMATOR_RULES
 NAMES = ("logits", "method", "tau", "capacity", "sinkhorn", "generator")
 
 

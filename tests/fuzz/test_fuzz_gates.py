@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import routelab.gates as G
+from test_fuzz_rules import COVERED_GATES
 from fuzz_strategies import (
     FLOAT_DTYPES,
     assert_finite,
@@ -34,7 +35,7 @@ from fuzz_strategies import (
 
 COVERED = {"batchwise_mask", "batchwise_threshold_loss", "threshold_mask", "DSelectK", "dselect_weights",
            "selector_outputs", "smooth_step", "MTLGate", "SoftmaxGate", "TopKGate", "GumbelSoftmaxGate",
-           "SoftmaxSelectorGate", "ablation_annealing", "ablation_entropy", "keep_top_k"}
+           "SoftmaxSelectorGate", "ablation_annealing", "ablation_entropy", "keep_top_k"} | COVERED_GATES
 
 
 def test_public_api_is_covered() -> None:

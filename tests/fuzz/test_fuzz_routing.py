@@ -14,6 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import routelab.routing as R
+from test_fuzz_helpers import COVERED_ROUTING
+from test_fuzz_rules import COVERED_ROUTING_RULES
 from fuzz_strategies import (
     FLOAT_DTYPES,
     assert_finite,
@@ -30,7 +32,7 @@ from fuzz_strategies import (
 )
 
 COVERED = {"CapacityDecision", "DispatchPlan", "apply_capacity", "check_capacity", "check_capacity_factor",
-           "expert_capacity"}
+           "expert_capacity"} | COVERED_ROUTING | COVERED_ROUTING_RULES
 
 
 def test_public_api_is_covered() -> None:

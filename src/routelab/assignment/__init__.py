@@ -5,6 +5,11 @@
 * :func:`gumbel_matching` — n x k Gumbel-Matching samples with their conditionals (App. D.3-D.5).
 * :func:`base_assignment` — the deterministic BASE-layers assignment, the ``tau -> 0`` limit.
 
+Helpers for the layers above (public so that no package reaches into this one's private modules):
+:func:`sinkhorn_balance` (the Sinkhorn iteration without validation, under a fixed budget),
+:func:`rank_within_groups`, and the last-dimension reductions :func:`amax`, :func:`argmax` and
+:func:`log_softmax` (torch's, computed slice by slice when there are few experts: faster on CPU).
+
 All functions are batched over leading dimensions (empty ones included), run on CPU and CUDA in
 float32 and float64 (float16/bfloat16 input is computed in float32), are exact at any magnitude
 (scores are row-shifted and scaled by a power of two first, :mod:`._normalise`) and draw
@@ -13,17 +18,25 @@ scratch tensors per thread between calls (page faults on fresh memory would othe
 than the arithmetic); :func:`clear_scratch` frees them.
 """
 
+from ._groups import rank_within_groups
+from ._ops import amax, argmax, log_softmax
 from ._workspace import clear as clear_scratch
 from .balanced import balanced_assignment
 from .gumbel import GumbelMatching, base_assignment, gumbel_matching, sample_gumbel
+from .sinkhorn import balance as sinkhorn_balance
 from .sinkhorn import sinkhorn
 
 __all__ = [
     "GumbelMatching",
+    "amax",
+    "argmax",
     "balanced_assignment",
     "base_assignment",
     "clear_scratch",
     "gumbel_matching",
+    "log_softmax",
+    "rank_within_groups",
     "sample_gumbel",
     "sinkhorn",
+    "sinkhorn_balance",
 ]

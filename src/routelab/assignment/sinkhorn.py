@@ -7,10 +7,10 @@ import numbers
 import torch
 from torch import Tensor
 
-from ._checks import check_score_matrix
+from .._checks import check_positive_int, check_score_matrix
 from ._ops import SMALL_K, logsumexp
 
-__all__ = ["sinkhorn"]
+__all__ = ["balance", "sinkhorn"]
 
 
 def sinkhorn(
@@ -55,8 +55,7 @@ def sinkhorn(
     """
     check_score_matrix(log_p, "log_p")
     n, k = log_p.shape[-2], log_p.shape[-1]
-    if not (isinstance(max_iter, int) and max_iter >= 1):
-        raise ValueError(f"max_iter must be a positive integer, got {max_iter!r}")
+    check_positive_int("max_iter", max_iter)
     if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not tol > 0:
         raise ValueError(f"tol must be positive (a number > 0), got {tol!r}")
     out_dtype = log_p.dtype

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import check_positive_int
+
 
 def check_device_and_threads(device: str, threads: int) -> None:
     """ValueError for an unknown device, ``device="cuda"`` without CUDA, or ``threads < 1``."""
@@ -12,5 +14,4 @@ def check_device_and_threads(device: str, threads: int) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was requested but torch.cuda.is_available() is False "
                          "(this torch build or machine has no usable CUDA GPU); use device='cpu'")
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be a positive integer, got {threads!r}")
+    check_positive_int("threads", threads)

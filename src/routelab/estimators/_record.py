@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from ..routes import Routes
+from ..routing.capacity import skip_correction as eq3_correction
 
 #: The largest importance weight :func:`~routelab.estimators.sample_routes` returns; larger ones
 #: (a proposal that all but missed the router's mass) are clamped here and counted in
@@ -30,8 +31,9 @@ def score_limit(dtype: torch.dtype, n: int, k: int) -> float:
 def skip_correction(method: str, keep: Tensor, load: Tensor, capacity: int) -> Tensor:
     """``[..., n]`` factor on the importance weight of a skipping method.
 
-    ``sample_skip_iw``: ``n_z / min(n_z, c)`` (eq. 3, unbiased); ``sample_skip``: ``n / n_kept``
-    (the plain average over kept tokens, biased).
+    ``sample_skip_iw``: ``n_z / min(n_z, c)`` (eq. 3, unbiased; its one home is
+    :func:`routelab.routing.skip_correction`); ``sample_skip``: ``n / n_kept`` (the plain average
+    over kept tokens, biased).
 
     Args:
         method: ``"sample_skip"`` or ``"sample_skip_iw"``.
@@ -40,7 +42,7 @@ def skip_correction(method: str, keep: Tensor, load: Tensor, capacity: int) -> T
         capacity: ``c``.
     """
     if method == "sample_skip_iw":
-        return load / load.clamp(max=capacity)
+        return eq3_correction(load, capacity)
     kept = keep.sum(-1, keepdim=True).clamp(min=1).to(load.dtype)
     return (keep.shape[-1] / kept).expand_as(load)
 

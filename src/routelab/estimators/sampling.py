@@ -11,17 +11,14 @@ and the capacity did, so that for the unbiased methods and any table ``h``
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 from torch import Tensor
 
-from ..assignment import gumbel_matching, sample_gumbel
-from ..assignment.sinkhorn import balance
-from ..assignment._checks import check_generator, check_score_matrix, resolve_capacity
-from ..assignment._groups import rank_within_groups
-from ..assignment._ops import SMALL_K, amax, argmax, log_softmax
+from .._checks import bad_tau, check_generator, check_score_matrix, resolve_capacity, tau_tensor
+from ..assignment import amax, argmax, gumbel_matching, log_softmax, sample_gumbel, sinkhorn_balance
 from ..routes import Routes
+from ..routing.capacity import random_skip
+from ..routing.losses import switch_balance
 from ._record import MAX_WEIGHT, routes_record, score_limit, skip_correction
 from .two_experts import sample_two
 
@@ -125,19 +122,14 @@ def sample_routes(
     if method == "sample":
         c = None if capacity is None else resolve_capacity(n, k, capacity)
     else:
-        if capacity is None and n % k != 0:
-            raise ValueError(
-                f"method {method!r} respects an expert capacity, and the default n/k needs k={k} to "
-                f"divide n={n}; pass capacity=ceil(n/k)={-(-n // k)} (or larger)"
-            )
-        c = min(resolve_capacity(n, k, capacity), n)
+        c = resolve_capacity(n, k, capacity, at_most_tokens=True)
     # Half precision is computed in float32 (the cast is differentiable).
     x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
     a = x.detach()
     two = k == 2 and _TWO_EXPERT_FAST_PATH
     top = None if two else amax(a)  # [..., n] row maxima, -inf only for a row without an expert
     # One host sync validates tau and the rows (or, for k = 2, asks whether every logit is finite).
-    T, finite = _temperature(tau, batch, x, top, check_finite=a if two else None)
+    T, tau_value, finite = _temperature(tau, batch, x, top, check_finite=a if two else None)
     if finite:  # k = 2 and every logit finite
         # Closed forms on the logit difference: same distributions, half the work (two_experts.py).
         return _cast_routes(sample_two(x, method, T, c, sinkhorn, generator, sinkhorn_tol=SINKHORN_TOL,
@@ -165,10 +157,16 @@ def sample_routes(
         keep = torch.ones_like(expert, dtype=torch.bool)
         correction = None
         if method != "sample":
-            keep, load = _skip(expert, k, c, generator)
+            keep, load = random_skip(expert, k, c, generator)
             correction = skip_correction(method, keep, load.to(log_q.dtype), c)
     else:
-        gm = gumbel_matching(_floor_scores(scaled, a), tau=1.0, capacity=c, generator=generator)
+        # The solver takes the temperature itself (exact at any tau), on the row-shifted logits.
+        # One temperature per instance (a tau tensor) is not in gumbel_matching's contract (a
+        # float): those instances are scaled here.
+        if tau_value is not None:
+            gm = gumbel_matching(a - top.unsqueeze(-1), tau=tau_value, capacity=c, generator=generator)
+        else:
+            gm = gumbel_matching(_floor_scores(scaled, a), tau=1.0, capacity=c, generator=generator)
         expert = gm.expert
         if method == "gumbel_matching_iw":
             q_ref = gm.conditional_log_probs
@@ -183,12 +181,15 @@ def sample_routes(
     log_p_z = log_p.gather(-1, expert.unsqueeze(-1)).squeeze(-1)
     counts = torch.zeros((*batch, k), dtype=torch.long, device=logits.device)
     counts.scatter_add_(-1, expert, keep.long())
-    balance = _switch_balance(log_p.exp(), expert, keep)
+    balance = switch_balance(log_p.exp(), expert.unsqueeze(-1), keep.unsqueeze(-1), fraction_of="tokens")
     return _cast_routes(routes_record(expert, keep, log_p_z, log_q_z, correction, balance, counts), logits.dtype)
 
 
 def switch_balance_loss(probs: Tensor, expert: Tensor, keep: Tensor | None = None) -> Tensor:
     """Switch-Transformer load-balancing loss ``k * sum_j f_j * P_j`` (Fedus et al. 2021).
+
+    :func:`routelab.routing.switch_balance` with ``fraction_of="tokens"``, for single-choice
+    routes (the ``aux["balance"]`` of :func:`sample_routes`), with its arguments checked.
 
     Args:
         probs: ``[..., n, k]`` router probabilities (differentiable).
@@ -206,7 +207,7 @@ def switch_balance_loss(probs: Tensor, expert: Tensor, keep: Tensor | None = Non
     """
     if not isinstance(probs, Tensor) or probs.ndim < 2 or not probs.is_floating_point():
         raise ValueError(f"probs must be a floating tensor [..., n, k], got {getattr(probs, 'shape', type(probs))}")
-    n, k = probs.shape[-2], probs.shape[-1]
+    k = probs.shape[-1]
     if not isinstance(expert, Tensor) or expert.shape != probs.shape[:-1] or expert.dtype != torch.long:
         got = (tuple(expert.shape), expert.dtype) if isinstance(expert, Tensor) else type(expert).__name__
         raise ValueError(f"expert must be a long tensor of shape {tuple(probs.shape[:-1])} (probs without the "
@@ -217,47 +218,36 @@ def switch_balance_loss(probs: Tensor, expert: Tensor, keep: Tensor | None = Non
     if expert.numel() and bool(((expert < 0) | (expert >= k)).any()):
         raise ValueError(f"expert must hold indices in [0, k={k}), got values in "
                          f"[{int(expert.min())}, {int(expert.max())}]")
-    return _switch_balance(probs, expert, keep)
-
-
-def _switch_balance(probs: Tensor, expert: Tensor, keep: Tensor | None) -> Tensor:
-    """:func:`switch_balance_loss` without the argument checks (for valid routes built here)."""
-    n, k = probs.shape[-2], probs.shape[-1]
-    routed = torch.zeros_like(probs).scatter_(-1, expert.unsqueeze(-1), 1.0)
-    if keep is not None:
-        routed = routed * keep.unsqueeze(-1).to(probs.dtype)
-    f = routed.sum(-2) / n
-    return k * (f.detach() * probs.mean(-2)).sum(-1)
+    return switch_balance(probs, expert.unsqueeze(-1), None if keep is None else keep.unsqueeze(-1),
+                          fraction_of="tokens")
 
 
 def _temperature(tau: float | Tensor, batch: torch.Size, like: Tensor, top: Tensor | None = None,
-                 check_finite: Tensor | None = None) -> tuple[Tensor, bool]:
-    """``(T, finite)``: ``tau`` as a ``[..., 1, 1]`` tensor, validated ``> 0``, in one host sync.
+                 check_finite: Tensor | None = None) -> tuple[Tensor, float | None, bool]:
+    """``(T, value, finite)``: ``tau`` as a ``[..., 1, 1]`` tensor, validated ``> 0`` in one host sync.
 
-    The same sync also checks, given ``top`` (the row maxima of the logits), that no row is all
-    ``-inf``, and reports whether every entry of ``check_finite`` is finite (False if not given).
+    ``value`` is ``tau`` as a float when it is one temperature for every instance (a number or a
+    0-dim tensor), else ``None``. The same sync also checks, given ``top`` (the row maxima of the
+    logits), that no row is all ``-inf``, and reports whether every entry of ``check_finite`` is
+    finite (False if not given).
     """
-    if isinstance(tau, bool) or not isinstance(tau, (numbers.Real, Tensor)) or (
-        isinstance(tau, Tensor) and not (tau.is_floating_point() or tau.dtype in (torch.int32, torch.int64))
-    ):
-        raise TypeError(f"tau must be a number or a real tensor of the batch shape, got {type(tau).__name__}")
-    t = torch.as_tensor(tau, dtype=like.dtype, device=like.device)
-    if t.ndim > 0 and t.shape != batch:
-        raise ValueError(
-            f"tau must be a number or a tensor of the batch shape {tuple(batch)}, got shape {tuple(t.shape)}"
-        )
-    flags = [~torch.isfinite(t).all() | (t <= 0).any()]
+    T, invalid = tau_tensor(tau, batch, like)  # the temperature contract (routelab._checks)
+    scalar = not isinstance(tau, Tensor) or tau.ndim == 0
+    flags = [invalid.to(torch.float64)]
     if top is not None:
-        flags.append((top == float("-inf")).any())
+        flags.append((top == float("-inf")).any().to(torch.float64))
     if check_finite is not None:
-        flags.append(torch.isfinite(check_finite).all())
-    bad_tau, *rest = torch.stack(flags).tolist()
-    if bad_tau:
-        raise ValueError(f"tau must be finite and > 0, got {tau!r}; use a small positive value for near-greedy routing")
+        flags.append(torch.isfinite(check_finite).all().to(torch.float64))
+    if scalar and isinstance(tau, Tensor):
+        flags.append(T.reshape(()).to(torch.float64))
+    bad, *rest = torch.stack(flags).tolist()
+    if bad:
+        raise bad_tau(tau)
     if top is not None and rest.pop(0):
         _dead_row(top)
-    T = t.reshape(*batch, 1, 1) if t.ndim > 0 else t.reshape(1, 1)
-    return T, bool(rest and rest[0])
+    finite = bool(rest.pop(0)) if check_finite is not None else False
+    value = (rest.pop(0) if isinstance(tau, Tensor) else float(tau)) if scalar else None
+    return T, value, finite
 
 
 def _dead_row(top: Tensor) -> None:
@@ -302,41 +292,5 @@ def _sinkhorn(log_q: Tensor) -> Tensor:
     n, k = log_q.shape[-2], log_q.shape[-1]
     target = torch.full((k,), n / k, dtype=log_q.dtype, device=log_q.device)
     rel = max(SINKHORN_TOL, 4 * torch.finfo(log_q.dtype).eps * n**0.5)  # what the dtype resolves
-    x, _ = balance(log_q, target, tol=rel * n / k, max_iter=SINKHORN_SWEEPS)
+    x, _ = sinkhorn_balance(log_q, target, tol=rel * n / k, max_iter=SINKHORN_SWEEPS)
     return x
-
-
-def _skip(expert: Tensor, k: int, c: int, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-    """Keep at most ``c`` tokens per expert, chosen uniformly at random.
-
-    Returns:
-        ``(keep [..., n] bool, load [..., n] long)`` with ``load`` the number of tokens that chose
-        each token's expert before skipping (``n_z`` of eq. 3).
-    """
-    shape = expert.shape
-    n = shape[-1]
-    flat = expert.reshape(-1, n)
-    B = flat.shape[0]
-    priority = torch.rand(flat.shape, generator=generator, device=expert.device, dtype=torch.float64)
-    if k <= SMALL_K:
-        # Per expert, keep the c smallest priorities: one selection per expert, no sort.
-        keep = torch.zeros_like(flat, dtype=torch.bool)
-        load = torch.zeros(flat.shape, dtype=torch.long, device=expert.device)
-        for j in range(k):
-            mine = flat == j
-            count = mine.sum(-1, keepdim=True)
-            if c < n:
-                cut = torch.kthvalue(priority.masked_fill(~mine, 2.0), c, dim=-1, keepdim=True).values
-                below = mine & (priority < cut)
-                # Ties at the cut (possible at float resolution) are taken in token order.
-                tie = mine & (priority == cut)
-                room = c - below.sum(-1, keepdim=True)
-                keep |= below | (tie & (torch.cumsum(tie, -1) <= room))
-            else:
-                keep |= mine
-            load = torch.where(mine, count, load)
-        return keep.view(shape), load.view(shape)
-    group = (torch.arange(B, device=expert.device).unsqueeze(-1) * k + flat).reshape(-1)
-    keep = rank_within_groups(group, priority.reshape(-1), B * k) < c
-    load = torch.bincount(group, minlength=B * k)[group]
-    return keep.view(shape), load.view(shape)

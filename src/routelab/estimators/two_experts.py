@@ -9,7 +9,7 @@ path (the tests compare them), so the contract of :func:`sample_routes` holds un
 
 * Sampling at temperature ``tau``: ``z = 1[s / tau + L > 0]`` with ``L ~ Logistic(0, 1)``.
 * Sinkhorn balancing of the proposal: ``s_q = s / tau + beta`` with the one dual variable
-  ``beta`` of :func:`routelab.assignment.sinkhorn._balance_two`.
+  ``beta`` that :func:`routelab.assignment.sinkhorn_balance` finds for two experts.
 * Gumbel-Matching with capacity ``c`` (``n <= 2c``): with perturbed scores ``v = s_q + L``, the
   optimal assignment sends to expert 1 the ``m`` largest ``v`` with ``m = clamp(#{v > 0}, n - c,
   c)``. Given the other tokens' noise, token ``i`` goes to expert 1 exactly when ``v_i > t_i =
@@ -23,8 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..assignment.sinkhorn import _balance_two
+from ..assignment import sinkhorn_balance
 from ..routes import Routes
+from ..routing.capacity import random_skip
+from ..routing.losses import switch_balance_from
 from ._record import routes_record, score_limit, skip_correction
 
 __all__ = ["sample_two"]
@@ -44,33 +46,20 @@ def _sinkhorn_shift(s_q: Tensor, tol_rel: float, sweeps: int) -> Tensor:
     log_q = torch.stack([F.logsigmoid(-s_q), F.logsigmoid(s_q)], dim=-1)
     target = torch.full((2,), n / 2, dtype=s_q.dtype, device=s_q.device)
     rel = max(tol_rel, 4 * torch.finfo(s_q.dtype).eps * n**0.5)
-    out = _balance_two(log_q, target, tol=rel * n / 2, max_iter=sweeps)
-    assert out is not None  # finite input and a target strictly inside (0, n)
-    x, _ = out
+    # Finite input and a target strictly inside (0, n): solved by the two-expert Newton iteration.
+    x, _ = sinkhorn_balance(log_q, target, tol=rel * n / 2, max_iter=sweeps)
     return x[..., 1] - x[..., 0]
 
 
 def _skip_two(z: Tensor, c: int, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-    """Keep at most ``c`` tokens per expert, a uniformly random subset of each expert's tokens.
-
-    One stable sort of ``expert + u`` (``u ~ U[0, 1)`` in float64) orders the tokens by expert and
-    then by a uniform priority (exact ties, of probability ~1e-14, go to the earlier token).
+    """Keep at most ``c`` tokens per expert, a uniformly random subset of each expert's tokens
+    (:func:`routelab.routing.random_skip` on ``z`` as the expert).
 
     Returns:
         ``(keep [..., n] bool, load [..., n] long)``: ``load`` is ``n_z``, the number of tokens
         that chose each token's expert.
     """
-    n = z.shape[-1]
-    u = torch.rand(z.shape, dtype=torch.float64, device=z.device, generator=generator)
-    order = torch.argsort(z.to(torch.float64) + u, dim=-1, stable=True)
-    n1 = z.sum(-1, keepdim=True)
-    n0 = n - n1
-    pos = torch.arange(n, device=z.device).expand_as(order)
-    # sorted position p holds expert 0 for p < n0 (rank p) and expert 1 after (rank p - n0)
-    rank_sorted = torch.where(pos < n0, pos, pos - n0)
-    rank = torch.empty_like(order)
-    rank.scatter_(-1, order, rank_sorted)
-    return rank < c, torch.where(z, n1, n0)
+    return random_skip(z.long(), 2, c, generator)
 
 
 def _matching(v: Tensor, c: int) -> tuple[Tensor, Tensor]:
@@ -152,11 +141,12 @@ def sample_two(
     sign = torch.where(z, 1.0, -1.0).to(s.dtype)
     log_q_z = F.logsigmoid(sign * s_ref)
     log_p_z = F.logsigmoid(sign * s)
-    # Switch balance loss 2 * sum_j f_j P_j with f over kept tokens (as switch_balance_loss).
+    # Switch balance loss 2 * sum_j f_j P_j with f over the n tokens (as switch_balance_loss),
+    # from its closed-form halves.
     p1 = torch.sigmoid(s)
     f1 = (z & keep).to(s.dtype).sum(-1) / n
     f0 = (~z & keep).to(s.dtype).sum(-1) / n
-    balance = 2 * (f0.detach() * (1 - p1).mean(-1) + f1.detach() * p1.mean(-1))
+    balance = switch_balance_from(torch.stack([f0, f1], -1), torch.stack([(1 - p1).mean(-1), p1.mean(-1)], -1))
     on_one = (z & keep).sum(-1)
     counts = torch.stack([keep.sum(-1) - on_one, on_one], dim=-1)
     return routes_record(z.long(), keep, log_p_z, log_q_z, correction, balance.reshape(batch), counts)

@@ -1,7 +1,9 @@
 """Gates: modules and functions that turn inputs into expert scores or weights.
 
-A gate only produces scores/weights; turning them into a :class:`routelab.Routes` decision
-under capacity is the routers' job (:mod:`routelab.routers`).
+A gate only produces scores/weights, under one protocol shared with the token routers
+(:class:`GateOutput`, :mod:`routelab.gates.protocol`); turning scores into a
+:class:`routelab.Routes` decision under capacity is the routing rules' job
+(:mod:`routelab.routing.rules`, called by :mod:`routelab.routers`).
 """
 
 from routelab.gates.batchwise import batchwise_mask, batchwise_threshold_loss, threshold_mask
@@ -17,12 +19,13 @@ from routelab.gates.mtl_baselines import (
     keep_top_k,
 )
 from routelab.gates.mtl_gate import MTLGate
+from routelab.gates.protocol import GateOutput
 from routelab.gates.smooth_step import smooth_step
 
 # Each gate family lives in its own module; add its public names here.
 __all__: list[str] = ["batchwise_mask", "batchwise_threshold_loss", "threshold_mask"]
 __all__ += [
-    "DSelectK", "dselect_weights", "selector_outputs", "smooth_step", "MTLGate",
+    "DSelectK", "dselect_weights", "selector_outputs", "smooth_step", "MTLGate", "GateOutput",
     "SoftmaxGate", "TopKGate", "GumbelSoftmaxGate", "SoftmaxSelectorGate",
     "ablation_annealing", "ablation_entropy", "keep_top_k",
 ]

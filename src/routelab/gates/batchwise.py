@@ -19,6 +19,8 @@ import math
 import torch
 from torch import Tensor
 
+from .._checks import check_positive_int
+
 __all__ = ["batchwise_mask", "batchwise_threshold_loss", "threshold_mask"]
 
 
@@ -65,8 +67,7 @@ def batchwise_mask(scores: Tensor, k: int) -> Tensor:
     """
     _check_scores(scores)
     batch, n = scores.shape
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
-        raise ValueError(f"k must be an integer in [1, experts={n}], got {k!r}")
+    check_positive_int("k", k, upper=n, upper_name="experts")
     if (k * batch) % n != 0:
         raise ValueError(
             f"the batchwise mask keeps m = k*batch/experts = {k}*{batch}/{n} examples per expert, which "

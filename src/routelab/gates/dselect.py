@@ -14,16 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from routelab.gates.mtl_gate import (
-    MTLGate,
-    check_finite,
-    check_k,
-    check_nonneg,
-    check_positive_int,
-    floating_input,
-    uniform_init,
-)
-from routelab.gates.smooth_step import check_gamma, smooth_step
+from .._checks import check_finite, check_k, check_nonneg, check_positive_int, floating_input
+from .mtl_gate import MTLGate, uniform_init
+from .protocol import GateOutput
+from .smooth_step import check_gamma, smooth_step
 
 __all__ = ["dselect_weights", "selector_outputs", "num_code_bits", "DSelectK", "ENTROPY_EPS", "UNUSED_FLOOR"]
 
@@ -226,8 +220,9 @@ class DSelectK(MTLGate):
             return alpha, z
         return self.alpha.unsqueeze(0), self.z.unsqueeze(0)
 
-    def forward(self, x: torch.Tensor | int) -> torch.Tensor:
-        """Expert weights ``[batch, num_experts]`` for ``x`` ``[batch, input_dim]``."""
+    def gate(self, x: torch.Tensor | int) -> GateOutput:
+        """Expert weights ``[batch, num_experts]`` for ``x`` ``[batch, input_dim]`` and the penalties
+        (``stats["smooth_step"]``: ``S(z)`` of the codes, detached); stores nothing."""
         b = self._check_x(x)
         alpha, z = self.codes(x)                                   # [B', k], [B', k, m]
         r = selector_outputs(z, self.gamma)                        # [B', k, 2^m]
@@ -243,11 +238,14 @@ class DSelectK(MTLGate):
             # max(real, floor) in value, d real in gradient: finite where App. B.2 divides by 0.
             floored = real + (UNUSED_FLOOR - real.detach()).clamp(min=0.0)
             aux["unused_codes"] = self.unused_penalty * (1.0 / floored).sum(dim=-1).mean()
-        self.aux = aux
-        self._last_s = smooth_step(z.detach(), self.gamma)
         if weights.shape[0] != b:
             weights = weights.expand(b, self.num_experts)
-        return self._remember(weights, x)
+        return GateOutput(self._output(weights, x), aux, {"smooth_step": smooth_step(z.detach(), self.gamma)})
+
+    def remember(self, out: GateOutput) -> None:
+        """As :meth:`MTLGate.remember`, plus ``S(z)`` of the batch for :meth:`is_binary`."""
+        super().remember(out)
+        self._last_s = out.stats["smooth_step"]
 
     def is_binary(self) -> bool:
         """Whether S(Z) (static: the parameters; per-example: the last batch) is all 0/1."""

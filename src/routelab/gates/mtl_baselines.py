@@ -22,18 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from routelab.gates.dselect import ALPHA_INIT, ENTROPY_EPS
-from routelab.gates.mtl_gate import (
-    MTLGate,
-    check_finite,
-    check_k,
-    check_nonneg,
-    check_pos,
-    check_positive_int,
-    check_seed,
-    floating_input,
-    uniform_init,
-)
+from .._checks import check_finite, check_k, check_nonneg, check_pos, check_positive_int, check_seed, floating_input
+from .dselect import ALPHA_INIT, ENTROPY_EPS
+from .mtl_gate import MTLGate, uniform_init
+from .protocol import GateOutput
 
 __all__ = [
     "SoftmaxGate",
@@ -106,10 +98,9 @@ class SoftmaxGate(_LogitGate):
                  generator: torch.Generator | None = None) -> None:
         super().__init__(num_experts, per_example=per_example, input_dim=input_dim, generator=generator)
 
-    def forward(self, x: torch.Tensor | int) -> torch.Tensor:
+    def gate(self, x: torch.Tensor | int) -> GateOutput:
         s, b = self.scores(x)
-        self.aux = {}
-        return self._remember(torch.softmax(s, dim=-1).expand(b, self.num_experts), x)
+        return GateOutput(self._output(torch.softmax(s, dim=-1).expand(b, self.num_experts), x))
 
 
 class TopKGate(_LogitGate):
@@ -126,10 +117,9 @@ class TopKGate(_LogitGate):
         super().__init__(num_experts, per_example=per_example, input_dim=input_dim, generator=generator)
         self.k = k
 
-    def forward(self, x: torch.Tensor | int) -> torch.Tensor:
+    def gate(self, x: torch.Tensor | int) -> GateOutput:
         s, b = self.scores(x)
-        self.aux = {}
-        return self._remember(torch.softmax(keep_top_k(s, self.k), dim=-1).expand(b, self.num_experts), x)
+        return GateOutput(self._output(torch.softmax(keep_top_k(s, self.k), dim=-1).expand(b, self.num_experts), x))
 
 
 class GumbelSoftmaxGate(MTLGate):
@@ -166,7 +156,7 @@ class GumbelSoftmaxGate(MTLGate):
         """pi = P(U_i = 1): ``[n]``."""
         return torch.sigmoid(self.beta)
 
-    def forward(self, x: torch.Tensor | int) -> torch.Tensor:
+    def gate(self, x: torch.Tensor | int) -> GateOutput:
         b = self._check_x(x)
         if self.training:
             # two-class Gumbel-softmax on logits [log pi, log(1 - pi)] = [logsigmoid(b), logsigmoid(-b)]
@@ -180,10 +170,10 @@ class GumbelSoftmaxGate(MTLGate):
         else:
             u_bin = (self.probabilities() > 0.5).to(self.alpha.dtype)
         weights = torch.softmax(self.alpha, dim=-1) * u_bin
-        self.aux = {}
+        aux = {}
         if self.sparsity_reg > 0:
-            self.aux["sparsity"] = self.sparsity_reg * nn.functional.logsigmoid(self.beta).sum()
-        return self._remember(weights.unsqueeze(0).expand(b, self.num_experts), x)
+            aux["sparsity"] = self.sparsity_reg * nn.functional.logsigmoid(self.beta).sum()
+        return GateOutput(self._output(weights.unsqueeze(0).expand(b, self.num_experts), x), aux)
 
     def report(self) -> dict[str, Any]:
         out = super().report()
@@ -228,14 +218,14 @@ class SoftmaxSelectorGate(MTLGate):
         """The k softmax selectors ``[k, n]``."""
         return torch.softmax(self.beta / self.temperature, dim=-1)
 
-    def forward(self, x: torch.Tensor | int) -> torch.Tensor:
+    def gate(self, x: torch.Tensor | int) -> GateOutput:
         b = self._check_x(x)
         r = self.selectors()
         weights = (torch.softmax(self.alpha, dim=-1).unsqueeze(-1) * r).sum(dim=0)
-        self.aux = {}
+        aux = {}
         if self.entropy_reg > 0:
-            self.aux["entropy"] = self.entropy_reg * (-(r * torch.log(r + ENTROPY_EPS)).sum())
-        return self._remember(weights.unsqueeze(0).expand(b, self.num_experts), x)
+            aux["entropy"] = self.entropy_reg * (-(r * torch.log(r + ENTROPY_EPS)).sum())
+        return GateOutput(self._output(weights.unsqueeze(0).expand(b, self.num_experts), x), aux)
 
     def report(self) -> dict[str, Any]:
         out = super().report()

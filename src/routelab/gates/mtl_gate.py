@@ -1,17 +1,27 @@
 """The small interface every multi-task gate of routelab shares (DSelect-k and its baselines).
 
-A gate is an ``nn.Module`` that maps a batch of inputs to expert weights::
+A gate is an ``nn.Module`` that maps a batch of inputs to expert weights. It follows routelab's
+one gate protocol (:mod:`routelab.gates.protocol`, shared with the token routers)::
+
+    out = gate.gate(x)             # GateOutput: out.scores [batch, num_experts] weights,
+                                   # out.aux the gate's penalties; stores nothing on the gate
+
+and keeps the stateful form its callers use::
 
     weights = gate(x)              # x [batch, input_dim] -> weights [batch, num_experts]
     loss = task_loss + gate.regularization()   # the gate's own penalties, from that forward
     gate.track(step)               # optional, after the optimizer step: convergence bookkeeping
     gate.report()                  # dict of plain numbers (experts selected, binary S(Z), ...)
 
+``forward`` is ``gate(x)`` plus remembering that output (``aux``, the weights) for
+``regularization()`` and ``report()``: the only state kept between calls.
+
 * Static gates (``per_example=False``) ignore the values of ``x``: they use only its batch
   size (``x`` may also be an ``int`` batch size) and return the same weights for every row.
 * ``regularization()`` returns the scalar sum of the penalties of the most recent forward
   call (entropy, the DSelect-k unused-code penalty, Gumbel sparsity ...), already multiplied by
-  their coefficients; ``aux`` holds them by name. It is 0 when the gate has none.
+  their coefficients; ``aux`` holds them by name. It is 0 (on the gate's device) when the gate
+  has none.
 * ``selected_experts(weights)`` counts the experts with nonzero weight per row: ``[batch]``.
 * ``on_step(step, total_steps)`` lets gates with schedules (temperature annealing) update
   themselves; the default does nothing.
@@ -24,95 +34,29 @@ Every gate here is interchangeable inside :class:`routelab.layers.MultiGateMoE`.
 
 from __future__ import annotations
 
-import math
-import operator
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from routelab.assignment._checks import check_generator
+from .._checks import (
+    check_finite,
+    check_generator,
+    check_k,
+    check_nonneg,
+    check_pos,
+    check_positive_int,
+    check_seed,
+    floating_input,
+)
+from .protocol import GateOutput, aux_sum
 
 __all__ = ["MTLGate", "check_positive_int", "check_k", "check_nonneg", "check_pos", "uniform_init",
            "batch_size_of", "check_finite", "floating_input", "check_seed"]
 
 
-# -- validators shared by every layer above this one (gates, routers, estimators, layers) -------
-# (the generator check is assignment._checks.check_generator, the lowest layer's)
-def check_finite(tensors: torch.Tensor | Sequence[torch.Tensor], what: str, fix: str) -> None:
-    """ValueError ``"{what} are not finite (NaN or inf): {fix}"`` unless every entry is finite.
-
-    One reduction per tensor and a single host synchronisation for all of them together: the
-    only sync such a check adds to a forward pass (it is a graph break under ``torch.compile``,
-    like any data-dependent check). Empty tensors pass.
-    """
-    if isinstance(tensors, torch.Tensor):
-        tensors = (tensors,)
-    flags = [torch.isfinite(t).all() for t in tensors if t.numel()]
-    if not flags:
-        return
-    ok = flags[0] if len(flags) == 1 else torch.stack(flags).all()
-    if not bool(ok):
-        raise ValueError(f"{what} are not finite (NaN or inf): {fix}")
-
-
-def floating_input(x: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` cast to the module's compute ``dtype``; ValueError (naming ``name``) unless ``x`` is floating.
-
-    The dtype policy of routelab's modules: any floating input (float16, bfloat16, float32,
-    float64) is accepted and computed in the dtype of the module's parameters; the module returns
-    its output in the input's dtype. Integer, bool and complex inputs are rejected.
-    """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise ValueError(
-            f"{name} must be a floating tensor (float16, bfloat16, float32 or float64), got {x.dtype}; "
-            f"convert it with {name}.float()"
-        )
-    return x if x.dtype == dtype else x.to(dtype)
-
-
-def check_positive_int(name: str, value: Any) -> int:
-    """Return ``value`` if it is an int >= 1, else raise a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-    return value
-
-
-def check_seed(seed: Any, name: str = "seed") -> int:
-    """``seed`` as an int for ``torch.Generator.manual_seed``: an integer (Python, numpy or a
-    0-dim integer tensor; not a bool) in ``[0, 2**64)``, else a ValueError naming ``name``."""
-    try:
-        value = None if isinstance(seed, bool) else operator.index(seed)
-    except TypeError:
-        value = None
-    if value is None or not 0 <= value < 2**64:
-        raise ValueError(f"{name} must be an integer in [0, 2**64), got {seed!r}")
-    return value
-
-
-def check_k(k: Any, num_experts: int) -> int:
-    """Return ``k`` if it is an int with 1 <= k <= num_experts, else raise a ValueError."""
-    check_positive_int("k", k)
-    if k > num_experts:
-        raise ValueError(f"k = {k} must be <= num_experts = {num_experts} (select at most n).")
-    return k
-
-
-def check_nonneg(name: str, v: Any) -> float:
-    """Return ``v`` as a float if it is a finite number >= 0, else raise a ValueError naming ``name``."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {v!r}.")
-    return float(v)
-
-
-def check_pos(name: str, v: Any) -> float:
-    """Return ``v`` as a float if it is a finite number > 0, else raise a ValueError naming ``name``."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {v!r}.")
-    return float(v)
+# The validators every layer above uses live in routelab._checks (their one home); the gates'
+# modules and older user code import them from here.
 
 
 def uniform_init(shape: tuple[int, ...], half_width: float,
@@ -172,12 +116,43 @@ class MTLGate(nn.Module):
                 )
         return b
 
+    # -- the gate protocol ---------------------------------------------------------------------
+    def gate(self, x: torch.Tensor | int) -> GateOutput:  # pragma: no cover - abstract
+        """Weights ``[batch, n]`` (in ``x``'s dtype when ``x`` is a floating tensor) and the
+        penalties of this call, as a :class:`~routelab.gates.protocol.GateOutput`; stores nothing."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor | int) -> torch.Tensor:
+        """Expert weights ``[batch, n]``: :meth:`gate`, remembered for :meth:`regularization` and
+        :meth:`report` (:meth:`remember`)."""
+        out = self.gate(x)
+        self.remember(out)
+        return out.scores
+
+    def remember(self, out: GateOutput) -> None:
+        """Keep ``out`` (its penalties and detached weights) for :meth:`regularization` and
+        :meth:`report`; what :meth:`forward` does after :meth:`gate`."""
+        self.aux = out.aux
+        self._last_weights = out.scores.detach()
+
+    @staticmethod
+    def _output(weights: torch.Tensor, x: torch.Tensor | int) -> torch.Tensor:
+        """``weights`` in ``x``'s dtype when ``x`` is a floating tensor (the dtype policy)."""
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != weights.dtype:
+            return weights.to(x.dtype)
+        return weights
+
+    def _device(self) -> torch.device:
+        """Where the gate computes: its last weights' device, else its parameters'."""
+        if self._last_weights is not None:
+            return self._last_weights.device
+        p = next(self.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
     # -- the shared interface -----------------------------------------------------------------
     def regularization(self) -> torch.Tensor:
-        """Scalar sum of the penalties of the last forward call (0 if none)."""
-        if not self.aux:
-            return torch.zeros(())
-        return torch.stack([v.reshape(()) for v in self.aux.values()]).sum()
+        """Scalar sum of the penalties of the last forward call (0, on the gate's device, if none)."""
+        return aux_sum(self.aux, self._device())
 
     @staticmethod
     def selected_experts(weights: torch.Tensor) -> torch.Tensor:
@@ -198,10 +173,3 @@ class MTLGate(nn.Module):
             out["experts_selected_mean"] = float(sel.mean())
             out["experts_selected"] = sel.tolist() if self.per_example else float(sel[0])
         return out
-
-    def _remember(self, weights: torch.Tensor, x: torch.Tensor | int | None = None) -> torch.Tensor:
-        """Keep ``weights`` for :meth:`report`; return them in ``x``'s dtype when ``x`` is a floating tensor."""
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != weights.dtype:
-            weights = weights.to(x.dtype)
-        self._last_weights = weights.detach()
-        return weights

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from routelab.assignment._checks import check_generator
+from .._checks import check_generator, check_positive_int
 from routelab.layers.mae import MixtureOfAttentiveExperts, mae_modules, set_routing
 
 __all__ = ["EVAL_ROUTING", "MODES", "BCDTrainer", "gate_parameter_names"]
@@ -114,8 +114,7 @@ class BCDTrainer:
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
-        if not isinstance(g_every, int) or g_every < 1:
-            raise ValueError(f"g_every must be a positive int (paper: 5), got {g_every!r}.")
+        check_positive_int("g_every", g_every)  # the paper uses 5
         if gate_lr <= 0 or lr <= 0:
             raise ValueError(f"gate_lr and lr must be positive, got {gate_lr} and {lr}.")
         self.mae = mae_modules(model)

@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..gates.mtl_gate import floating_input
-from ..routers.base import check_positive_int
+from .._checks import check_positive_int, floating_input
 
 __all__ = ["ACTIVATIONS", "StackedExperts"]
 

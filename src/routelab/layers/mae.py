@@ -36,8 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from routelab.assignment._checks import check_generator
-from routelab.gates.mtl_gate import check_finite, floating_input
+from .._checks import check_finite, check_generator, check_positive_int, floating_input
 
 __all__ = [
     "ROUTINGS",
@@ -67,12 +66,8 @@ def expert_head_mask(num_heads: int, drop_heads: int) -> tuple[Tensor, tuple[tup
         heads expert ``e`` keeps); ``dropped[e]`` is the tuple of heads expert ``e`` drops, in
         :func:`itertools.combinations` order (drop 1: expert ``i`` drops head ``i``).
     """
-    if isinstance(drop_heads, bool) or not isinstance(drop_heads, int) or not 1 <= drop_heads < num_heads:
-        raise ValueError(
-            f"drop_heads must be an int with 1 <= drop_heads < num_heads (= {num_heads}), got "
-            f"{drop_heads!r}; every expert must keep at least one head (drop_heads=1 gives "
-            f"MAE-7-style experts of h - 1 heads)."
-        )
+    # Every expert keeps at least one head (drop_heads=1 gives MAE-7-style experts of h - 1 heads).
+    check_positive_int("drop_heads", drop_heads, upper=num_heads - 1, upper_name="num_heads - 1")
     dropped = tuple(itertools.combinations(range(num_heads), drop_heads))
     keep = torch.ones(len(dropped), num_heads)
     for e, heads in enumerate(dropped):
@@ -165,22 +160,17 @@ class MixtureOfAttentiveExperts(nn.Module):
         bias: bool = True,
     ) -> None:
         super().__init__()
-        if embed_dim <= 0 or num_heads <= 0:
-            raise ValueError(
-                f"embed_dim and num_heads must be positive, got {embed_dim} and {num_heads}."
-            )
+        check_positive_int("embed_dim", embed_dim)
+        check_positive_int("num_heads", num_heads)
         if embed_dim % num_heads:
             raise ValueError(
                 f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})."
             )
         keep, dropped = expert_head_mask(num_heads, drop_heads)  # validates drop_heads
-        if gate_hidden is not None and gate_hidden <= 0:
-            raise ValueError(f"gate_hidden must be positive, got {gate_hidden}.")
-        if gate_context is not None and gate_context <= 0:
-            raise ValueError(
-                f"gate_context must be None (mean over the sequence) or a positive number of "
-                f"positions, got {gate_context}."
-            )
+        if gate_hidden is not None:
+            check_positive_int("gate_hidden", gate_hidden)
+        if gate_context is not None:  # None: the mean over the sequence
+            check_positive_int("gate_context", gate_context)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}.")
         self.embed_dim = embed_dim

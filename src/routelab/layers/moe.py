@@ -8,8 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..assignment._checks import check_generator
-from ..gates.mtl_gate import floating_input
+from .._checks import check_generator, floating_input
 from ..routers import Router, make_router
 from ..routes import Routes
 from ..routing import DROP_POLICIES, DispatchPlan, apply_capacity, check_capacity_factor, expert_capacity

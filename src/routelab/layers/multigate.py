@@ -20,8 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from routelab.assignment._checks import check_generator
-from routelab.gates.mtl_gate import check_finite, check_positive_int, floating_input
+from .._checks import check_finite, check_generator, check_positive_int, floating_input
 
 __all__ = ["MultiGateMoE", "SharedBottom", "StackedLinear"]
 

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .._checks import check_positive_int
+
 __all__ = ["free_port", "init_distributed", "run_workers", "under_torchrun"]
 
 
@@ -102,8 +104,7 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
         RuntimeError: a rank raised (its traceback is in the message) or died.
         TimeoutError: not every rank finished within ``timeout`` seconds.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    check_positive_int("world_size", world_size)
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
     port = free_port()

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .._checks import check_positive_int
 from ..layers.experts import StackedExperts
 from ..layers.moe import MoE
 from ..routers import Router, make_router
@@ -141,8 +142,7 @@ class ExpertParallelMoE(MoE):
         _require_initialized()
         world = dist.get_world_size(process_group)
         rank = dist.get_rank(process_group)
-        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-            raise ValueError(f"num_experts must be a positive integer, got {num_experts!r}")
+        check_positive_int("num_experts", num_experts)
         if num_experts % world:
             raise ValueError(
                 f"num_experts={num_experts} must be divisible by the process group's size {world} "

@@ -4,25 +4,16 @@ from __future__ import annotations
 
 import warnings
 
-import torch
 from torch import Tensor
 
-from .._checks import check_positive_int, check_tau, resolve_capacity
-from ..assignment import balanced_assignment, sinkhorn_balance
-from ..estimators.sampling import METHODS, sample_routes
+from .._checks import check_positive_int, check_tau
+from ..estimators.rule import gumbel_matching_routes
+from ..estimators.sampling import METHODS
 from ..routes import Routes
+from ..routing.rules import balanced_routes, sinkhorn_balanced_log_probs, sinkhorn_routes
 from .base import Router
-from .losses import switch_balance
 
 __all__ = ["BASERouter", "GumbelMatchingRouter", "SinkhornRouter"]
-
-
-def _balanced_capacity(n: int, num_experts: int, capacity: int | None, router: str) -> int:
-    """The capacity a balanced solve uses: the layer's (at most ``n``), which must hold every token;
-    ``ceil(n / E)`` without one (:func:`routelab._checks.resolve_capacity`)."""
-    need = -(-n // num_experts)
-    return resolve_capacity(n, num_experts, capacity, default="ceil", at_most_tokens=True,
-                            fix=f"the {router} router assigns every token: use capacity_factor >= 1 (capacity >= {need})")
 
 
 class BASERouter(Router):
@@ -47,19 +38,7 @@ class BASERouter(Router):
         self.eval_balanced = bool(eval_balanced)
 
     def route(self, logits: Tensor, capacity: int | None) -> Routes:
-        n, E = logits.shape
-        if n == 0:
-            expert = torch.zeros(0, dtype=torch.long, device=logits.device)
-        elif self.training or self.eval_balanced:
-            c = _balanced_capacity(n, E, capacity, "base")
-            expert = balanced_assignment(logits.detach(), c)
-        else:
-            expert = logits.argmax(-1)
-        chosen = logits.gather(-1, expert.unsqueeze(-1))
-        log_prob = torch.log_softmax(logits, -1).gather(-1, expert.unsqueeze(-1))
-        gate = torch.sigmoid(chosen)
-        return Routes(expert=expert.unsqueeze(-1), gate=gate, keep=torch.ones_like(gate, dtype=torch.bool),
-                      weight=torch.ones_like(gate), log_prob=log_prob)
+        return balanced_routes(logits, capacity, balanced=self.training or self.eval_balanced)
 
 
 class SinkhornRouter(Router):
@@ -94,26 +73,11 @@ class SinkhornRouter(Router):
 
     def balanced_log_probs(self, log_p: Tensor) -> Tensor:
         """``[tokens, E]`` log of the Sinkhorn-balanced probabilities (detached)."""
-        n, E = log_p.shape
-        target = torch.full((E,), n / E, dtype=log_p.dtype, device=log_p.device)
-        # Stop early once every column is within 1% of its target (selection only needs that).
-        out, _ = sinkhorn_balance(log_p.detach().unsqueeze(0), target, tol=0.01 * n / E, max_iter=self.sweeps)
-        return out.squeeze(0)
+        return sinkhorn_balanced_log_probs(log_p, self.sweeps)
 
     def route(self, logits: Tensor, capacity: int | None) -> Routes:
-        log_p = torch.log_softmax(logits, -1)
-        n = logits.shape[0]
-        select = self.balanced_log_probs(log_p) if (n and (self.training or self.eval_balanced)) else log_p.detach()
-        expert = select.topk(self.k, dim=-1).indices
-        log_prob = log_p.gather(-1, expert)
-        gate = log_prob.exp()
-        if self.renormalize:
-            gate = gate / gate.sum(-1, keepdim=True)
-        keep = torch.ones_like(expert, dtype=torch.bool)
-        aux = {}
-        if self.balance_coef and n:
-            aux["balance"] = self.balance_coef * switch_balance(log_p.exp(), expert, keep)
-        return Routes(expert=expert, gate=gate, keep=keep, weight=torch.ones_like(gate), log_prob=log_prob, aux=aux)
+        return sinkhorn_routes(logits, self.k, sweeps=self.sweeps, balanced=self.training or self.eval_balanced,
+                               renormalize=self.renormalize, balance_coef=self.balance_coef)
 
 
 class GumbelMatchingRouter(Router):
@@ -150,28 +114,9 @@ class GumbelMatchingRouter(Router):
         self.balance_coef = float(balance_coef)
 
     def route(self, logits: Tensor, capacity: int | None) -> Routes:
-        n, E = logits.shape
-        if n == 0 or not self.training:
-            log_p = torch.log_softmax(logits, -1)
-            if n and self.eval_balanced:
-                expert = balanced_assignment(logits.detach(), _balanced_capacity(n, E, capacity, "gumbel_matching"))
-            else:
-                expert = log_p.argmax(-1)
-            log_prob = log_p.gather(-1, expert.unsqueeze(-1))
-            return Routes(expert=expert.unsqueeze(-1), gate=log_prob.exp(),
-                          keep=torch.ones_like(log_prob, dtype=torch.bool), weight=torch.ones_like(log_prob),
-                          log_prob=log_prob)
-        if self.method.startswith("gumbel"):
-            c = _balanced_capacity(n, E, capacity, "gumbel_matching")
-        else:  # the sampling methods skip what does not fit (sample_routes checks it); "sample" ignores it
-            c = resolve_capacity(n, E, capacity, default="ceil")
-        r = sample_routes(logits, self.method, tau=self.tau, capacity=c, sinkhorn=self.sinkhorn,
-                          generator=self.generator)
-        r = r.with_slot_dim()
-        r.aux = {"balance": self.balance_coef * r.aux["balance"]} if self.balance_coef else {}
-        r.stats = {"weights_clamped": r.stats["weights_clamped"]}
-        return r
-
+        return gumbel_matching_routes(logits, capacity, method=self.method, tau=self.tau, sinkhorn=self.sinkhorn,
+                                      training=self.training, eval_balanced=self.eval_balanced,
+                                      balance_coef=self.balance_coef, generator=self.generator)
 
 def __getattr__(name: str) -> type:
     """``BaseRouter``: the deprecated name of :class:`BASERouter` (it read as "the base class")."""

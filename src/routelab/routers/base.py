@@ -1,7 +1,9 @@
 """The router interface shared by every routing method.
 
-A router maps tokens ``x [tokens, d_model]`` to a :class:`~routelab.Routes` record with
-``slots`` columns. Its ``keep`` marks the slots it *proposes* (all of them for top-k, the mask
+A router is a thin module: it scores the tokens (:meth:`Router.gate`, routelab's one gate
+protocol, :mod:`routelab.gates.protocol`) and calls a routing rule, a pure function of
+:mod:`routelab.routing.rules`, on the scores of the whole batch (:meth:`Router.route`). It maps
+tokens ``x [tokens, d_model]`` to a :class:`~routelab.Routes` record with ``slots`` columns. Its ``keep`` marks the slots it *proposes* (all of them for top-k, the mask
 for batchwise gating); the MoE layer then enforces the expert capacity on those candidates
 (:func:`routelab.routing.apply_capacity`). ``aux`` holds the router's auxiliary losses, already
 multiplied by their coefficients, so a training loss is ``task_loss + sum(routes.aux.values())``.
@@ -13,7 +15,9 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_capacity, check_finite, check_generator, check_positive_int
+from ..gates.protocol import GateOutput
 from ..routes import Routes
+from ..routing.rules import expert_grid
 
 __all__ = ["Router", "check_finite_features", "check_positive_int", "expert_grid"]
 
@@ -26,11 +30,6 @@ def check_finite_features(features: Tensor) -> None:
         "the input x contains NaN/inf or the router weights diverged; check the previous layer or lower "
         "the learning rate",
     )
-
-
-def expert_grid(n: int, num_experts: int, device: torch.device) -> Tensor:
-    """``LongTensor [n, E]`` whose every row is ``0 .. E-1`` (one slot per expert)."""
-    return torch.arange(num_experts, device=device).expand(n, num_experts)
 
 
 class Router(nn.Module):
@@ -82,8 +81,24 @@ class Router(nn.Module):
         """
         return self.logits(x)
 
+    def gate(self, x: Tensor) -> GateOutput:
+        """The gate protocol: ``scores`` = :meth:`features` of ``x`` (checked), no auxiliary loss.
+
+        Routers' losses depend on the routing decision, so they come with the
+        :class:`~routelab.Routes` of :meth:`route`. Stores nothing on the module.
+
+        Args:
+            x: ``[tokens, d_model]``, any floating dtype.
+        """
+        if not isinstance(x, Tensor) or x.ndim != 2 or x.shape[-1] != self.d_model:
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"x must have shape [tokens, d_model={self.d_model}], got {got}")
+        if not x.is_floating_point():
+            raise ValueError(f"x must be a floating tensor, got {x.dtype}; convert it with x.float()")
+        return GateOutput(self.features(x))
+
     def forward(self, x: Tensor, capacity: int | None = None) -> Routes:
-        """Route ``x``: :meth:`features`, checked finite, then :meth:`route`.
+        """Route ``x``: score it (:meth:`gate`), check the scores finite, then :meth:`route`.
 
         Args:
             x: ``[tokens, d_model]``.
@@ -95,19 +110,15 @@ class Router(nn.Module):
             routers that choose a variable number of experts, e.g. batchwise gating uses ``E``
             slots with ``keep`` as the mask).
         """
-        if not isinstance(x, Tensor) or x.ndim != 2 or x.shape[-1] != self.d_model:
-            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(f"x must have shape [tokens, d_model={self.d_model}], got {got}")
-        if not x.is_floating_point():
-            raise ValueError(f"x must be a floating tensor, got {x.dtype}; convert it with x.float()")
+        feats = self.gate(x).scores
         capacity = check_capacity(capacity)
-        feats = self.features(x)
         check_finite_features(feats)
         return self.route(feats, capacity)
 
     def route(self, features: Tensor, capacity: int | None) -> Routes:  # pragma: no cover - abstract
-        """The routing rule on the float32 ``features [tokens, F]`` of the whole batch
-        (the logits ``[tokens, E]`` unless :meth:`features` says otherwise)."""
+        """The routing rule (a function of :mod:`routelab.routing.rules`) on the float32
+        ``features [tokens, F]`` of the whole batch (the logits ``[tokens, E]`` unless
+        :meth:`features` says otherwise), with the router's options."""
         raise NotImplementedError
 
     def extra_repr(self) -> str:

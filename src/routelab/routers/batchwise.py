@@ -5,13 +5,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..gates.batchwise import batchwise_mask, batchwise_threshold_loss, threshold_mask
 from ..routes import Routes
-from .base import Router, expert_grid
+from ..routing.rules import INFERENCE_MASKS, batchwise_mask_in_use, batchwise_routes
+from .base import Router
 
 __all__ = ["BatchwiseRouter"]
-
-INFERENCE_MASKS: tuple[str, ...] = ("threshold", "batchwise")
 
 
 class BatchwiseRouter(Router):
@@ -53,24 +51,11 @@ class BatchwiseRouter(Router):
 
     def mask(self, probs: Tensor) -> Tensor:
         """The mask in use: batchwise in training (or if ``inference="batchwise"``), else threshold."""
-        if self.training or self.inference == "batchwise":
-            return batchwise_mask(probs, self.k)
-        return threshold_mask(probs, self.thresholds.detach().to(probs.dtype))
+        return batchwise_mask_in_use(probs, self.k, self.thresholds, training=self.training, inference=self.inference)
 
     def route(self, logits: Tensor, capacity: int | None) -> Routes:
-        n, E = logits.shape
-        log_p = torch.log_softmax(logits, -1)
-        probs = log_p.exp()
-        mask = self.mask(probs)
-        masked = probs * mask
-        total = masked.sum(-1, keepdim=True)
-        gate = torch.where(total > 0, masked / total.clamp(min=torch.finfo(probs.dtype).tiny), torch.zeros_like(masked))
-        aux = {}
-        if self.training and n and self.threshold_coef:
-            loss = batchwise_threshold_loss(probs.detach(), self.thresholds, mask)
-            aux["threshold"] = self.threshold_coef * loss / n
-        return Routes(expert=expert_grid(n, E, logits.device), gate=gate, keep=mask,
-                      weight=torch.ones_like(gate), log_prob=log_p, aux=aux)
+        return batchwise_routes(logits, self.k, self.thresholds, training=self.training, inference=self.inference,
+                                threshold_coef=self.threshold_coef)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", inference={self.inference!r}"

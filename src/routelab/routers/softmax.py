@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from ..routes import Routes
-from .base import Router, expert_grid
-from .losses import cv_squared
+from ..routing.rules import softmax_routes
+from .base import Router
 
 __all__ = ["SoftmaxRouter"]
 
@@ -29,17 +28,4 @@ class SoftmaxRouter(Router):
         self.importance_coef = float(importance_coef)
 
     def route(self, logits: Tensor, capacity: int | None) -> Routes:
-        n, E = logits.shape
-        log_p = torch.log_softmax(logits, -1)
-        probs = log_p.exp()
-        aux = {}
-        if self.importance_coef:
-            aux["importance"] = self.importance_coef * cv_squared(probs.sum(0))
-        return Routes(
-            expert=expert_grid(n, E, logits.device),
-            gate=probs,
-            keep=torch.ones(n, E, dtype=torch.bool, device=logits.device),
-            weight=torch.ones_like(probs),
-            log_prob=log_p,
-            aux=aux,
-        )
+        return softmax_routes(logits, importance_coef=self.importance_coef)

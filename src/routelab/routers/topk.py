@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..routes import Routes
+from ..routing.rules import noisy_topk_routes, topk_routes
 from .base import Router
-from .losses import cv_squared, noisy_topk_load, switch_balance
 
 __all__ = ["NoisyTopKRouter", "TopKRouter"]
 
@@ -36,16 +36,7 @@ class TopKRouter(Router):
         self.balance_coef = float(balance_coef)
 
     def route(self, logits: Tensor, capacity: int | None) -> Routes:
-        log_p = torch.log_softmax(logits, -1)
-        top_logits, expert = logits.topk(self.k, dim=-1)
-        log_prob = log_p.gather(-1, expert)
-        gate = torch.softmax(top_logits, -1) if self.renormalize else log_prob.exp()
-        keep = torch.ones_like(expert, dtype=torch.bool)
-        aux = {}
-        if self.balance_coef:
-            aux["balance"] = self.balance_coef * switch_balance(log_p.exp(), expert, keep)
-        return Routes(expert=expert, gate=gate, keep=keep, weight=torch.ones_like(gate),
-                      log_prob=log_prob, aux=aux)
+        return topk_routes(logits, self.k, renormalize=self.renormalize, balance_coef=self.balance_coef)
 
 
 class NoisyTopKRouter(Router):
@@ -89,23 +80,6 @@ class NoisyTopKRouter(Router):
 
     def route(self, features: Tensor, capacity: int | None) -> Routes:
         E = self.num_experts
-        logits, std = features[:, :E], features[:, E:]
-        n, E = logits.shape
-        if self.training:
-            eps = torch.randn(logits.shape, generator=self.generator, device=logits.device, dtype=logits.dtype)
-            noisy = logits + eps * std
-        else:
-            noisy = logits
-        top_values, top_index = noisy.topk(min(self.k + 1, E), dim=-1)
-        expert = top_index[:, : self.k]
-        gate = torch.softmax(top_values[:, : self.k], -1)
-        log_prob = torch.log_softmax(noisy, -1).gather(-1, expert)
-        aux = {}
-        if n and self.importance_coef:
-            full = torch.zeros_like(logits).scatter(-1, expert, gate)
-            aux["importance"] = self.importance_coef * cv_squared(full.sum(0))
-        if n and self.load_coef:
-            load = noisy_topk_load(logits, noisy, std, top_values, self.k)
-            aux["load"] = self.load_coef * cv_squared(load)
-        return Routes(expert=expert, gate=gate, keep=torch.ones_like(expert, dtype=torch.bool),
-                      weight=torch.ones_like(gate), log_prob=log_prob, aux=aux)
+        return noisy_topk_routes(features[:, :E], features[:, E:], self.k, training=self.training,
+                                 importance_coef=self.importance_coef, load_coef=self.load_coef,
+                                 generator=self.generator)

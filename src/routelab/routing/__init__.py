@@ -1,4 +1,6 @@
-"""From router decisions to expert buffers: capacity (who is dropped) and dispatch/combine."""
+"""From router scores to expert buffers: the routing rules (pure functions, scores to
+:class:`~routelab.Routes`), capacity (who is dropped), the skip correction of eq. 3, the random
+drop rule, the auxiliary losses (the Switch balance loss once for all), and dispatch/combine."""
 
 from routelab.routing.capacity import (
     DROP_POLICIES,
@@ -7,15 +9,37 @@ from routelab.routing.capacity import (
     check_capacity,
     check_capacity_factor,
     expert_capacity,
+    random_ranks,
+    random_skip,
+    skip_correction,
 )
 from routelab.routing.dispatch import DispatchPlan
+from routelab.routing.losses import switch_balance
+from routelab.routing.rules import (
+    balanced_routes,
+    batchwise_routes,
+    noisy_topk_routes,
+    sinkhorn_routes,
+    softmax_routes,
+    topk_routes,
+)
 
 __all__ = [
     "DROP_POLICIES",
     "CapacityDecision",
     "DispatchPlan",
     "apply_capacity",
+    "balanced_routes",
+    "batchwise_routes",
     "check_capacity",
     "check_capacity_factor",
     "expert_capacity",
+    "noisy_topk_routes",
+    "random_ranks",
+    "random_skip",
+    "sinkhorn_routes",
+    "skip_correction",
+    "softmax_routes",
+    "switch_balance",
+    "topk_routes",
 ]

@@ -9,15 +9,22 @@ theirs is dropped.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ..assignment._checks import check_generator, resolve_capacity
-from ..assignment._groups import rank_within_groups
-from ..gates.mtl_gate import check_pos, check_positive_int
+from .._checks import (
+    check_capacity,
+    check_capacity_factor,
+    check_generator,
+    check_positive_int,
+    checks_run,
+    expert_capacity,
+    index_tensor,
+    mask_tensor,
+)
+from ..assignment import rank_within_groups
 
 __all__ = [
     "DROP_POLICIES",
@@ -26,105 +33,89 @@ __all__ = [
     "check_capacity",
     "check_capacity_factor",
     "expert_capacity",
+    "random_ranks",
+    "random_skip",
+    "skip_correction",
 ]
 
 #: How candidates compete for an expert's capacity.
 #: ``position``: first slots before second slots, then earlier tokens first (Switch / GShard);
 #: ``score``: larger combine weight first (batch-prioritised routing);
-#: ``random``: uniformly at random (the skip estimator of Kool et al., for which eq. 3 is unbiased).
+#: ``random``: uniformly at random (the skip estimator of Kool et al., for which eq. 3 is unbiased;
+#: the rule is :func:`random_ranks`).
 DROP_POLICIES: tuple[str, ...] = ("position", "score", "random")
 
-
-def check_capacity(capacity: int | None, name: str = "capacity") -> int | None:
-    """``capacity`` as an ``int >= 0`` (``None`` passes through), else a ValueError naming ``name``.
-
-    The integer rule is the assignment layer's (``resolve_capacity``, its one home): integral
-    floats (``4.0``) are accepted; bools, ``inf``, NaN, fractions, negative numbers and
-    non-numbers are not. ``0`` is allowed here (an empty batch has capacity 0).
-    """
-    if capacity is None:
-        return None
-    if isinstance(capacity, (int, float)) and not isinstance(capacity, bool) and capacity == 0:
-        return 0
-    return resolve_capacity(0, 1, capacity, name)  # 0 tokens, 1 expert: only the integer rule applies
+# check_capacity, check_capacity_factor and expert_capacity (the capacity C of the MoE layer) are
+# defined in routelab._checks, next to resolve_capacity (the capacity of a balanced problem), and
+# re-exported here as part of routelab.routing.
 
 
-def check_capacity_factor(capacity_factor: float | None) -> None:
-    """ValueError unless ``capacity_factor`` is ``None`` (dropless) or a finite number ``> 0``."""
-    if capacity_factor is None:
-        return
-    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not (
-        math.isfinite(capacity_factor) and capacity_factor > 0
-    ):
-        raise ValueError(
-            f"capacity_factor must be a finite number > 0 (or None for dropless routing), got {capacity_factor!r}"
-        )
+def skip_correction(load: Tensor, capacity: int) -> Tensor:
+    """The skip correction of Kool et al. (2021), eq. 3: ``n_z / min(n_z, C)`` (``0`` where ``n_z = 0``).
 
-
-def expert_capacity(num_tokens: int, num_experts: int, slots: float, capacity_factor: float | None) -> int:
-    """Capacity ``C = ceil(capacity_factor * tokens * slots / experts)``, at most ``tokens``.
+    Each expert ``z`` that ``n_z`` candidates chose keeps a uniformly random ``min(n_z, C)`` of
+    them; weighting every kept one by this factor makes sums over the kept candidates unbiased
+    estimates of the sums over all of them.
 
     Args:
-        num_tokens: tokens in the batch, an integer ``n >= 0`` (``0``: an empty batch).
-        num_experts: ``E``, an integer ``>= 1``.
-        slots: average experts per token ``k``, a finite number ``> 0`` (``E`` for dense
-            softmax gating).
-        capacity_factor: ``> 0``; ``None`` means dropless (``C = n``: an expert can take every
-            token, since a token never chooses the same expert twice).
+        load: floating ``n_z`` (any shape), candidates that chose the expert before dropping.
+        capacity: ``C >= 0``.
 
     Returns:
-        The capacity (``0`` only when there are no tokens). It never exceeds ``n``: a larger
-        capacity could not be filled, so the buffer is not padded beyond it.
-
-    Raises:
-        ValueError: naming the argument: ``num_tokens`` not an integer ``>= 0``, ``num_experts``
-            not an integer ``>= 1``, ``slots`` not a finite number ``> 0``, ``capacity_factor``
-            ``<= 0`` or not finite.
+        The factor, of ``load``'s shape and dtype.
     """
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-        raise ValueError(f"num_tokens must be an integer >= 0 (tokens in the batch), got {num_tokens!r}")
-    check_positive_int("num_experts", num_experts)
-    check_pos("slots", slots)
-    if capacity_factor is None:
-        return num_tokens
-    check_capacity_factor(capacity_factor)
-    raw = capacity_factor * num_tokens * slots / num_experts
-    if not raw < num_tokens:  # also a huge factor whose product overflows to inf
-        return num_tokens
-    c = math.ceil(raw - 1e-9)
-    return min(max(c, 1 if num_tokens else 0), num_tokens)
+    return load / load.clamp(max=capacity).clamp(min=1)
 
 
-def _checks_run() -> bool:
-    """Whether the value checks that need a host sync run: always, except while ``torch.compile``
-    traces (a data-dependent check there would be a graph break on every call)."""
-    return not torch.compiler.is_compiling()
+def random_ranks(group: Tensor, num_groups: int, generator: torch.Generator | None = None, *,
+                 counts: Tensor | None = None) -> Tensor:
+    """Rank of every item within its group in a uniformly random order: routelab's one random-drop rule.
+
+    Every item draws one uniform priority ``u ~ U[0, 1)`` (float64, in item order, from
+    ``generator``); within a group, items rank by increasing ``u`` (ties, of probability about
+    ``1e-14``, to the earlier item): one stable sort of ``group + u``. Keeping the items of rank
+    ``< C`` keeps a uniformly random subset of ``min(n_z, C)`` items of every group, the skipping
+    of Kool et al. (2021), Sec. 2.1, used by :func:`apply_capacity` (``policy="random"``) and by
+    the skipping estimators of :func:`routelab.estimators.sample_routes`.
+
+    Args:
+        group: ``[..., N]`` long group of every item, in ``[0, num_groups)``; independent rows.
+        num_groups: the number of groups.
+        generator: the only source of randomness.
+        counts: ``[..., num_groups]`` long items per group, when the caller has them.
+
+    Returns:
+        ``[..., N]`` long rank of every item within its group (``0`` first).
+    """
+    n = group.shape[-1]
+    u = torch.rand(group.shape, dtype=torch.float64, device=group.device, generator=generator)
+    order = torch.argsort(group.to(torch.float64) + u, dim=-1, stable=True)
+    if counts is None:
+        counts = torch.zeros((*group.shape[:-1], num_groups), dtype=torch.long, device=group.device)
+        counts.scatter_add_(-1, group, torch.ones_like(group))
+    start = torch.cumsum(counts, -1) - counts
+    rank_sorted = torch.arange(n, device=group.device) - start.gather(-1, group.gather(-1, order))
+    return torch.empty_like(order).scatter_(-1, order, rank_sorted)
 
 
-def _index_tensor(t: object, name: str) -> Tensor:
-    """``t`` as a ``LongTensor [tokens, slots]``: TypeError/ValueError naming ``name`` unless ``t``
-    is a 2-D tensor of an integer dtype (values are checked by the caller)."""
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a LongTensor [tokens, slots], got {type(t).__name__}")
-    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-        raise ValueError(f"{name} must be an integer tensor (LongTensor [tokens, slots]), got {t.dtype}; "
-                         f"indices are whole numbers, e.g. {name}.long() if its values are integral")
-    if t.dim() != 2:
-        raise ValueError(f"{name} must have 2 dimensions [tokens, slots], got shape {tuple(t.shape)}; "
-                         f"for one slot per token use {name}.unsqueeze(-1)")
-    return t if t.dtype == torch.long else t.long()
+def random_skip(expert: Tensor, num_experts: int, capacity: int,
+                generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Every expert keeps at most ``capacity`` of its tokens, a uniformly random subset (:func:`random_ranks`).
 
+    Args:
+        expert: ``[..., n]`` long expert of every token (one choice per token), in ``[0, num_experts)``.
+        num_experts: ``k``.
+        capacity: ``C``.
+        generator: the only source of randomness.
 
-def _mask_tensor(t: object, name: str, shape: torch.Size) -> Tensor:
-    """``t`` if it is a ``BoolTensor`` of ``shape``, else a TypeError/ValueError naming ``name``."""
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a BoolTensor [tokens, slots], got {type(t).__name__}")
-    if t.dtype != torch.bool:
-        raise ValueError(f"{name} must be a BoolTensor [tokens, slots], got {t.dtype}; use {name} != 0")
-    if t.shape != shape:
-        raise ValueError(f"{name} must have the shape of expert [tokens, slots] = {tuple(shape)}, "
-                         f"got {tuple(t.shape)}")
-    return t
+    Returns:
+        ``(keep, load)``, both ``[..., n]``: ``keep`` bool, ``load`` long ``n_z``, the number of
+        tokens that chose each token's expert before skipping (for :func:`skip_correction`).
+    """
+    counts = torch.zeros((*expert.shape[:-1], num_experts), dtype=torch.long, device=expert.device)
+    counts.scatter_add_(-1, expert, torch.ones_like(expert))
+    keep = random_ranks(expert, num_experts, generator, counts=counts) < capacity
+    return keep, counts.gather(-1, expert)
 
 
 @dataclass(frozen=True)
@@ -187,8 +178,8 @@ def apply_capacity(
         raise ValueError("capacity must be a non-negative integer, got None; pass the number of tokens for no limit")
     check_generator(generator)
     check_positive_int("num_experts", num_experts)
-    expert = _index_tensor(expert, "expert")
-    candidate = _mask_tensor(candidate, "candidate", expert.shape)
+    expert = index_tensor(expert, "expert")
+    candidate = mask_tensor(candidate, "candidate", expert.shape)
     if policy == "score":
         if score is None:
             raise ValueError("policy='score' needs score= [tokens, slots] priorities")
@@ -197,7 +188,7 @@ def apply_capacity(
         if score.shape != expert.shape or score.is_complex():
             raise ValueError(f"score must be a real tensor of the shape of expert [tokens, slots] = "
                              f"{tuple(expert.shape)}, got {score.dtype} of shape {tuple(score.shape)}")
-    if expert.numel() and _checks_run():
+    if expert.numel() and checks_run():
         # One host sync for every value check: min and max of expert, and whether a score is NaN.
         flags = [expert.amin(), expert.amax()]
         if policy == "score" and score.is_floating_point():
@@ -214,18 +205,19 @@ def apply_capacity(
     flat_expert = expert.t().reshape(-1)
     flat_cand = candidate.t().reshape(-1)
     group = torch.where(flat_cand, flat_expert, torch.full_like(flat_expert, num_experts))
-    if policy == "position":
-        priority = -torch.arange(n * s, device=device, dtype=torch.float64)
-    elif policy == "score":
-        priority = score.detach().t().reshape(-1).to(torch.float64)
+    counts = torch.bincount(group, minlength=num_experts + 1)
+    if policy == "random":
+        rank = random_ranks(group, num_experts + 1, generator, counts=counts)
     else:
-        priority = torch.rand(n * s, generator=generator, device=device, dtype=torch.float64)
-    rank = rank_within_groups(group, priority, num_experts + 1)
+        if policy == "position":
+            priority = -torch.arange(n * s, device=device, dtype=torch.float64)
+        else:
+            priority = score.detach().t().reshape(-1).to(torch.float64)
+        rank = rank_within_groups(group, priority, num_experts + 1)
     keep_flat = flat_cand & (rank < capacity)
-    load = torch.bincount(group, minlength=num_experts + 1)[:num_experts]
+    load = counts[:num_experts]
     kept = torch.minimum(load, torch.as_tensor(capacity, device=device))
-    n_z = load.to(torch.float32)
-    factor = n_z / kept.clamp(min=1).to(torch.float32)
+    factor = skip_correction(load.to(torch.float32), capacity)
     skip_flat = torch.where(keep_flat, factor[flat_expert.clamp(max=num_experts - 1)], torch.zeros((), device=device))
 
     def unflat(t: Tensor) -> Tensor:

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..gates.mtl_gate import check_positive_int
-from .capacity import _checks_run, _index_tensor, _mask_tensor, check_capacity
+from .._checks import check_capacity, check_positive_int, checks_run, index_tensor, mask_tensor
 
 __all__ = ["DispatchPlan"]
 
@@ -64,9 +63,9 @@ class DispatchPlan:
             TypeError, ValueError: naming the argument, for a wrong type, dtype or shape, a kept
                 pair outside the buffers, or two kept pairs in the same buffer row.
         """
-        expert = _index_tensor(expert, "expert")
-        keep = _mask_tensor(keep, "keep", expert.shape)
-        position = _index_tensor(position, "position")
+        expert = index_tensor(expert, "expert")
+        keep = mask_tensor(keep, "keep", expert.shape)
+        position = index_tensor(position, "position")
         if position.shape != expert.shape:
             raise ValueError(f"position must have the shape of expert [tokens, slots] = {tuple(expert.shape)}, "
                              f"got {tuple(position.shape)}")
@@ -76,7 +75,7 @@ class DispatchPlan:
             raise ValueError("capacity must be an integer >= 0 (rows per expert buffer), got None")
         n, s = expert.shape
         rows = num_experts * capacity
-        check = check and expert.numel() > 0 and _checks_run()
+        check = check and expert.numel() > 0 and checks_run()
         if check:
             bad_expert = keep & ((expert < 0) | (expert >= num_experts))
             bad_position = keep & ((position < 0) | (position >= capacity))

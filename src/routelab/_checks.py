@@ -1,0 +1,402 @@
+"""Every argument check of routelab, once (layer 0: imports nothing but torch).
+
+Bad input fails early with a ``ValueError`` (``TypeError`` for a wrong type) whose message names
+the argument and says how to fix it. Each rule below has exactly one home; the packages
+re-export the ones that are part of their public API (``routelab.routing.expert_capacity``,
+``routelab.gates.mtl_gate.check_positive_int``, ...).
+
+* numbers: :func:`check_positive_int`, :func:`check_k`, :func:`check_pos`, :func:`check_nonneg`,
+  :func:`check_seed`, :func:`check_generator`;
+* the temperature contract: :func:`check_tau` (a number), :func:`tau_tensor` (a number or one
+  temperature per batch instance, validated on the device in the caller's one host sync);
+* tensors: :func:`check_score_matrix`, :func:`check_finite`, :func:`floating_input`,
+  :func:`index_tensor`, :func:`mask_tensor`, :func:`checks_run`;
+* capacity: :func:`resolve_capacity` (tokens per expert of a balanced problem),
+  :func:`check_capacity`, :func:`check_capacity_factor` and :func:`expert_capacity` (the MoE
+  layer's ``C = ceil(capacity_factor * tokens * k / E)``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ArgumentTypeError",
+    "bad_tau",
+    "check_capacity",
+    "check_capacity_factor",
+    "check_finite",
+    "check_generator",
+    "check_k",
+    "check_nonneg",
+    "check_pos",
+    "check_positive_int",
+    "check_score_matrix",
+    "check_seed",
+    "check_tau",
+    "checks_run",
+    "expert_capacity",
+    "floating_input",
+    "index_tensor",
+    "mask_tensor",
+    "resolve_capacity",
+    "tau_tensor",
+]
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type: a ``TypeError`` that is also a ``ValueError``, so callers
+    catching either (routelab's functions have raised both for a wrong type) see it."""
+
+
+# ----------------------------------------------------------------------------------- numbers
+
+
+def check_positive_int(name: str, value: Any, *, upper: int | None = None, upper_name: str = "") -> int:
+    """``value`` if it is an ``int`` (not a bool) in ``[1, upper]``, else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r} ({name} must be a positive integer)")
+    if upper is not None and value > upper:
+        raise ValueError(f"{name}={value} is larger than {upper_name}={upper}: {name} must be an integer in "
+                         f"[1, {upper}], got {name} = {value}; use {name} <= {upper}")
+    return value
+
+
+def check_k(k: Any, num_experts: int) -> int:
+    """``k`` if it is an int with ``1 <= k <= num_experts``, else a ValueError naming ``k``."""
+    return check_positive_int("k", k, upper=num_experts, upper_name="num_experts")
+
+
+def check_nonneg(name: str, v: Any) -> float:
+    """``v`` as a float if it is a finite number ``>= 0``, else a ValueError naming ``name``."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {v!r}.")
+    return float(v)
+
+
+def check_pos(name: str, v: Any) -> float:
+    """``v`` as a float if it is a finite number ``> 0``, else a ValueError naming ``name``."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {v!r}.")
+    return float(v)
+
+
+def check_seed(seed: Any, name: str = "seed") -> int:
+    """``seed`` as an int for ``torch.Generator.manual_seed``: an integer (Python, numpy or a
+    0-dim integer tensor; not a bool) in ``[0, 2**64)``, else a ValueError naming ``name``."""
+    try:
+        value = None if isinstance(seed, bool) else operator.index(seed)
+    except TypeError:
+        value = None
+    if value is None or not 0 <= value < 2**64:
+        raise ValueError(f"{name} must be an integer in [0, 2**64), got {seed!r}")
+    return value
+
+
+def check_generator(generator: object, name: str = "generator") -> None:
+    """``None`` or a ``torch.Generator``; anything else is a ``TypeError`` naming ``name``."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"{name} must be a torch.Generator or None, got {type(generator).__name__}; "
+            f"make one with torch.Generator().manual_seed(seed)"
+        )
+
+
+# ------------------------------------------------------------------------ the temperature
+
+# The one contract for a temperature tau: a real number (not a bool) or, where a function takes
+# one per batch instance, a real tensor of the batch shape; finite; > 0 where a proposal
+# softmax(logits / tau) is sampled, >= 0 where tau = 0 is the deterministic limit
+# (gumbel_matching). A wrong type is an ArgumentTypeError, a wrong value a ValueError.
+
+
+def _tau_type_error(tau: object, name: str, tensors: bool) -> ArgumentTypeError:
+    what = "a number or a real tensor of the batch shape" if tensors else "a real number"
+    return ArgumentTypeError(f"{name} must be {what}, got {type(tau).__name__}")
+
+
+def _tau_value_error(tau: object, name: str, positive: bool) -> ValueError:
+    if positive:
+        return ValueError(f"{name} must be a finite number > 0, got {tau!r}; use a small positive value for "
+                          f"near-greedy routing")
+    return ValueError(f"{name} must be a finite number >= 0 (0: the deterministic limit), got {tau!r}")
+
+
+def check_tau(tau: Any, *, positive: bool = False, name: str = "tau") -> float:
+    """A temperature given as a number (or a 0-dim real tensor), as a float.
+
+    Args:
+        tau: the temperature.
+        positive: require ``tau > 0`` (else ``tau >= 0``, ``0`` meaning the deterministic limit).
+        name: the argument's name in the error.
+
+    Raises:
+        ArgumentTypeError: ``tau`` is a bool or not a real number.
+        ValueError: ``tau`` is NaN, infinite, negative, or ``0`` when ``positive``.
+    """
+    if isinstance(tau, (bool, str, bytes)) or (isinstance(tau, Tensor) and (tau.is_complex() or tau.dtype == torch.bool)):
+        raise _tau_type_error(tau, name, tensors=False)
+    try:  # numbers, and one-element tensors and arrays
+        t = float(tau)
+    except (TypeError, ValueError, RuntimeError):
+        raise _tau_type_error(tau, name, tensors=False) from None
+    if not (math.isfinite(t) and (t > 0.0 if positive else t >= 0.0)):
+        raise _tau_value_error(tau, name, positive)
+    return t
+
+
+def tau_tensor(tau: Any, batch: torch.Size, like: Tensor, name: str = "tau") -> tuple[Tensor, Tensor]:
+    """A positive temperature, one number or one per batch instance, as a tensor; no host sync.
+
+    Args:
+        tau: a real number or a real tensor of shape ``batch`` (or 0-dim).
+        batch: the batch shape ``[...]`` of the caller's ``[..., n, k]`` input.
+        like: a tensor whose dtype and device the result takes.
+        name: the argument's name in the error.
+
+    Returns:
+        ``(T, invalid)``: ``T`` is ``[..., 1, 1]`` (``[1, 1]`` for a number); ``invalid`` a 0-dim
+        bool tensor, True when some temperature is not finite and ``> 0``. Check it in the
+        caller's host synchronisation and raise :func:`bad_tau` (the caller knows when it syncs).
+
+    Raises:
+        ArgumentTypeError: ``tau`` is a bool, not a number, or a non-real tensor.
+        ValueError: ``tau`` is a tensor of another shape.
+    """
+    if isinstance(tau, bool) or not isinstance(tau, (numbers.Real, Tensor)) or (
+        isinstance(tau, Tensor) and not (tau.is_floating_point() or tau.dtype in (torch.int32, torch.int64))
+    ):
+        raise _tau_type_error(tau, name, tensors=True)
+    t = torch.as_tensor(tau, dtype=like.dtype, device=like.device)
+    if t.ndim > 0 and t.shape != batch:
+        raise ValueError(f"{name} must be a number or a tensor of the batch shape {tuple(batch)}, got shape "
+                         f"{tuple(t.shape)}")
+    invalid = ~torch.isfinite(t).all() | (t <= 0).any()
+    T = t.reshape(*batch, 1, 1) if t.ndim > 0 else t.reshape(1, 1)
+    return T, invalid
+
+
+def bad_tau(tau: Any, name: str = "tau") -> ValueError:
+    """The ValueError for a temperature :func:`tau_tensor` found invalid (raise it)."""
+    return _tau_value_error(tau, name, positive=True)
+
+
+# ---------------------------------------------------------------------------------- tensors
+
+
+def checks_run() -> bool:
+    """Whether the value checks that need a host sync run: always, except while ``torch.compile``
+    traces (a data-dependent check there would be a graph break on every call)."""
+    return not torch.compiler.is_compiling()
+
+
+def check_score_matrix(x: Tensor, name: str, *, allow_neg_inf: bool = True) -> None:
+    """Check that ``x`` is a floating tensor ``[..., n, k]`` without NaN or +inf.
+
+    ``-inf`` entries are allowed when ``allow_neg_inf`` (they mark forbidden pairs).
+    """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape [..., n, k], got {type(x).__name__}")
+    if x.ndim < 2:
+        raise ValueError(
+            f"{name} must have at least 2 dimensions [..., n, k] (tokens x experts), got shape "
+            f"{tuple(x.shape)}; add a trailing experts dimension, e.g. {name}.unsqueeze(-1)"
+        )
+    if not x.is_floating_point():
+        raise ValueError(
+            f"{name} must be a floating tensor (float16, bfloat16, float32 or float64), got {x.dtype}; "
+            f"use {name}.float()"
+        )
+    if x.shape[-2] == 0 or x.shape[-1] == 0:
+        raise ValueError(f"{name} must have at least one token and one expert, got shape {tuple(x.shape)}")
+    if x.numel() == 0:
+        return
+    # One reduction each: amax propagates NaN and reveals +inf; amin reveals -inf.
+    hi = float(x.detach().amax())
+    if hi != hi:
+        raise ValueError(f"{name} contains NaN; fix the upstream computation (NaN scores have no assignment)")
+    if hi == float("inf"):
+        raise ValueError(f"{name} contains +inf; clamp it to a finite value (only -inf, a forbidden pair, is allowed)")
+    if not allow_neg_inf and float(x.detach().amin()) == float("-inf"):
+        raise ValueError(f"{name} contains -inf, which is not allowed here; clamp it to a finite value")
+
+
+def check_finite(tensors: Tensor | Sequence[Tensor], what: str, fix: str) -> None:
+    """ValueError ``"{what} are not finite (NaN or inf): {fix}"`` unless every entry is finite.
+
+    One reduction per tensor and a single host synchronisation for all of them together: the
+    only sync such a check adds to a forward pass (it is a graph break under ``torch.compile``,
+    like any data-dependent check). Empty tensors pass.
+    """
+    if isinstance(tensors, Tensor):
+        tensors = (tensors,)
+    flags = [torch.isfinite(t).all() for t in tensors if t.numel()]
+    if not flags:
+        return
+    ok = flags[0] if len(flags) == 1 else torch.stack(flags).all()
+    if not bool(ok):
+        raise ValueError(f"{what} are not finite (NaN or inf): {fix}")
+
+
+def floating_input(x: Tensor, name: str, dtype: torch.dtype) -> Tensor:
+    """``x`` cast to the module's compute ``dtype``; ValueError (naming ``name``) unless ``x`` is floating.
+
+    The dtype policy of routelab's modules: any floating input (float16, bfloat16, float32,
+    float64) is accepted and computed in the dtype of the module's parameters; the module returns
+    its output in the input's dtype. Integer, bool and complex inputs are rejected.
+    """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(
+            f"{name} must be a floating tensor (float16, bfloat16, float32 or float64), got {x.dtype}; "
+            f"convert it with {name}.float()"
+        )
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def index_tensor(t: object, name: str) -> Tensor:
+    """``t`` as a ``LongTensor [tokens, slots]``: TypeError/ValueError naming ``name`` unless ``t``
+    is a 2-D tensor of an integer dtype (values are checked by the caller)."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a LongTensor [tokens, slots], got {type(t).__name__}")
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise ValueError(f"{name} must be an integer tensor (LongTensor [tokens, slots]), got {t.dtype}; "
+                         f"indices are whole numbers, e.g. {name}.long() if its values are integral")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must have 2 dimensions [tokens, slots], got shape {tuple(t.shape)}; "
+                         f"for one slot per token use {name}.unsqueeze(-1)")
+    return t if t.dtype == torch.long else t.long()
+
+
+def mask_tensor(t: object, name: str, shape: torch.Size) -> Tensor:
+    """``t`` if it is a ``BoolTensor`` of ``shape``, else a TypeError/ValueError naming ``name``."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a BoolTensor [tokens, slots], got {type(t).__name__}")
+    if t.dtype != torch.bool:
+        raise ValueError(f"{name} must be a BoolTensor [tokens, slots], got {t.dtype}; use {name} != 0")
+    if t.shape != shape:
+        raise ValueError(f"{name} must have the shape of expert [tokens, slots] = {tuple(shape)}, "
+                         f"got {tuple(t.shape)}")
+    return t
+
+
+# --------------------------------------------------------------------------------- capacity
+
+
+def resolve_capacity(n: int, k: int, capacity: Any, name: str = "capacity", *, default: str = "exact",
+                     at_most_tokens: bool = False, fix: str | None = None) -> int:
+    """The per-expert capacity ``c`` of ``n`` tokens on ``k`` experts, every token placed.
+
+    Args:
+        n, k: tokens and experts.
+        capacity: a positive integer (an integral float such as ``4.0`` is accepted; ``inf``,
+            NaN, fractions and bools are not), or ``None`` for the default.
+        name: the argument's name in the errors.
+        default: what ``None`` means: ``"exact"``, the balanced capacity ``n / k`` (``k`` must
+            divide ``n``); ``"ceil"``, ``max(ceil(n / k), 1)``.
+        at_most_tokens: return ``min(c, n)`` (a larger capacity could not be filled).
+        fix: the advice an error about a too small capacity ends with (default: the smallest
+            capacity that works).
+
+    Raises:
+        ValueError: naming ``name``: not a positive integer, ``c * k < n`` (some token could not be
+            placed), or ``n / k`` not an integer for the ``"exact"`` default.
+    """
+    need = -(-n // k)
+    advice = fix or f"use {name} >= ceil(n/k) = {need}"
+    if capacity is None:
+        if default == "ceil":
+            c = max(need, 1)
+            return min(c, n) if at_most_tokens else c
+        if n % k != 0:
+            raise ValueError(
+                f"n={n} tokens are not divisible by k={k} experts, so the balanced capacity n/k is not an "
+                f"integer; pass {name}=ceil(n/k)={need} (or larger) explicitly"
+            )
+        return n // k
+    if isinstance(capacity, bool):
+        raise ValueError(f"{name} must be a positive integer, got the bool {capacity!r}")
+    if not isinstance(capacity, int):
+        try:
+            as_int = int(capacity)
+        except (TypeError, ValueError, OverflowError, RuntimeError):
+            as_int = None
+        if as_int is None or as_int != capacity:
+            raise ValueError(f"{name} must be a positive integer (tokens per expert), got {capacity!r}")
+        capacity = as_int
+    if capacity < 1:
+        raise ValueError(f"{name} must be a positive integer, got {capacity}" + (f"; {fix}" if fix else ""))
+    if capacity * k < n:
+        raise ValueError(
+            f"{name}={capacity} with k={k} experts holds only {capacity * k} tokens but n={n} must be "
+            f"placed; {advice}"
+        )
+    return min(capacity, n) if at_most_tokens else capacity
+
+
+def check_capacity(capacity: Any, name: str = "capacity") -> int | None:
+    """``capacity`` as an ``int >= 0`` (``None`` passes through), else a ValueError naming ``name``.
+
+    The integer rule is :func:`resolve_capacity`'s: integral floats (``4.0``) are accepted; bools,
+    ``inf``, NaN, fractions, negative numbers and non-numbers are not. ``0`` is allowed here (an
+    empty batch has capacity 0).
+    """
+    if capacity is None:
+        return None
+    if isinstance(capacity, (int, float)) and not isinstance(capacity, bool) and capacity == 0:
+        return 0
+    return resolve_capacity(0, 1, capacity, name)  # 0 tokens, 1 expert: only the integer rule applies
+
+
+def check_capacity_factor(capacity_factor: Any) -> None:
+    """ValueError unless ``capacity_factor`` is ``None`` (dropless) or a finite number ``> 0``."""
+    if capacity_factor is None:
+        return
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not (
+        math.isfinite(capacity_factor) and capacity_factor > 0
+    ):
+        raise ValueError(
+            f"capacity_factor must be a finite number > 0 (or None for dropless routing), got {capacity_factor!r}"
+        )
+
+
+def expert_capacity(num_tokens: int, num_experts: int, slots: float, capacity_factor: float | None) -> int:
+    """Capacity ``C = ceil(capacity_factor * tokens * slots / experts)``, at most ``tokens``.
+
+    Args:
+        num_tokens: tokens in the batch, an integer ``n >= 0`` (``0``: an empty batch).
+        num_experts: ``E``, an integer ``>= 1``.
+        slots: average experts per token ``k``, a finite number ``> 0`` (``E`` for dense
+            softmax gating).
+        capacity_factor: ``> 0``; ``None`` means dropless (``C = n``: an expert can take every
+            token, since a token never chooses the same expert twice).
+
+    Returns:
+        The capacity (``0`` only when there are no tokens). It never exceeds ``n``: a larger
+        capacity could not be filled, so the buffer is not padded beyond it.
+
+    Raises:
+        ValueError: naming the argument: ``num_tokens`` not an integer ``>= 0``, ``num_experts``
+            not an integer ``>= 1``, ``slots`` not a finite number ``> 0``, ``capacity_factor``
+            ``<= 0`` or not finite.
+    """
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_tokens must be an integer >= 0 (tokens in the batch), got {num_tokens!r}")
+    check_positive_int("num_experts", num_experts)
+    check_pos("slots", slots)
+    if capacity_factor is None:
+        return num_tokens
+    check_capacity_factor(capacity_factor)
+    raw = capacity_factor * num_tokens * slots / num_experts
+    if not raw < num_tokens:  # also a huge factor whose product overflows to inf
+        return num_tokens
+    c = math.ceil(raw - 1e-9)
+    return min(max(c, 1 if num_tokens else 0), num_tokens)

@@ -1,0 +1,68 @@
+"""The routing rule of the Gumbel-Matching router: balanced samples with importance weights."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._checks import check_tau, resolve_capacity
+from ..assignment import balanced_assignment
+from ..routes import Routes
+from ..routing.rules import balanced_capacity
+from .sampling import METHODS, sample_routes
+
+__all__ = ["gumbel_matching_routes"]
+
+
+def gumbel_matching_routes(logits: Tensor, capacity: int | None = None, *, method: str = "gumbel_matching_iw",
+                           tau: float = 1.0, sinkhorn: bool = False, training: bool = True,
+                           eval_balanced: bool = True, balance_coef: float = 0.0,
+                           generator: torch.Generator | None = None) -> Routes:
+    """Stochastic balanced routing by Gumbel-Matching with unbiased importance weights (Kool et al.).
+
+    A routing rule of :mod:`routelab.routing.rules`' kind (pure; randomness from ``generator``).
+    Training: one expert per token from :func:`sample_routes` with ``method`` (default
+    ``"gumbel_matching_iw"``: a balanced Gumbel-Matching sample of ``softmax(logits / tau)`` under
+    ``capacity``, importance weights ``p / q`` from the exact conditionals, App. D.5; the sampling
+    methods skip what does not fit). ``gate = p(expert | x)``, ``weight`` the importance weight,
+    ``log_prob`` for REINFORCE, ``stats["weights_clamped"]``. Inference (``training=False``): the
+    deterministic balanced assignment (the ``tau -> 0`` limit, BASE), or ``argmax`` when
+    ``eval_balanced=False``.
+
+    Args:
+        logits: ``[tokens, E]`` float32 router logits (finite).
+        capacity: tokens per expert (``None``: ``ceil(tokens / E)``); the balanced methods need it
+            to hold every token.
+        method: an estimator of :data:`METHODS`.
+        tau: proposal temperature ``> 0``.
+        sinkhorn: balance the proposal with Sinkhorn first (App. E).
+        training: sample (else the deterministic assignment).
+        eval_balanced: whether inference solves the balanced assignment.
+        balance_coef: weight of the Switch balance loss in ``aux["balance"]``.
+        generator: the only source of randomness.
+
+    Returns:
+        ``Routes [tokens, 1]``.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    tau = check_tau(tau, positive=True)
+    n, E = logits.shape
+    if n == 0 or not training:
+        log_p = torch.log_softmax(logits, -1)
+        if n and eval_balanced:
+            expert = balanced_assignment(logits.detach(), balanced_capacity(n, E, capacity, "gumbel_matching"))
+        else:
+            expert = log_p.argmax(-1)
+        log_prob = log_p.gather(-1, expert.unsqueeze(-1))
+        return Routes(expert=expert.unsqueeze(-1), gate=log_prob.exp(),
+                      keep=torch.ones_like(log_prob, dtype=torch.bool), weight=torch.ones_like(log_prob),
+                      log_prob=log_prob)
+    if method.startswith("gumbel"):
+        c = balanced_capacity(n, E, capacity, "gumbel_matching")
+    else:  # the sampling methods skip what does not fit (sample_routes checks it); "sample" ignores it
+        c = resolve_capacity(n, E, capacity, default="ceil")
+    r = sample_routes(logits, method, tau=tau, capacity=c, sinkhorn=sinkhorn, generator=generator).with_slot_dim()
+    r.aux = {"balance": balance_coef * r.aux["balance"]} if balance_coef else {}
+    r.stats = {"weights_clamped": r.stats["weights_clamped"]}
+    return r

@@ -1,0 +1,302 @@
+"""Routing rules: pure functions from router scores to :class:`~routelab.Routes` (in the manner
+of DeepSpeed's ``top1gating``).
+
+A router (:mod:`routelab.routers`) is a thin module: it scores the tokens and calls one of these
+rules on the scores of the whole batch. Each rule takes float32 logits ``[tokens, E]`` (finite:
+the router checks them, in its one host synchronisation) and its options, and returns
+``Routes [tokens, slots]`` whose ``keep`` marks the *proposed* slots; the layer then enforces the
+expert capacity on them (:func:`routelab.routing.apply_capacity`). ``aux`` holds the rule's
+auxiliary losses, already multiplied by their coefficients. No rule keeps state: randomness comes
+from the ``generator`` argument, learned quantities (batchwise thresholds) are arguments.
+
+* :func:`softmax_routes` — dense softmax gating (Shazeer et al. 2017, eq. 15);
+* :func:`topk_routes` — top-k (Switch for ``k = 1``), Switch balance loss;
+* :func:`noisy_topk_routes` — noisy top-k with the importance and load losses (Shazeer et al.);
+* :func:`batchwise_routes` — strictly balanced batchwise gating, learned thresholds (App. F);
+* :func:`balanced_routes` — the exact balanced assignment of BASE layers (Kool et al. eq. 4);
+* :func:`sinkhorn_routes` — Sinkhorn-balanced top-k (Kool et al. Sec. 2.3; S-BASE).
+
+The stochastic balanced rule, Gumbel-Matching with importance weights, is
+:func:`routelab.estimators.gumbel_matching_routes` (it samples with the estimators).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._checks import check_k, check_positive_int, resolve_capacity
+from ..assignment import balanced_assignment, sinkhorn_balance
+from ..gates.batchwise import batchwise_mask, batchwise_threshold_loss, threshold_mask
+from ..routes import Routes
+from .losses import cv_squared, noisy_topk_load, switch_balance
+
+__all__ = [
+    "INFERENCE_MASKS",
+    "balanced_capacity",
+    "batchwise_mask_in_use",
+    "expert_grid",
+    "sinkhorn_balanced_log_probs",
+    "balanced_routes",
+    "batchwise_routes",
+    "noisy_topk_routes",
+    "sinkhorn_routes",
+    "softmax_routes",
+    "topk_routes",
+]
+
+#: The masks batchwise gating may use at inference (``batchwise_routes(..., inference=)``).
+INFERENCE_MASKS: tuple[str, ...] = ("threshold", "batchwise")
+
+
+def _check_logits(logits: object, name: str = "logits") -> Tensor:
+    """``logits`` if it is a floating ``[tokens, E]`` tensor, else a TypeError/ValueError naming it.
+
+    Values are not checked here (the router checks them once per call, in one host sync).
+    """
+    if not isinstance(logits, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor [tokens, E], got {type(logits).__name__}")
+    if logits.ndim != 2 or logits.shape[-1] < 1:
+        raise ValueError(f"{name} must have shape [tokens, E] with E >= 1, got {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"{name} must be a floating tensor, got {logits.dtype}; use {name}.float()")
+    return logits
+
+
+def expert_grid(n: int, num_experts: int, device: torch.device) -> Tensor:
+    """``LongTensor [n, E]`` whose every row is ``0 .. E-1`` (one slot per expert)."""
+    return torch.arange(num_experts, device=device).expand(n, num_experts)
+
+
+def balanced_capacity(n: int, num_experts: int, capacity: int | None, router: str = "balanced") -> int:
+    """The capacity a balanced solve uses: the layer's (at most ``n``), which must hold every token;
+    ``ceil(n / E)`` without one (:func:`routelab._checks.resolve_capacity`).
+
+    Raises:
+        ValueError: ``capacity * E < n`` (naming ``capacity_factor``, the layer's knob).
+    """
+    need = -(-n // num_experts)
+    return resolve_capacity(n, num_experts, capacity, default="ceil", at_most_tokens=True,
+                            fix=f"the {router} router assigns every token: use capacity_factor >= 1 (capacity >= {need})")
+
+
+def softmax_routes(logits: Tensor, *, importance_coef: float = 0.0) -> Routes:
+    """Dense gating ``G(x) = softmax(logits)`` (Shazeer et al. 2017, eq. 15): ``E`` slots per token.
+
+    Args:
+        logits: ``[tokens, E]``.
+        importance_coef: weight of ``CV(sum_x G(x))^2`` in ``aux["importance"]`` (0: no loss).
+
+    Returns:
+        ``Routes [tokens, E]``: slot ``e`` is expert ``e``, gate ``G``, every slot proposed.
+    """
+    n, E = _check_logits(logits).shape
+    log_p = torch.log_softmax(logits, -1)
+    probs = log_p.exp()
+    aux = {}
+    if importance_coef:
+        aux["importance"] = importance_coef * cv_squared(probs.sum(0))
+    return Routes(
+        expert=expert_grid(n, E, logits.device),
+        gate=probs,
+        keep=torch.ones(n, E, dtype=torch.bool, device=logits.device),
+        weight=torch.ones_like(probs),
+        log_prob=log_p,
+        aux=aux,
+    )
+
+
+def topk_routes(logits: Tensor, k: int, *, renormalize: bool = False, balance_coef: float = 0.01) -> Routes:
+    """Each token goes to the ``k`` experts with the largest logits (``k = 1``: Switch routing).
+
+    Args:
+        logits: ``[tokens, E]``.
+        k: experts per token, ``1 <= k <= E``.
+        renormalize: combine weights ``softmax`` over the ``k`` chosen logits (Shazeer et al.,
+            Mixtral) instead of the full-softmax probabilities of the chosen experts (Switch,
+            GShard).
+        balance_coef: weight of the Switch balance loss ``E sum_e f_e P_e`` in ``aux["balance"]``.
+
+    Returns:
+        ``Routes [tokens, k]``, every slot proposed.
+    """
+    check_k(k, _check_logits(logits).shape[-1])
+    log_p = torch.log_softmax(logits, -1)
+    top_logits, expert = logits.topk(k, dim=-1)
+    log_prob = log_p.gather(-1, expert)
+    gate = torch.softmax(top_logits, -1) if renormalize else log_prob.exp()
+    keep = torch.ones_like(expert, dtype=torch.bool)
+    aux = {}
+    if balance_coef:
+        aux["balance"] = balance_coef * switch_balance(log_p.exp(), expert, keep, fraction_of="slots")
+    return Routes(expert=expert, gate=gate, keep=keep, weight=torch.ones_like(gate), log_prob=log_prob, aux=aux)
+
+
+def noisy_topk_routes(logits: Tensor, noise_std: Tensor, k: int, *, training: bool = True,
+                      importance_coef: float = 0.1, load_coef: float = 0.1,
+                      generator: torch.Generator | None = None) -> Routes:
+    """Noisy top-k gating with the importance and load losses of Shazeer et al. (2017).
+
+    ``H = logits + eps * noise_std`` with ``eps ~ N(0, 1)`` when ``training`` (eq. 4; the
+    logits themselves otherwise), ``G = softmax(KeepTopK(H, k))`` (eq. 3, 5);
+    ``aux["importance"] = importance_coef * CV(sum_x G(x))^2`` (eq. 6-7) and ``aux["load"] =
+    load_coef * CV(Load)^2`` with the smooth load estimator of App. A (eq. 8-11).
+
+    Args:
+        logits: ``[tokens, E]`` clean logits (differentiable).
+        noise_std: ``[tokens, E]`` noise scales ``> 0`` (differentiable).
+        k: experts per token.
+        training: add the noise.
+        importance_coef, load_coef: loss weights (the paper uses 0.1 each).
+        generator: the noise's only source of randomness.
+
+    Returns:
+        ``Routes [tokens, k]``, every slot proposed.
+    """
+    n, E = _check_logits(logits).shape
+    check_k(k, E)
+    if not isinstance(noise_std, Tensor) or noise_std.shape != logits.shape:
+        got = tuple(noise_std.shape) if isinstance(noise_std, Tensor) else type(noise_std).__name__
+        raise ValueError(f"noise_std must be a tensor of the logits' shape {tuple(logits.shape)}, got {got}")
+    if training:
+        eps = torch.randn(logits.shape, generator=generator, device=logits.device, dtype=logits.dtype)
+        noisy = logits + eps * noise_std
+    else:
+        noisy = logits
+    top_values, top_index = noisy.topk(min(k + 1, E), dim=-1)
+    expert = top_index[:, :k]
+    gate = torch.softmax(top_values[:, :k], -1)
+    log_prob = torch.log_softmax(noisy, -1).gather(-1, expert)
+    aux = {}
+    if n and importance_coef:
+        full = torch.zeros_like(logits).scatter(-1, expert, gate)
+        aux["importance"] = importance_coef * cv_squared(full.sum(0))
+    if n and load_coef:
+        load = noisy_topk_load(logits, noisy, noise_std, top_values, k)
+        aux["load"] = load_coef * cv_squared(load)
+    return Routes(expert=expert, gate=gate, keep=torch.ones_like(expert, dtype=torch.bool),
+                  weight=torch.ones_like(gate), log_prob=log_prob, aux=aux)
+
+
+def batchwise_mask_in_use(probs: Tensor, k: int, thresholds: Tensor, *, training: bool,
+                          inference: str = "threshold") -> Tensor:
+    """The App. F mask: batchwise (eq. 18) in training or with ``inference="batchwise"``, else the
+    threshold mask ``probs > thresholds`` (eq. 19, any batch size)."""
+    if inference not in INFERENCE_MASKS:
+        raise ValueError(f"inference must be one of {INFERENCE_MASKS}, got {inference!r}")
+    if training or inference == "batchwise":
+        return batchwise_mask(probs, k)
+    return threshold_mask(probs, thresholds.detach().to(probs.dtype))
+
+
+def batchwise_routes(logits: Tensor, k: int, thresholds: Tensor, *, training: bool = True,
+                     inference: str = "threshold", threshold_coef: float = 1.0) -> Routes:
+    """App. F gating: ``G = G_sigma * M / sum(G_sigma * M)`` (eq. 16) with ``G_sigma = softmax(logits)``.
+
+    Training: ``M`` is the batchwise mask (eq. 18), every expert takes exactly ``k * tokens / E``
+    tokens (``k * tokens`` must be divisible by ``E``), and the thresholds learn from
+    ``aux["threshold"] = threshold_coef * L_batchwise(G_sigma, T, M) / tokens`` (eq. 20, on
+    detached scores). Inference: the threshold mask ``G_sigma > T`` (eq. 19), or the batchwise
+    mask with ``inference="batchwise"``.
+
+    Args:
+        logits: ``[tokens, E]``.
+        k: average experts per token, ``1 <= k <= E``.
+        thresholds: ``[E]`` per-expert thresholds ``T`` (differentiable: the threshold loss).
+        training: training mode (batchwise mask, threshold loss).
+        inference: ``"threshold"`` or ``"batchwise"``.
+        threshold_coef: weight of the threshold loss.
+
+    Returns:
+        ``Routes [tokens, E]``: slot ``e`` is expert ``e``, ``keep`` the mask (a token may use
+        any number of experts, including none: its gate is then all zero).
+    """
+    n, E = _check_logits(logits).shape
+    check_k(k, E)
+    log_p = torch.log_softmax(logits, -1)
+    probs = log_p.exp()
+    mask = batchwise_mask_in_use(probs, k, thresholds, training=training, inference=inference)
+    masked = probs * mask
+    total = masked.sum(-1, keepdim=True)
+    gate = torch.where(total > 0, masked / total.clamp(min=torch.finfo(probs.dtype).tiny), torch.zeros_like(masked))
+    aux = {}
+    if training and n and threshold_coef:
+        loss = batchwise_threshold_loss(probs.detach(), thresholds, mask)
+        aux["threshold"] = threshold_coef * loss / n
+    return Routes(expert=expert_grid(n, E, logits.device), gate=gate, keep=mask,
+                  weight=torch.ones_like(gate), log_prob=log_p, aux=aux)
+
+
+def balanced_routes(logits: Tensor, capacity: int | None = None, *, balanced: bool = True) -> Routes:
+    """BASE layers (Lewis et al. 2021): the exact balanced assignment maximising the total score.
+
+    ``expert = balanced_assignment(logits, capacity)`` (Kool et al. eq. 4, exact), one expert per
+    token, at most ``capacity`` tokens per expert; ``balanced=False`` takes the greedy ``argmax``
+    instead (BASE's inference). The combine weight is ``sigmoid(logit of the assigned expert)``.
+
+    Args:
+        logits: ``[tokens, E]``.
+        capacity: tokens per expert (``None``: ``ceil(tokens / E)``); must hold every token.
+        balanced: solve the balanced assignment (else ``argmax``).
+
+    Returns:
+        ``Routes [tokens, 1]``.
+    """
+    n, E = _check_logits(logits).shape
+    if n == 0:
+        expert = torch.zeros(0, dtype=torch.long, device=logits.device)
+    elif balanced:
+        expert = balanced_assignment(logits.detach(), balanced_capacity(n, E, capacity, "base"))
+    else:
+        expert = logits.argmax(-1)
+    chosen = logits.gather(-1, expert.unsqueeze(-1))
+    log_prob = torch.log_softmax(logits, -1).gather(-1, expert.unsqueeze(-1))
+    gate = torch.sigmoid(chosen)
+    return Routes(expert=expert.unsqueeze(-1), gate=gate, keep=torch.ones_like(gate, dtype=torch.bool),
+                  weight=torch.ones_like(gate), log_prob=log_prob)
+
+
+def sinkhorn_balanced_log_probs(log_p: Tensor, sweeps: int) -> Tensor:
+    """``[tokens, E]`` log of the Sinkhorn-balanced probabilities (detached): columns towards
+    ``tokens / E``, at most ``sweeps`` sweeps, stopping once every column is within 1% of it."""
+    n, E = log_p.shape
+    target = torch.full((E,), n / E, dtype=log_p.dtype, device=log_p.device)
+    out, _ = sinkhorn_balance(log_p.detach().unsqueeze(0), target, tol=0.01 * n / E, max_iter=sweeps)
+    return out.squeeze(0)
+
+
+def sinkhorn_routes(logits: Tensor, k: int, *, sweeps: int = 20, balanced: bool = True, renormalize: bool = False,
+                    balance_coef: float = 0.0) -> Routes:
+    """Sinkhorn-balanced routing (Kool et al. Sec. 2.3; S-BASE of Clark et al. 2022).
+
+    ``p = softmax(logits)`` is balanced by Sinkhorn over the batch (columns ``tokens / E``, a
+    fixed budget of ``sweeps``); each token takes the ``k`` experts with the largest *balanced*
+    probability and combines them with the *unbalanced* ``p`` (``renormalize``: rescaled to sum
+    to 1). ``balanced=False`` skips the balancing (S-BASE's inference).
+
+    Args:
+        logits: ``[tokens, E]``.
+        k: experts per token.
+        sweeps: Sinkhorn sweeps per batch.
+        balanced: balance before choosing.
+        renormalize: rescale the chosen probabilities to sum to 1.
+        balance_coef: weight of the Switch balance loss in ``aux["balance"]``.
+
+    Returns:
+        ``Routes [tokens, k]``, every slot proposed.
+    """
+    n, E = _check_logits(logits).shape
+    check_k(k, E)
+    check_positive_int("sweeps", sweeps)
+    log_p = torch.log_softmax(logits, -1)
+    select = sinkhorn_balanced_log_probs(log_p, sweeps) if (n and balanced) else log_p.detach()
+    expert = select.topk(k, dim=-1).indices
+    log_prob = log_p.gather(-1, expert)
+    gate = log_prob.exp()
+    if renormalize:
+        gate = gate / gate.sum(-1, keepdim=True)
+    keep = torch.ones_like(expert, dtype=torch.bool)
+    aux = {}
+    if balance_coef and n:
+        aux["balance"] = balance_coef * switch_balance(log_p.exp(), expert, keep, fraction_of="slots")
+    return Routes(expert=expert, gate=gate, keep=keep, weight=torch.ones_like(gate), log_prob=log_prob, aux=aux)
