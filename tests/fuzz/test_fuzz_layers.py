@@ -25,6 +25,7 @@ import routelab.layers as L
 from routelab.estimators import METHODS
 from routelab.routers import ROUTERS
 from routelab.routing import expert_capacity
+from test_fuzz_rules import COVERED_LAYERS
 from fuzz_strategies import (
     assert_finite,
     assert_not_mutated,
@@ -40,7 +41,7 @@ from fuzz_strategies import (
     seeds,
 )
 
-COVERED = {"MixtureOfAttentiveExperts", "MultiGateMoE", "SharedBottom", "StackedLinear", "MoE", "StackedExperts"}
+COVERED = {"MixtureOfAttentiveExperts", "MultiGateMoE", "SharedBottom", "StackedLinear", "MoE", "StackedExperts"} | COVERED_LAYERS
 
 
 def test_public_api_is_covered() -> None:

@@ -137,3 +137,58 @@ def test_gate_protocol(which, per_example, batch, seed) -> None:
     assert same_bits(weights, out.scores), "forward and gate disagree"
     assert gate.aux.keys() == out.aux.keys()
     assert same_bits(gate.regularization().detach(), out.regularization().detach()), "regularization differs"
+
+
+COVERED_LAYERS = {"MoEConfig"}
+
+
+@fuzz(60)
+@given(
+    d_model=st.sampled_from((4, 0, -1, 2.0, True)),
+    num_experts=st.sampled_from((1, 3, 4, 0)),
+    router=st.sampled_from(("topk", "Top-K", "base", "switch", "nope", 3)),
+    k=st.sampled_from((None, 1, 2)),
+    capacity_factor=st.sampled_from((1.0, None, 0.0, float("nan"), 2)),
+    drop_policy=st.sampled_from(("position", "random", "lifo")),
+    activation=st.sampled_from(("gelu", "relu", "swish", torch.tanh)),
+    seed=seeds,
+)
+def test_moe_config(d_model, num_experts, router, k, capacity_factor, drop_policy, activation, seed) -> None:
+    """MoEConfig validates every field (ValueError naming it); MoE.from_config(config) is the layer
+    MoE(**fields) builds, bit for bit, and its .config describes it."""
+    from routelab.layers import MoE, MoEConfig
+
+    fields = dict(router=router, capacity_factor=capacity_factor, k=k, drop_policy=drop_policy, activation=activation)
+    names = ("d_model", "num_experts", "router", "capacity_factor", "drop_policy", "activation", "k")
+    ok, config = call(MoEConfig, d_model, 8, num_experts, names=names, valid=None, what="MoEConfig", **fields)
+    if not ok:
+        return
+    torch.manual_seed(seed % 1000)
+    ok, layer = call(MoE.from_config, config, names=names, valid=None, what="MoE.from_config")
+    if not ok:  # a k the router cannot use is found when the router is built
+        return
+    torch.manual_seed(seed % 1000)
+    ref = MoE(d_model, 8, num_experts, **fields)
+    for (name, p), (_, q) in zip(layer.named_parameters(), ref.named_parameters()):
+        assert same_bits(p, q), f"from_config and the constructor initialise {name} differently"
+    described = layer.config
+    assert described.router is layer.router and described.num_experts == num_experts
+    assert (described.capacity_factor, described.drop_policy, described.activation) == (capacity_factor, drop_policy,
+                                                                                        activation)
+    again = MoE.from_config(described)
+    assert again.router is layer.router and again.capacity_factor == capacity_factor
+
+
+def test_layer_signatures_default_to_the_config() -> None:
+    """MoE's and ExpertParallelMoE's keyword defaults are MoEConfig's (one set of defaults)."""
+    import dataclasses
+    import inspect
+
+    from routelab.layers import MoE, MoEConfig
+    from routelab.parallel import ExpertParallelMoE
+
+    defaults = {f.name: f.default for f in dataclasses.fields(MoEConfig) if f.default is not dataclasses.MISSING}
+    for cls in (MoE, ExpertParallelMoE):
+        params = inspect.signature(cls.__init__).parameters
+        for name, value in defaults.items():
+            assert params[name].default == value, f"{cls.__name__}({name}=...) defaults to {params[name].default!r}"

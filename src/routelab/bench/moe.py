@@ -57,7 +57,7 @@ import routelab
 from ..machine import cpu_model as _cpu_model
 from ..machine import load_average
 from ._checks import check_device_and_threads
-from routelab.layers import MoE
+from routelab.layers import MoE, MoEConfig
 from routelab.routing import apply_capacity
 
 __all__ = ["FULL", "QUICK", "BenchConfig", "IMPLEMENTATIONS", "dense_forward", "naive_forward", "run_benchmark"]
@@ -102,6 +102,11 @@ class BenchConfig:
     capacity_factor: float = 1.0
     dense_limit_gib: float = 4.0
     seed: int = 0
+
+    def layer(self, num_experts: int, k: int) -> MoEConfig:
+        """The measured layer at one size: ``topk`` router, position drop policy, GELU experts with biases."""
+        return MoEConfig(self.d_model, self.d_hidden, num_experts, router="topk", k=k,
+                         capacity_factor=self.capacity_factor)
 
 
 #: The issue's sizes: E in {8, 64}, d_model 512, d_hidden 2048, 8192 tokens, top-1 and top-2.
@@ -362,7 +367,7 @@ def _measure(E: int, k: int, cfg: BenchConfig, device: str) -> Row:
     """Measure every implementation at one size."""
     gen = torch.Generator().manual_seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # the layer's initialisation
-    moe = MoE(cfg.d_model, cfg.d_hidden, E, router="topk", k=k, capacity_factor=cfg.capacity_factor).to(device)
+    moe = MoE.from_config(cfg.layer(E, k)).to(device)
     moe.train()
     x = torch.randn(cfg.tokens, cfg.d_model, generator=gen).to(device).requires_grad_(True)
     grad_out = torch.randn(cfg.tokens, cfg.d_model, generator=gen).to(device)

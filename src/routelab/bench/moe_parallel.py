@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 import routelab
 from ..machine import cpu_model as _cpu_model
-from routelab.layers import MoE
+from routelab.layers import MoE, MoEConfig
 from routelab.parallel import ExpertParallelMoE, init_distributed, run_workers, under_torchrun
 
 __all__ = ["FULL", "QUICK", "ParallelBenchConfig", "deepspeed_available", "run_benchmark"]
@@ -70,6 +70,11 @@ class ParallelBenchConfig:
     repeats: int = 7
     timeout: float = 900.0
 
+    def layer(self, mode: str) -> MoEConfig:
+        """The measured layer: Switch (top-1) routing, capacity factor 1 (``"capacity"``) or dropless."""
+        return MoEConfig(self.d_model, self.d_hidden, self.experts, router="switch",
+                         capacity_factor=1.0 if mode == "capacity" else None)
+
 
 FULL = ParallelBenchConfig()
 QUICK = replace(FULL, d_model=64, d_hidden=128, tokens_per_rank=256, warmup=1, repeats=3, timeout=300.0)
@@ -88,8 +93,7 @@ def deepspeed_available() -> tuple[bool, str]:
 
 def _reference(cfg: ParallelBenchConfig, mode: str, device: torch.device) -> MoE:
     torch.manual_seed(0)
-    moe = MoE(cfg.d_model, cfg.d_hidden, cfg.experts, router="switch",
-              capacity_factor=1.0 if mode == "capacity" else None, device=device)
+    moe = MoE.from_config(cfg.layer(mode), device=device)
     with torch.no_grad():  # a spread-out router: every expert gets tokens
         moe.router.proj.weight.normal_(0.0, 1.0 / cfg.d_model ** 0.5)
     return moe

@@ -12,7 +12,8 @@ from routelab.layers.multigate import MultiGateMoE, SharedBottom, StackedLinear 
 
 __all__ += ["MultiGateMoE", "SharedBottom", "StackedLinear"]
 
+from routelab.layers.config import MoEConfig  # noqa: E402
 from routelab.layers.experts import StackedExperts  # noqa: E402
 from routelab.layers.moe import MoE  # noqa: E402
 
-__all__ += ["MoE", "StackedExperts"]
+__all__ += ["MoE", "MoEConfig", "StackedExperts"]

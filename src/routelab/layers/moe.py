@@ -9,12 +9,15 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_generator, floating_input
-from ..routers import Router, make_router
+from ..routers import Router
 from ..routes import Routes
-from ..routing import DROP_POLICIES, DispatchPlan, apply_capacity, check_capacity_factor, expert_capacity
+from ..routing import DispatchPlan, apply_capacity, expert_capacity
+from .config import MoEConfig
 from .experts import StackedExperts
 
 __all__ = ["MoE"]
+
+_SAME = object()  # MoE._build: the router goes where the experts go
 
 
 class MoE(nn.Module):
@@ -34,6 +37,10 @@ class MoE(nn.Module):
 
     Dropped pairs contribute nothing: a token whose every slot is dropped gets a zero output,
     so put the layer in a residual branch (``x + moe(x)[0]``) to carry it.
+
+    The layer is described by one :class:`~routelab.layers.MoEConfig` (its arguments below, but
+    ``generator``, ``device`` and ``dtype``): ``MoE.from_config(config)`` builds it from one and
+    ``moe.config`` describes a layer.
 
     Args:
         d_model: token width.
@@ -96,34 +103,46 @@ class MoE(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.experts = StackedExperts(d_model, d_hidden, num_experts, activation=activation, bias=bias,
-                                      device=device, dtype=dtype)
-        if isinstance(router, Router):
-            if k is not None or router_kwargs:
-                raise ValueError("pass k and router_kwargs only with a router name; configure a Router instance directly")
-            if router.d_model != d_model or router.num_experts != num_experts:
-                raise ValueError(
-                    f"router was built for d_model={router.d_model}, num_experts={router.num_experts} but the layer "
-                    f"has d_model={d_model}, num_experts={num_experts}"
-                )
-            self.router = router
-        elif isinstance(router, str):
-            self.router = make_router(router, d_model, num_experts, k=k, **(router_kwargs or {}))
-            if device is not None:
-                self.router.to(device)
-        else:
-            raise ValueError(f"router must be a router name or a Router instance, got {type(router).__name__}")
-        check_capacity_factor(capacity_factor)
-        if drop_policy not in DROP_POLICIES:
-            raise ValueError(f"drop_policy must be one of {', '.join(DROP_POLICIES)}, got {drop_policy!r}")
-        self.d_model, self.num_experts = d_model, num_experts
-        self.capacity_factor = capacity_factor
-        self.drop_policy = drop_policy
-        self.importance_weighting = bool(importance_weighting)
+        config = MoEConfig(d_model, d_hidden, num_experts, router=router, capacity_factor=capacity_factor, k=k,
+                           router_kwargs=router_kwargs, drop_policy=drop_policy,
+                           importance_weighting=importance_weighting, activation=activation, bias=bias)
+        self._build(config, generator=generator, device=device, dtype=dtype)
+
+    def _build(self, config: MoEConfig, *, generator: torch.Generator | None,
+               device: torch.device | str | None, dtype: torch.dtype | None,
+               router_device: torch.device | str | None | object = _SAME) -> None:
+        """Build the layer's modules from a validated ``config`` (the experts on ``device``, a router
+        built by name on ``router_device``, default ``device``)."""
+        self.experts = StackedExperts(config.d_model, config.d_hidden, config.num_experts,
+                                      activation=config.activation, bias=config.bias, device=device, dtype=dtype)
+        self.router = config.build_router(device if router_device is _SAME else router_device)
+        self.d_model, self.num_experts = config.d_model, config.num_experts
+        self.capacity_factor = config.capacity_factor
+        self.drop_policy = config.drop_policy
+        self.importance_weighting = config.importance_weighting
+        self._activation = config.activation
         check_generator(generator)
         self.generator = generator
         if generator is not None:
             self.router.generator = generator
+
+    @classmethod
+    def from_config(cls, config: MoEConfig, *, generator: torch.Generator | None = None,
+                    device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> MoE:
+        """The layer a :class:`~routelab.layers.MoEConfig` describes (``generator``, ``device`` and
+        ``dtype`` as in the constructor)."""
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be a routelab.layers.MoEConfig, got {type(config).__name__}")
+        return cls(**config.layer_kwargs(), generator=generator, device=device, dtype=dtype)
+
+    @property
+    def config(self) -> MoEConfig:
+        """The :class:`~routelab.layers.MoEConfig` of the layer as it is now (its router the
+        layer's router instance; ``capacity_factor`` and the other options as currently set)."""
+        return MoEConfig(self.d_model, self.experts.d_hidden, self.num_experts, router=self.router,
+                         capacity_factor=self.capacity_factor, drop_policy=self.drop_policy,
+                         importance_weighting=self.importance_weighting, activation=self._activation,
+                         bias=self.experts.b1 is not None)
 
     def capacity(self, num_tokens: int) -> int:
         """Per-expert capacity for a batch of ``num_tokens`` (``num_tokens`` when dropless)."""

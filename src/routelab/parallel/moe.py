@@ -38,11 +38,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .._checks import check_positive_int
+from ..layers.config import MoEConfig
 from ..layers.experts import StackedExperts
 from ..layers.moe import MoE
-from ..routers import Router, make_router
+from ..routers import Router
 from ..routers.base import check_finite_features
 from ..routes import Routes
+from ..routing import DispatchPlan
 from .comm import all_gather_rows, all_to_all, exchange_counts
 
 __all__ = ["ExpertParallelMoE"]
@@ -148,25 +150,21 @@ class ExpertParallelMoE(MoE):
                 f"num_experts={num_experts} must be divisible by the process group's size {world} "
                 f"(each rank holds num_experts / world experts); use a multiple of {world}"
             )
-        if isinstance(router, str):
-            # Built here, on the real device: the layer itself is built on the meta device below.
-            router = make_router(router, d_model, num_experts, k=k, **(router_kwargs or {}))
-            if device is not None:
-                router.to(device)
-            k, router_kwargs = None, None
+        config = MoEConfig(d_model, d_hidden, num_experts, router=router, capacity_factor=capacity_factor, k=k,
+                           router_kwargs=router_kwargs, drop_policy=drop_policy,
+                           importance_weighting=importance_weighting, activation=activation, bias=bias)
         # The full expert stack is built on the meta device (no memory) and replaced by this
-        # rank's slice: only E / world experts are ever materialised. MoE checks the router.
-        super().__init__(d_model, d_hidden, num_experts, router=router, k=k, router_kwargs=router_kwargs,
-                         capacity_factor=capacity_factor,
-                         drop_policy=drop_policy, importance_weighting=importance_weighting,
-                         activation=activation, bias=bias, generator=generator, device="meta", dtype=dtype)
+        # rank's slice: only E / world experts are ever materialised. A router built by name is
+        # built on the real device.
+        nn.Module.__init__(self)
+        self._build(config, generator=generator, device="meta", dtype=dtype, router_device=device)
         self.process_group = process_group
         self.check_decisions = bool(check_decisions)
         self.world_size, self.rank = world, rank
         self.local_experts = num_experts // world
         self.expert_offset = rank * self.local_experts
-        self.experts = StackedExperts(d_model, d_hidden, self.local_experts, activation=activation, bias=bias,
-                                      device=device, dtype=dtype)
+        self.experts = StackedExperts(d_model, d_hidden, self.local_experts, activation=config.activation,
+                                      bias=config.bias, device=device, dtype=dtype)
         if _sync:
             if seed is None:
                 drawn = torch.randint(0, 2**62, (1,), dtype=torch.long)
@@ -195,11 +193,9 @@ class ExpertParallelMoE(MoE):
         router = copy.deepcopy(moe.router, memo)
         ex = moe.experts
         param = ex.w1
-        out = cls(moe.d_model, ex.d_hidden, moe.num_experts, process_group=process_group, router=router,
-                  capacity_factor=moe.capacity_factor, drop_policy=moe.drop_policy,
-                  importance_weighting=moe.importance_weighting, activation=ex.activation,
-                  bias=ex.b1 is not None, generator=moe.generator, device=param.device, dtype=param.dtype,
-                  check_decisions=check_decisions, _sync=False)
+        out = cls(**moe.config.replace(router=router).layer_kwargs(), process_group=process_group,
+                  generator=moe.generator, device=param.device, dtype=param.dtype, check_decisions=check_decisions,
+                  _sync=False)
         lo, hi = out.expert_offset, out.expert_offset + out.local_experts
         with torch.no_grad():
             for name in ("w1", "w2", "b1", "b2"):
@@ -208,6 +204,18 @@ class ExpertParallelMoE(MoE):
                     getattr(out.experts, name).copy_(src[lo:hi])
         out.train(moe.training)
         return out
+
+    @classmethod
+    def from_config(cls, config: MoEConfig, process_group: dist.ProcessGroup | None = None, *,
+                    generator: torch.Generator | None = None, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None, seed: int | None = None,
+                    check_decisions: bool = True) -> ExpertParallelMoE:
+        """The layer a :class:`~routelab.layers.MoEConfig` describes, its experts sharded over
+        ``process_group`` (the other arguments as in the constructor)."""
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be a routelab.layers.MoEConfig, got {type(config).__name__}")
+        return cls(**config.layer_kwargs(), process_group=process_group, generator=generator, device=device,
+                   dtype=dtype, seed=seed, check_decisions=check_decisions)
 
     def init_experts(self, seed: int) -> None:
         """Initialise the local experts like ``nn.Linear``, expert ``e`` from ``seed + e``."""
@@ -354,20 +362,19 @@ class ExpertParallelMoE(MoE):
                 "state on every rank (pass generator= with the same seed, or seed torch identically)"
             )
 
-        # Tokens to the experts' ranks, experts on [E/W, C, d] buffers, outputs back.
+        # Tokens to the experts' ranks; the received ones (in receive order) fill this rank's
+        # [E/W, C, d] buffers, laid out as the global plan's rows of its experts.
         recv_x = all_to_all(flat[send_tok], send_counts, recv_counts, group)
-        slot_of_row = torch.full((rows_per_rank,), recv_x.shape[0], dtype=torch.long, device=dev)
-        slot_of_row[recv_rows] = torch.arange(recv_rows.numel(), device=dev)
-        buffers = torch.cat([recv_x, recv_x.new_zeros(1, d)])[slot_of_row].view(El, C, d)
-        out = self.experts(buffers).reshape(rows_per_rank, -1)
+        receive = DispatchPlan.from_rows(recv_rows.unsqueeze(-1), El, C)
+        out = self.experts(receive.dispatch(recv_x)).reshape(rows_per_rank, -1)
         back = all_to_all(out[recv_rows], recv_counts, send_counts, group)  # in send order
 
-        # Combine this rank's tokens, as DispatchPlan.combine does.
+        # Combine this rank's tokens: their pairs' outputs came back as the rows of one buffer
+        # [1, sent rows, d], in send order.
         index_of_row = torch.full((tok.numel() + 1,), send_rows.numel(), dtype=torch.long, device=dev)
         index_of_row[send_rows] = torch.arange(send_rows.numel(), device=dev)
-        pair = index_of_row[plan.row_of_slot[lo:lo + n].to(dev)]
-        picked = torch.cat([back, back.new_zeros(1, back.shape[-1])])[pair]  # [n, slots, d]
-        y = torch.einsum("ts,tsd->td", combine[lo:lo + n].to(picked.dtype), picked).to(x.dtype)
+        returned = DispatchPlan.from_rows(index_of_row[plan.row_of_slot[lo:lo + n].to(dev)], 1, send_rows.numel())
+        y = returned.combine(back.view(1, send_rows.numel(), back.shape[-1]), combine[lo:lo + n]).to(x.dtype)
         return y.reshape(*lead, d), local_routes
 
     def extra_repr(self) -> str:

@@ -36,6 +36,7 @@ __all__ = [
     "SoftmaxRouter",
     "TopKRouter",
     "make_router",
+    "router_name",
 ]
 
 #: Router classes by name (``switch`` is ``topk`` with ``k=1``).
@@ -65,6 +66,18 @@ ALIASES: dict[str, str] = {
 _NO_K = {"softmax", "base", "gumbel_matching"}
 
 
+def router_name(name: str) -> str:
+    """The key of :data:`ROUTERS` that ``name`` spells (case, ``-``/``_`` and :data:`ALIASES`
+    accepted), else a ValueError listing the choices."""
+    if not isinstance(name, str):
+        raise ValueError(f"router name must be a string, got {type(name).__name__}")
+    key = name.strip().lower().replace("-", "_")
+    key = ALIASES.get(key, key)
+    if key not in ROUTERS:
+        raise ValueError(f"unknown router {name!r}; choose one of {', '.join(ROUTERS)}")
+    return key
+
+
 def make_router(name: str, d_model: int, num_experts: int, *, k: int | None = None, **kwargs: Any) -> Router:
     """Build a router by name.
 
@@ -80,13 +93,7 @@ def make_router(name: str, d_model: int, num_experts: int, *, k: int | None = No
     Raises:
         ValueError: unknown name, or a ``k`` the router cannot use.
     """
-    if not isinstance(name, str):
-        raise ValueError(f"router name must be a string, got {type(name).__name__}")
-    key = name.strip().lower().replace("-", "_")
-    key = ALIASES.get(key, key)
-    if key not in ROUTERS:
-        raise ValueError(f"unknown router {name!r}; choose one of {', '.join(ROUTERS)}")
-    name = key
+    name = router_name(name)
     cls = ROUTERS[name]
     if name in _NO_K:
         fixed = num_experts if name == "softmax" else 1

@@ -103,6 +103,30 @@ class DispatchPlan:
                                  "row; kept pairs need distinct rows (apply_capacity's positions are)")
         return cls(num_experts, capacity, token_of_row[:rows], row)
 
+    @classmethod
+    def from_rows(cls, row_of_slot: Tensor, num_experts: int, capacity: int) -> DispatchPlan:
+        """The plan whose pair ``(t, s)`` sits in buffer row ``row_of_slot[t, s]`` (``E * C``: dropped).
+
+        For callers whose rows are valid by construction (expert parallelism lays out received
+        tokens and returned outputs with it): no value checks, distinct rows assumed.
+
+        Args:
+            row_of_slot: ``LongTensor [tokens, slots]`` with values in ``[0, E * C]``.
+            num_experts: ``E >= 1``.
+            capacity: ``C >= 0``.
+        """
+        row_of_slot = index_tensor(row_of_slot, "row_of_slot")
+        check_positive_int("num_experts", num_experts)
+        capacity = check_capacity(capacity)
+        if capacity is None:
+            raise ValueError("capacity must be an integer >= 0 (rows per expert buffer), got None")
+        rows = num_experts * capacity
+        n, s = row_of_slot.shape
+        token_of_row = torch.full((rows + 1,), n, dtype=torch.long, device=row_of_slot.device)
+        token_ids = torch.arange(n, device=row_of_slot.device).unsqueeze(-1).expand(n, s)
+        token_of_row.scatter_(0, row_of_slot.reshape(-1), token_ids.reshape(-1))
+        return cls(num_experts, capacity, token_of_row[:rows], row_of_slot)
+
     def dispatch(self, x: Tensor) -> Tensor:
         """Gather tokens into expert buffers.
 

@@ -1,0 +1,102 @@
+"""The one description of an MoE layer: :class:`MoEConfig` (in the manner of MegaBlocks' ``Arguments``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._checks import check_capacity_factor, check_positive_int
+from ..routers import Router, make_router, router_name
+from ..routing import DROP_POLICIES
+from .experts import ACTIVATIONS
+
+__all__ = ["MoEConfig"]
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Everything that defines an MoE layer except its parameters, validated once.
+
+    :class:`~routelab.layers.MoE`, :class:`~routelab.parallel.ExpertParallelMoE` and the
+    benchmarks are built from it (``MoE.from_config(config)``, or the layers' keyword
+    constructors, which make one); ``layer.config`` describes a built layer.
+
+    Attributes:
+        d_model: token width.
+        d_hidden: hidden width of each expert.
+        num_experts: ``E``.
+        router: a name in :data:`routelab.routers.ROUTERS` (aliases accepted) or a
+            :class:`~routelab.routers.Router` instance built for ``d_model`` and ``num_experts``.
+        capacity_factor: ``> 0``, or ``None`` for dropless routing.
+        k: experts per token for routers that take it (with a router name only).
+        router_kwargs: options of the router's constructor (with a router name only).
+        drop_policy: one of :data:`routelab.routing.DROP_POLICIES`.
+        importance_weighting: combine with ``gate * weight`` instead of ``gate``.
+        activation: expert activation, a name in :data:`routelab.layers.experts.ACTIVATIONS` or a
+            callable.
+        bias: expert biases.
+
+    Raises:
+        ValueError: naming the field, for a non-positive width or expert count, an unknown
+            activation or router name, ``k``/``router_kwargs`` with a router instance, a router
+            instance of other sizes, a bad capacity factor or drop policy.
+    """
+
+    d_model: int
+    d_hidden: int
+    num_experts: int
+    router: str | Router = "topk"
+    capacity_factor: float | None = 1.0
+    k: int | None = None
+    router_kwargs: Mapping[str, Any] | None = None
+    drop_policy: str = "position"
+    importance_weighting: bool = False
+    activation: str | Callable[[Tensor], Tensor] = "gelu"
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "d_hidden", "num_experts"):
+            check_positive_int(name, getattr(self, name))
+        if isinstance(self.activation, str):
+            if self.activation not in ACTIVATIONS:
+                raise ValueError(f"unknown activation {self.activation!r}; choose one of {', '.join(ACTIVATIONS)} "
+                                 f"or pass a callable")
+        elif not callable(self.activation):
+            raise ValueError(f"activation must be a name or a callable, got {type(self.activation).__name__}")
+        if isinstance(self.router, Router):
+            if self.k is not None or self.router_kwargs:
+                raise ValueError("pass k and router_kwargs only with a router name; configure a Router instance directly")
+            if self.router.d_model != self.d_model or self.router.num_experts != self.num_experts:
+                raise ValueError(
+                    f"router was built for d_model={self.router.d_model}, num_experts={self.router.num_experts} but "
+                    f"the layer has d_model={self.d_model}, num_experts={self.num_experts}"
+                )
+        elif isinstance(self.router, str):
+            router_name(self.router)
+        else:
+            raise ValueError(f"router must be a router name or a Router instance, got {type(self.router).__name__}")
+        check_capacity_factor(self.capacity_factor)
+        if self.drop_policy not in DROP_POLICIES:
+            raise ValueError(f"drop_policy must be one of {', '.join(DROP_POLICIES)}, got {self.drop_policy!r}")
+        object.__setattr__(self, "importance_weighting", bool(self.importance_weighting))
+        object.__setattr__(self, "bias", bool(self.bias))
+
+    def build_router(self, device: torch.device | str | None = None) -> Router:
+        """The router: the instance itself, or a new one built by name (on ``device``)."""
+        if isinstance(self.router, Router):
+            return self.router
+        router = make_router(self.router, self.d_model, self.num_experts, k=self.k, **dict(self.router_kwargs or {}))
+        return router if device is None else router.to(device)
+
+    def layer_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``MoE(**config.layer_kwargs())`` (the fields, not copied)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def replace(self, **changes: Any) -> MoEConfig:
+        """A copy with ``changes`` (validated again)."""
+        return dataclasses.replace(self, **changes)
