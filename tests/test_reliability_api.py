@@ -789,3 +789,39 @@ def test_batchwise_router_with_one_expert_keeps_every_token_in_eval() -> None:
         assert bool(routes.keep.all())
         expected = layer.experts(x.unsqueeze(0)).squeeze(0)
         torch.testing.assert_close(y, expected)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_skip_methods_take_a_capacity_below_n_over_k_and_stay_unbiased(k: int) -> None:
+    """``sample_skip_iw`` with ``capacity * k < n`` skips more tokens; its weights keep the
+    estimator unbiased: E[sum_i keep_i w_i h(i, z_i)] = sum_ij p_ij h_ij (Monte Carlo, 5 s.e.).
+    ``sample`` ignores the capacity; the Gumbel-Matching methods still need ``capacity * k >= n``."""
+    from routelab.estimators import sample_routes
+
+    g = torch.Generator().manual_seed(3)
+    n, reps = 6, 40000
+    logits = torch.randn(n, k, generator=g, dtype=torch.float64)
+    h = torch.randn(n, k, generator=g, dtype=torch.float64)
+    r = sample_routes(logits.expand(reps, n, k), "sample_skip_iw", capacity=1, generator=g)
+    per_expert_kept = torch.zeros(reps, k + 1, dtype=torch.long).scatter_add_(1, torch.where(r.keep, r.expert, k), torch.ones_like(r.expert))
+    assert int(per_expert_kept[:, :k].max()) <= 1  # capacity 1 respected
+    est = (r.keep * r.weight * h.expand(reps, n, k).gather(-1, r.expert.unsqueeze(-1)).squeeze(-1)).sum(-1)
+    exact = (torch.softmax(logits, -1) * h).sum()
+    assert abs(float(est.mean() - exact)) <= 5 * float(est.std()) / reps**0.5
+    assert bool(sample_routes(logits, "sample", capacity=1, generator=g).keep.all())
+    if k > 1:
+        with pytest.raises(ValueError, match="capacity"):
+            sample_routes(logits, "gumbel_matching_iw", capacity=1, generator=g)
+
+
+def test_noisy_topk_gates_stay_finite_when_logits_plus_noise_overflow() -> None:
+    """Router logits and noise scales near float32's maximum: the noisy sum overflows, the gates
+    must still be a distribution over the chosen experts (here one expert: exactly 1)."""
+    from routelab.routing.rules import noisy_topk_routes
+
+    logits = torch.full((4, 3), 3e38)
+    std = torch.full((4, 3), 3e38)
+    g = torch.Generator().manual_seed(0)
+    r = noisy_topk_routes(logits, std, 1, training=True, generator=g)
+    assert torch.equal(r.gate, torch.ones(4, 1))
+    assert not torch.isnan(r.log_prob).any()

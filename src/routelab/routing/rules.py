@@ -160,7 +160,10 @@ def noisy_topk_routes(logits: Tensor, noise_std: Tensor, k: int, *, training: bo
         raise ValueError(f"noise_std must be a tensor of the logits' shape {tuple(logits.shape)}, got {got}")
     if training:
         eps = torch.randn(logits.shape, generator=generator, device=logits.device, dtype=logits.dtype)
-        noisy = logits + eps * noise_std
+        # Logits and noise scales near the dtype's maximum can overflow the sum: keep it at the
+        # largest finite value, so that the gate's softmax never meets inf - inf.
+        big = torch.finfo(logits.dtype).max
+        noisy = torch.nan_to_num(logits + eps * noise_std, posinf=big, neginf=-big)
     else:
         noisy = logits
     top_values, top_index = noisy.topk(min(k + 1, E), dim=-1)
