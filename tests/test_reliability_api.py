@@ -825,3 +825,19 @@ def test_noisy_topk_gates_stay_finite_when_logits_plus_noise_overflow() -> None:
     r = noisy_topk_routes(logits, std, 1, training=True, generator=g)
     assert torch.equal(r.gate, torch.ones(4, 1))
     assert not torch.isnan(r.log_prob).any()
+
+
+def test_moe_that_keeps_no_token_returns_zeros_inside_the_graph() -> None:
+    """Every token dropped (untrained batchwise thresholds in eval, probabilities at 1/E): the
+    output is 0 and backward gives zero gradients instead of an autograd error."""
+    from routelab.layers import MoE
+
+    torch.manual_seed(0)
+    layer = MoE(1, 2, 2, router="batchwise").eval()
+    x = (torch.randn(6, 1) * 1e-30).requires_grad_(True)
+    y, routes = layer(x)
+    assert not bool(routes.keep.any())
+    assert torch.equal(y, torch.zeros_like(y))
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+    assert all(p.grad is None or torch.equal(p.grad, torch.zeros_like(p)) for p in layer.experts.parameters())

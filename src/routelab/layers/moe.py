@@ -167,11 +167,10 @@ class MoE(nn.Module):
         proposed = self.router(flat, capacity)
         routes, plan = self.plan(proposed, capacity)
         combine = routes.gate * routes.weight if self.importance_weighting else routes.gate
-        if plan.capacity == 0:
-            y = torch.zeros_like(flat)
-        else:
-            out = self.experts(plan.dispatch(compute.reshape(-1, self.d_model)))
-            y = plan.combine(out, combine).to(x.dtype)
+        # Also when nothing is kept (capacity 0): the experts then run on empty buffers, and the
+        # zero output stays part of the graph (its gradients are zeros, not an autograd error).
+        out = self.experts(plan.dispatch(compute.reshape(-1, self.d_model)))
+        y = plan.combine(out, combine).to(x.dtype)
         return y.reshape(*lead, self.d_model), routes
 
     def plan(self, proposed: Routes, capacity: int) -> tuple[Routes, DispatchPlan]:
