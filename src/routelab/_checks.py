@@ -141,7 +141,9 @@ def check_tau(tau: Any, *, positive: bool = False, name: str = "tau") -> float:
         ArgumentTypeError: ``tau`` is a bool or not a real number.
         ValueError: ``tau`` is NaN, infinite, negative, or ``0`` when ``positive``.
     """
-    if isinstance(tau, (bool, str, bytes)) or (isinstance(tau, Tensor) and (tau.is_complex() or tau.dtype == torch.bool)):
+    if isinstance(tau, (bool, str, bytes)) or (
+        isinstance(tau, Tensor) and (tau.is_complex() or tau.dtype == torch.bool)
+    ):
         raise _tau_type_error(tau, name, tensors=False)
     try:  # numbers, and one-element tensors and arrays
         t = float(tau)

@@ -63,7 +63,10 @@ def test_rank_within_groups(N, groups, ties, seed) -> None:
     """Ranks 0..count-1 inside every group, larger priority first, ties to the earlier item."""
     g = fresh(seed)
     group = torch.randint(0, groups, (N,), generator=g)
-    priority = torch.randint(0, 3, (N,), generator=g).double() if ties else torch.rand(N, generator=g, dtype=torch.float64)
+    if ties:
+        priority = torch.randint(0, 3, (N,), generator=g).double()
+    else:
+        priority = torch.rand(N, generator=g, dtype=torch.float64)
     rank = guarded(A.rank_within_groups, group, priority, groups, what="rank_within_groups")
     for e in range(groups):
         idx = (group == e).nonzero().flatten().tolist()
@@ -73,8 +76,8 @@ def test_rank_within_groups(N, groups, ties, seed) -> None:
 
 
 @fuzz(60)
-@given(B=st.integers(0, 3), n=st.integers(1, 12), k=st.integers(1, 5), dtype=st.sampled_from((torch.float32, torch.float64)),
-       seed=seeds)
+@given(B=st.integers(0, 3), n=st.integers(1, 12), k=st.integers(1, 5),
+       dtype=st.sampled_from((torch.float32, torch.float64)), seed=seeds)
 def test_sinkhorn_balance(B, n, k, dtype, seed) -> None:
     """Rows of the iterate sum to 1 whatever the budget; err is its largest column error; with a
     generous budget it is balanced (columns n / k)."""
@@ -126,7 +129,8 @@ def test_skip_correction(load, capacity, dtype) -> None:
     t = torch.tensor(load, dtype=dtype)
     w = guarded(R.skip_correction, t, capacity, what="skip_correction")
     want = [0.0 if z == 0 else z / max(min(z, capacity), 1) for z in load]
-    assert w.dtype == dtype and torch.allclose(f64(w), torch.tensor(want, dtype=torch.float64)), f"{w.tolist()} != {want}"
+    assert w.dtype == dtype, f"dtype {w.dtype}"
+    assert torch.allclose(f64(w), torch.tensor(want, dtype=torch.float64)), f"{w.tolist()} != {want}"
 
 
 @fuzz(80)

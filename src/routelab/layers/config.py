@@ -70,7 +70,8 @@ class MoEConfig:
             raise ValueError(f"activation must be a name or a callable, got {type(self.activation).__name__}")
         if isinstance(self.router, Router):
             if self.k is not None or self.router_kwargs:
-                raise ValueError("pass k and router_kwargs only with a router name; configure a Router instance directly")
+                raise ValueError("pass k and router_kwargs only with a router name; configure a Router instance "
+                                 "directly")
             if self.router.d_model != self.d_model or self.router.num_experts != self.num_experts:
                 raise ValueError(
                     f"router was built for d_model={self.router.d_model}, num_experts={self.router.num_experts} but "

@@ -3,7 +3,8 @@
 A router is a thin module: it scores the tokens (:meth:`Router.gate`, routelab's one gate
 protocol, :mod:`routelab.gates.protocol`) and calls a routing rule, a pure function of
 :mod:`routelab.routing.rules`, on the scores of the whole batch (:meth:`Router.route`). It maps
-tokens ``x [tokens, d_model]`` to a :class:`~routelab.Routes` record with ``slots`` columns. Its ``keep`` marks the slots it *proposes* (all of them for top-k, the mask
+tokens ``x [tokens, d_model]`` to a :class:`~routelab.Routes` record with ``slots`` columns.
+Its ``keep`` marks the slots it *proposes* (all of them for top-k, the mask
 for batchwise gating); the MoE layer then enforces the expert capacity on those candidates
 (:func:`routelab.routing.apply_capacity`). ``aux`` holds the router's auxiliary losses, already
 multiplied by their coefficients, so a training loss is ``task_loss + sum(routes.aux.values())``.

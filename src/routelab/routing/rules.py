@@ -76,8 +76,8 @@ def balanced_capacity(n: int, num_experts: int, capacity: int | None, router: st
         ValueError: ``capacity * E < n`` (naming ``capacity_factor``, the layer's knob).
     """
     need = -(-n // num_experts)
-    return resolve_capacity(n, num_experts, capacity, default="ceil", at_most_tokens=True,
-                            fix=f"the {router} router assigns every token: use capacity_factor >= 1 (capacity >= {need})")
+    fix = f"the {router} router assigns every token: use capacity_factor >= 1 (capacity >= {need})"
+    return resolve_capacity(n, num_experts, capacity, default="ceil", at_most_tokens=True, fix=fix)
 
 
 def softmax_routes(logits: Tensor, *, importance_coef: float = 0.0) -> Routes:
