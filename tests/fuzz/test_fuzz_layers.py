@@ -121,7 +121,8 @@ def test_moe(router, E, d_model, k, cf, drop_policy, iw, lead, xdtype, mdtype, x
     slots = moe.router.slots
     C = expert_capacity(n, E, slots, cf)
     if valid is not False:
-        balanced_solve = (router == "base" or (router == "gumbel_matching" and (not training or method in BALANCED_METHODS)))
+        # base and gumbel_matching (every estimator) need a capacity that holds the batch
+        balanced_solve = router in ("base", "gumbel_matching")
         if router == "batchwise" and (training or moe.router.inference == "batchwise") and (kk * n) % E:
             valid = False
         elif balanced_solve and cf is not None and n and C * E < n:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import check_tau, resolve_capacity
+from .._checks import check_tau
 from ..assignment import balanced_assignment
 from ..routes import Routes
 from ..routing.rules import balanced_capacity
@@ -58,10 +58,9 @@ def gumbel_matching_routes(logits: Tensor, capacity: int | None = None, *, metho
         return Routes(expert=expert.unsqueeze(-1), gate=log_prob.exp(),
                       keep=torch.ones_like(log_prob, dtype=torch.bool), weight=torch.ones_like(log_prob),
                       log_prob=log_prob)
-    if method.startswith("gumbel"):
-        c = balanced_capacity(n, E, capacity, "gumbel_matching")
-    else:  # the sampling methods skip what does not fit (sample_routes checks it); "sample" ignores it
-        c = resolve_capacity(n, E, capacity, default="ceil")
+    # Every estimator of Kool et al. samples under a capacity that can hold the batch (the skip
+    # methods skip what does not fit; "sample" ignores it): capacity_factor >= 1.
+    c = balanced_capacity(n, E, capacity, "gumbel_matching")
     r = sample_routes(logits, method, tau=tau, capacity=c, sinkhorn=sinkhorn, generator=generator).with_slot_dim()
     r.aux = {"balance": balance_coef * r.aux["balance"]} if balance_coef else {}
     r.stats = {"weights_clamped": r.stats["weights_clamped"]}

@@ -91,11 +91,9 @@ def sample_routes(
         method: one of :data:`METHODS`.
         tau: proposal temperature ``> 0``: a number, or a tensor of the batch shape ``[...]``
             (one temperature per instance).
-        capacity: tokens per expert for the capped methods; default ``n / k`` (then ``k`` must
-            divide ``n``). The Gumbel-Matching methods need ``capacity * k >= n``; the skip
-            methods take any positive capacity (a smaller one skips more tokens, and the
-            importance weights of ``sample_skip_iw`` stay unbiased). Ignored by ``sample``
-            (validated all the same).
+        capacity: tokens per expert for the capped methods, at least ``ceil(n / k)``; default
+            ``n / k`` (then ``k`` must divide ``n``). Ignored by ``sample`` (validated all the
+            same).
         sinkhorn: balance the proposal with Sinkhorn (columns ``n / k``) before sampling.
         generator: the only source of randomness (a :class:`torch.Generator` or ``None``).
 
@@ -112,8 +110,8 @@ def sample_routes(
 
     Raises:
         ValueError: unknown method (lists the valid ones), ``tau <= 0`` or of the wrong shape,
-            bad logits (NaN, +inf, a row that is all ``-inf``), or, for the Gumbel-Matching
-            methods, a capacity that cannot hold the tokens.
+            bad logits (NaN, +inf, a row that is all ``-inf``), or a capacity that cannot hold
+            the tokens.
         TypeError: ``logits`` is not a tensor or ``generator`` is not a ``torch.Generator``.
     """
     if method not in METHODS:
@@ -122,14 +120,10 @@ def sample_routes(
     check_score_matrix(logits, "logits")
     n, k = logits.shape[-2], logits.shape[-1]
     batch = logits.shape[:-2]
-    if method == "sample":  # no capacity: validated all the same
-        c = None if capacity is None else resolve_capacity(0, 1, capacity)
-    elif method.startswith("gumbel_matching"):  # a balanced assignment must place every token
+    if method == "sample":
+        c = None if capacity is None else resolve_capacity(n, k, capacity)
+    else:
         c = resolve_capacity(n, k, capacity, at_most_tokens=True)
-    elif capacity is None:
-        c = resolve_capacity(n, k, None)
-    else:  # the skip methods skip what does not fit: any positive capacity is well defined
-        c = min(resolve_capacity(0, 1, capacity), max(n, 1))
     # Half precision is computed in float32 (the cast is differentiable).
     x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
     a = x.detach()
