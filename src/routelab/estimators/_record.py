@@ -13,9 +13,11 @@ from ..routing.capacity import skip_correction as eq3_correction
 
 #: The largest importance weight :func:`~routelab.estimators.sample_routes` returns; larger ones
 #: (a proposal that all but missed the router's mass) are clamped here and counted in
-#: ``stats["weights_clamped"]``. Far above any weight of a useful estimate, far below float32's
-#: range even when summed over a million tokens or multiplied by a large loss.
-MAX_WEIGHT = 1e30
+#: ``stats["weights_clamped"]``. Far above any weight of a useful estimate (a weight of 1e8 means
+#: the proposal put a hundred-millionth of the router's probability on that choice), and small
+#: enough that weight x activation stays finite in float32 for activations up to about 1e30 (the
+#: ``MoE`` combine multiplies expert outputs by it; 1e30 overflowed there at activations of 1e10).
+MAX_WEIGHT = 1e8
 _LOG_MAX_WEIGHT = math.log(MAX_WEIGHT)
 
 
@@ -72,7 +74,8 @@ def routes_record(expert: Tensor, keep: Tensor, log_p_z: Tensor, log_q_z: Tensor
     # -inf - (-inf) (p = q = 0: a pair only a balanced sample can force) is weight 0, as are skipped tokens.
     log_w = log_w.nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf).masked_fill_(~keep, -math.inf)
     clamped = (log_w > _LOG_MAX_WEIGHT).sum(-1)
-    weight = log_w.clamp_(max=_LOG_MAX_WEIGHT).exp_()
+    # exp of the clamped log rounds to just below MAX_WEIGHT in float32: clamp the weight itself too.
+    weight = log_w.clamp_(max=_LOG_MAX_WEIGHT).exp_().clamp_(max=MAX_WEIGHT)
     return Routes(
         expert=expert,
         gate=log_p_z.exp(),
