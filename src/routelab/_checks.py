@@ -109,6 +109,29 @@ def check_generator(generator: object, name: str = "generator") -> None:
         )
 
 
+class GeneratorAttribute:
+    """A module attribute holding ``None`` or a ``torch.Generator``, checked on every assignment.
+
+    Use as a class attribute (``generator = GeneratorAttribute("...doc...")``); assigning anything
+    else raises :func:`check_generator`'s ``TypeError``. Reads give ``None`` until one is set.
+    """
+
+    def __init__(self, doc: str = "") -> None:
+        self.__doc__ = doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.slot = name, f"_{name}"
+
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return obj.__dict__.get(self.slot)
+
+    def __set__(self, obj: object, value: object) -> None:
+        check_generator(value, self.name)
+        obj.__dict__[self.slot] = value
+
+
 # ------------------------------------------------------------------------ the temperature
 
 # The one contract for a temperature tau: a real number (not a bool) or, where a function takes

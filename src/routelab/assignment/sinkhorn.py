@@ -70,19 +70,15 @@ def sinkhorn(
     stranded = ~(finite & (target > 0).unsqueeze(-2)).any(-1) & ~dead_row
     bad_row, bad_col, bad_stranded = torch.stack([dead_row.any(), dead_col.any(), stranded.any()]).tolist()
     if bad_row:
-        where = tuple(dead_row.nonzero()[0].tolist())
-        entry = f" of batch entry {where[:-1]}" if len(where) > 1 else ""
         raise ValueError(
-            f"log_p has a row that is all -inf (row {where[-1]}{entry}): that token has no expert, so rows "
+            f"log_p has a row that is all -inf ({_first_row(dead_row)}): that token has no expert, so rows "
             f"cannot sum to 1; give every token at least one finite entry"
         )
     if bad_col:
         raise ValueError("log_p has a column that is all -inf but a positive col_sum: that target cannot be met")
     if bad_stranded:
-        where = tuple(stranded.nonzero()[0].tolist())
-        entry = f" of batch entry {where[:-1]}" if len(where) > 1 else ""
         raise ValueError(
-            f"log_p row {where[-1]}{entry} has finite entries only in columns whose col_sum is 0: that token "
+            f"log_p {_first_row(stranded)} has finite entries only in columns whose col_sum is 0: that token "
             f"has no expert it may use, so rows cannot sum to 1; give it a finite entry in a column with "
             f"col_sum > 0"
         )
@@ -100,6 +96,12 @@ def sinkhorn(
         f"sinkhorn did not converge in max_iter={max_iter} sweeps: column sums are off by up to {err:.3g} "
         f"(tol={eff_tol:g}). The -inf pattern may make the marginals infeasible; otherwise raise max_iter or tol"
     )
+
+
+def _first_row(mask: Tensor) -> str:
+    """``"row i"`` or ``"row i of batch entry (b, ...)"`` for the first True of a ``[..., n]`` mask."""
+    where = tuple(mask.nonzero()[0].tolist())
+    return f"row {where[-1]}" + (f" of batch entry {where[:-1]}" if len(where) > 1 else "")
 
 
 def balance(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) -> tuple[Tensor, float]:

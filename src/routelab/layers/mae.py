@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._checks import check_finite, check_generator, check_positive_int, floating_input
+from .._checks import GeneratorAttribute, check_finite, check_generator, check_positive_int, floating_input
 
 __all__ = [
     "ROUTINGS",
@@ -147,6 +147,8 @@ class MixtureOfAttentiveExperts(nn.Module):
     ValueError.
     """
 
+    generator = GeneratorAttribute("The :class:`torch.Generator` of the ``*sample`` routings (``None``: torch's global one).")
+
     def __init__(
         self,
         embed_dim: int,
@@ -193,16 +195,6 @@ class MixtureOfAttentiveExperts(nn.Module):
         self.gate = MAEGate(embed_dim, gate_hidden or embed_dim, len(dropped))
         self.routing: str = "gate"
         self.generator = None
-
-    @property
-    def generator(self) -> torch.Generator | None:
-        """The :class:`torch.Generator` of the ``*sample`` routings (``None``: torch's global one)."""
-        return self._generator
-
-    @generator.setter
-    def generator(self, value: torch.Generator | None) -> None:
-        check_generator(value, "generator")
-        self._generator = value
 
     # ------------------------------------------------------------------ construction
 

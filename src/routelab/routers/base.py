@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .._checks import check_capacity, check_finite, check_generator, check_positive_int
+from .._checks import GeneratorAttribute, check_capacity, check_finite, check_generator, check_positive_int
 from ..gates.protocol import GateOutput
 from ..routes import Routes
 from ..routing.rules import expert_grid
@@ -50,6 +50,8 @@ class Router(nn.Module):
             generator); set it for bit-for-bit reproducible runs.
     """
 
+    generator = GeneratorAttribute("The source of randomness of stochastic routers (``None``: torch's global generator).")
+
     def __init__(self, d_model: int, num_experts: int, slots: int) -> None:
         super().__init__()
         self.d_model = check_positive_int("d_model", d_model)
@@ -57,16 +59,6 @@ class Router(nn.Module):
         self.slots = check_positive_int("k", slots, upper=num_experts, upper_name="num_experts")
         self.proj = nn.Linear(d_model, num_experts, bias=False)
         self.generator = None
-
-    @property
-    def generator(self) -> torch.Generator | None:
-        """The source of randomness of stochastic routers (``None``: torch's global generator)."""
-        return self._generator
-
-    @generator.setter
-    def generator(self, value: torch.Generator | None) -> None:
-        check_generator(value, "generator")
-        self._generator = value
 
     def logits(self, x: Tensor) -> Tensor:
         """Router logits ``[tokens, E]`` in float32."""
