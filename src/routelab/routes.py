@@ -7,10 +7,8 @@ returns the same :class:`Routes`, every layer accepts every method.
 
 All per-slot tensors share one shape ``[..., tokens, slots]``: optional leading batch
 dimensions, then tokens, then slots (``slots = k`` for top-k, ``1`` for sampling). Every router
-and layer uses that layout. One legacy layout remains: the records of
-:func:`routelab.estimators.sample_routes` set ``single=True`` and drop the slot dimension
-(``[..., tokens]``), as their callers expect; :meth:`Routes.with_slot_dim` turns one into the
-``[..., tokens, 1]`` layout, and the training objectives of :mod:`routelab.estimators` take both.
+and layer uses that layout, and so do the samplers of :mod:`routelab.estimators`
+(:func:`~routelab.estimators.sample_routes` returns ``slots = 1``).
 
 The property that makes a stochastic method *unbiased*: for any table ``h``,
 ``E[sum_i keep_i * weight_i * h(i, expert_i)] = sum_i sum_j p_ij * h_ij`` with ``p`` the
@@ -51,9 +49,6 @@ class Routes:
             ``"entropy"``, ``"threshold"``), each a tensor (usually a scalar).
         stats: named diagnostics that are not losses (e.g. tokens per expert, dropped
             fraction), each a tensor.
-        single: ``True`` for the legacy layout of :func:`routelab.estimators.sample_routes`:
-            one slot per token and tensors ``[..., tokens]`` (no slot dimension); see
-            :meth:`with_slot_dim`.
 
     Raises:
         TypeError: if a per-slot field is not a tensor, or ``aux``/``stats`` is not a dict of
@@ -78,7 +73,6 @@ class Routes:
     log_prob: Tensor
     aux: dict[str, Tensor] = field(default_factory=dict)
     stats: dict[str, Tensor] = field(default_factory=dict)
-    single: bool = False
 
     def __post_init__(self) -> None:
         for name in _SLOT_FIELDS:
@@ -90,9 +84,7 @@ class Routes:
                 )
 
         shape = self.expert.shape
-        if self.single and self.expert.dim() < 1:
-            raise ValueError("Routes.expert must have shape [..., tokens] when single=True, got a scalar.")
-        if not self.single and self.expert.dim() < 2:
+        if self.expert.dim() < 2:
             raise ValueError(
                 f"Routes.expert must have shape [..., tokens, slots] (at least 2 dims), got "
                 f"shape {tuple(shape)}; add a slot dim with expert.unsqueeze(-1) or build the "
@@ -217,37 +209,22 @@ class Routes:
             log_prob=lift(log_prob),
         )
 
-    def with_slot_dim(self) -> Routes:
-        """This record in the ``[..., tokens, slots]`` layout.
-
-        A ``single`` record (``[..., tokens]``, from :func:`routelab.estimators.sample_routes`)
-        gains a slot dimension of size 1 (views, no copy; ``aux`` and ``stats`` are shared);
-        any other record is returned as it is.
-        """
-        if not self.single:
-            return self
-        return Routes(
-            **{name: getattr(self, name).unsqueeze(-1) for name in _SLOT_FIELDS},
-            aux=dict(self.aux),
-            stats=dict(self.stats),
-        )
-
     # ------------------------------------------------------------------ properties
 
     @property
     def num_slots(self) -> int:
         """Number of slots per token (``k`` for top-k, ``1`` for sampling)."""
-        return 1 if self.single else self.expert.shape[-1]
+        return self.expert.shape[-1]
 
     @property
     def num_tokens(self) -> int:
-        """Number of tokens (the last dim when ``single``, else the second-to-last)."""
-        return self.expert.shape[-1] if self.single else self.expert.shape[-2]
+        """Number of tokens (the second-to-last dim)."""
+        return self.expert.shape[-2]
 
     @property
     def batch_shape(self) -> torch.Size:
         """The leading batch dims ``[...]`` (empty for a plain ``[tokens, slots]`` record)."""
-        return self.expert.shape[:-1] if self.single else self.expert.shape[:-2]
+        return self.expert.shape[:-2]
 
     # ------------------------------------------------------------------ diagnostics
 
@@ -295,7 +272,7 @@ class Routes:
             ``[0, 1]``; ``0`` when there are no slots at all.
         """
         total = self.num_tokens * self.num_slots
-        dropped = (~self.keep).sum(dim=(-1,) if self.single else (-2, -1)).to(torch.float32)
+        dropped = (~self.keep).sum(dim=(-2, -1)).to(torch.float32)
         return dropped / max(total, 1)
 
     # ------------------------------------------------------------------ movement
@@ -310,7 +287,6 @@ class Routes:
             **moved,
             aux={k: v.to(device) for k, v in self.aux.items()},
             stats={k: v.to(device) for k, v in self.stats.items()},
-            single=self.single,
         )
 
     def __repr__(self) -> str:

@@ -1,6 +1,6 @@
 """Fuzz tests of the helpers the assignment and routing packages export for the layers above:
 routelab.assignment's amax, argmax, log_softmax (torch's, slice by slice for few experts),
-rank_within_groups, sinkhorn_balance; routelab.routing's random_ranks, random_skip,
+rank_within_groups, sinkhorn_balance, uses_closed_form; routelab.routing's random_ranks, random_skip,
 skip_correction (eq. 3) and switch_balance (both normalisations). Oracles: torch's own
 reductions, loops, and the definitions.
 """
@@ -17,8 +17,36 @@ from fuzz_strategies import assert_not_mutated, clone_inputs, f64, fresh, fuzz, 
 
 #: The helpers covered here (test_fuzz_assignment / test_fuzz_routing require a fuzz test for
 #: every public callable of their package).
-COVERED_ASSIGNMENT = {"amax", "argmax", "log_softmax", "rank_within_groups", "sinkhorn_balance"}
+COVERED_ASSIGNMENT = {"amax", "argmax", "log_softmax", "rank_within_groups", "sinkhorn_balance", "uses_closed_form"}
 COVERED_ROUTING = {"random_ranks", "random_skip", "skip_correction", "switch_balance"}
+
+
+@fuzz(20)
+@given(k=st.integers(1, 70), enabled=st.booleans(), B=st.integers(0, 2), seed=seeds)
+def test_uses_closed_form_is_the_one_switch(k, enabled, B, seed) -> None:
+    """uses_closed_form(k) is k <= 2 while the switch is on, False when it is off; either way the
+    balanced assignment and Sinkhorn give the same (exact) answers as with the other setting."""
+    import routelab.assignment._two_experts as two
+
+    old = two.ENABLED
+    try:
+        two.ENABLED = enabled
+        assert A.uses_closed_form(k) is (enabled and k <= 2)
+        if k <= 3:
+            g = fresh(seed)
+            scores = torch.randn(B, 4 * k, k, generator=g, dtype=torch.float64)
+            expert = A.balanced_assignment(scores)
+            log_q = A.sinkhorn(scores.log_softmax(-1), tol=1e-9) if B else None
+            two.ENABLED = not enabled
+            other = A.balanced_assignment(scores)
+            value = scores.gather(-1, expert.unsqueeze(-1)).sum((-2, -1))
+            value_other = scores.gather(-1, other.unsqueeze(-1)).sum((-2, -1))
+            torch.testing.assert_close(value, value_other, rtol=0, atol=1e-9)
+            if B:
+                torch.testing.assert_close(log_q.exp(), A.sinkhorn(scores.log_softmax(-1), tol=1e-9).exp(),
+                                           rtol=0, atol=1e-7)
+    finally:
+        two.ENABLED = old
 
 
 @fuzz(100)

@@ -7,7 +7,8 @@
 
 Helpers for the layers above (public so that no package reaches into this one's private modules):
 :func:`sinkhorn_balance` (the Sinkhorn iteration without validation, under a fixed budget),
-:func:`rank_within_groups`, and the last-dimension reductions :func:`amax`, :func:`argmax` and
+:func:`rank_within_groups`, :func:`uses_closed_form` (the one switch of the two-expert closed
+forms), and the last-dimension reductions :func:`amax`, :func:`argmax` and
 :func:`log_softmax` (torch's, computed slice by slice when there are few experts: faster on CPU).
 
 All functions are batched over leading dimensions (empty ones included), run on CPU and CUDA in
@@ -20,6 +21,7 @@ than the arithmetic); :func:`clear_scratch` frees them.
 
 from ._groups import rank_within_groups
 from ._ops import amax, argmax, log_softmax
+from ._two_experts import closed_form as uses_closed_form
 from ._workspace import clear as clear_scratch
 from .balanced import balanced_assignment
 from .gumbel import GumbelMatching, base_assignment, gumbel_matching, sample_gumbel
@@ -39,4 +41,5 @@ __all__ = [
     "sample_gumbel",
     "sinkhorn",
     "sinkhorn_balance",
+    "uses_closed_form",
 ]

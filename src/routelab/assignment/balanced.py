@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._checks import check_score_matrix, resolve_capacity
+from .._checks import check_score_matrix, resolve_capacity
 from ._cycles import cancel_negative_cycles
 from ._graph import expert_graph, release_weight
 from ._groups import slot_table

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._checks import check_generator, check_score_matrix, check_tau, resolve_capacity
+from .._checks import check_generator, check_score_matrix, check_tau, resolve_capacity
 from ._normalise import compute_dtype, ldexp, perturbed_scores
 from .balanced import solve_balanced
 from .shortest_paths import floyd_warshall

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from .._checks import check_positive_int, check_score_matrix
 from ._ops import SMALL_K, logsumexp
+from ._two_experts import closed_form, two_expert_sinkhorn
 
 __all__ = ["balance", "sinkhorn"]
 
@@ -120,8 +121,8 @@ def balance(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) -> tupl
     k = log_p.shape[-1]
     if log_p.numel() == 0:  # an empty batch: nothing to balance
         return log_p.clone(), 0.0
-    if k == 2:
-        fast = _balance_two(log_p, target, tol=tol, max_iter=max_iter)
+    if k == 2 and closed_form(k):
+        fast = two_expert_sinkhorn(log_p, target, tol=tol, max_iter=max_iter)
         if fast is not None:
             return fast
     # Dead columns: a target of 0 (the column is -inf in the result) or no finite entry. They are
@@ -167,50 +168,6 @@ def balance(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) -> tupl
         row = logsumexp(x.transpose(-1, -2)) if transpose else logsumexp(x)
         x = x - row.unsqueeze(rows)
     return (x.transpose(-1, -2) if transpose else x), err
-
-
-def _balance_two(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) -> tuple[Tensor, float] | None:
-    """Sinkhorn's fixed point for two experts, by safeguarded Newton on one dual variable.
-
-    With two columns the balanced matrix is ``q_i1 = sigmoid(d_i + beta)``, ``q_i0 = 1 - q_i1``
-    with ``d_i = log p_i1 - log p_i0`` and one ``beta`` per instance: the same KL projection the
-    alternating iteration converges to (its row and column scalings only ever change
-    ``beta``). ``F(beta) = sum_i sigmoid(d_i + beta) - target_1`` is increasing, so Newton steps
-    kept inside a shrinking bracket (bisection when a step leaves it) converge in a handful of
-    iterations where the alternating sweeps may need thousands (peaked ``p``). ``max_iter``
-    bounds the Newton steps. Returns ``None`` (use the sweeps) for non-finite input or a target
-    of 0 or ``n`` on one side.
-    """
-    n = log_p.shape[-2]
-    if log_p.numel() == 0:  # an empty batch: nothing to balance
-        return log_p.clone(), 0.0
-    d = log_p[..., 1] - log_p[..., 0]  # [..., n]
-    t1 = target[..., 1].expand(d.shape[:-1]) if target.ndim > 1 else target[1].expand(d.shape[:-1])
-    if not bool(torch.isfinite(d).all()) or bool(((t1 <= 0) | (t1 >= n)).any()):
-        return None
-    work = torch.float64 if d.dtype == torch.float64 else torch.float32
-    d = d.to(work)
-    t1 = t1.to(work).unsqueeze(-1)  # [..., 1]
-    base = torch.log(t1 / (n - t1))  # logit of the mean target
-    lo = base - d.amax(-1, keepdim=True)  # F(lo) <= 0: every entry at most t1/n
-    hi = base - d.amin(-1, keepdim=True)  # F(hi) >= 0
-    beta = base - d.mean(-1, keepdim=True)
-    err = float("inf")
-    for step in range(max_iter + 1):
-        q1 = torch.sigmoid(d + beta)
-        f = q1.sum(-1, keepdim=True) - t1
-        err = float(f.detach().abs().amax())
-        if err <= tol or step == max_iter:
-            break
-        lo = torch.where(f < 0, beta, lo)
-        hi = torch.where(f > 0, beta, hi)
-        slope = (q1 * (1 - q1)).sum(-1, keepdim=True)
-        newton = beta - f / slope.clamp(min=torch.finfo(work).tiny)
-        inside = (newton > lo) & (newton < hi) & torch.isfinite(newton)
-        beta = torch.where(inside, newton, 0.5 * (lo + hi))
-    z = (d + beta).to(log_p.dtype)
-    out = torch.stack([torch.nn.functional.logsigmoid(-z), torch.nn.functional.logsigmoid(z)], dim=-1)
-    return out, err
 
 
 def _target_columns(col_sum: float | Tensor | None, log_p: Tensor, n: int, k: int) -> Tensor:

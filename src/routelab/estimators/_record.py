@@ -51,7 +51,7 @@ def skip_correction(method: str, keep: Tensor, load: Tensor, capacity: int) -> T
 
 def routes_record(expert: Tensor, keep: Tensor, log_p_z: Tensor, log_q_z: Tensor, correction: Tensor | None,
                   balance: Tensor, counts: Tensor) -> Routes:
-    """The single-choice :class:`~routelab.Routes` of a sample.
+    """The single-choice :class:`~routelab.Routes` ``[..., n, 1]`` of a sample.
 
     Args:
         expert: ``[..., n]`` long chosen experts.
@@ -63,7 +63,7 @@ def routes_record(expert: Tensor, keep: Tensor, log_p_z: Tensor, log_q_z: Tensor
         counts: ``[..., k]`` kept tokens per expert.
 
     Returns:
-        Routes with ``weight = (p_z / q_z) * correction`` (0 where skipped, detached), computed
+        Routes with one slot per token (per-slot fields ``[..., n, 1]``), ``weight = (p_z / q_z) * correction`` (0 where skipped, detached), computed
         in log space and clamped at :data:`MAX_WEIGHT` (``stats["weights_clamped"]`` counts the
         clamped kept weights per instance; ``p_z = 0`` gives weight 0 whatever ``q_z``),
         ``gate = p_z``, ``log_prob = log p_z``.
@@ -77,13 +77,12 @@ def routes_record(expert: Tensor, keep: Tensor, log_p_z: Tensor, log_q_z: Tensor
     # exp of the clamped log rounds to just below MAX_WEIGHT in float32: clamp the weight itself too.
     weight = log_w.clamp_(max=_LOG_MAX_WEIGHT).exp_().clamp_(max=MAX_WEIGHT)
     return Routes(
-        expert=expert,
-        gate=log_p_z.exp(),
-        keep=keep,
-        weight=weight,
-        log_prob=log_p_z,
+        expert=expert.unsqueeze(-1),
+        gate=log_p_z.exp().unsqueeze(-1),
+        keep=keep.unsqueeze(-1),
+        weight=weight.unsqueeze(-1),
+        log_prob=log_p_z.unsqueeze(-1),
         aux={"balance": balance},
         stats={"tokens_per_expert": counts, "dropped_fraction": (~keep).float().mean(-1),
                "weights_clamped": clamped},
-        single=True,
     )

@@ -61,7 +61,7 @@ def gumbel_matching_routes(logits: Tensor, capacity: int | None = None, *, metho
     # Every estimator of Kool et al. samples under a capacity that can hold the batch (the skip
     # methods skip what does not fit; "sample" ignores it): capacity_factor >= 1.
     c = balanced_capacity(n, E, capacity, "gumbel_matching")
-    r = sample_routes(logits, method, tau=tau, capacity=c, sinkhorn=sinkhorn, generator=generator).with_slot_dim()
+    r = sample_routes(logits, method, tau=tau, capacity=c, sinkhorn=sinkhorn, generator=generator)
     r.aux = {"balance": balance_coef * r.aux["balance"]} if balance_coef else {}
     r.stats = {"weights_clamped": r.stats["weights_clamped"]}
     return r

@@ -15,7 +15,15 @@ import torch
 from torch import Tensor
 
 from .._checks import bad_tau, check_generator, check_score_matrix, resolve_capacity, tau_tensor
-from ..assignment import amax, argmax, gumbel_matching, log_softmax, sample_gumbel, sinkhorn_balance
+from ..assignment import (
+    amax,
+    argmax,
+    gumbel_matching,
+    log_softmax,
+    sample_gumbel,
+    sinkhorn_balance,
+    uses_closed_form,
+)
 from ..routes import Routes
 from ..routing.capacity import random_skip
 from ..routing.losses import switch_balance
@@ -38,9 +46,6 @@ UNBIASED_METHODS: tuple[str, ...] = ("sample", "sample_skip_iw", "gumbel_matchin
 #: Sinkhorn balancing of the proposal: relative column tolerance and most sweeps per call.
 SINKHORN_TOL = 1e-6
 SINKHORN_SWEEPS = 100
-#: Use the closed forms of two_experts.py for k = 2 (tests switch it off to compare with the
-#: general path).
-_TWO_EXPERT_FAST_PATH = True
 #: The methods that respect the expert capacity.
 CAPPED_METHODS: tuple[str, ...] = METHODS[1:]
 
@@ -98,8 +103,8 @@ def sample_routes(
         generator: the only source of randomness (a :class:`torch.Generator` or ``None``).
 
     Returns:
-        :class:`~routelab.routes.Routes` with ``single=True`` and tensors ``[..., n]``:
-        ``expert``; ``keep`` (False where capacity skipped the token); ``weight`` (detached
+        :class:`~routelab.routes.Routes` with one slot per token, per-slot tensors ``[..., n, 1]``
+        (the layout of every router): ``expert``; ``keep`` (False where capacity skipped the token); ``weight`` (detached
         importance weight, finite, at most :data:`MAX_WEIGHT`); ``gate = p[expert]`` and
         ``log_prob = log p[expert]`` (differentiable); ``aux["balance"]`` the Switch
         load-balancing loss ``[...]``; ``stats["tokens_per_expert"]`` ``[..., k]``,
@@ -127,7 +132,7 @@ def sample_routes(
     # Half precision is computed in float32 (the cast is differentiable).
     x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
     a = x.detach()
-    two = k == 2 and _TWO_EXPERT_FAST_PATH
+    two = k == 2 and uses_closed_form(k)  # the closed forms of two_experts.py (one switch for k <= 2)
     top = None if two else amax(a)  # [..., n] row maxima, -inf only for a row without an expert
     # One host sync validates tau and the rows (or, for k = 2, asks whether every logit is finite).
     T, tau_value, finite = _temperature(tau, batch, x, top, check_finite=a if two else None)

@@ -1,9 +1,8 @@
 """Training signals for routers (Kool et al. 2021, eq. 2, App. B and Sec. 3.1).
 
 Both objectives take the per-token loss ``f_i = f(x_i, z_i)`` ``[..., n]`` of the routed expert
-and single-choice :class:`~routelab.routes.Routes`: one slot per token, ``[..., n, 1]`` (the
-layout of every router) or ``[..., n]`` (the ``single`` layout of
-:func:`~routelab.estimators.sample_routes`). They average over the ``n`` tokens with the routes'
+and single-choice :class:`~routelab.routes.Routes`: one slot per token, ``[..., n, 1]`` (from
+:func:`~routelab.estimators.sample_routes` or any router with ``k = 1``). They average over the ``n`` tokens with the routes'
 importance weights (dropped tokens count 0):
 
 * REINFORCE (eq. 2, with a baseline): the gradient of
@@ -55,7 +54,7 @@ def reinforce_objective(routes: Routes, loss: Tensor, baseline: Tensor | float =
     """The off-policy REINFORCE surrogate of eq. 2, importance weighted.
 
     Args:
-        routes: single-choice routing, ``[..., n, 1]`` or ``[..., n]`` (``single=True``) fields.
+        routes: single-choice routing, ``[..., n, 1]`` fields.
         loss: ``[..., n]`` per-token loss ``f(x_i, z_i)`` of the routed expert (differentiable in
             the experts' parameters).
         baseline: ``b``: a number, a tensor of the batch shape ``[...]`` (one per run), or a
@@ -90,7 +89,7 @@ def gating_objective(routes: Routes, loss: Tensor, *, use_weights: bool = True) 
     """Weighted mean of per-token losses computed from gated outputs (Sec. 3.1).
 
     Args:
-        routes: single-choice routing, ``[..., n, 1]`` or ``[..., n]`` (``single=True``) fields;
+        routes: single-choice routing, ``[..., n, 1]`` fields;
             compute ``loss`` from ``routes.gate * output``.
         loss: ``[..., n]`` per-token loss of the gated output.
         use_weights: multiply by the importance weights (False: plain mean over kept tokens
@@ -112,17 +111,15 @@ def _per_token(routes: Routes, loss: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         raise TypeError(f"routes must be a Routes from sample_routes, got {type(routes).__name__}")
     if not isinstance(loss, Tensor):
         raise TypeError(f"loss must be a tensor [..., n], got {type(loss).__name__}")
-    if not routes.single and routes.num_slots != 1:
+    if routes.num_slots != 1:
         raise ValueError(
-            f"these objectives take single-choice routes (one slot per token: [..., n, 1] from a router, or the "
-            f"[..., n] of sample_routes), got {routes.num_slots} slots per token"
+            f"these objectives take single-choice routes (one slot per token, [..., n, 1], as sample_routes and "
+            f"routers with k = 1 return), got {routes.num_slots} slots per token"
         )
-    per_token = routes.expert.shape if routes.single else routes.expert.shape[:-1]
+    per_token = routes.expert.shape[:-1]
     if loss.shape != per_token:
         raise ValueError(
             f"loss must have the routes' per-token shape {tuple(per_token)} (one loss per token of the "
             f"single-choice routes), got {tuple(loss.shape)}"
         )
-    if routes.single:
-        return routes.weight, routes.keep, routes.log_prob
     return routes.weight.squeeze(-1), routes.keep.squeeze(-1), routes.log_prob.squeeze(-1)

@@ -254,7 +254,7 @@ class ToyBatch:
         """Route every run's tokens: one :func:`sample_routes` call per ``(sinkhorn, method)`` group.
 
         Returns:
-            :class:`Routes` over all runs (``[R, n]`` fields, ``aux["balance"]`` ``[R]``).
+            :class:`Routes` over all runs (``[R, n, 1]`` fields, ``aux["balance"]`` ``[R]``).
         """
         parts = []
         for sh, m, idx in self.groups:
@@ -281,7 +281,6 @@ class ToyBatch:
             log_prob=cat(lambda p: p.log_prob),
             aux={"balance": cat(lambda p: p.aux["balance"])},
             stats={"tokens_per_expert": cat(lambda p: p.stats["tokens_per_expert"])},
-            single=True,
         )
 
     def objective(self, routes: Routes, baseline: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -293,10 +292,10 @@ class ToyBatch:
         ``f_i = (y_i - gate_i out_{z_i}(x_i))^2``. Runs without importance weights use weight 1 for
         every kept token. Plus ``balance * aux["balance"]``.
         """
-        out = self.expert_outputs().gather(-1, routes.expert.unsqueeze(-1)).squeeze(-1)  # [R, n]
-        pred = torch.where(self.is_gating.unsqueeze(-1), routes.gate * out, out)
+        out = self.expert_outputs().gather(-1, routes.expert).squeeze(-1)  # [R, n]
+        pred = torch.where(self.is_gating.unsqueeze(-1), routes.gate.squeeze(-1) * out, out)
         f = (self.y - pred) ** 2
-        keep = routes.keep.to(f.dtype)
+        keep = routes.keep.squeeze(-1).to(f.dtype)
         observed = ((f * keep).sum(-1) / keep.sum(-1).clamp(min=1)).detach()
         if baseline is None:
             baseline = self.baseline(observed)
@@ -306,9 +305,10 @@ class ToyBatch:
             if self._iw == {True}:
                 routes_r = routes
             elif self._iw == {False}:
-                routes_r = dataclasses.replace(routes, weight=keep)
+                routes_r = dataclasses.replace(routes, weight=keep.unsqueeze(-1))
             else:
-                routes_r = dataclasses.replace(routes, weight=torch.where(self.use_iw.unsqueeze(-1), routes.weight, keep))
+                weight = torch.where(self.use_iw.view(-1, 1, 1), routes.weight, keep.unsqueeze(-1))
+                routes_r = dataclasses.replace(routes, weight=weight)
             parts["reinforce"] = reinforce_objective(routes_r, f, baseline)
         if "gating" in self._signals:
             with_w = gating_objective(routes, f, use_weights=True) if True in self._iw else None
@@ -455,9 +455,9 @@ def train_chunk(
             failed.update((i, (reason, step)) for i, reason in diverged.items())
             alive = _retire(batch, opt, list(diverged), alive)
         with torch.no_grad():
-            w = routes.weight  # 0 where dropped
+            w = routes.weight.squeeze(-1)  # [R, n], 0 where dropped
             iw_sum += w.sum(-1)
-            iw_cnt += routes.keep.sum(-1)
+            iw_cnt += routes.keep.squeeze(-1).sum(-1)
             m = w.amax(-1)
             torch.maximum(iw_max, m, out=iw_max)
             iw_step_max += m
