@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -88,6 +89,22 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+class PerToken(NamedTuple):
+    """The per-slot fields of a ``sample_routes`` record read per token, each ``[..., n]``."""
+
+    expert: torch.Tensor
+    gate: torch.Tensor
+    keep: torch.Tensor
+    weight: torch.Tensor
+    log_prob: torch.Tensor
+
+
+def per_token(routes: Routes) -> PerToken:
+    """``sample_routes`` gives one slot per token (``[..., n, 1]``): its fields as ``[..., n]``."""
+    assert routes.num_slots == 1, routes
+    return PerToken(*(getattr(routes, name)[..., 0] for name in PerToken._fields))
+
+
 def zscores(samples: torch.Tensor, truth: torch.Tensor | float) -> torch.Tensor:
     """z-scores of the mean over dim 0 against ``truth`` with the empirical standard error.
 
@@ -112,8 +129,9 @@ def two_sample_z(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def contributions(routes: Routes, k: int) -> torch.Tensor:
     """``[..., n, k]`` float64: ``keep_i * weight_i * 1{expert_i = j}``."""
-    onehot = torch.nn.functional.one_hot(routes.expert, k).to(torch.float64)
-    w = (routes.weight.detach().to(torch.float64) * routes.keep.to(torch.float64)).unsqueeze(-1)
+    t = per_token(routes)
+    onehot = torch.nn.functional.one_hot(t.expert, k).to(torch.float64)
+    w = (t.weight.detach().to(torch.float64) * t.keep.to(torch.float64)).unsqueeze(-1)
     return onehot * w
 
 
@@ -194,8 +212,9 @@ def test_unbiased_methods_are_unbiased(n: int, k: int, capacity: int | None, met
                            sinkhorn=sinkhorn, generator=gen(2024))
     # random table, written exactly as in the contract
     h = random_table(n, k)
-    w = routes.weight.to(torch.float64) * routes.keep.to(torch.float64)
-    est = (w * gathered(h, routes.expert)).sum(-1)
+    t = per_token(routes)
+    w = t.weight.to(torch.float64) * t.keep.to(torch.float64)
+    est = (w * gathered(h, t.expert)).sum(-1)
     z = float(zscores(est, (p * h).sum()))
     assert abs(z) < Z_MAX, f"mean {float(est.mean()):.4f} vs truth {float((p * h).sum()):.4f} (z = {z:.2f})"
     # every indicator table: E[keep_i w_i 1{z_i = j}] = p_ij
@@ -256,9 +275,9 @@ def test_shapes_dtypes_and_fields(method: str, sinkhorn: bool) -> None:
     n, k = 6, 2
     logits = torch.randn(2, 3, n, k, generator=gen(1), requires_grad=True)
     r = sample_routes(logits, method, tau=0.7, sinkhorn=sinkhorn, generator=gen(2))
-    assert isinstance(r, Routes) and r.single
+    assert isinstance(r, Routes) and r.num_slots == 1
     for name in ("expert", "keep", "weight", "gate", "log_prob"):
-        assert getattr(r, name).shape == (2, 3, n), name
+        assert getattr(r, name).shape == (2, 3, n, 1), name
     assert r.expert.dtype == torch.long and r.keep.dtype == torch.bool
     for name in ("weight", "gate", "log_prob"):
         assert getattr(r, name).dtype == torch.float32, name
@@ -277,17 +296,18 @@ def test_capacity_is_respected(method: str, n: int, k: int, capacity: int | None
     logits = skewed_logits(n, k).expand(B, n, k)
     r = sample_routes(logits, method, tau=0.5, capacity=capacity, generator=gen(3))
     c = capacity if capacity is not None else n // k
-    counts = torch.nn.functional.one_hot(r.expert, k).mul(r.keep.unsqueeze(-1)).sum(-2)  # kept per expert
+    t = per_token(r)
+    counts = torch.nn.functional.one_hot(t.expert, k).mul(t.keep.unsqueeze(-1)).sum(-2)  # kept per expert
     assert (counts <= c).all()
     assert torch.equal(r.stats["tokens_per_expert"], counts)
     assert torch.equal(r.stats["tokens_per_expert"], r.tokens_per_expert(k))
-    torch.testing.assert_close(r.stats["dropped_fraction"], (~r.keep).float().mean(-1))
+    torch.testing.assert_close(r.stats["dropped_fraction"], (~t.keep).float().mean(-1))
     if method in GUMBEL:
         assert r.keep.all(), "Gumbel-Matching places every token"
         if capacity is None:
             assert (counts == n // k).all(), "capacity n/k: exactly balanced"
     else:
-        before = torch.nn.functional.one_hot(r.expert, k).sum(-2)  # chosen, before skipping
+        before = torch.nn.functional.one_hot(t.expert, k).sum(-2)  # chosen, before skipping
         assert torch.equal(counts, before.clamp(max=c)), "skipping keeps min(n_j, c) tokens per expert"
         assert (~r.keep).any(), "test design: capacity should bind in some instances"
 
@@ -297,8 +317,8 @@ def test_skipping_never_exceeds_capacity_on_a_large_batch(method: str) -> None:
     n, k, B = 64, 2, 20_000
     logits = torch.zeros(n, k)
     logits[:, 0] = 1.1  # ~48 tokens choose expert 0, capacity 32: many tokens compete for the cut
-    r = sample_routes(logits.expand(B, n, k), method, generator=gen(2))
-    counts = torch.nn.functional.one_hot(r.expert, k).mul(r.keep.unsqueeze(-1)).sum(-2)
+    t = per_token(sample_routes(logits.expand(B, n, k), method, generator=gen(2)))
+    counts = torch.nn.functional.one_hot(t.expert, k).mul(t.keep.unsqueeze(-1)).sum(-2)
     assert int(counts.max()) <= n // k
 
 
@@ -313,7 +333,7 @@ def test_sample_keeps_everything_and_ignores_capacity() -> None:
         assert (r.stats["tokens_per_expert"][..., 0] > 4).any()
     # n not divisible by k is fine for the uncapped method
     r = sample_routes(torch.randn(7, 2, generator=gen(0)), "sample", generator=gen(5))
-    assert r.keep.all() and r.expert.shape == (7,)
+    assert r.keep.all() and r.num_slots == 1 and r.expert.shape == (7, 1)
 
 
 @pytest.mark.parametrize(("n", "k", "c"), [(8, 2, 4), (20, 10, 2)])  # few and many experts
@@ -322,9 +342,9 @@ def test_skipping_is_uniform_within_each_expert(method: str, n: int, k: int, c: 
     """App. C: a token at expert j is kept with probability min(n_j, c) / n_j."""
     Rs = 10_000
     logits = skewed_logits(n, k)
-    r = sample_routes(logits.expand(Rs, n, k), method, tau=1.0, generator=gen(6))
-    load = load_of_own_expert(r.expert, k).to(torch.float64)
-    ratio = r.keep.to(torch.float64) * load / load.clamp(max=c)
+    t = per_token(sample_routes(logits.expand(Rs, n, k), method, tau=1.0, generator=gen(6)))
+    load = load_of_own_expert(t.expert, k).to(torch.float64)
+    ratio = t.keep.to(torch.float64) * load / load.clamp(max=c)
     z = zscores(ratio, 1.0)
     assert float(z.abs().max()) < z_bound(n), z
 
@@ -336,21 +356,21 @@ def test_weights_follow_the_documented_formulas(method: str, sinkhorn: bool, tau
     """Weights p/q, (p/q) n/n_kept, (p/q) n_z/min(n_z, c), with q the (Sinkhorn-balanced) proposal."""
     n, k, c, B = 6, 3, 2, 200
     logits = skewed_logits(n, k, torch.float64)
-    r = sample_routes(logits.expand(B, n, k), method, tau=tau, sinkhorn=sinkhorn, generator=gen(8))
+    t = per_token(sample_routes(logits.expand(B, n, k), method, tau=tau, sinkhorn=sinkhorn, generator=gen(8)))
     p = torch.softmax(logits, -1)
     q = proposal(logits, tau)
     q_sh = torch.from_numpy(np_sinkhorn(q.numpy()))
     if sinkhorn or method == "gumbel_matching_sh":
         q = q_sh
-    base = gathered(p / q, r.expert)
+    base = gathered(p / q, t.expert)
     if method == "sample_skip":
-        n_kept = r.keep.sum(-1, keepdim=True).to(torch.float64)
+        n_kept = t.keep.sum(-1, keepdim=True).to(torch.float64)
         base = base * n / n_kept
     elif method == "sample_skip_iw":
-        load = load_of_own_expert(r.expert, k).to(torch.float64)
+        load = load_of_own_expert(t.expert, k).to(torch.float64)
         base = base * load / load.clamp(max=c)
-    expected = torch.where(r.keep, base, torch.zeros_like(base))
-    torch.testing.assert_close(r.weight, expected, rtol=1e-4, atol=1e-9)
+    expected = torch.where(t.keep, base, torch.zeros_like(base))
+    torch.testing.assert_close(t.weight, expected, rtol=1e-4, atol=1e-9)
 
 
 def test_gumbel_matching_iw_weights_are_positive_and_finite() -> None:
@@ -374,16 +394,17 @@ def test_gate_and_log_prob_are_router_probabilities_with_gradients(method: str) 
     n, k, B = 6, 3, 4
     logits = torch.randn(B, n, k, dtype=torch.float64, generator=gen(11), requires_grad=True)
     r = sample_routes(logits, method, tau=0.8, generator=gen(12))
+    t = per_token(r)
     p = torch.softmax(logits.detach(), -1)
-    onehot = torch.nn.functional.one_hot(r.expert, k).to(torch.float64)
-    torch.testing.assert_close(r.log_prob.detach(), gathered(torch.log(p), r.expert))
+    onehot = torch.nn.functional.one_hot(t.expert, k).to(torch.float64)
+    torch.testing.assert_close(t.log_prob.detach(), gathered(torch.log(p), t.expert))
     torch.testing.assert_close(r.gate.detach(), torch.exp(r.log_prob.detach()))
     assert r.gate.requires_grad and r.log_prob.requires_grad
     # d log p_{i z_i} / d a_ij = 1{j = z_i} - p_ij ;  d p_{i z_i} / d a_ij = p_{i z_i} (1{j = z_i} - p_ij)
     (g_lp,) = torch.autograd.grad(r.log_prob.sum(), logits, retain_graph=True)
     torch.testing.assert_close(g_lp, onehot - p)
     (g_gate,) = torch.autograd.grad(r.gate.sum(), logits)
-    torch.testing.assert_close(g_gate, r.gate.detach().unsqueeze(-1) * (onehot - p))
+    torch.testing.assert_close(g_gate, t.gate.detach().unsqueeze(-1) * (onehot - p))
 
 
 @pytest.mark.parametrize("method", ALL_METHODS)
@@ -393,7 +414,8 @@ def test_aux_balance_is_the_switch_loss(method: str) -> None:
               + 0.5 * torch.randn(B, n, k, dtype=torch.float64, generator=gen(13))).requires_grad_()
     r = sample_routes(logits, method, tau=0.5, generator=gen(14))
     p = torch.softmax(logits, -1)
-    f = (torch.nn.functional.one_hot(r.expert, k) * r.keep.unsqueeze(-1)).sum(-2).to(torch.float64) / n
+    t = per_token(r)
+    f = (torch.nn.functional.one_hot(t.expert, k) * t.keep.unsqueeze(-1)).sum(-2).to(torch.float64) / n
     expected = k * (f * p.mean(-2)).sum(-1)  # f is a constant (counts), P_j carries the gradient
     torch.testing.assert_close(r.aux["balance"], expected)
     (g,) = torch.autograd.grad(r.aux["balance"].sum(), logits)
@@ -436,14 +458,14 @@ def test_tau_tensor_sets_the_proposal_per_instance_for_sample() -> None:
     n, k, Rt = 6, 2, 6000
     taus = torch.tensor([0.3, 1.0, 3.0])
     logits = skewed_logits(n, k)
-    r = sample_routes(logits.expand(Rt, 3, n, k), "sample", tau=taus.expand(Rt, 3), generator=gen(21))
-    onehot = torch.nn.functional.one_hot(r.expert, k).to(torch.float64)  # [Rt, 3, n, k]
+    t = per_token(sample_routes(logits.expand(Rt, 3, n, k), "sample", tau=taus.expand(Rt, 3), generator=gen(21)))
+    onehot = torch.nn.functional.one_hot(t.expert, k).to(torch.float64)  # [Rt, 3, n, k]
     p = torch.softmax(logits.to(torch.float64), -1)
-    for b, t in enumerate(taus.tolist()):
-        q = proposal(logits, t)
+    for b, tau in enumerate(taus.tolist()):
+        q = proposal(logits, tau)
         z = zscores(onehot[:, b], q)
-        assert float(z.abs().max()) < z_bound(3 * n * k), (t, z)
-        torch.testing.assert_close(r.weight[:, b].to(torch.float64), gathered(p / q, r.expert[:, b]),
+        assert float(z.abs().max()) < z_bound(3 * n * k), (tau, z)
+        torch.testing.assert_close(t.weight[:, b].to(torch.float64), gathered(p / q, t.expert[:, b]),
                                    rtol=1e-5, atol=1e-7)
 
 
@@ -459,7 +481,7 @@ def test_tau_tensor_matches_separate_scalar_calls_in_distribution(method: str) -
     m = 3 * 2 * n * k
     for b, t in enumerate(taus):
         single = sample_routes(logits.expand(Rt, n, k), method, tau=t, generator=gen(23 + b))
-        for stat in (lambda r: torch.nn.functional.one_hot(r.expert, k), lambda r: contributions(r, k)):
+        for stat in (lambda r: torch.nn.functional.one_hot(per_token(r).expert, k), lambda r: contributions(r, k)):
             sb = stat(batched)[:, b]
             ss = stat(single)
             z = two_sample_z(sb, ss)
@@ -504,7 +526,8 @@ def test_reinforce_gradient_is_unbiased(method: str, tau: float, sinkhorn: bool,
         lambda a: (torch.softmax(a, -1) * GRAD_LOSS).sum() / n, GRAD_LOGITS))
     logits = GRAD_LOGITS.expand(Rg, n, k).clone().requires_grad_()
     routes = sample_routes(logits, method, tau=tau, capacity=2, sinkhorn=sinkhorn, generator=gen(30))
-    loss = gathered(GRAD_LOSS, routes.expert)
+    t = per_token(routes)
+    loss = gathered(GRAD_LOSS, t.expert)
     obj = reinforce_objective(routes, loss, baseline=baseline)
     assert obj.shape == (Rg,)
     # the samples are independent, so the gradient of the sum holds each sample's gradient
@@ -512,7 +535,7 @@ def test_reinforce_gradient_is_unbiased(method: str, tau: float, sinkhorn: bool,
     z = zscores(g, g_exact)
     assert float(z.abs().max()) < z_bound(n * k), f"mean {g.mean(0)}\nexact {g_exact}\nz {z}"
     # the surrogate's value is the weighted mean loss, itself unbiased for E_p[(1/n) sum_i f]
-    w = routes.weight * routes.keep
+    w = t.weight * t.keep
     torch.testing.assert_close(obj.detach(), (w * loss).mean(-1))
     assert abs(float(zscores(obj.detach(), value))) < Z_MAX
     if baseline:
@@ -528,10 +551,11 @@ def test_reinforce_gradients_for_the_experts_and_the_router() -> None:
     b = torch.rand(B, dtype=torch.float64, generator=gen(34))  # one baseline per run
     obj = reinforce_objective(routes, loss, baseline=b)
     g_logits, g_loss = torch.autograd.grad(obj.sum(), (logits, loss))
-    w = (routes.weight * routes.keep).detach()
+    t = per_token(routes)
+    w = (t.weight * t.keep).detach()
     torch.testing.assert_close(g_loss, w / n)  # experts: d/d f_i = w_i keep_i / n
     p = torch.softmax(logits.detach(), -1)
-    onehot = torch.nn.functional.one_hot(routes.expert, k).to(torch.float64)
+    onehot = torch.nn.functional.one_hot(t.expert, k).to(torch.float64)
     adv = (loss.detach() - b.unsqueeze(-1)) * w / n
     torch.testing.assert_close(g_logits, adv.unsqueeze(-1) * (onehot - p))  # eq. 2 with baseline
     # the value is the weighted mean loss whatever the baseline (the baseline term is zero in value)
@@ -587,18 +611,19 @@ def test_gating_objective(method: str) -> None:
     logits = (skewed_logits(n, k, torch.float64).expand(B, n, k)).clone().requires_grad_()
     routes = sample_routes(logits, method, tau=0.5, generator=gen(40))
     out = torch.randn(B, n, dtype=torch.float64, generator=gen(41))
-    loss = (routes.gate * out - 1.0) ** 2  # the loss of the gated expert output
-    w = routes.weight * routes.keep
-    keep = routes.keep.to(torch.float64)
+    t = per_token(routes)
+    loss = (t.gate * out - 1.0) ** 2  # the loss of the gated expert output
+    w = t.weight * t.keep
+    keep = t.keep.to(torch.float64)
     torch.testing.assert_close(gating_objective(routes, loss), (w * loss).mean(-1))
     torch.testing.assert_close(gating_objective(routes, loss, use_weights=False), (keep * loss).mean(-1))
     assert (~routes.keep).any() or method == "gumbel_matching_iw"
     # the router gets its gradient through the gate inside the loss
     (g,) = torch.autograd.grad(gating_objective(routes, loss).sum(), logits)
     p = torch.softmax(logits.detach(), -1)
-    onehot = torch.nn.functional.one_hot(routes.expert, k).to(torch.float64)
-    dloss_dgate = 2 * (routes.gate.detach() * out - 1.0) * out
-    coef = w * dloss_dgate * routes.gate.detach() / n
+    onehot = torch.nn.functional.one_hot(t.expert, k).to(torch.float64)
+    dloss_dgate = 2 * (t.gate.detach() * out - 1.0) * out
+    coef = w * dloss_dgate * t.gate.detach() / n
     torch.testing.assert_close(g, coef.unsqueeze(-1) * (onehot - p))
 
 
@@ -725,9 +750,10 @@ def test_objectives_reject_loss_of_wrong_shape(objective, shape: tuple[int, ...]
 
 @pytest.mark.parametrize("objective", [reinforce_objective, gating_objective])
 def test_objectives_reject_multi_slot_routes(objective) -> None:
-    routes = Routes.from_expert(torch.tensor([0, 1, 1]))  # [tokens, 1], single=False
-    with pytest.raises(ValueError, match="single"):
-        objective(routes, torch.zeros(3, 1))
+    routes = Routes.from_expert(torch.tensor([[0, 1], [1, 0], [1, 1]]), add_slot_dim=False)  # [tokens, 2]
+    assert routes.num_slots == 2 and routes.num_tokens == 3
+    with pytest.raises(ValueError, match="got 2 slots per token"):
+        objective(routes, torch.zeros(3))  # the per-token loss shape: only the slots are wrong
 
 
 # ============================================================================ 6. edge cases
@@ -739,9 +765,9 @@ def test_single_expert(method: str, sinkhorn: bool) -> None:
     logits = torch.randn(3, 5, 1, generator=gen(50), requires_grad=True)
     r = sample_routes(logits, method, tau=0.4, sinkhorn=sinkhorn, generator=gen(51))
     assert (r.expert == 0).all() and r.keep.all()
-    torch.testing.assert_close(r.weight, torch.ones(3, 5))
-    torch.testing.assert_close(r.gate.detach(), torch.ones(3, 5))
-    torch.testing.assert_close(r.log_prob.detach(), torch.zeros(3, 5))
+    torch.testing.assert_close(r.weight, torch.ones(3, 5, 1))
+    torch.testing.assert_close(r.gate.detach(), torch.ones(3, 5, 1))
+    torch.testing.assert_close(r.log_prob.detach(), torch.zeros(3, 5, 1))
     assert (r.stats["tokens_per_expert"] == 5).all()
 
 
@@ -756,7 +782,7 @@ def test_as_many_experts_as_tokens(method: str) -> None:
         assert (counts <= 1).all()
     if method in GUMBEL:
         assert r.keep.all()
-        assert torch.equal(r.expert.sort(-1).values, torch.arange(n).expand(B, n)), "a permutation"
+        assert torch.equal(per_token(r).expert.sort(-1).values, torch.arange(n).expand(B, n)), "a permutation"
     if method == "sample":
         assert r.keep.all()
 
@@ -784,7 +810,7 @@ def test_forbidden_pairs_are_never_chosen(method: str, sinkhorn: bool) -> None:
     logits = forbidden_logits()
     B = 2000
     r = sample_routes(logits.expand(B, 6, 3), method, tau=0.7, sinkhorn=sinkhorn, generator=gen(54))
-    chosen = torch.nn.functional.one_hot(r.expert, 3).bool().any(0)  # [n, k] ever chosen
+    chosen = torch.nn.functional.one_hot(per_token(r).expert, 3).bool().any(0)  # [n, k] ever chosen
     assert not chosen[torch.isinf(logits)].any()
     assert chosen[~torch.isinf(logits)].all(), "every allowed pair should occur"
     assert torch.isfinite(r.weight).all() and torch.isfinite(r.log_prob).all()
@@ -817,22 +843,27 @@ def test_capacity_larger_than_n_never_binds(method: str) -> None:
         q_w = torch.from_numpy(np_sinkhorn(q.numpy()))
     else:
         q_w = q
-    torch.testing.assert_close(r.weight, gathered(p / q_w, r.expert), rtol=1e-4, atol=1e-9)
-    z = zscores(torch.nn.functional.one_hot(r.expert, k), q)
+    t = per_token(r)
+    torch.testing.assert_close(t.weight, gathered(p / q_w, t.expert), rtol=1e-4, atol=1e-9)
+    z = zscores(torch.nn.functional.one_hot(t.expert, k), q)
     assert float(z.abs().max()) < z_bound(n * k), z
 
 
 @pytest.mark.parametrize("objective", [reinforce_objective, gating_objective])
 def test_objectives_take_routes_with_one_slot(objective) -> None:
-    """The [..., n, 1] layout of every router gives the same objective as sample_routes' [..., n]."""
+    """sample_routes returns the [..., n, 1] layout of every router; a one-slot record built by hand
+    from the same per-token fields (Routes.from_expert) gives exactly the same objective."""
     logits = torch.randn(3, 6, 2, generator=gen(7), requires_grad=True)
     routes = sample_routes(logits, "sample_skip_iw", capacity=4, generator=gen(8))
-    slots = routes.with_slot_dim()
-    assert not slots.single and slots.expert.shape == (3, 6, 1) and slots.num_tokens == 6
-    assert slots.batch_shape == (3,) and slots.aux is not routes.aux
-    assert torch.equal(slots.dropped_fraction(), routes.dropped_fraction())
+    assert routes.num_slots == 1 and routes.expert.shape == (3, 6, 1) and routes.num_tokens == 6
+    assert routes.batch_shape == (3,)
+    t = per_token(routes)
+    by_hand = Routes.from_expert(t.expert, gate=t.gate, keep=t.keep, weight=t.weight, log_prob=t.log_prob)
+    for name in PerToken._fields:
+        assert torch.equal(getattr(by_hand, name), getattr(routes, name)), name
+    assert torch.equal(routes.dropped_fraction(), (~t.keep).float().mean(-1))
+    assert torch.equal(by_hand.dropped_fraction(), routes.dropped_fraction())
     loss = torch.rand(3, 6, generator=gen(9))
-    torch.testing.assert_close(objective(slots, loss), objective(routes, loss), rtol=0, atol=0)
+    torch.testing.assert_close(objective(by_hand, loss), objective(routes, loss), rtol=0, atol=0)
     with pytest.raises(ValueError, match="loss must have"):
-        objective(slots, loss.unsqueeze(-1))
-    assert routes.with_slot_dim().with_slot_dim().expert.shape == (3, 6, 1)
+        objective(routes, loss.unsqueeze(-1))

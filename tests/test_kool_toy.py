@@ -65,13 +65,15 @@ def test_data_is_seeded_and_matches_the_formula() -> None:
 
 
 def _own_routes(model: ToyBatch, r: Routes, i: int) -> Routes:
-    """Run ``i`` of batched routes, rebuilt on ``model``'s own router (same experts, keep, weights)."""
+    """Run ``i`` of batched routes, rebuilt on ``model``'s own router (same experts, keep, weights).
+
+    Every field is ``[1, n, 1]`` (one slot per token, as sample_routes returns)."""
     expert, keep = r.expert[i : i + 1], r.keep[i : i + 1]
     log_p = torch.log_softmax(model.logits(), dim=-1)
-    log_p_z = log_p.gather(-1, expert.unsqueeze(-1)).squeeze(-1)
+    log_p_z = log_p.gather(-1, expert)
     return Routes(
         expert=expert, gate=log_p_z.exp(), keep=keep, weight=r.weight[i : i + 1], log_prob=log_p_z,
-        aux={"balance": switch_balance_loss(log_p.exp(), expert, keep)}, single=True,
+        aux={"balance": switch_balance_loss(log_p.exp(), expert[..., 0], keep[..., 0])},
     )
 
 
@@ -113,12 +115,14 @@ def test_objective_variants() -> None:
     batch = ToyBatch(runs)
     routes = batch.sample(batch.logits().detach(), {(False, "sample"): torch.Generator().manual_seed(0)})
     obj, _ = batch.objective(routes, torch.zeros(3))
-    out = batch.expert_outputs().gather(-1, routes.expert.unsqueeze(-1)).squeeze(-1).detach()
+    assert routes.num_slots == 1  # [R, n, 1]: read the one slot per token
+    weight, gate = routes.weight[..., 0], routes.gate[..., 0]
+    out = batch.expert_outputs().gather(-1, routes.expert).squeeze(-1).detach()
     f = (batch.y - out) ** 2
-    torch.testing.assert_close(obj[0], (routes.weight[0] * f[0]).mean())
+    torch.testing.assert_close(obj[0], (weight[0] * f[0]).mean())
     torch.testing.assert_close(obj[1], f[1].mean())
-    fg = (batch.y - routes.gate.detach() * out) ** 2
-    torch.testing.assert_close(obj[2], (routes.weight[2] * fg[2]).mean() + 0.01 * routes.aux["balance"][2].detach())
+    fg = (batch.y - gate.detach() * out) ** 2
+    torch.testing.assert_close(obj[2], (weight[2] * fg[2]).mean() + 0.01 * routes.aux["balance"][2].detach())
 
 
 # ----------------------------------------------------------------------------- bad input

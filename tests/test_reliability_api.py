@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import NamedTuple
 
 import pytest
 import torch
 
+from routelab import Routes
 from routelab.assignment import sinkhorn
 from routelab.estimators import MAX_WEIGHT, METHODS, EMABaseline, reinforce_objective, sample_routes, switch_balance_loss
 from routelab.gates import DSelectK, GumbelSoftmaxGate, SoftmaxGate, smooth_step, threshold_mask
@@ -30,6 +32,22 @@ NEG_INF = float("-inf")
 
 def gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+class PerToken(NamedTuple):
+    """The per-slot fields of a ``sample_routes`` record read per token, each ``[..., n]``."""
+
+    expert: torch.Tensor
+    gate: torch.Tensor
+    keep: torch.Tensor
+    weight: torch.Tensor
+    log_prob: torch.Tensor
+
+
+def per_token(r: Routes) -> PerToken:
+    """``sample_routes`` gives one slot per token (``[..., n, 1]``): its fields as ``[..., n]``."""
+    assert r.num_slots == 1, r
+    return PerToken(*(getattr(r, name)[..., 0] for name in PerToken._fields))
 
 
 def chosen(t: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
@@ -80,23 +98,25 @@ def test_d6_partial_neg_inf_rows_never_use_a_forbidden_expert(method):
     lg = torch.randn(200, 6, 4, generator=g)
     lg[..., 0, :3] = NEG_INF  # token 0 may only use expert 3
     r = sample_routes(lg, method, capacity=6, generator=g)
-    assert (r.expert[..., 0] == 3).all()
+    t = per_token(r)
+    assert (t.expert[..., 0] == 3).all()
     assert torch.isfinite(r.gate).all() and torch.isfinite(r.weight).all()
-    torch.testing.assert_close(r.gate[..., 0], torch.ones(200))
+    torch.testing.assert_close(t.gate[..., 0], torch.ones(200))
 
 
 # ------------------------------------------------------------------ D7: weights overflow
 def test_d7_repro_weights_are_finite_clamped_and_counted():
     lg = torch.randn(16, 16, generator=gen(1066463187))
     r = sample_routes(lg, "gumbel_matching", tau=1e-3, generator=gen(903))
+    t = per_token(r)
     assert torch.isfinite(r.weight).all()
     log_p, log_q = exact_log_p_q(lg, 1e-3)
-    log_w = chosen(log_p, r.expert) - chosen(log_q, r.expert)  # the exact p / q, in log space
+    log_w = chosen(log_p, t.expert) - chosen(log_q, t.expert)  # the exact p / q, in log space
     over = log_w > math.log(MAX_WEIGHT)
     assert over.any(), "the repro must exercise the clamp"
     assert int(r.stats["weights_clamped"]) == int(over.sum())
-    assert (r.weight[over] == MAX_WEIGHT).all()
-    torch.testing.assert_close(r.weight[~over].double(), log_w[~over].exp(), rtol=1e-5, atol=0)
+    assert (t.weight[over] == MAX_WEIGHT).all()
+    torch.testing.assert_close(t.weight[~over].double(), log_w[~over].exp(), rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("tau", [1e-3, 1e-12, 1e-30])
@@ -111,10 +131,11 @@ def test_d7_no_inf_or_nan_weight_at_any_temperature(method, tau):
     assert r.stats["weights_clamped"].shape == (8,)
     log_p, log_q = exact_log_p_q(lg, tau)
     if method in ("sample", "gumbel_matching"):  # weight = p / q of the proposal itself
-        log_w = chosen(log_p, r.expert) - chosen(log_q, r.expert)
+        t = per_token(r)
+        log_w = chosen(log_p, t.expert) - chosen(log_q, t.expert)
         fine = log_w < math.log(MAX_WEIGHT) - 1
-        torch.testing.assert_close(r.weight[fine].double(), log_w[fine].exp(), rtol=1e-4, atol=0)
-        assert (r.weight[log_w > math.log(MAX_WEIGHT)] == MAX_WEIGHT).all()
+        torch.testing.assert_close(t.weight[fine].double(), log_w[fine].exp(), rtol=1e-4, atol=0)
+        assert (t.weight[log_w > math.log(MAX_WEIGHT)] == MAX_WEIGHT).all()
 
 
 def test_d7_routes_through_the_moe_carry_the_clamp_count():
@@ -131,9 +152,10 @@ def test_d8_repro_weight_is_p_over_q():
     r = sample_routes(torch.tensor([[1.0, 1.0, 0.0, 0.0]] * 4), "sample", tau=1e-7, generator=gen())
     p = math.e / (2 * math.e + 2)  # softmax([1, 1, 0, 0]) of either tied maximum
     q = 0.5  # tau -> 0 splits the proposal between the two maxima
+    t = per_token(r)
     assert (r.expert < 2).all()
-    torch.testing.assert_close(r.weight, torch.full((4,), p / q), rtol=1e-6, atol=0)
-    torch.testing.assert_close(r.gate, torch.full((4,), p), rtol=1e-6, atol=0)
+    torch.testing.assert_close(t.weight, torch.full((4,), p / q), rtol=1e-6, atol=0)
+    torch.testing.assert_close(t.gate, torch.full((4,), p), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("k", [2, 4, 12])
@@ -142,13 +164,13 @@ def test_d8_repro_weight_is_p_over_q():
 def test_d8_gate_log_prob_and_weight_exact_under_offset_and_small_tau(k, offset, tau):
     g = gen(11)
     lg = torch.randn(6, 10, k, generator=g) * 2 + offset
-    r = sample_routes(lg, "sample", tau=tau, generator=g)
+    t = per_token(sample_routes(lg, "sample", tau=tau, generator=g))
     log_p, log_q = exact_log_p_q(lg, tau)
-    torch.testing.assert_close(r.log_prob.double(), chosen(torch.log_softmax(lg.double(), -1), r.expert),
+    torch.testing.assert_close(t.log_prob.double(), chosen(torch.log_softmax(lg.double(), -1), t.expert),
                                rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(r.gate.double(), chosen(log_p, r.expert).exp(), rtol=1e-5, atol=1e-7)
-    want = (chosen(log_p, r.expert) - chosen(log_q, r.expert)).exp()
-    torch.testing.assert_close(r.weight.double(), want, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(t.gate.double(), chosen(log_p, t.expert).exp(), rtol=1e-5, atol=1e-7)
+    want = (chosen(log_p, t.expert) - chosen(log_q, t.expert)).exp()
+    torch.testing.assert_close(t.weight.double(), want, rtol=1e-4, atol=1e-7)
 
 
 # ------------------------------------------------------------------ D3: empty leading batch
@@ -165,8 +187,9 @@ def test_d3_sinkhorn_empty_batch(k):
 def test_d3_sample_routes_empty_batch(method, use_sinkhorn, k):
     lg = torch.randn(0, 12, k, requires_grad=True)
     r = sample_routes(lg, method, capacity=12, sinkhorn=use_sinkhorn, generator=gen())
+    assert r.num_slots == 1
     for name in ("expert", "gate", "keep", "weight", "log_prob"):
-        assert getattr(r, name).shape == (0, 12), name
+        assert getattr(r, name).shape == (0, 12, 1), name
     assert r.expert.dtype == torch.long and r.keep.dtype == torch.bool
     assert r.aux["balance"].shape == (0,)
     assert r.stats["tokens_per_expert"].shape == (0, k)
@@ -433,7 +456,7 @@ def test_estimator_helpers_name_bad_arguments():
     loss = torch.rand(6)
     with pytest.raises(ValueError, match="baseline"):
         reinforce_objective(r, loss, torch.rand(7, 2))  # would broadcast to [7, 2] silently
-    torch.testing.assert_close(reinforce_objective(r, loss, torch.rand(6)), (r.weight * loss).mean(-1))
+    torch.testing.assert_close(reinforce_objective(r, loss, torch.rand(6)), (per_token(r).weight * loss).mean(-1))
     with pytest.raises(TypeError, match="routes"):
         reinforce_objective("routes", loss)
     with pytest.raises(ValueError, match="decay"):
@@ -505,8 +528,9 @@ def test_half_precision_sample_routes_equals_float32(method, k, dtype):
     assert torch.isfinite(r.weight).all() and torch.isfinite(r.gate).all()
     if method == "sample":  # and the weight is p / q of the half-precision logits' values
         log_p, log_q = exact_log_p_q(lg, 0.7)
-        want = (chosen(log_p, r.expert) - chosen(log_q, r.expert)).exp()
-        torch.testing.assert_close(r.weight.double(), want, rtol=1e-5, atol=1e-7)
+        t = per_token(r)
+        want = (chosen(log_p, t.expert) - chosen(log_q, t.expert)).exp()
+        torch.testing.assert_close(t.weight.double(), want, rtol=1e-5, atol=1e-7)
 
 
 # ------------------------------------------------------------------ fuzz findings: routing, gates, layers

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-import routelab.estimators.sampling as sampling
+import routelab.assignment._two_experts as closed_forms
 from routelab.assignment import gumbel_matching
-from routelab.assignment.sinkhorn import _balance_two
+from routelab.assignment._two_experts import two_expert_sinkhorn
 from routelab.estimators import METHODS, sample_routes
 from routelab.estimators.two_experts import _matching, _skip_two
 
@@ -73,7 +73,7 @@ def test_two_expert_sinkhorn_matches_plain_sweeps() -> None:
     g = torch.Generator().manual_seed(0)
     log_p = torch.log_softmax(3 * torch.randn(5, 30, 2, dtype=torch.float64, generator=g), -1)
     target = torch.tensor([12.0, 18.0], dtype=torch.float64)
-    fast, err = _balance_two(log_p, target, tol=1e-10, max_iter=100)
+    fast, err = two_expert_sinkhorn(log_p, target, tol=1e-10, max_iter=100)
     assert err <= 1e-10
     x = log_p.numpy().copy()  # independent reference: alternating normalisation in numpy
     for _ in range(20_000):
@@ -99,7 +99,7 @@ def test_fast_path_draws_the_same_distribution_as_the_general_path(method: str, 
         return onehot * (r.weight * r.keep).unsqueeze(-1)
 
     fast = stats()
-    monkeypatch.setattr(sampling, "_TWO_EXPERT_FAST_PATH", False)
+    monkeypatch.setattr(closed_forms, "ENABLED", False)  # the one switch of the k <= 2 closed forms
     general = stats()
     a, b = fast.reshape(R, -1), general.reshape(R, -1)
     se = (a.var(0) / R + b.var(0) / R).sqrt()

@@ -11,6 +11,7 @@ is at least ``p`` (``q <= 1``, corrections >= 1). Tolerances are relative to the
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -78,6 +79,22 @@ def _tau64(tau, batch: tuple[int, ...]) -> torch.Tensor:
     return t.reshape(*batch, 1, 1) if t.ndim else t.reshape(1, 1)
 
 
+class PerToken(NamedTuple):
+    """The per-slot fields of a ``sample_routes`` record read per token, each ``[..., n]``."""
+
+    expert: torch.Tensor
+    gate: torch.Tensor
+    keep: torch.Tensor
+    weight: torch.Tensor
+    log_prob: torch.Tensor
+
+
+def per_token(r) -> PerToken:
+    """``sample_routes`` gives one slot per token (``[..., n, 1]``): its fields as ``[..., n]``."""
+    assert r.num_slots == 1, f"sample_routes must return one slot per token, got {r.num_slots}"
+    return PerToken(*(getattr(r, name)[..., 0] for name in PerToken._fields))
+
+
 def _log_softmax64(x: torch.Tensor) -> torch.Tensor:
     top = x.amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
@@ -142,10 +159,11 @@ def test_sample_routes(case: ScoreCase, method: str, tau_choice: str, cap_choice
 def check_routes(x: torch.Tensor, r, method: str, tau, c: int, sinkhorn: bool) -> None:
     n, k = x.shape[-2], x.shape[-1]
     batch = tuple(x.shape[:-2])
-    assert r.single, "sample_routes must return single-choice routes"
+    assert r.num_slots == 1, "sample_routes must return one slot per token"
     for f in ("expert", "keep", "gate", "weight", "log_prob"):
-        assert tuple(getattr(r, f).shape) == (*batch, n), f"{f} has shape {tuple(getattr(r, f).shape)}"
-    z, keep = r.expert, r.keep
+        assert tuple(getattr(r, f).shape) == (*batch, n, 1), f"{f} has shape {tuple(getattr(r, f).shape)}"
+    t = per_token(r)
+    z, keep = t.expert, t.keep
     assert z.dtype == torch.long and keep.dtype == torch.bool
     if x.numel() == 0:
         return
@@ -169,18 +187,18 @@ def check_routes(x: torch.Tensor, r, method: str, tau, c: int, sinkhorn: bool) -
     lp = lp_all.gather(-1, z.unsqueeze(-1)).squeeze(-1)
     d = eps(x.dtype)
     tol_lp = 8 * (k + 1) * d * (1.0 + lp.abs() + math.log(k))
-    err = (f64(r.log_prob) - lp).abs()
+    err = (f64(t.log_prob) - lp).abs()
     assert bool((err <= tol_lp).all()), (
         f"log_prob != log softmax(logits)[expert]: worst error {float((err - tol_lp).max()):.3g} over the tolerance "
-        f"(log_prob {f64(r.log_prob).flatten()[:4].tolist()}, reference {lp.flatten()[:4].tolist()})"
+        f"(log_prob {f64(t.log_prob).flatten()[:4].tolist()}, reference {lp.flatten()[:4].tolist()})"
     )
     p = lp.exp()
     tiny = 1e3 * torch.finfo(r.gate.dtype).tiny
-    gerr = (f64(r.gate) - p).abs()
+    gerr = (f64(t.gate) - p).abs()
     assert bool((gerr <= p * torch.expm1(tol_lp.clamp(max=50.0)) + tiny).all()), (
-        f"gate != softmax(logits)[expert]: gate {f64(r.gate).flatten()[:4].tolist()}, reference {p.flatten()[:4].tolist()}"
+        f"gate != softmax(logits)[expert]: gate {f64(t.gate).flatten()[:4].tolist()}, reference {p.flatten()[:4].tolist()}"
     )
-    w = f64(r.weight)
+    w = f64(t.weight)
     assert bool((w >= 0).all()), "negative importance weight"
     assert bool((w[~keep] == 0).all()), "a skipped token has a nonzero weight"
     max_w = float(getattr(E, "MAX_WEIGHT", 1e30))
@@ -260,7 +278,8 @@ def test_objectives_and_balance_loss(case: ScoreCase, method: str, baseline_kind
     valid_b = baseline_kind != "bad"
     ok, val = call(E.reinforce_objective, r, loss, b, names=("baseline", "loss", "routes"), valid=valid_b,
                    what="reinforce_objective")
-    w = f64(r.weight) * r.keep.to(torch.float64)
+    t = per_token(r)
+    w = f64(t.weight) * t.keep.to(torch.float64)
     if ok:
         assert tuple(val.shape) == batch, f"reinforce_objective has shape {tuple(val.shape)}, expected {batch}"
         ref = (w * f64(loss)).mean(-1)
@@ -273,7 +292,7 @@ def test_objectives_and_balance_loss(case: ScoreCase, method: str, baseline_kind
             if logits.grad is not None:
                 assert_finite(logits.grad, "reinforce gradient w.r.t. logits")
     ok, gv = call(E.gating_objective, r, loss.detach(), use_weights=use_weights, names=("loss", "routes"), valid=True)
-    coef = w if use_weights else r.keep.to(torch.float64)
+    coef = w if use_weights else t.keep.to(torch.float64)
     assert torch.allclose(f64(gv), (coef * f64(loss)).mean(-1), rtol=1e-5, atol=1e-30 + 1e-6 * float(coef.max() if coef.numel() else 1)), (
         "gating_objective != mean(keep * weight * loss)"
     )
@@ -281,8 +300,8 @@ def test_objectives_and_balance_loss(case: ScoreCase, method: str, baseline_kind
          names=("loss",), valid=False, what="gating_objective(wrong loss shape)")
     # switch balance loss
     probs = torch.softmax(x.detach(), -1).requires_grad_(True)
-    ok, bal = call(E.switch_balance_loss, probs, r.expert, r.keep, names=("probs", "expert", "keep"), valid=True)
-    f = torch.zeros((*batch, k), dtype=torch.float64).scatter_add_(-1, r.expert, r.keep.to(torch.float64)) / n
+    ok, bal = call(E.switch_balance_loss, probs, t.expert, t.keep, names=("probs", "expert", "keep"), valid=True)
+    f = torch.zeros((*batch, k), dtype=torch.float64).scatter_add_(-1, t.expert, t.keep.to(torch.float64)) / n
     ref = k * (f * f64(probs).mean(-2)).sum(-1)
     assert torch.allclose(f64(bal), ref, rtol=1e-5, atol=1e-6), "switch_balance_loss != k * sum_j f_j P_j"
     if bal.numel():
