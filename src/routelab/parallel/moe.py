@@ -59,6 +59,13 @@ def _require_initialized() -> None:
         )
 
 
+def _check_shardable(config: MoEConfig) -> None:
+    """ValueError for layer options :class:`ExpertParallelMoE` cannot shard (gated or the user's experts)."""
+    if config.experts is not None or config.gated:
+        raise ValueError("ExpertParallelMoE shards plain StackedExperts: it does not take gated=True (or a gated "
+                         "activation) or experts=; use the single-process MoE for those")
+
+
 class ExpertParallelMoE(MoE):
     """:class:`~routelab.layers.MoE` with its experts sharded over a process group.
 
@@ -191,6 +198,7 @@ class ExpertParallelMoE(MoE):
         if moe.router.generator is not None:
             memo[id(moe.router.generator)] = moe.router.generator
         router = copy.deepcopy(moe.router, memo)
+        _check_shardable(moe.config)
         ex = moe.experts
         param = ex.w1
         out = cls(**moe.config.replace(router=router).layer_kwargs(), process_group=process_group,
@@ -214,6 +222,7 @@ class ExpertParallelMoE(MoE):
         ``process_group`` (the other arguments as in the constructor)."""
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a routelab.layers.MoEConfig, got {type(config).__name__}")
+        _check_shardable(config)
         return cls(**config.layer_kwargs(), process_group=process_group, generator=generator, device=device,
                    dtype=dtype, seed=seed, check_decisions=check_decisions)
 
@@ -375,6 +384,7 @@ class ExpertParallelMoE(MoE):
         index_of_row[send_rows] = torch.arange(send_rows.numel(), device=dev)
         returned = DispatchPlan.from_rows(index_of_row[plan.row_of_slot[lo:lo + n].to(dev)], 1, send_rows.numel())
         y = returned.combine(back.view(1, send_rows.numel(), back.shape[-1]), combine[lo:lo + n]).to(x.dtype)
+        self.record_routing(local_routes.aux, local_routes.stats)
         return y.reshape(*lead, d), local_routes
 
     def extra_repr(self) -> str:
