@@ -19,11 +19,11 @@ Layers (each depends only on the ones above it):
 6. :mod:`routelab.experiments` — reproduced experiments.
 7. :mod:`routelab.cli` — the ``routelab`` command.
 
-:func:`aux_loss` and :func:`routing_stats` (from :mod:`routelab.recording`, layer 0) read what
+:func:`aux_loss` and :func:`routing_stats` (from :mod:`routelab.routing.record`) read what
 every routelab module of a model routed in its last forward.
 """
 
-from routelab.recording import aux_loss, routing_stats
+from routelab.routing.record import aux_loss, routing_stats
 from routelab.routes import Routes
 
 __version__ = "0.1.0"

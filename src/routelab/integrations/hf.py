@@ -40,10 +40,8 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_capacity_factor, check_generator, check_positive_int
-from ..recording import RoutingRecord
 from ..routers import ROUTERS, Router, make_router, router_name
-from ..routing import DROP_POLICIES, apply_capacity, expert_capacity
-from ..routing.stats import load_stats
+from ..routing import DROP_POLICIES, RoutingRecord, apply_capacity, expert_capacity, load_stats
 
 __all__ = ["RoutedExperts", "RoutedGate", "patch_moe", "sparse_moe_blocks"]
 

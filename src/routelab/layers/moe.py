@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_generator, floating_input
-from ..recording import RoutingRecord
+from ..routing.record import RoutingRecord
 from ..routers import Router
 from ..routes import Routes
 from ..routing import DispatchPlan, apply_capacity, expert_capacity
@@ -49,7 +49,7 @@ class MoE(RoutingRecord, nn.Module):
     at the call that returns it.
 
     Every forward records its weighted auxiliary losses and statistics
-    (:class:`routelab.recording.RoutingRecord`): ``routelab.aux_loss(model)`` sums those of every
+    (:class:`routelab.routing.RoutingRecord`): ``routelab.aux_loss(model)`` sums those of every
     routelab layer of a model, ``routelab.routing_stats(model)`` collects the statistics.
 
     The layer is described by one :class:`~routelab.layers.MoEConfig` (its arguments below, but

@@ -1,4 +1,4 @@
-"""routelab.aux_loss and routelab.routing_stats over routelab MoE layers (routelab.recording)."""
+"""routelab.aux_loss and routelab.routing_stats over routelab MoE layers (routelab.routing.record)."""
 
 from __future__ import annotations
 
