@@ -160,6 +160,8 @@ def test_every_router_trains_and_the_experts_see_only_routed_pairs(router, monke
         assert torch.equal(torch.bincount(index.reshape(-1), minlength=E), layer["tokens_per_expert"]), router
     if router == "batchwise":  # E slots per token in routelab, k * n pairs at the experts
         assert seen[0].numel() == 2 * x.numel()
+    hf_aux = model(x, labels=x, output_router_logits=True).aux_loss  # transformers' loss on routelab's logits
+    assert torch.isfinite(hf_aux) and float(hf_aux.detach()) > 0
     model.eval()
     with torch.no_grad():
         assert torch.isfinite(model(x).logits).all()
@@ -321,3 +323,19 @@ def test_a_router_that_cannot_take_the_models_k_says_so():
     with pytest.warns(UserWarning, match="cannot route to the model's k=2"):
         blocks = patch_moe(tiny(), "gumbel_matching")
     assert all(b.gate.router.slots == 1 for b in blocks)
+
+
+@pytest.mark.parametrize("router", ["topk", "batchwise", "gumbel_matching"])
+def test_half_precision_models_route_and_generate(router):
+    model = tiny().to(torch.bfloat16).train()
+    _patch(model, router, generator=torch.Generator().manual_seed(0))
+    x = ids()
+    loss = model(x, labels=x).loss + routelab.aux_loss(model)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    model.eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(x).logits.float()).all()
+        model.generate(x[:, :4], attention_mask=torch.ones_like(x[:, :4]), max_new_tokens=2, do_sample=False,
+                       pad_token_id=0)

@@ -107,6 +107,7 @@ class RoutedGate(RoutingRecord):
     importance_weighting: bool
     aux_coef: float
     _routelab_mask: _AttentionMask
+    _routelab_takes_mask: bool
     _routelab_generator: torch.Generator | None
 
     def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -123,7 +124,7 @@ class RoutedGate(RoutingRecord):
         mask = self._routelab_mask.tokens(n)
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         capacity = expert_capacity(n, E, router.slots, factor)
-        if mask is not None and _accepts_mask(router):
+        if mask is not None and self._routelab_takes_mask:
             proposed = router(x, capacity, mask=mask)
         else:
             proposed = router(x, capacity)
@@ -138,6 +139,8 @@ class RoutedGate(RoutingRecord):
         experts = torch.where(keep, proposed.expert, torch.full_like(proposed.expert, E))
         aux = {name: value * self.aux_coef for name, value in proposed.aux.items()}
         self.record_routing(aux, {**proposed.stats, **load_stats(candidate, decision, capacity)})
+        # transformers' load-balancing loss (output_router_logits) reads the router logits; one more
+        # [n, d] x [d, E] product, small next to the experts' [n k, d] x [d, 2I] ones.
         return router.logits(x), weights, experts
 
 
@@ -368,6 +371,7 @@ def patch_moe(
         gate.aux_coef = float(aux_coef)
         object.__setattr__(gate, "_routelab_mask", mask)
         object.__setattr__(gate, "_routelab_generator", generator)
+        object.__setattr__(gate, "_routelab_takes_mask", _accepts_mask(built))
         _swap_class(experts, RoutedExperts)
         object.__setattr__(experts, "_routelab_num_experts", gate.weight.shape[0])
     model.register_forward_pre_hook(mask.hook, with_kwargs=True)
