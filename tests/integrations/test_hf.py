@@ -40,6 +40,8 @@ FAMILIES = {
                   dict(intermediate_size=48, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
                        head_dim=8)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(intermediate_size=24, num_experts=4, num_experts_per_tok=2)),
+    "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM",
+                dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, head_dim=8)),
 }
 
 

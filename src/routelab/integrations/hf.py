@@ -1,6 +1,6 @@
 """routelab routers inside Hugging Face transformers' sparse MoE blocks: :func:`patch_moe`.
 
-transformers (5.x) builds the sparse MoE block of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and others
+transformers (5.x) builds the sparse MoE block of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, MiniMax and others
 from two modules, called by the block's own ``forward``::
 
     router_logits, routing_weights, selected_experts = block.gate(hidden_states)   # [n, E], [n, k], [n, k]
