@@ -136,6 +136,5 @@ def test_config_describes_gated_experts():
     assert again.experts.gated
     assert sum(p.numel() for p in again.parameters()) == sum(p.numel() for p in moe.parameters())
     assert MoEConfig(8, 16, 4, gated=True).gated
-    assert "gated" not in MoEConfig(8, 16, 4).layer_kwargs()
     with pytest.raises(ValueError, match="unknown activation"):
         MoEConfig(8, 16, 4, activation="swigloo")

@@ -102,14 +102,8 @@ class MoEConfig:
         return router if device is None else router.to(device)
 
     def layer_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``MoE(**config.layer_kwargs())`` (the fields, not copied; ``gated``
-        and ``experts`` only where set, so layers without those options take the kwargs too)."""
-        kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        if not kwargs["gated"]:
-            del kwargs["gated"]
-        if kwargs["experts"] is None:
-            del kwargs["experts"]
-        return kwargs
+        """The keyword arguments of ``MoE(**config.layer_kwargs())`` (the fields, not copied)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def replace(self, **changes: Any) -> MoEConfig:
         """A copy with ``changes`` (validated again)."""

@@ -106,6 +106,8 @@ class ExpertParallelMoE(MoE):
         process_group: the group the experts are sharded over (``None``: the default group).
         router, capacity_factor, k, router_kwargs, drop_policy, importance_weighting,
             activation, bias, generator, device, dtype: as :class:`~routelab.layers.MoE`.
+        gated, experts: not supported (the layer shards plain stacked experts): a ValueError unless
+            ``False`` / ``None``.
         seed: base seed of the experts' initialisation; expert ``e`` is initialised from
             ``seed + e``, so the weights do not depend on the world size. ``None``: drawn on
             rank 0 from torch's global generator and broadcast.
@@ -141,6 +143,8 @@ class ExpertParallelMoE(MoE):
         importance_weighting: bool = False,
         activation: str | Callable[[Tensor], Tensor] = "gelu",
         bias: bool = True,
+        gated: bool = False,
+        experts: nn.Module | None = None,
         generator: torch.Generator | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -159,7 +163,9 @@ class ExpertParallelMoE(MoE):
             )
         config = MoEConfig(d_model, d_hidden, num_experts, router=router, capacity_factor=capacity_factor, k=k,
                            router_kwargs=router_kwargs, drop_policy=drop_policy,
-                           importance_weighting=importance_weighting, activation=activation, bias=bias)
+                           importance_weighting=importance_weighting, activation=activation, bias=bias, gated=gated,
+                           experts=experts)
+        _check_shardable(config)
         # The full expert stack is built on the meta device (no memory) and replaced by this
         # rank's slice: only E / world experts are ever materialised. A router built by name is
         # built on the real device.
@@ -198,7 +204,6 @@ class ExpertParallelMoE(MoE):
         if moe.router.generator is not None:
             memo[id(moe.router.generator)] = moe.router.generator
         router = copy.deepcopy(moe.router, memo)
-        _check_shardable(moe.config)
         ex = moe.experts
         param = ex.w1
         out = cls(**moe.config.replace(router=router).layer_kwargs(), process_group=process_group,
@@ -222,7 +227,6 @@ class ExpertParallelMoE(MoE):
         ``process_group`` (the other arguments as in the constructor)."""
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a routelab.layers.MoEConfig, got {type(config).__name__}")
-        _check_shardable(config)
         return cls(**config.layer_kwargs(), process_group=process_group, generator=generator, device=device,
                    dtype=dtype, seed=seed, check_decisions=check_decisions)
 
