@@ -204,6 +204,7 @@ class ExpertParallelMoE(MoE):
         if moe.router.generator is not None:
             memo[id(moe.router.generator)] = moe.router.generator
         router = copy.deepcopy(moe.router, memo)
+        _check_shardable(moe.config)
         ex = moe.experts
         param = ex.w1
         out = cls(**moe.config.replace(router=router).layer_kwargs(), process_group=process_group,
