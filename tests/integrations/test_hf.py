@@ -220,6 +220,10 @@ def test_padding_takes_no_capacity_and_gets_no_expert_output():
         h.remove()
     for layer in routelab.routing_stats(model).values():
         assert int(layer["tokens_per_expert"].sum()) == 2 * int(mask.sum())
+    with torch.no_grad():
+        model(x, mask)  # the mask by position
+    for layer in routelab.routing_stats(model).values():
+        assert int(layer["tokens_per_expert"].sum()) == 2 * int(mask.sum())
     for out in outputs:
         assert torch.equal(out[1, :3], torch.zeros_like(out[1, :3]))
         assert (out[0].abs().sum(-1) > 0).all()

@@ -58,9 +58,17 @@ class _AttentionMask:
 
     def __init__(self) -> None:
         self.value: Tensor | None = None
+        self._signature: inspect.Signature | None = None
 
     def hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         mask = kwargs.get("attention_mask")
+        if mask is None and args:  # passed by position: bind the call to the model's signature
+            if self._signature is None:
+                self._signature = inspect.signature(module.forward)
+            try:
+                mask = self._signature.bind_partial(*args, **kwargs).arguments.get("attention_mask")
+            except TypeError:
+                mask = None
         self.value = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
 
     def tokens(self, num_tokens: int) -> Tensor | None:
