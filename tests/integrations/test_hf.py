@@ -345,3 +345,15 @@ def test_half_precision_models_route_and_generate(router):
         assert torch.isfinite(model(x).logits.float()).all()
         model.generate(x[:, :4], attention_mask=torch.ones_like(x[:, :4]), max_new_tokens=2, do_sample=False,
                        pad_token_id=0)
+
+
+def test_a_batch_of_padding_runs_no_expert(monkeypatch):
+    model = tiny().eval()
+    patch_moe(model, "topk")
+    seen = _spy_experts(monkeypatch, model)
+    x = ids(2, 4)
+    with torch.no_grad():
+        out = model(x, attention_mask=torch.zeros_like(x)).logits
+    assert torch.isfinite(out).all() and seen == []
+    for layer in routelab.routing_stats(model).values():
+        assert int(layer["tokens_per_expert"].sum()) == 0

@@ -104,7 +104,8 @@ class RoutedGate(RoutingRecord):
         capacity_factor, eval_capacity_factor: capacity in training and in ``eval()`` (``None``:
             dropless).
         drop_policy: the capacity's drop policy.
-        importance_weighting: combine with ``gate * weight`` instead of ``gate``.
+        importance_weighting: combine with ``gate * weight`` (the router's importance weight
+            times the skip correction ``n_z / min(n_z, C)`` of Kool et al. eq. 3) instead of ``gate``.
         aux_coef: multiplies the router's (already weighted) auxiliary losses in the record.
     """
 
@@ -169,6 +170,8 @@ class RoutedExperts:
         if bool(routed.all()):
             return super().forward(hidden_states, top_k_index, top_k_weights)  # type: ignore[misc]
         token, slot = routed.nonzero(as_tuple=True)
+        if token.numel() == 0:  # nothing routed (e.g. a batch of padding): no expert runs
+            return hidden_states.new_zeros(hidden_states.shape)
         out = super().forward(hidden_states[token], top_k_index[token, slot].unsqueeze(-1),  # type: ignore[misc]
                               top_k_weights[token, slot].unsqueeze(-1))
         return hidden_states.new_zeros(hidden_states.shape).index_add(0, token, out.to(hidden_states.dtype))
