@@ -23,8 +23,8 @@ Layers (each depends only on the ones above it):
 every routelab module of a model routed in its last forward.
 """
 
-from routelab.routing.record import aux_loss, routing_stats
 from routelab.routes import Routes
+from routelab.routing.record import aux_loss, routing_stats
 
 __version__ = "0.1.0"
 

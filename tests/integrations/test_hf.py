@@ -154,7 +154,7 @@ def test_every_router_trains_and_the_experts_see_only_routed_pairs(router, monke
         assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, router
     stats = routelab.routing_stats(model)
     assert len(stats) == 2 and len(seen) == 2
-    for index, layer in zip(seen, stats.values()):
+    for index, layer in zip(seen, stats.values(), strict=True):
         # Every pair handed to the experts is a routed one (no sentinel, no zero-weight padding slot)
         # and there are exactly as many as the routing kept.
         assert bool((index >= 0).all() and (index < E).all()), router
@@ -286,7 +286,7 @@ def test_aux_loss_sums_the_weighted_router_losses_of_every_block():
         b.gate.register_forward_pre_hook(lambda m, args: inputs.append(args[0].detach()))
     model(ids())
     # The routers' own balance loss on the blocks' inputs, times aux_coef, summed over the blocks.
-    expected = sum(2.0 * b.gate.router(h.reshape(-1, 32)).aux["balance"] for b, h in zip(blocks, inputs))
+    expected = sum(2.0 * b.gate.router(h.reshape(-1, 32)).aux["balance"] for b, h in zip(blocks, inputs, strict=True))
     assert torch.allclose(routelab.aux_loss(model), expected)
     assert float(routelab.aux_loss(model).detach()) > 0
 

@@ -50,7 +50,7 @@ def test_routing_stats_are_the_last_forwards_per_layer():
     _, routes = net(torch.randn(16, 8))
     stats = routelab.routing_stats(net)
     assert list(stats) == ["a", "b"]
-    for layer, r in zip(stats.values(), routes):
+    for layer, r in zip(stats.values(), routes, strict=True):
         for key in ("tokens_per_expert", "dropped_fraction", "load_cv", "tokens_dropped", "capacity"):
             assert torch.equal(layer[key], r.stats[key])
         assert not layer["load_cv"].requires_grad
@@ -75,5 +75,5 @@ def test_checkpointing_gives_the_same_aux_gradients():
         y, _ = net(x, ckpt=ckpt)
         (y.square().mean() + routelab.aux_loss(net)).backward()
         grads.append([p.grad.clone() for p in net.parameters()])
-    for g0, g1 in zip(*grads):
+    for g0, g1 in zip(*grads, strict=True):
         assert torch.allclose(g0, g1, atol=1e-6)

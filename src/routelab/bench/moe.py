@@ -62,11 +62,12 @@ import torch
 from torch import Tensor
 
 import routelab
+from routelab.layers import MoE, MoEConfig, StackedExperts
+from routelab.routing import apply_capacity
+
 from ..machine import cpu_model as _cpu_model
 from ..machine import load_average
 from ._checks import check_device_and_threads
-from routelab.layers import MoE, MoEConfig, StackedExperts
-from routelab.routing import apply_capacity
 
 __all__ = ["FULL", "QUICK", "BenchConfig", "IMPLEMENTATIONS", "dense_forward", "naive_forward", "run_benchmark"]
 
@@ -653,7 +654,8 @@ def _measure_hf(E: int, k: int, cfg: BenchConfig, device: str) -> HFRow:
     for name in forwards:
         warm[name], y = step(name)
         results[name] = (y.detach().clone(), x.grad.detach().clone())
-    row.max_rel_diff = max(_rel_diff(results["hf"][0], results["moe"][0]), _rel_diff(results["hf"][1], results["moe"][1]))
+    row.max_rel_diff = max(_rel_diff(results["hf"][0], results["moe"][0]),
+                           _rel_diff(results["hf"][1], results["moe"][1]))
     runs = {name: max(1, min(cfg.repeats, int(cfg.budget_s / max(t, 1e-9)))) for name, t in warm.items()}
     times: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(max(runs.values())):

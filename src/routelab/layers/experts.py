@@ -138,7 +138,8 @@ class StackedExperts(nn.Module):
                                  f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}")
         E, two_i, d = gate_up_proj.shape
         if two_i % 2 or two_i == 0 or E == 0 or d == 0:
-            raise ValueError(f"gate_up_proj must have shape [E, 2I, d_model] with I >= 1, got {tuple(gate_up_proj.shape)}")
+            raise ValueError(f"gate_up_proj must have shape [E, 2I, d_model] with I >= 1, got "
+                             f"{tuple(gate_up_proj.shape)}")
         hidden = two_i // 2
         if tuple(down_proj.shape) != (E, d, hidden):
             raise ValueError(f"down_proj must have shape [E={E}, d_model={d}, I={hidden}] to match gate_up_proj "

@@ -9,10 +9,10 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_generator, floating_input
-from ..routing.record import RoutingRecord
 from ..routers import Router
 from ..routes import Routes
 from ..routing import DispatchPlan, apply_capacity, expert_capacity
+from ..routing.record import RoutingRecord
 from .config import MoEConfig
 from .experts import StackedExperts
 
