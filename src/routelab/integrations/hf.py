@@ -24,7 +24,9 @@ weight, and changes only what the two modules compute:
 
 Both modules keep their class's name, parameters, buffers and hooks: the patch swaps their class
 for a subclass (as ``torch.nn.utils.parametrize`` does), so transformers' ``output_router_logits``
-recorder (a hook on the gate class) and its load-balancing loss keep working. The padding mask
+recorder (a hook on the gate class) and its load-balancing loss keep working (that loss is
+transformers' formula on the router logits with the model's top-k, blind to the routelab router's
+decisions; the router's own losses are in ``routelab.aux_loss(model)``). The padding mask
 ``attention_mask [batch, seq]`` of the model's call reaches the gates through a forward pre-hook
 on the patched model.
 """
