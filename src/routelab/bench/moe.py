@@ -35,6 +35,14 @@ Measured per size and implementation, all in the same run:
 * the largest relative difference of ``y`` and of the input gradient between each reference
   and the layer.
 
+A second table, when transformers is installed, compares the layer with **transformers' own
+Mixtral sparse MoE block** (``MixtralSparseMoeBlock`` with the experts implementation transformers
+picks by default) at the same sizes, timed round-robin in the same run: the block with SwiGLU
+experts (``intermediate_size = d_hidden``), dropless, renormalised top-k, and the routelab layer
+computing the same function (``router="topk"`` with ``renormalize=True``, ``capacity_factor=None``,
+experts ``StackedExperts.from_hf_fused`` of the block's weights, the router weight copied); outputs
+and input gradients are checked equal (:func:`_benchmark_hf`).
+
 Entry point: :func:`run_benchmark`; the measuring is :func:`_benchmark`, parameterised by a
 :class:`BenchConfig` (the tests run it on tiny sizes).
 """
@@ -54,11 +62,12 @@ import torch
 from torch import Tensor
 
 import routelab
+from routelab.layers import MoE, MoEConfig, StackedExperts
+from routelab.routing import apply_capacity
+
 from ..machine import cpu_model as _cpu_model
 from ..machine import load_average
 from ._checks import check_device_and_threads
-from routelab.layers import MoE, MoEConfig
-from routelab.routing import apply_capacity
 
 __all__ = ["FULL", "QUICK", "BenchConfig", "IMPLEMENTATIONS", "dense_forward", "naive_forward", "run_benchmark"]
 
@@ -90,6 +99,7 @@ class BenchConfig:
         dense_limit_gib: the dense reference is skipped where its ``[E, tokens, d_hidden]``
             activations (pre-activation and activation, float32) would exceed this many GiB.
         seed: seed of the inputs and of the weights.
+        hf_peer: also compare with transformers' Mixtral sparse block (when transformers is installed).
     """
 
     d_model: int = 512
@@ -102,6 +112,7 @@ class BenchConfig:
     capacity_factor: float = 1.0
     dense_limit_gib: float = 4.0
     seed: int = 0
+    hf_peer: bool = True
 
     def layer(self, num_experts: int, k: int) -> MoEConfig:
         """The measured layer at one size: ``topk`` router, position drop policy, GELU experts with biases."""
@@ -567,6 +578,146 @@ def _notes(rows: Sequence[Row], cfg: BenchConfig, device: str) -> list[str]:
     return lines
 
 
+# ---------------------------------------------------------------------------- transformers' Mixtral block
+
+
+@dataclass
+class HFRow:
+    """The routelab layer against transformers' Mixtral sparse block at one size ``(E, k)``.
+
+    Attributes:
+        experts, k: the size.
+        implementation: transformers' experts implementation in use (its default).
+        ms: median ms of one forward + backward, ``"moe"`` and ``"hf"``.
+        runs: timed calls by implementation.
+        max_rel_diff: ``max(rel. diff of y, rel. diff of dL/dx)`` of the block against the layer.
+    """
+
+    experts: int
+    k: int
+    implementation: str = ""
+    ms: dict[str, float] = field(default_factory=dict)
+    runs: dict[str, int] = field(default_factory=dict)
+    max_rel_diff: float = 0.0
+
+
+def _hf_pair(E: int, k: int, cfg: BenchConfig, device: str) -> tuple[torch.nn.Module, MoE, str]:
+    """transformers' Mixtral sparse block (default experts implementation) and the routelab layer
+    computing the same function (SwiGLU experts from the block's weights, renormalised top-k, dropless)."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralForCausalLM, MixtralSparseMoeBlock
+
+    config = MixtralConfig(hidden_size=cfg.d_model, intermediate_size=cfg.d_hidden, num_local_experts=E,
+                           num_experts_per_tok=k, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
+                           vocab_size=8)
+    # The implementation transformers resolves by default for a Mixtral model (grouped_mm where it
+    # can dispatch, else eager), as from_pretrained would; resolved on a tiny model.
+    probe = MixtralConfig(hidden_size=8, intermediate_size=8, num_local_experts=2, num_experts_per_tok=1,
+                          num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, vocab_size=8)
+    implementation = MixtralForCausalLM(probe).config._experts_implementation
+    config._experts_implementation = implementation
+    torch.manual_seed(cfg.seed)
+    block = MixtralSparseMoeBlock(config)
+    with torch.no_grad():
+        for p in block.parameters():
+            torch.nn.init.normal_(p, std=cfg.d_model ** -0.5)
+    experts = StackedExperts.from_hf_fused(block.experts.gate_up_proj.detach(), block.experts.down_proj.detach())
+    moe = MoE(cfg.d_model, cfg.d_hidden, E, router="topk", k=k, router_kwargs={"renormalize": True},
+              capacity_factor=None, experts=experts)
+    with torch.no_grad():
+        moe.router.proj.weight.copy_(block.gate.weight)
+    return block.to(device).train(), moe.to(device).train(), implementation
+
+
+def _measure_hf(E: int, k: int, cfg: BenchConfig, device: str) -> HFRow:
+    """Time the layer and transformers' block round-robin at one size, after checking they agree."""
+    block, moe, implementation = _hf_pair(E, k, cfg, device)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    x = torch.randn(1, cfg.tokens, cfg.d_model, generator=gen).to(device).requires_grad_(True)
+    grad_out = torch.randn(1, cfg.tokens, cfg.d_model, generator=gen).to(device)
+    forwards: dict[str, Callable[[], Tensor]] = {"moe": lambda: moe(x)[0], "hf": lambda: block(x)}
+    params = list(moe.parameters()) + list(block.parameters())
+    row = HFRow(experts=E, k=k, implementation=implementation)
+
+    def step(name: str) -> tuple[float, Tensor]:
+        x.grad = None
+        for p in params:
+            p.grad = None
+        _sync(device)
+        t0 = time.perf_counter()
+        y = forwards[name]()
+        y.backward(grad_out)
+        _sync(device)
+        return time.perf_counter() - t0, y
+
+    warm, results = {}, {}
+    for name in forwards:
+        warm[name], y = step(name)
+        results[name] = (y.detach().clone(), x.grad.detach().clone())
+    row.max_rel_diff = max(_rel_diff(results["hf"][0], results["moe"][0]),
+                           _rel_diff(results["hf"][1], results["moe"][1]))
+    runs = {name: max(1, min(cfg.repeats, int(cfg.budget_s / max(t, 1e-9)))) for name, t in warm.items()}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(max(runs.values())):
+        for name in runs:
+            if r < runs[name]:
+                times[name].append(step(name)[0])
+    row.ms = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+    row.runs = runs
+    return row
+
+
+HF_TABLE_HEADER = (
+    "| E | k | transformers experts | moe (SwiGLU, dropless) tok/s | Mixtral block tok/s | moe / Mixtral block "
+    "| same outputs |",
+    "|---:|---:|---|---:|---:|---:|:---:|",
+)
+
+
+def render_hf_row(row: HFRow, tokens: int) -> str:
+    """One markdown row of the transformers comparison."""
+    same = "yes" if row.max_rel_diff <= SAME_RTOL else "**no**"
+    cells = [str(row.experts), str(row.k), f"`{row.implementation}`", _tok_s(tokens, row.ms.get("moe")),
+             _tok_s(tokens, row.ms.get("hf")), _ratio(row.ms.get("moe"), row.ms.get("hf")),
+             f"{same} ({row.max_rel_diff:.1e})"]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _benchmark_hf(cfg: BenchConfig, *, device: str = "cpu", out: TextIO | None = None) -> tuple[str, list[HFRow]]:
+    """The layer against transformers' Mixtral sparse block at every ``(E, k)`` of ``cfg``: the
+    markdown section and the rows (a one-line note and no rows when transformers is not installed)."""
+    lines: list[str] = []
+
+    def emit(*new: str) -> None:
+        for line in new:
+            lines.append(line)
+            if out is not None:
+                print(line, file=out, flush=True)
+
+    emit("", "**Against transformers' Mixtral sparse MoE block** (same sizes, same run):", "")
+    try:
+        import transformers
+    except ImportError:
+        emit("- not measured: transformers is not installed (`pip install routelab[hf]`).")
+        return "\n".join(lines) + "\n", []
+    emit(*HF_TABLE_HEADER)
+    rows = []
+    for E in cfg.experts:
+        for k in cfg.ks:
+            row = _measure_hf(E, k, cfg, device)
+            rows.append(row)
+            emit(render_hf_row(row, cfg.tokens))
+    emit("", f"- transformers {transformers.__version__}: `MixtralSparseMoeBlock` (SwiGLU experts, intermediate size "
+         f"{cfg.d_hidden}, no biases; renormalised top-k router; no capacity: dropless) with the experts "
+         "implementation transformers resolves by default for a model (shown per row). The routelab layer computes "
+         "the same function: `MoE(router=\"topk\", k=k, router_kwargs={\"renormalize\": True}, "
+         "capacity_factor=None, experts=StackedExperts.from_hf_fused(gate_up_proj, down_proj))` with the block's "
+         "router weight; same outputs = largest relative difference of y and dL/dx within "
+         f"{SAME_RTOL:g}. One forward + backward of {cfg.tokens} tokens, median of the timed calls after a warm-up, "
+         "timed round-robin; moe / Mixtral block = the block's time over the layer's.")
+    return "\n".join(lines) + "\n", rows
+
+
 # ---------------------------------------------------------------------------- driver
 
 
@@ -644,6 +795,8 @@ def run_benchmark(*, quick: bool = False, threads: int = 1, device: str = "cpu",
         if out is not None:
             print("\n".join(head), file=out, flush=True)
         table, _ = _benchmark(cfg, device=device, out=out)
+        if cfg.hf_peer:
+            table += _benchmark_hf(cfg, device=device, out=out)[0]
         tail = f"\nWall time of the benchmark: {time.perf_counter() - t0:.0f} s.\n"
         if out is not None:
             print(tail, file=out, flush=True)

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .._checks import check_capacity_factor, check_positive_int
 from ..routers import Router, make_router, router_name
 from ..routing import DROP_POLICIES
-from .experts import ACTIVATIONS
+from .experts import resolve_activation
 
 __all__ = ["MoEConfig"]
 
@@ -37,9 +37,15 @@ class MoEConfig:
         router_kwargs: options of the router's constructor (with a router name only).
         drop_policy: one of :data:`routelab.routing.DROP_POLICIES`.
         importance_weighting: combine with ``gate * weight`` instead of ``gate``.
-        activation: expert activation, a name in :data:`routelab.layers.experts.ACTIVATIONS` or a
+        activation: expert activation, a name in :data:`routelab.layers.experts.ACTIVATIONS`, a gated
+            name in :data:`routelab.layers.experts.GATED_ACTIVATIONS` (``"swiglu"``: gated SiLU) or a
             callable.
         bias: expert biases.
+        gated: gated (GLU) :class:`~routelab.layers.StackedExperts` (also implied by a gated name).
+        experts: the user's experts module instead of :class:`~routelab.layers.StackedExperts`
+            (any ``nn.Module`` mapping buffers ``[E, C, d_model] -> [E, C, d_model]``; see
+            :class:`~routelab.layers.MoE`); ``d_hidden``, ``activation``, ``bias`` and ``gated`` then
+            describe nothing the layer builds.
 
     Raises:
         ValueError: naming the field, for a non-positive width or expert count, an unknown
@@ -58,16 +64,17 @@ class MoEConfig:
     importance_weighting: bool = False
     activation: str | Callable[[Tensor], Tensor] = "gelu"
     bias: bool = True
+    gated: bool = False
+    experts: nn.Module | None = None
 
     def __post_init__(self) -> None:
         for name in ("d_model", "d_hidden", "num_experts"):
             check_positive_int(name, getattr(self, name))
-        if isinstance(self.activation, str):
-            if self.activation not in ACTIVATIONS:
-                raise ValueError(f"unknown activation {self.activation!r}; choose one of {', '.join(ACTIVATIONS)} "
-                                 f"or pass a callable")
-        elif not callable(self.activation):
-            raise ValueError(f"activation must be a name or a callable, got {type(self.activation).__name__}")
+        _, gated = resolve_activation(self.activation, self.gated)
+        object.__setattr__(self, "gated", gated)
+        if self.experts is not None and not isinstance(self.experts, nn.Module):
+            raise ValueError(f"experts must be an nn.Module mapping [E, C, d_model] -> [E, C, d_model] (or None for "
+                             f"StackedExperts), got {type(self.experts).__name__}")
         if isinstance(self.router, Router):
             if self.k is not None or self.router_kwargs:
                 raise ValueError("pass k and router_kwargs only with a router name; configure a Router instance "

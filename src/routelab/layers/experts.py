@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from .._checks import check_positive_int, floating_input
 
-__all__ = ["ACTIVATIONS", "StackedExperts"]
+__all__ = ["ACTIVATIONS", "GATED_ACTIVATIONS", "StackedExperts"]
 
 #: Activation functions accepted by name.
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
@@ -21,20 +21,56 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "tanh": torch.tanh,
 }
 
+#: Gated (GLU) experts by name: ``"swiglu"`` is ``gated=True`` with SiLU, and so on.
+GATED_ACTIVATIONS: dict[str, str] = {
+    "swiglu": "silu",
+    "geglu": "gelu",
+    "reglu": "relu",
+}
+
+
+def resolve_activation(activation: str | Callable[[Tensor], Tensor], gated: bool) -> tuple[Callable[[Tensor], Tensor],
+                                                                                             bool]:
+    """``(activation function, gated)`` for an activation name, a gated name or a callable.
+
+    Raises:
+        ValueError: an unknown name or a non-callable, naming ``activation``.
+    """
+    if isinstance(activation, str):
+        if activation in GATED_ACTIVATIONS:
+            return ACTIVATIONS[GATED_ACTIVATIONS[activation]], True
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; choose one of "
+                             f"{', '.join([*ACTIVATIONS, *GATED_ACTIVATIONS])} or pass a callable")
+        return ACTIVATIONS[activation], bool(gated)
+    if callable(activation):
+        return activation, bool(gated)
+    raise ValueError(f"activation must be a name or a callable, got {type(activation).__name__}")
+
 
 class StackedExperts(nn.Module):
-    """``E`` two-layer feed-forward networks ``x -> act(x W1_e + b1_e) W2_e + b2_e``.
+    """``E`` feed-forward networks ``x -> act(x W1_e + b1_e) W2_e + b2_e``, or gated (GLU) ones.
 
     The weights of all experts are stacked (``w1 [E, d_model, d_hidden]``, ``w2 [E, d_hidden,
     d_model]``) so one batched matmul runs every expert on its own buffer of tokens. Each expert
     is initialised like ``nn.Linear`` (uniform in ``±1/sqrt(fan_in)``).
 
+    Gated experts (``gated=True``, or ``activation="swiglu"`` / ``"geglu"`` / ``"reglu"``) have a
+    third stacked weight ``w3 [E, d_model, d_hidden]`` and compute ``y = (act(x W1_e + b1_e) *
+    (x W3_e + b3_e)) W2_e + b2_e`` (Shazeer 2020, "GLU variants"; SwiGLU with SiLU, as the experts
+    of Mixtral, Qwen-MoE and OLMoE). :meth:`from_hf_fused` loads transformers' fused layout.
+
+    This module follows the experts protocol of :class:`~routelab.layers.MoE`: buffers
+    ``[E, C, d_model] -> [E, C, d_model]``.
+
     Args:
         d_model: input and output width.
         d_hidden: hidden width.
         num_experts: ``E``.
-        activation: a name in :data:`ACTIVATIONS` or a callable.
-        bias: whether the two layers have biases.
+        activation: a name in :data:`ACTIVATIONS`, a gated name in :data:`GATED_ACTIVATIONS`, or a
+            callable.
+        bias: whether the layers have biases.
+        gated: gated (GLU) experts with ``activation`` on the gate branch.
     """
 
     def __init__(
@@ -45,35 +81,78 @@ class StackedExperts(nn.Module):
         *,
         activation: str | Callable[[Tensor], Tensor] = "gelu",
         bias: bool = True,
+        gated: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("d_model", d_model), ("d_hidden", d_hidden), ("num_experts", num_experts)):
             check_positive_int(name, value)
-        if isinstance(activation, str):
-            if activation not in ACTIVATIONS:
-                raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)} or pass a callable")
-            self.activation = ACTIVATIONS[activation]
-        elif callable(activation):
-            self.activation = activation
-        else:
-            raise ValueError(f"activation must be a name or a callable, got {type(activation).__name__}")
+        self.activation, self.gated = resolve_activation(activation, gated)
         self.d_model, self.d_hidden, self.num_experts = d_model, d_hidden, num_experts
         factory = {"device": device, "dtype": dtype}
         self.w1 = nn.Parameter(torch.empty(num_experts, d_model, d_hidden, **factory))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_hidden, d_model, **factory))
         self.b1 = nn.Parameter(torch.empty(num_experts, 1, d_hidden, **factory)) if bias else None
         self.b2 = nn.Parameter(torch.empty(num_experts, 1, d_model, **factory)) if bias else None
+        self.w3 = nn.Parameter(torch.empty(num_experts, d_model, d_hidden, **factory)) if self.gated else None
+        self.b3 = nn.Parameter(torch.empty(num_experts, 1, d_hidden, **factory)) if self.gated and bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """``nn.Linear``'s default initialisation, expert by expert."""
-        for w, b, fan_in in ((self.w1, self.b1, self.d_model), (self.w2, self.b2, self.d_hidden)):
+        layers = [(self.w1, self.b1, self.d_model), (self.w2, self.b2, self.d_hidden)]
+        if self.w3 is not None:
+            layers.append((self.w3, self.b3, self.d_model))
+        for w, b, fan_in in layers:
             bound = 1.0 / math.sqrt(fan_in)
             nn.init.uniform_(w, -bound, bound)
             if b is not None:
                 nn.init.uniform_(b, -bound, bound)
+
+    @classmethod
+    def from_hf_fused(cls, gate_up_proj: Tensor, down_proj: Tensor, *, activation: str | Callable[[Tensor], Tensor]
+                      = "silu") -> StackedExperts:
+        """Gated experts with the weights of transformers' fused experts layout (copied).
+
+        transformers (Mixtral, Qwen-MoE, OLMoE, ...) runs expert ``e`` as ``gate, up =
+        (x @ gate_up_proj[e].T).chunk(2)``, ``y = (act(gate) * up) @ down_proj[e].T``; the result
+        computes the same function with ``w1 = gate_up_proj[:, :I].mT``, ``w3 = gate_up_proj[:,
+        I:].mT``, ``w2 = down_proj.mT`` and no biases.
+
+        Args:
+            gate_up_proj: ``[E, 2I, d_model]`` (e.g. ``block.experts.gate_up_proj``).
+            down_proj: ``[E, d_model, I]``.
+            activation: the gate branch's activation (transformers' ``hidden_act``; ``"silu"``).
+
+        Returns:
+            ``StackedExperts(d_model, I, E, activation=activation, bias=False, gated=True)`` on the
+            weights' device and dtype, its parameters new tensors (not views of the inputs).
+
+        Raises:
+            ValueError: tensors that are not of those shapes, naming the argument.
+        """
+        for name, value in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+            if not isinstance(value, Tensor) or value.dim() != 3 or not value.is_floating_point():
+                raise ValueError(f"{name} must be a floating tensor of 3 dimensions, got "
+                                 f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}")
+        E, two_i, d = gate_up_proj.shape
+        if two_i % 2 or two_i == 0 or E == 0 or d == 0:
+            raise ValueError(f"gate_up_proj must have shape [E, 2I, d_model] with I >= 1, got "
+                             f"{tuple(gate_up_proj.shape)}")
+        hidden = two_i // 2
+        if tuple(down_proj.shape) != (E, d, hidden):
+            raise ValueError(f"down_proj must have shape [E={E}, d_model={d}, I={hidden}] to match gate_up_proj "
+                             f"{tuple(gate_up_proj.shape)}, got {tuple(down_proj.shape)}")
+        if isinstance(activation, str) and activation in GATED_ACTIVATIONS:
+            raise ValueError(f"activation is the gate branch's function (e.g. 'silu' for SwiGLU), got {activation!r}")
+        out = cls(d, hidden, E, activation=activation, bias=False, gated=True, device=gate_up_proj.device,
+                  dtype=gate_up_proj.dtype)
+        with torch.no_grad():
+            out.w1.copy_(gate_up_proj[:, :hidden].transpose(1, 2))
+            out.w3.copy_(gate_up_proj[:, hidden:].transpose(1, 2))
+            out.w2.copy_(down_proj.transpose(1, 2).to(out.w2.dtype))
+        return out
 
     def forward(self, buffers: Tensor) -> Tensor:
         """Run expert ``e`` on ``buffers[e]``.
@@ -101,6 +180,8 @@ class StackedExperts(nn.Module):
         else:
             h = torch.bmm(buffers, self.w1)
         h = self.activation(h)
+        if self.w3 is not None:
+            h = h * (torch.baddbmm(self.b3, buffers, self.w3) if self.b3 is not None else torch.bmm(buffers, self.w3))
         if self.b2 is not None:
             return torch.baddbmm(self.b2, h, self.w2)
         return torch.bmm(h, self.w2)
@@ -110,10 +191,14 @@ class StackedExperts(nn.Module):
         h = x @ self.w1[e]
         if self.b1 is not None:
             h = h + self.b1[e, 0]
-        y = self.activation(h) @ self.w2[e]
+        h = self.activation(h)
+        if self.w3 is not None:
+            h = h * (x @ self.w3[e] + (self.b3[e, 0] if self.b3 is not None else 0))
+        y = h @ self.w2[e]
         if self.b2 is not None:
             y = y + self.b2[e, 0]
         return y
 
     def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, d_model={self.d_model}, d_hidden={self.d_hidden}, bias={self.b1 is not None}"
+        return (f"num_experts={self.num_experts}, d_model={self.d_model}, d_hidden={self.d_hidden}, "
+                f"bias={self.b1 is not None}, gated={self.gated}")

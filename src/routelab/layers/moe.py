@@ -12,6 +12,7 @@ from .._checks import check_generator, floating_input
 from ..routers import Router
 from ..routes import Routes
 from ..routing import DispatchPlan, apply_capacity, expert_capacity
+from ..routing.record import RoutingRecord
 from .config import MoEConfig
 from .experts import StackedExperts
 
@@ -20,7 +21,7 @@ __all__ = ["MoE"]
 _SAME = object()  # MoE._build: the router goes where the experts go
 
 
-class MoE(nn.Module):
+class MoE(RoutingRecord, nn.Module):
     """Token-level mixture of feed-forward experts with any routelab router.
 
     ``y_t = sum_s keep[t, s] * c[t, s] * FFN_{expert[t, s]}(x_t)`` with ``c = gate`` (or ``gate *
@@ -37,6 +38,19 @@ class MoE(nn.Module):
 
     Dropped pairs contribute nothing: a token whose every slot is dropped gets a zero output,
     so put the layer in a residual branch (``x + moe(x)[0]``) to carry it.
+
+    The experts protocol: ``experts`` may be any ``nn.Module`` that maps the dispatched buffers
+    ``[E, C, d_model]`` (row ``c`` of ``buffers[e]`` is a token routed to expert ``e``; rows past
+    the expert's load are zeros whose outputs are discarded) to outputs ``[E, C, d_model]``, expert
+    ``e`` acting on ``buffers[e]`` row by row (so dropping or adding padding rows changes no other
+    row). The default is :class:`~routelab.layers.StackedExperts` (``gated=True`` or
+    ``activation="swiglu"`` for SwiGLU experts; :meth:`~routelab.layers.StackedExperts.from_hf_fused`
+    loads transformers' fused expert weights). A module that returns another shape is a ValueError
+    at the call that returns it.
+
+    Every forward records its weighted auxiliary losses and statistics
+    (:class:`routelab.routing.RoutingRecord`): ``routelab.aux_loss(model)`` sums those of every
+    routelab layer of a model, ``routelab.routing_stats(model)`` collects the statistics.
 
     The layer is described by one :class:`~routelab.layers.MoEConfig` (its arguments below, but
     ``generator``, ``device`` and ``dtype``): ``MoE.from_config(config)`` builds it from one and
@@ -57,8 +71,11 @@ class MoE(nn.Module):
             ``"score"``, ``"random"``).
         importance_weighting: combine with ``gate * weight`` (importance weights of stochastic
             routers and the skip correction of eq. 3) instead of ``gate``.
-        activation: expert activation (name or callable).
+        activation: expert activation (name, gated name such as ``"swiglu"``, or callable).
         bias: expert biases.
+        gated: gated (GLU) stacked experts.
+        experts: the experts module (the protocol above) instead of the stacked experts built from
+            ``d_hidden``, ``activation``, ``bias`` and ``gated``.
         generator: randomness of stochastic routers and of ``drop_policy="random"`` (a
             :class:`torch.Generator` or ``None``; anything else is a TypeError).
 
@@ -98,6 +115,8 @@ class MoE(nn.Module):
         importance_weighting: bool = False,
         activation: str | Callable[[Tensor], Tensor] = "gelu",
         bias: bool = True,
+        gated: bool = False,
+        experts: nn.Module | None = None,
         generator: torch.Generator | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -105,7 +124,8 @@ class MoE(nn.Module):
         super().__init__()
         config = MoEConfig(d_model, d_hidden, num_experts, router=router, capacity_factor=capacity_factor, k=k,
                            router_kwargs=router_kwargs, drop_policy=drop_policy,
-                           importance_weighting=importance_weighting, activation=activation, bias=bias)
+                           importance_weighting=importance_weighting, activation=activation, bias=bias, gated=gated,
+                           experts=experts)
         self._build(config, generator=generator, device=device, dtype=dtype)
 
     def _build(self, config: MoEConfig, *, generator: torch.Generator | None,
@@ -113,8 +133,14 @@ class MoE(nn.Module):
                router_device: torch.device | str | None | object = _SAME) -> None:
         """Build the layer's modules from a validated ``config`` (the experts on ``device``, a router
         built by name on ``router_device``, default ``device``)."""
-        self.experts = StackedExperts(config.d_model, config.d_hidden, config.num_experts,
-                                      activation=config.activation, bias=config.bias, device=device, dtype=dtype)
+        if config.experts is not None:
+            self.experts = config.experts
+        else:
+            self.experts = StackedExperts(config.d_model, config.d_hidden, config.num_experts,
+                                          activation=config.activation, bias=config.bias, gated=config.gated,
+                                          device=device, dtype=dtype)
+        self._custom_experts = config.experts is not None
+        self._d_hidden = config.d_hidden
         self.router = config.build_router(device if router_device is _SAME else router_device)
         self.d_model, self.num_experts = config.d_model, config.num_experts
         self.capacity_factor = config.capacity_factor
@@ -139,10 +165,15 @@ class MoE(nn.Module):
     def config(self) -> MoEConfig:
         """The :class:`~routelab.layers.MoEConfig` of the layer as it is now (its router the
         layer's router instance; ``capacity_factor`` and the other options as currently set)."""
+        if self._custom_experts:
+            return MoEConfig(self.d_model, self._d_hidden, self.num_experts, router=self.router,
+                             capacity_factor=self.capacity_factor, drop_policy=self.drop_policy,
+                             importance_weighting=self.importance_weighting, activation=self._activation,
+                             experts=self.experts)
         return MoEConfig(self.d_model, self.experts.d_hidden, self.num_experts, router=self.router,
                          capacity_factor=self.capacity_factor, drop_policy=self.drop_policy,
                          importance_weighting=self.importance_weighting, activation=self._activation,
-                         bias=self.experts.b1 is not None)
+                         bias=self.experts.b1 is not None, gated=self.experts.gated)
 
     def capacity(self, num_tokens: int) -> int:
         """Per-expert capacity for a batch of ``num_tokens`` (``num_tokens`` when dropless)."""
@@ -157,7 +188,7 @@ class MoE(nn.Module):
         Returns:
             ``(y [..., d_model], routes)``; ``routes`` is over the flattened tokens.
         """
-        compute = floating_input(x, "x", self.experts.w1.dtype)  # the experts' dtype
+        compute = floating_input(x, "x", self._experts_dtype(x))
         if x.ndim < 1 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [..., d_model={self.d_model}], got {tuple(x.shape)}")
         lead = x.shape[:-1]
@@ -169,9 +200,22 @@ class MoE(nn.Module):
         combine = routes.gate * routes.weight if self.importance_weighting else routes.gate
         # Also when nothing is kept (capacity 0): the experts then run on empty buffers, and the
         # zero output stays part of the graph (its gradients are zeros, not an autograd error).
-        out = self.experts(plan.dispatch(compute.reshape(-1, self.d_model)))
+        buffers = plan.dispatch(compute.reshape(-1, self.d_model))
+        out = self.experts(buffers)
+        if not isinstance(out, Tensor) or out.shape != buffers.shape:
+            got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+            raise ValueError(f"experts ({type(self.experts).__name__}) must map buffers [E, C, d_model] = "
+                             f"{tuple(buffers.shape)} to the same shape, got {got}")
         y = plan.combine(out, combine).to(x.dtype)
+        self.record_routing(routes.aux, routes.stats)
         return y.reshape(*lead, self.d_model), routes
+
+    def _experts_dtype(self, x: Tensor) -> torch.dtype:
+        """The dtype the experts compute in: their first floating parameter's (else ``x``'s)."""
+        for p in self.experts.parameters():
+            if p.is_floating_point():
+                return p.dtype
+        return x.dtype if isinstance(x, Tensor) and x.is_floating_point() else torch.float32
 
     def plan(self, proposed: Routes, capacity: int) -> tuple[Routes, DispatchPlan]:
         """Enforce capacity on a router's proposal and plan the dispatch.

@@ -59,6 +59,13 @@ def _require_initialized() -> None:
         )
 
 
+def _check_shardable(config: MoEConfig) -> None:
+    """ValueError for layer options :class:`ExpertParallelMoE` cannot shard (gated or the user's experts)."""
+    if config.experts is not None or config.gated:
+        raise ValueError("ExpertParallelMoE shards plain StackedExperts: it does not take gated=True (or a gated "
+                         "activation) or experts=; use the single-process MoE for those")
+
+
 class ExpertParallelMoE(MoE):
     """:class:`~routelab.layers.MoE` with its experts sharded over a process group.
 
@@ -99,6 +106,8 @@ class ExpertParallelMoE(MoE):
         process_group: the group the experts are sharded over (``None``: the default group).
         router, capacity_factor, k, router_kwargs, drop_policy, importance_weighting,
             activation, bias, generator, device, dtype: as :class:`~routelab.layers.MoE`.
+        gated, experts: not supported (the layer shards plain stacked experts): a ValueError unless
+            ``False`` / ``None``.
         seed: base seed of the experts' initialisation; expert ``e`` is initialised from
             ``seed + e``, so the weights do not depend on the world size. ``None``: drawn on
             rank 0 from torch's global generator and broadcast.
@@ -134,6 +143,8 @@ class ExpertParallelMoE(MoE):
         importance_weighting: bool = False,
         activation: str | Callable[[Tensor], Tensor] = "gelu",
         bias: bool = True,
+        gated: bool = False,
+        experts: nn.Module | None = None,
         generator: torch.Generator | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -152,7 +163,9 @@ class ExpertParallelMoE(MoE):
             )
         config = MoEConfig(d_model, d_hidden, num_experts, router=router, capacity_factor=capacity_factor, k=k,
                            router_kwargs=router_kwargs, drop_policy=drop_policy,
-                           importance_weighting=importance_weighting, activation=activation, bias=bias)
+                           importance_weighting=importance_weighting, activation=activation, bias=bias, gated=gated,
+                           experts=experts)
+        _check_shardable(config)
         # The full expert stack is built on the meta device (no memory) and replaced by this
         # rank's slice: only E / world experts are ever materialised. A router built by name is
         # built on the real device.
@@ -191,6 +204,7 @@ class ExpertParallelMoE(MoE):
         if moe.router.generator is not None:
             memo[id(moe.router.generator)] = moe.router.generator
         router = copy.deepcopy(moe.router, memo)
+        _check_shardable(moe.config)
         ex = moe.experts
         param = ex.w1
         out = cls(**moe.config.replace(router=router).layer_kwargs(), process_group=process_group,
@@ -375,6 +389,7 @@ class ExpertParallelMoE(MoE):
         index_of_row[send_rows] = torch.arange(send_rows.numel(), device=dev)
         returned = DispatchPlan.from_rows(index_of_row[plan.row_of_slot[lo:lo + n].to(dev)], 1, send_rows.numel())
         y = returned.combine(back.view(1, send_rows.numel(), back.shape[-1]), combine[lo:lo + n]).to(x.dtype)
+        self.record_routing(local_routes.aux, local_routes.stats)
         return y.reshape(*lead, d), local_routes
 
     def extra_repr(self) -> str:

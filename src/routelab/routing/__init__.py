@@ -1,6 +1,8 @@
 """From router scores to expert buffers: the routing rules (pure functions, scores to
 :class:`~routelab.Routes`), capacity (who is dropped), the skip correction of eq. 3, the random
-drop rule, the auxiliary losses (the Switch balance loss once for all), and dispatch/combine."""
+drop rule, the auxiliary losses (the Switch balance loss once for all), dispatch/combine, the
+load statistics of a decision, and the record of each routing module's last forward (``aux_loss``,
+``routing_stats``)."""
 
 from routelab.routing.capacity import (
     DROP_POLICIES,
@@ -15,6 +17,7 @@ from routelab.routing.capacity import (
 )
 from routelab.routing.dispatch import DispatchPlan
 from routelab.routing.losses import switch_balance
+from routelab.routing.record import RoutingRecord, aux_loss, routing_stats
 from routelab.routing.rules import (
     balanced_routes,
     batchwise_routes,
@@ -23,20 +26,25 @@ from routelab.routing.rules import (
     softmax_routes,
     topk_routes,
 )
+from routelab.routing.stats import load_stats
 
 __all__ = [
     "DROP_POLICIES",
     "CapacityDecision",
     "DispatchPlan",
+    "RoutingRecord",
     "apply_capacity",
+    "aux_loss",
     "balanced_routes",
     "batchwise_routes",
     "check_capacity",
     "check_capacity_factor",
     "expert_capacity",
+    "load_stats",
     "noisy_topk_routes",
     "random_ranks",
     "random_skip",
+    "routing_stats",
     "sinkhorn_routes",
     "skip_correction",
     "softmax_routes",

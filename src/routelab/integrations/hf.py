@@ -1,0 +1,391 @@
+"""routelab routers inside Hugging Face transformers' sparse MoE blocks: :func:`patch_moe`.
+
+transformers (5.x) builds the sparse MoE block of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, MiniMax and others
+from two modules, called by the block's own ``forward``::
+
+    router_logits, routing_weights, selected_experts = block.gate(hidden_states)   # [n, E], [n, k], [n, k]
+    out = block.experts(hidden_states, selected_experts, routing_weights)          # [n, d]
+
+with ``gate.weight [E, d]`` the router's only parameter (``router_logits = hidden_states @
+weight.T``) and ``experts`` fused SwiGLU experts (``gate_up_proj [E, 2I, d]``, ``down_proj [E, d,
+I]``) that skip the index ``E`` (transformers' sentinel for "no expert"). :func:`patch_moe` keeps
+the block, its ``forward`` (shared experts, jitter noise and all), its experts and its router
+weight, and changes only what the two modules compute:
+
+* the gate scores with a routelab :class:`~routelab.routers.Router` whose ``proj.weight`` *is*
+  the gate's ``weight`` (one parameter, so the optimiser state stays meaningful), enforces the
+  capacity (:func:`routelab.routing.apply_capacity`) and answers in transformers' contract:
+  ``(router_logits [n, E], weights [n, S], experts [n, S])`` with the sentinel ``E`` and weight 0
+  in every slot the router did not propose or the capacity dropped (``S`` = the router's slots);
+* the experts receive only the kept (token, expert) pairs: when a slot holds the sentinel they run
+  on the gathered pairs ``[P, d]`` (one expert each) and the outputs are added back per token, so
+  the expert compute is proportional to the routed pairs for every router (batchwise gating's
+  ``E`` slots per token, most of them empty, never reach the experts).
+
+Both modules keep their class's name, parameters, buffers and hooks: the patch swaps their class
+for a subclass (as ``torch.nn.utils.parametrize`` does), so transformers' ``output_router_logits``
+recorder (a hook on the gate class) and its load-balancing loss keep working (that loss is
+transformers' formula on the router logits with the model's top-k, blind to the routelab router's
+decisions; the router's own losses are in ``routelab.aux_loss(model)``). The padding mask
+``attention_mask [batch, seq]`` of the model's call reaches the gates through a forward pre-hook
+on the patched model.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .._checks import check_capacity_factor, check_generator, check_positive_int
+from ..routers import ROUTERS, Router, make_router, router_name
+from ..routing import DROP_POLICIES, RoutingRecord, apply_capacity, expert_capacity, load_stats
+
+__all__ = ["RoutedExperts", "RoutedGate", "patch_moe", "sparse_moe_blocks"]
+
+RouterFactory = Callable[[int, int, int], Router]
+
+
+class _AttentionMask:
+    """The ``attention_mask`` of the patched model's current call, shared by its patched gates.
+
+    It is set by a forward pre-hook on every call of the model (``None`` when the call has none)
+    and kept until the next call, so that activation checkpointing, which recomputes the blocks
+    during the backward pass, routes the recomputation under the same mask.
+    """
+
+    def __init__(self) -> None:
+        self.value: Tensor | None = None
+        self._signature: inspect.Signature | None = None
+
+    def hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        mask = kwargs.get("attention_mask")
+        if mask is None and args:  # passed by position: bind the call to the model's signature
+            if self._signature is None:
+                self._signature = inspect.signature(module.forward)
+            try:
+                mask = self._signature.bind_partial(*args, **kwargs).arguments.get("attention_mask")
+            except TypeError:
+                mask = None
+        self.value = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
+
+    def tokens(self, num_tokens: int) -> Tensor | None:
+        """``BoolTensor [num_tokens]`` (the block's flattened ``[batch * seq]`` tokens; True = real), or None.
+
+        The model's mask is ``[batch, past + seq]``; the block sees the last ``seq`` positions.
+        """
+        mask = self.value
+        if mask is None or num_tokens == 0:
+            return None
+        batch, total = mask.shape
+        if num_tokens % batch or num_tokens // batch > total:
+            warnings.warn(f"attention_mask of shape {tuple(mask.shape)} does not describe the {num_tokens} tokens "
+                          f"of a patched MoE block; routing them without a token mask", stacklevel=3)
+            return None
+        return mask[:, total - num_tokens // batch:].reshape(-1).bool()
+
+
+def _accepts_mask(router: Router) -> bool:
+    """Whether ``router.forward`` takes a ``mask=`` keyword (the token-mask interface of the routers)."""
+    try:
+        params = inspect.signature(router.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "mask" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+class RoutedGate(RoutingRecord):
+    """The routing of a patched transformers gate (mixed into the gate's own class by :func:`patch_moe`).
+
+    Attributes (set by :func:`patch_moe`):
+        router: the routelab router; ``router.proj.weight`` is the gate's ``weight``.
+        capacity_factor, eval_capacity_factor: capacity in training and in ``eval()`` (``None``:
+            dropless).
+        drop_policy: the capacity's drop policy.
+        importance_weighting: combine with ``gate * weight`` (the router's importance weight
+            times the skip correction ``n_z / min(n_z, C)`` of Kool et al. eq. 3) instead of ``gate``.
+        aux_coef: multiplies the router's (already weighted) auxiliary losses in the record.
+    """
+
+    router: Router
+    capacity_factor: float | None
+    eval_capacity_factor: float | None
+    drop_policy: str
+    importance_weighting: bool
+    aux_coef: float
+    _routelab_mask: _AttentionMask
+    _routelab_takes_mask: bool
+    _routelab_generator: torch.Generator | None
+
+    def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Route ``hidden_states [..., d]`` (flattened to ``[n, d]``) with the routelab router.
+
+        Returns:
+            transformers' router contract: ``router_logits [n, E]`` (float32), combine weights
+            ``[n, S]`` (float32, 0 where not routed) and experts ``[n, S]`` (``E`` where not routed).
+        """
+        router = self.router
+        E = router.num_experts
+        x = hidden_states.reshape(-1, router.d_model)
+        n = x.shape[0]
+        mask = self._routelab_mask.tokens(n)
+        factor = self.capacity_factor if self.training else self.eval_capacity_factor
+        capacity = expert_capacity(n, E, router.slots, factor)
+        if mask is not None and self._routelab_takes_mask:
+            proposed = router(x, capacity, mask=mask)
+        else:
+            proposed = router(x, capacity)
+        candidate = proposed.keep if mask is None else proposed.keep & mask.unsqueeze(-1)
+        decision = apply_capacity(proposed.expert, candidate, capacity, E, policy=self.drop_policy,
+                                  score=proposed.gate, generator=self._routelab_generator)
+        keep = decision.keep
+        combine = proposed.gate.float()
+        if self.importance_weighting:
+            combine = combine * (proposed.weight * decision.skip_weight.to(proposed.weight.dtype)).float()
+        weights = torch.where(keep, combine, torch.zeros((), dtype=combine.dtype, device=combine.device))
+        experts = torch.where(keep, proposed.expert, torch.full_like(proposed.expert, E))
+        aux = {name: value * self.aux_coef for name, value in proposed.aux.items()}
+        self.record_routing(aux, {**proposed.stats, **load_stats(candidate, decision, capacity)})
+        # transformers' load-balancing loss (output_router_logits) reads the router logits; one more
+        # [n, d] x [d, E] product, small next to the experts' [n k, d] x [d, 2I] ones.
+        return router.logits(x), weights, experts
+
+
+class RoutedExperts:
+    """Fused transformers experts that run only on kept pairs (mixed into their class by :func:`patch_moe`).
+
+    ``forward(hidden_states [n, d], top_k_index [n, S], top_k_weights [n, S]) -> [n, d]``: when
+    every slot holds an expert, the experts' own forward runs unchanged; otherwise it runs on the
+    ``P`` kept pairs (``hidden_states[token]``, one expert each) and the outputs are summed per
+    token, so the compute is proportional to ``P`` whatever implementation the experts use.
+    """
+
+    _routelab_num_experts: int
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        E = self._routelab_num_experts
+        routed = (top_k_index >= 0) & (top_k_index < E)
+        if bool(routed.all()):
+            return super().forward(hidden_states, top_k_index, top_k_weights)  # type: ignore[misc]
+        token, slot = routed.nonzero(as_tuple=True)
+        if token.numel() == 0:  # nothing routed (e.g. a batch of padding): no expert runs
+            return hidden_states.new_zeros(hidden_states.shape)
+        out = super().forward(hidden_states[token], top_k_index[token, slot].unsqueeze(-1),  # type: ignore[misc]
+                              top_k_weights[token, slot].unsqueeze(-1))
+        return hidden_states.new_zeros(hidden_states.shape).index_add(0, token, out.to(hidden_states.dtype))
+
+
+_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
+def _swap_class(module: nn.Module, mixin: type) -> None:
+    """Make ``module`` an instance of ``(mixin, type(module))``, named after its class (as parametrize does)."""
+    base = type(module)
+    cls = _SUBCLASSES.get((base, mixin))
+    if cls is None:
+        cls = type(base.__name__, (mixin, base), {"__module__": __name__, "__qualname__": base.__qualname__})
+        _SUBCLASSES[(base, mixin)] = cls
+    module.__class__ = cls
+
+
+def _block_problem(block: nn.Module) -> str | None:
+    """Why ``block`` (a module with ``gate`` and ``experts`` children) does not fit the contract, or None."""
+    gate, experts = block.gate, block.experts
+    if isinstance(gate, RoutedGate):
+        return "it is already patched by routelab"
+    params = dict(gate.named_parameters())
+    weight = params.get("weight")
+    if weight is None or weight.dim() != 2:
+        return f"its gate ({type(gate).__name__}) has no [num_experts, hidden] parameter 'weight'"
+    if set(params) != {"weight"} or any(True for _ in gate.buffers()):
+        extra = sorted(set(params) - {"weight"}) + [name for name, _ in gate.named_buffers()]
+        return (f"its gate ({type(gate).__name__}) scores with more than x @ weight.T (it also has {extra}); "
+                f"routelab would change its routing")
+    E = weight.shape[0]
+    num = getattr(experts, "num_experts", None)
+    if num is None:
+        gate_up = getattr(experts, "gate_up_proj", None)
+        num = gate_up.shape[0] if isinstance(gate_up, Tensor) else None
+    if num != E:
+        return (f"its experts ({type(experts).__name__}) do not say they hold num_experts={E} fused experts "
+                f"(no num_experts attribute or gate_up_proj [E, 2I, d])")
+    return None
+
+
+def sparse_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The ``(name, block)`` pairs of ``model`` that have a ``gate`` and an ``experts`` child module.
+
+    Args:
+        model: any module.
+
+    Returns:
+        Every candidate block in module order, whether or not it fits :func:`patch_moe`'s contract.
+    """
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(getattr(module, "gate", None), nn.Module)
+            and isinstance(getattr(module, "experts", None), nn.Module)]
+
+
+def _model_norm_topk(gate: nn.Module, model: nn.Module) -> bool:
+    """The model's top-k normalisation: the gate's (or config's) ``norm_topk_prob``; Mixtral always normalises."""
+    value = getattr(gate, "norm_topk_prob", None)
+    if value is None:
+        value = getattr(getattr(model, "config", None), "norm_topk_prob", None)
+    return True if value is None else bool(value)
+
+
+def _build_router(router: str | RouterFactory, d_model: int, num_experts: int, k: int, k_given: bool,
+                  renormalize: bool, router_kwargs: dict[str, Any]) -> Router:
+    """One router for one block: by name (the model's ``k`` where the router takes one) or from a factory."""
+    if isinstance(router, str):
+        name = router_name(router)
+        kwargs = dict(router_kwargs)
+        if "renormalize" in inspect.signature(ROUTERS[name].__init__).parameters:
+            kwargs.setdefault("renormalize", renormalize)
+        try:
+            return make_router(name, d_model, num_experts, k=k, **kwargs)
+        except ValueError as error:
+            if k_given or "k=" not in str(error):
+                raise
+            # The router cannot take the model's k (e.g. one expert per token): its own k, said aloud.
+            built = make_router(name, d_model, num_experts, **kwargs)
+            warnings.warn(f"router {name!r} cannot route to the model's k={k} experts per token ({error}); "
+                          f"it routes each token to {built.slots}", stacklevel=3)
+            return built
+    if isinstance(router, Router):
+        raise ValueError("router must be a router name or a factory (d_model, num_experts, k) -> Router: every "
+                         "MoE block needs its own router, so a single Router instance cannot be shared")
+    if not callable(router):
+        raise ValueError(f"router must be a router name ({', '.join(ROUTERS)}) or a factory "
+                         f"(d_model, num_experts, k) -> Router, got {type(router).__name__}")
+    if router_kwargs:
+        raise ValueError("router_kwargs go with a router name; configure the routers your factory builds directly")
+    built = router(d_model, num_experts, k)
+    if not isinstance(built, Router):
+        raise ValueError(f"the router factory must return a routelab.routers.Router, got {type(built).__name__}")
+    if built.d_model != d_model or built.num_experts != num_experts:
+        raise ValueError(f"the router factory built a router for d_model={built.d_model}, num_experts="
+                         f"{built.num_experts}; the block has d_model={d_model}, num_experts={num_experts}")
+    return built
+
+
+def patch_moe(
+    model: nn.Module,
+    router: str | RouterFactory = "topk",
+    *,
+    k: int | None = None,
+    capacity_factor: float | None = None,
+    eval_capacity_factor: float | None = None,
+    drop_policy: str = "position",
+    importance_weighting: bool = False,
+    renormalize: bool | None = None,
+    router_kwargs: dict[str, Any] | None = None,
+    aux_coef: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> list[nn.Module]:
+    """Route every sparse MoE block of a transformers model with a routelab router.
+
+    Keeps the model's experts, router weight and block code; see the module docstring for how.
+    With ``router="topk"`` and the defaults the patched model computes what the unpatched one does
+    (the model's ``k``, its top-k normalisation, dropless). Train with ``loss + routelab.aux_loss(model)``
+    (the routers' own auxiliary losses) and/or transformers' ``output_router_logits=True``
+    load-balancing loss, which keeps working; ``routelab.routing_stats(model)`` gives the load.
+
+    Args:
+        model: a transformers model (or any module) whose sparse MoE blocks have a ``gate`` child
+            with one parameter ``weight [E, d]`` returning ``(router_logits, routing_weights,
+            selected_experts)`` and an ``experts`` child with ``num_experts == E`` called as
+            ``experts(hidden_states, selected_experts, routing_weights)``.
+        router: a name of :data:`routelab.routers.ROUTERS` (``"topk"``, ``"noisy_topk"``,
+            ``"softmax"``, ``"batchwise"``, ``"base"``, ``"sinkhorn"``, ``"gumbel_matching"``,
+            ``"switch"``) or a factory ``(d_model, num_experts, k) -> Router`` called once per block.
+        k: experts per token; default the model's (``gate.top_k``). A router that cannot route
+            to the model's default k (``base``, ``gumbel_matching``: one expert per token)
+            keeps its own, with a warning; an explicit ``k`` it cannot take is a ValueError.
+        capacity_factor: capacity in training, ``C = ceil(factor * tokens * k / E)``; ``None``
+            (default, as transformers): dropless.
+        eval_capacity_factor: the same in ``eval()``; ``None`` (default): dropless.
+        drop_policy: which pairs the capacity drops, one of :data:`routelab.routing.DROP_POLICIES`.
+        importance_weighting: combine with ``gate * weight`` (importance weights, eq. 3 skip
+            correction) instead of ``gate``.
+        renormalize: for routers with that option (``topk``, ``sinkhorn``): combine weights summing
+            to 1 over the chosen experts; default the model's ``norm_topk_prob`` (Mixtral: True).
+        router_kwargs: other options of the router's constructor (e.g. ``balance_coef``).
+        aux_coef: multiplies the routers' weighted auxiliary losses seen by ``routelab.aux_loss``.
+        generator: randomness of stochastic routers and of ``drop_policy="random"``.
+
+    Returns:
+        The patched blocks, in module order. Their ``gate.router`` is the routelab router.
+
+    Raises:
+        ValueError: naming the argument: no sparse MoE block in ``model``, a candidate block that
+            does not fit the contract (or is already patched), an unknown router, ``k`` not in
+            ``[1, E]``, a bad capacity factor, drop policy or ``aux_coef``.
+        TypeError: ``model`` is not an ``nn.Module``, ``generator`` not a ``torch.Generator``.
+
+    Note:
+        The patched gate's ``weight`` also appears in ``state_dict()`` as ``gate.router.proj.weight``
+        (the same tensor): load transformers checkpoints before patching. A patched model cannot be
+        pickled whole (``torch.save(model)``); save its ``state_dict()``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(router, str):
+        router_name(router)  # unknown names fail before anything is patched
+    check_capacity_factor(capacity_factor)
+    try:
+        check_capacity_factor(eval_capacity_factor)
+    except ValueError as error:
+        raise ValueError(str(error).replace("capacity_factor", "eval_capacity_factor", 1)) from None
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"drop_policy must be one of {', '.join(DROP_POLICIES)}, got {drop_policy!r}")
+    check_generator(generator)
+    if not (isinstance(aux_coef, (int, float)) and aux_coef >= 0 and aux_coef == aux_coef):
+        raise ValueError(f"aux_coef must be a number >= 0 (0 disables routelab's aux losses), got {aux_coef!r}")
+    if router_kwargs is not None and not isinstance(router_kwargs, dict):
+        raise ValueError(f"router_kwargs must be a dict of router options, got {type(router_kwargs).__name__}")
+    candidates = sparse_moe_blocks(model)
+    problems = [(name, _block_problem(block)) for name, block in candidates]
+    bad = [(name, why) for name, why in problems if why is not None]
+    if bad:
+        listing = "; ".join(f"{name or '<model>'}: {why}" for name, why in bad[:3])
+        raise ValueError(f"patch_moe cannot patch {len(bad)} of the {len(candidates)} sparse MoE blocks ({listing})")
+    if not candidates:
+        raise ValueError(f"model ({type(model).__name__}) has no sparse MoE block: patch_moe looks for modules with a "
+                         f"'gate' (router, weight [E, d]) and an 'experts' (fused experts) child")
+    plans = []
+    for name, block in candidates:
+        gate = block.gate
+        E, d = gate.weight.shape
+        model_k = getattr(gate, "top_k", None)
+        if model_k is None:
+            model_k = getattr(getattr(model, "config", None), "num_experts_per_tok", 1)
+        use_k = model_k if k is None else k
+        check_positive_int("k", use_k, upper=E, upper_name=f"num_experts of block {name!r}")
+        norm = _model_norm_topk(gate, model) if renormalize is None else bool(renormalize)
+        built = _build_router(router, d, E, use_k, k is not None, norm, dict(router_kwargs or {}))
+        plans.append((block, built))
+    mask = _AttentionMask()
+    for block, built in plans:  # every router built: now patch (nothing is half-patched on an error)
+        gate, experts = block.gate, block.experts
+        built = built.to(device=gate.weight.device)
+        built.proj.weight = gate.weight  # shared: one parameter, one optimiser state
+        if generator is not None:
+            built.generator = generator
+        built.train(gate.training)
+        _swap_class(gate, RoutedGate)
+        gate.router = built
+        gate.capacity_factor, gate.eval_capacity_factor = capacity_factor, eval_capacity_factor
+        gate.drop_policy, gate.importance_weighting = drop_policy, bool(importance_weighting)
+        gate.aux_coef = float(aux_coef)
+        object.__setattr__(gate, "_routelab_mask", mask)
+        object.__setattr__(gate, "_routelab_generator", generator)
+        object.__setattr__(gate, "_routelab_takes_mask", _accepts_mask(built))
+        _swap_class(experts, RoutedExperts)
+        object.__setattr__(experts, "_routelab_num_experts", gate.weight.shape[0])
+    model.register_forward_pre_hook(mask.hook, with_kwargs=True)
+    return [block for block, _ in plans]

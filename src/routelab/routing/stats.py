@@ -1,0 +1,38 @@
+"""Routing statistics of one batch after capacity: load per expert, dropped fraction, load CV."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .capacity import CapacityDecision
+
+__all__ = ["load_stats"]
+
+
+def load_stats(proposed: Tensor, decision: CapacityDecision, capacity: int) -> dict[str, Tensor]:
+    """The statistics of a routing decision after :func:`~routelab.routing.apply_capacity`.
+
+    Args:
+        proposed: ``BoolTensor [tokens, slots]``, the pairs the router proposed (its ``keep``).
+        decision: the capacity decision on those pairs.
+        capacity: the capacity it was taken under (the buffer rows per expert).
+
+    Returns:
+        ``tokens_per_expert [E]`` (kept pairs per expert), ``load_cv`` (their coefficient of
+        variation, ``std / mean``; 0 with one expert), ``dropped_fraction`` (of the proposed
+        pairs, dropped by capacity), ``tokens_dropped`` (fraction of tokens left with no expert),
+        ``capacity``; all tensors on the decision's device but ``capacity``.
+    """
+    kept = decision.kept.to(torch.float32)
+    n = proposed.shape[0]
+    proposed_pairs = proposed.sum()
+    keep = decision.keep
+    single = kept.numel() <= 1
+    return {
+        "tokens_per_expert": decision.kept,
+        "load_cv": kept.new_zeros(()) if single else kept.std(unbiased=False) / kept.mean().clamp(min=1e-12),
+        "dropped_fraction": (proposed_pairs - keep.sum()) / proposed_pairs.clamp(min=1),
+        "tokens_dropped": (~keep.any(-1)).float().mean() if n else kept.new_zeros(()),
+        "capacity": torch.tensor(capacity),
+    }

@@ -1,0 +1,359 @@
+"""routelab.integrations.hf.patch_moe on tiny random-init transformers MoE models.
+
+Independent truths: the unpatched model (logits, generated tokens, transformers' own
+load-balancing loss), the routes' own statistics, the model without activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import routelab
+from routelab.integrations.hf import RoutedExperts, RoutedGate, patch_moe, sparse_moe_blocks
+from routelab.routers import TopKRouter
+
+tf = pytest.importorskip("transformers")
+
+VOCAB = 64
+
+
+def _common(**kw):
+    return dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=64, **kw)
+
+
+#: Tiny configs of the families whose sparse block follows the gate/experts contract.
+FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                       num_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe_norm": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                       dict(intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(intermediate_size=48, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                       head_dim=8)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(intermediate_size=24, num_experts=4, num_experts_per_tok=2)),
+    "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM",
+                dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, head_dim=8)),
+}
+
+
+def tiny(family: str = "mixtral", seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny random-init model whose router weights are large enough to make routing non-trivial."""
+    config_name, model_name, kw = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = getattr(tf, model_name)(getattr(tf, config_name)(**_common(**{**kw, **overrides})))
+    with torch.no_grad():
+        for _, block in sparse_moe_blocks(model):
+            block.gate.weight.normal_()
+    return model
+
+
+def ids(batch: int = 2, seq: int = 8, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _patch(model, router="topk", **options):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # routers that keep their own k say so
+        return patch_moe(model, router, **options)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_topk_defaults_reproduce_the_unpatched_model(family):
+    model = tiny(family)
+    x = ids()
+    reference = {}
+    for mode in ("train", "eval"):
+        getattr(model, mode)()
+        reference[mode] = model(x).logits.detach()
+    blocks = patch_moe(model, "topk")
+    assert len(blocks) == 2 and all(isinstance(b.gate, RoutedGate) for b in blocks)
+    for mode in ("train", "eval"):
+        getattr(model, mode)()
+        out = model(x).logits.detach()
+        assert (out - reference[mode]).abs().max() <= 1e-5, (family, mode)
+
+
+def test_patched_blocks_keep_the_models_parameters_and_share_the_router_weight():
+    model = tiny()
+    before = {name: p for name, p in model.named_parameters()}
+    blocks = patch_moe(model, "noisy_topk")
+    after = dict(model.named_parameters())
+    for name, p in before.items():
+        assert after[name] is p  # same Parameter objects: experts and router weight kept
+    for block in blocks:
+        assert block.gate.router.proj.weight is block.gate.weight
+        assert type(block.gate).__name__ == "MixtralTopKRouter"
+    extra = set(after) - set(before)
+    assert extra and all(".gate.router.noise." in name for name in extra)  # noisy top-k's own W_noise
+
+
+def test_generate_matches_the_unpatched_model():
+    model = tiny().eval()
+    x = ids(2, 5)
+    mask = torch.ones_like(x)
+    expected = model.generate(x, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    patch_moe(model, "topk")
+    got = model.generate(x, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, expected)
+
+
+def test_output_router_logits_loss_equals_the_unpatched_model():
+    model = tiny().train()
+    x = ids()
+    ref = model(x, labels=x, output_router_logits=True)
+    patch_moe(model, "topk")
+    out = model(x, labels=x, output_router_logits=True)
+    assert torch.isfinite(out.loss) and torch.isfinite(out.aux_loss)
+    assert len(out.router_logits) == len(ref.router_logits) == 2
+    assert abs(float(out.aux_loss.detach()) - float(ref.aux_loss.detach())) <= 1e-5
+    assert abs(float(out.loss.detach()) - float(ref.loss.detach())) <= 1e-5
+
+
+ROUTERS = ["topk", "switch", "noisy_topk", "softmax", "batchwise", "base", "sinkhorn", "gumbel_matching"]
+
+
+def _spy_experts(monkeypatch, model) -> list[torch.Tensor]:
+    """Record the expert index tensor of every call of the model's experts' own implementation."""
+    seen: list[torch.Tensor] = []
+    mro = type(sparse_moe_blocks(model)[0][1].experts).__mro__
+    cls = mro[mro.index(RoutedExperts) + 1]  # transformers' experts class, under routelab's subclass
+    original = cls.forward
+
+    def spy(self, hidden_states, top_k_index, top_k_weights):
+        assert hidden_states.shape[0] == top_k_index.shape[0] == top_k_weights.shape[0]
+        seen.append(top_k_index.detach().clone())
+        return original(self, hidden_states, top_k_index, top_k_weights)
+
+    monkeypatch.setattr(cls, "forward", spy)
+    return seen
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+def test_every_router_trains_and_the_experts_see_only_routed_pairs(router, monkeypatch):
+    model = tiny().train()
+    E = 4
+    options = {"k": 1} if router == "switch" else {}
+    blocks = _patch(model, router, generator=torch.Generator().manual_seed(0), **options)
+    seen = _spy_experts(monkeypatch, model)  # after patching: the spy sits under the routelab subclass
+    x = ids()
+    out = model(x, labels=x)
+    loss = out.loss + routelab.aux_loss(model)
+    loss.backward()
+    assert torch.isfinite(loss)
+    for block in blocks:
+        grad = block.gate.weight.grad
+        assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, router
+    stats = routelab.routing_stats(model)
+    assert len(stats) == 2 and len(seen) == 2
+    for index, layer in zip(seen, stats.values(), strict=True):
+        # Every pair handed to the experts is a routed one (no sentinel, no zero-weight padding slot)
+        # and there are exactly as many as the routing kept.
+        assert bool((index >= 0).all() and (index < E).all()), router
+        assert index.numel() == int(layer["tokens_per_expert"].sum()), router
+        assert torch.equal(torch.bincount(index.reshape(-1), minlength=E), layer["tokens_per_expert"]), router
+    if router == "batchwise":  # E slots per token in routelab, k * n pairs at the experts
+        assert seen[0].numel() == 2 * x.numel()
+    hf_aux = model(x, labels=x, output_router_logits=True).aux_loss  # transformers' loss on routelab's logits
+    assert torch.isfinite(hf_aux) and float(hf_aux.detach()) > 0
+    model.eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(x).logits).all()
+        gen = model.generate(x[:, :4], attention_mask=torch.ones_like(x[:, :4]), max_new_tokens=2, do_sample=False,
+                             pad_token_id=0)
+    assert gen.shape == (2, 6)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
+def test_compaction_works_with_every_experts_implementation(implementation):
+    model = tiny().train()
+    try:
+        model.set_experts_implementation(implementation)
+    except (ValueError, ImportError) as error:  # pragma: no cover - depends on the torch build
+        pytest.skip(f"{implementation} unavailable: {error}")
+    reference = copy.deepcopy(model)
+    reference.set_experts_implementation("eager")
+    x = ids()
+    patch_moe(model, "topk", capacity_factor=0.5)
+    patch_moe(reference, "topk", capacity_factor=0.5)
+    got, expected = model(x).logits, reference(x).logits
+    stats = routelab.routing_stats(model)
+    assert any(float(s["dropped_fraction"]) > 0 for s in stats.values())  # the compacted path ran
+    assert (got - expected).abs().max() <= 1e-5
+
+
+def test_capacity_drops_pairs_and_eval_capacity_is_separate():
+    model = tiny().train()
+    patch_moe(model, "topk", capacity_factor=0.5, eval_capacity_factor=None)
+    x = ids(2, 8)
+    model(x)
+    for layer in routelab.routing_stats(model).values():
+        assert int(layer["capacity"]) == 4  # ceil(0.5 * 16 * 2 / 4)
+        assert int(layer["tokens_per_expert"].max()) <= 4
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    for layer in routelab.routing_stats(model).values():
+        assert int(layer["capacity"]) == 16 and float(layer["dropped_fraction"]) == 0.0
+        assert int(layer["tokens_per_expert"].sum()) == 32
+
+
+def test_padding_takes_no_capacity_and_gets_no_expert_output():
+    model = tiny().eval()
+    blocks = patch_moe(model, "topk")
+    x = ids(2, 8)
+    mask = torch.ones_like(x)
+    mask[1, :3] = 0  # left padding of the second sequence
+    outputs = []
+    handles = [b.register_forward_hook(lambda m, a, out: outputs.append(out.detach())) for b in blocks]
+    with torch.no_grad():
+        model(x, attention_mask=mask)
+    for h in handles:
+        h.remove()
+    for layer in routelab.routing_stats(model).values():
+        assert int(layer["tokens_per_expert"].sum()) == 2 * int(mask.sum())
+    with torch.no_grad():
+        model(x, mask)  # the mask by position
+    for layer in routelab.routing_stats(model).values():
+        assert int(layer["tokens_per_expert"].sum()) == 2 * int(mask.sum())
+    for out in outputs:
+        assert torch.equal(out[1, :3], torch.zeros_like(out[1, :3]))
+        assert (out[0].abs().sum(-1) > 0).all()
+
+
+class _MaskSpy(TopKRouter):
+    """A router with the token-mask interface that records the masks it is given."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.masks: list[torch.Tensor | None] = []
+
+    def forward(self, x, capacity=None, *, mask=None):
+        self.masks.append(None if mask is None else mask.clone())
+        return super().forward(x, capacity)
+
+
+def test_attention_mask_reaches_routers_that_take_a_mask():
+    model = tiny().eval()
+    blocks = patch_moe(model, lambda d, e, k: _MaskSpy(d, e, k, renormalize=True))
+    x = ids(2, 6)
+    mask = torch.ones_like(x)
+    mask[0, :2] = 0
+    with torch.no_grad():
+        model(x, attention_mask=mask)
+        model(x)  # no attention_mask: no token mask
+        model.generate(x, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    for block in blocks:
+        masks = block.gate.router.masks
+        assert torch.equal(masks[0], mask.reshape(-1).bool())
+        assert masks[1] is None
+        assert torch.equal(masks[2], mask.reshape(-1).bool())  # prefill of generate
+        assert torch.equal(masks[3], torch.ones(2, dtype=torch.bool))  # one new token per sequence
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    base = tiny().train()
+    grads = []
+    for checkpointing in (False, True):
+        model = copy.deepcopy(base)
+        patch_moe(model, "topk", capacity_factor=1.0)
+        if checkpointing:
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable()  # transformers' default: non-reentrant torch.utils.checkpoint around every decoder layer
+        x = ids()
+        loss = model(x, labels=x).loss + routelab.aux_loss(model)
+        loss.backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5), name
+
+
+def test_aux_loss_sums_the_weighted_router_losses_of_every_block():
+    model = tiny().train()
+    blocks = patch_moe(model, "topk", router_kwargs={"balance_coef": 0.5}, aux_coef=2.0)
+    assert float(routelab.aux_loss(model)) == 0.0  # nothing recorded yet
+    inputs = []
+    for b in blocks:
+        b.gate.register_forward_pre_hook(lambda m, args: inputs.append(args[0].detach()))
+    model(ids())
+    # The routers' own balance loss on the blocks' inputs, times aux_coef, summed over the blocks.
+    expected = sum(2.0 * b.gate.router(h.reshape(-1, 32)).aux["balance"] for b, h in zip(blocks, inputs, strict=True))
+    assert torch.allclose(routelab.aux_loss(model), expected)
+    assert float(routelab.aux_loss(model).detach()) > 0
+
+
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(ValueError, match="no sparse MoE block"):
+        patch_moe(torch.nn.Sequential(torch.nn.Linear(4, 4)), "topk")
+    with pytest.raises(ValueError, match="unknown router"):
+        patch_moe(tiny(), "nope")
+    with pytest.raises(ValueError, match="k=5"):
+        patch_moe(tiny(), "topk", k=5)
+    with pytest.raises(ValueError, match="factory"):
+        patch_moe(tiny(), TopKRouter(32, 4, 2))
+    with pytest.raises(ValueError, match="capacity_factor"):
+        patch_moe(tiny(), "topk", capacity_factor=0)
+    with pytest.raises(ValueError, match="eval_capacity_factor"):
+        patch_moe(tiny(), "topk", eval_capacity_factor=-1.0)
+    with pytest.raises(ValueError, match="drop_policy"):
+        patch_moe(tiny(), "topk", drop_policy="later")
+    with pytest.raises(TypeError, match="generator"):
+        patch_moe(tiny(), "topk", generator=0)
+    with pytest.raises(ValueError, match="drop k=2"):
+        patch_moe(tiny(), "base", k=2)  # an explicit k the router cannot take
+    model = tiny()
+    patch_moe(model, "topk")
+    with pytest.raises(ValueError, match="already patched"):
+        patch_moe(model, "topk")
+
+
+def test_a_gate_with_more_than_a_linear_score_is_refused():
+    model = tiny()
+    gate = sparse_moe_blocks(model)[0][1].gate
+    gate.register_buffer("bias_correction", torch.zeros(4))  # as DeepSeek-V3's e_score_correction_bias
+    with pytest.raises(ValueError, match="bias_correction"):
+        patch_moe(model, "topk")
+    assert not any(isinstance(b.gate, RoutedGate) for _, b in sparse_moe_blocks(model))  # nothing half-patched
+
+
+def test_a_router_that_cannot_take_the_models_k_says_so():
+    with pytest.warns(UserWarning, match="cannot route to the model's k=2"):
+        blocks = patch_moe(tiny(), "gumbel_matching")
+    assert all(b.gate.router.slots == 1 for b in blocks)
+
+
+@pytest.mark.parametrize("router", ["topk", "batchwise", "gumbel_matching"])
+def test_half_precision_models_route_and_generate(router):
+    model = tiny().to(torch.bfloat16).train()
+    _patch(model, router, generator=torch.Generator().manual_seed(0))
+    x = ids()
+    loss = model(x, labels=x).loss + routelab.aux_loss(model)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    model.eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(x).logits.float()).all()
+        model.generate(x[:, :4], attention_mask=torch.ones_like(x[:, :4]), max_new_tokens=2, do_sample=False,
+                       pad_token_id=0)
+
+
+def test_a_batch_of_padding_runs_no_expert(monkeypatch):
+    model = tiny().eval()
+    patch_moe(model, "topk")
+    seen = _spy_experts(monkeypatch, model)
+    x = ids(2, 4)
+    with torch.no_grad():
+        out = model(x, attention_mask=torch.zeros_like(x)).logits
+    assert torch.isfinite(out).all() and seen == []
+    for layer in routelab.routing_stats(model).values():
+        assert int(layer["tokens_per_expert"].sum()) == 0

@@ -1,0 +1,79 @@
+"""routelab.aux_loss and routelab.routing_stats over routelab MoE layers (routelab.routing.record)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import routelab
+from routelab.layers import MoE
+
+
+class Net(torch.nn.Module):
+    def __init__(self, router: str = "topk", **kw) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = MoE(8, 16, 4, router=router, **kw)
+        self.b = MoE(8, 16, 4, router=router, **kw)
+
+    def forward(self, x, ckpt: bool = False):
+        ya, ra = checkpoint(self.a, x, use_reentrant=False) if ckpt else self.a(x)
+        yb, rb = self.b(x + ya)
+        return x + ya + yb, (ra, rb)
+
+
+def test_aux_loss_is_the_sum_of_the_layers_returned_aux():
+    net = Net("noisy_topk", k=2)
+    y, routes = net(torch.randn(12, 8))
+    expected = sum(sum(r.aux.values()) for r in routes)
+    assert torch.allclose(routelab.aux_loss(net), expected)
+    assert routelab.aux_loss(net).requires_grad
+
+
+def test_aux_loss_without_routelab_modules_is_a_zero_on_the_models_device():
+    zero = routelab.aux_loss(torch.nn.Linear(3, 3))
+    assert zero.shape == () and float(zero) == 0.0 and zero.device.type == "cpu"
+    assert float(routelab.aux_loss(Net())) == 0.0  # before the first forward
+    with pytest.raises(TypeError, match="nn.Module"):
+        routelab.aux_loss("model")
+    with pytest.raises(TypeError, match="nn.Module"):
+        routelab.routing_stats(3)
+
+
+def test_routing_stats_are_the_last_forwards_per_layer():
+    net = Net(capacity_factor=0.5)
+    net(torch.randn(20, 8))
+    _, routes = net(torch.randn(16, 8))
+    stats = routelab.routing_stats(net)
+    assert list(stats) == ["a", "b"]
+    for layer, r in zip(stats.values(), routes, strict=True):
+        for key in ("tokens_per_expert", "dropped_fraction", "load_cv", "tokens_dropped", "capacity"):
+            assert torch.equal(layer[key], r.stats[key])
+        assert not layer["load_cv"].requires_grad
+        assert int(layer["tokens_per_expert"].sum()) <= 16
+
+
+def test_only_the_last_forward_is_kept():
+    net = Net("topk", k=2)
+    _, routes = net(torch.randn(12, 8))
+    first = weakref.ref(routes[0].aux["balance"])
+    del routes
+    net(torch.randn(12, 8))
+    gc.collect()
+    assert first() is None  # the first forward's loss (and its graph) is gone
+
+
+def test_checkpointing_gives_the_same_aux_gradients():
+    grads = []
+    for ckpt in (False, True):
+        net = Net("topk", k=2)
+        x = torch.randn(12, 8, generator=torch.Generator().manual_seed(3))
+        y, _ = net(x, ckpt=ckpt)
+        (y.square().mean() + routelab.aux_loss(net)).backward()
+        grads.append([p.grad.clone() for p in net.parameters()])
+    for g0, g1 in zip(*grads, strict=True):
+        assert torch.allclose(g0, g1, atol=1e-6)
