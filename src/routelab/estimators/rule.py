@@ -6,11 +6,14 @@ import torch
 from torch import Tensor
 
 from .._checks import check_tau
-from ..assignment import balanced_assignment
 from ..routes import Routes
 from ..routing.masks import masked_rule
-from ..routing.rules import balanced_capacity
+from ..routing.eager import eager
+from ..routing.rules import balanced_assignment, balanced_capacity
 from .sampling import METHODS, sample_routes
+
+# Gumbel-Matching samples are solver calls: they run eagerly under torch.compile (routing/eager.py).
+_sample_routes = eager(sample_routes)
 
 __all__ = ["gumbel_matching_routes"]
 
@@ -68,7 +71,7 @@ def gumbel_matching_routes(logits: Tensor, capacity: int | None = None, *, metho
     # Every estimator of Kool et al. samples under a capacity that can hold the batch (the skip
     # methods skip what does not fit; "sample" ignores it): capacity_factor >= 1.
     c = balanced_capacity(n, E, capacity, "gumbel_matching")
-    r = sample_routes(logits, method, tau=tau, capacity=c, sinkhorn=sinkhorn, generator=generator).with_slot_dim()
+    r = _sample_routes(logits, method, tau=tau, capacity=c, sinkhorn=sinkhorn, generator=generator).with_slot_dim()
     r.aux = {"balance": balance_coef * r.aux["balance"]} if balance_coef else {}
     r.stats = {"weights_clamped": r.stats["weights_clamped"]}
     return r

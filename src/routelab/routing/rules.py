@@ -28,10 +28,12 @@ import torch
 from torch import Tensor
 
 from .._checks import balanced_quotas, check_capacity, check_k, check_positive_int
-from ..assignment import balanced_assignment, sinkhorn_balance
+from ..assignment import balanced_assignment as _balanced_assignment
+from ..assignment import sinkhorn_balance
 from ..gates.batchwise import batchwise_mask, batchwise_threshold_loss, threshold_mask
 from ..routes import Routes
 from .losses import cv_squared, noisy_topk_load, switch_balance
+from .eager import eager
 from .masks import masked_rule
 
 __all__ = [
@@ -47,6 +49,9 @@ __all__ = [
     "softmax_routes",
     "topk_routes",
 ]
+
+# The solvers run eagerly under torch.compile (routing/eager.py).
+balanced_assignment = eager(_balanced_assignment)
 
 #: The masks batchwise gating may use at inference (``batchwise_routes(..., inference=)``).
 INFERENCE_MASKS: tuple[str, ...] = ("threshold", "batchwise")
@@ -287,6 +292,7 @@ def balanced_routes(logits: Tensor, capacity: int | None = None, *, balanced: bo
                   weight=torch.ones_like(gate), log_prob=log_prob)
 
 
+@eager
 def sinkhorn_balanced_log_probs(log_p: Tensor, sweeps: int) -> Tensor:
     """``[tokens, E]`` log of the Sinkhorn-balanced probabilities (detached): columns towards
     ``tokens / E``, at most ``sweeps`` sweeps, stopping once every column is within 1% of it."""
