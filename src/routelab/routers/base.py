@@ -140,14 +140,25 @@ class Router(nn.Module):
         if mask is not None:
             index = real_tokens(mask)
             feats = feats.index_select(0, index)
+        routes = self.route_features(feats, capacity)
+        return routes if index is None else scatter_routes(routes, index, x.shape[0])
+
+    def route_features(self, features: Tensor, capacity: int | None) -> Routes:
+        """:meth:`route` with the router's safeguards: the finite check of the scores (unless
+        ``check_finite`` is False or ``torch.compile`` traces) and, for stochastic routers in
+        training, the noise replay of activation checkpointing. For callers that computed the
+        features themselves (expert parallelism gathers them from every rank).
+
+        Args:
+            features: ``[tokens, F]`` float32, :meth:`features` of the tokens to route.
+            capacity: as in :meth:`forward`.
+        """
         if self.check_finite and checks_run():
-            check_finite_features(feats)
+            check_finite_features(features)
         if self.stochastic and self.training:
             with self._replay.draw(self.generator):
-                routes = self.route(feats, capacity)
-        else:
-            routes = self.route(feats, capacity)
-        return routes if index is None else scatter_routes(routes, index, x.shape[0])
+                return self.route(features, capacity)
+        return self.route(features, capacity)
 
     def route(self, features: Tensor, capacity: int | None) -> Routes:  # pragma: no cover - abstract
         """The routing rule (a function of :mod:`routelab.routing.rules`) on the float32
