@@ -1,6 +1,9 @@
 """From router scores to expert buffers: the routing rules (pure functions, scores to
 :class:`~routelab.Routes`), capacity (who is dropped), the skip correction of eq. 3, the random
-drop rule, the auxiliary losses (the Switch balance loss once for all), and dispatch/combine."""
+drop rule, the auxiliary losses (the Switch balance loss once for all), and dispatch/combine;
+token masks (:func:`real_tokens`, :func:`scatter_routes`), the noise replay of activation
+checkpointing (:class:`NoiseReplay`) and the solvers' exclusion from ``torch.compile``
+(:func:`eager`)."""
 
 from routelab.routing.capacity import (
     DROP_POLICIES,
@@ -14,7 +17,10 @@ from routelab.routing.capacity import (
     skip_correction,
 )
 from routelab.routing.dispatch import DispatchPlan
+from routelab.routing.eager import eager
 from routelab.routing.losses import switch_balance
+from routelab.routing.masks import masked_rule, real_tokens, scatter_routes
+from routelab.routing.replay import NoiseReplay
 from routelab.routing.rules import (
     balanced_routes,
     batchwise_routes,
@@ -28,15 +34,20 @@ __all__ = [
     "DROP_POLICIES",
     "CapacityDecision",
     "DispatchPlan",
+    "NoiseReplay",
     "apply_capacity",
     "balanced_routes",
     "batchwise_routes",
     "check_capacity",
     "check_capacity_factor",
+    "eager",
     "expert_capacity",
+    "masked_rule",
     "noisy_topk_routes",
     "random_ranks",
     "random_skip",
+    "real_tokens",
+    "scatter_routes",
     "sinkhorn_routes",
     "skip_correction",
     "softmax_routes",

@@ -20,16 +20,23 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from .._checks import token_mask
+from .._checks import checks_run, token_mask
 from ..routes import Routes
 
 __all__ = ["masked_rule", "real_tokens", "scatter_routes"]
 
 
 def real_tokens(mask: Tensor) -> Tensor:
-    """``LongTensor [real]``: the indices of the ``True`` entries of a flat ``[tokens]`` mask, ascending."""
+    """``LongTensor [real]``: the indices of the ``True`` entries of a token mask (any shape, read
+    flattened), ascending. One host sync (the count is data-dependent).
+
+    Raises:
+        TypeError, ValueError: ``mask`` is not a ``BoolTensor`` (naming ``mask``).
+    """
+    token_mask(mask, mask.shape if isinstance(mask, Tensor) else ())
     return mask.reshape(-1).nonzero().squeeze(-1)
 
 
@@ -45,7 +52,24 @@ def scatter_routes(routes: Routes, index: Tensor, num_tokens: int) -> Routes:
         ``Routes [num_tokens, slots]``: the real tokens' rows unchanged (``gate`` and ``log_prob``
         differentiable through the scatter); masked rows routed nowhere: ``keep`` False, ``gate``,
         ``weight`` and ``log_prob`` 0, ``expert`` 0. ``aux`` and ``stats`` are the real tokens'.
+
+    Raises:
+        TypeError, ValueError: naming the argument: ``routes`` not a :class:`~routelab.Routes`,
+            ``index`` not a 1-D integer tensor with one entry per routed token, or
+            ``num_tokens`` not an integer that holds every index.
     """
+    if not isinstance(routes, Routes):
+        raise TypeError(f"routes must be a routelab.Routes, got {type(routes).__name__}")
+    if not isinstance(index, Tensor) or index.ndim != 1 or index.is_floating_point() or index.dtype == torch.bool:
+        got = f"{index.dtype} of shape {tuple(index.shape)}" if isinstance(index, Tensor) else type(index).__name__
+        raise ValueError(f"index must be a 1-D LongTensor [real] (real_tokens(mask)), got {got}")
+    if index.shape[0] != routes.expert.shape[0]:
+        raise ValueError(f"index must have one entry per routed token ({routes.expert.shape[0]}), got {index.shape[0]}")
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < index.shape[0]:
+        raise ValueError(f"num_tokens must be an integer >= the {index.shape[0]} routed tokens, got {num_tokens!r}")
+    if index.numel() and checks_run() and not 0 <= int(index.min()) <= int(index.max()) < num_tokens:
+        raise ValueError(f"index must hold token positions in [0, num_tokens={num_tokens})")
+    index = index.long()
 
     def put(t: Tensor) -> Tensor:
         out = t.new_zeros((num_tokens, *t.shape[1:]))
