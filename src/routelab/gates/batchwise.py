@@ -50,7 +50,7 @@ def _check_scores(scores: Tensor, thresholds: Tensor | None = None) -> None:
 
 
 def batchwise_mask(scores: Tensor, k: int) -> Tensor:
-    """The batchwise mask of eq. 18: the top ``m_i`` scores of every expert ``i``, ``m_i`` about ``k * batch / experts``.
+    """The batchwise mask of eq. 18: every expert ``i`` keeps its top ``m_i ~ k * batch / experts`` scores.
 
     When ``experts`` divides ``k * batch`` every expert keeps exactly ``m = k * batch / experts``
     examples (eq. 18 as written). Otherwise the quotas are the floor and the ceiling of that

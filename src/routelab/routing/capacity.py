@@ -206,7 +206,8 @@ def apply_capacity(
     flat_cand = candidate.t().reshape(-1)
     group = torch.where(flat_cand, flat_expert, torch.full_like(flat_expert, num_experts))
     # Counts by scatter-add, not bincount: a static shape, so torch.compile traces it.
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(0, group, torch.ones_like(group))
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(0, group, torch.ones_like(group))
     if policy == "random":
         rank = random_ranks(group, num_experts + 1, generator, counts=counts)
     else:
