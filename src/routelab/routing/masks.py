@@ -10,7 +10,8 @@ or auxiliary loss, draws no noise, and gets a zero output; the real tokens of a 
 routed exactly as the same tokens without the padding.
 
 Removing tokens is data-dependent: with a mask, one host synchronisation reads the number of
-real tokens (a graph break under ``torch.compile``; without a mask there is none).
+real tokens and one checks the indices put back (graph breaks under ``torch.compile``; without
+a mask there is none).
 """
 
 from __future__ import annotations
@@ -67,8 +68,10 @@ def scatter_routes(routes: Routes, index: Tensor, num_tokens: int) -> Routes:
         raise ValueError(f"index must have one entry per routed token ({routes.expert.shape[0]}), got {index.shape[0]}")
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < index.shape[0]:
         raise ValueError(f"num_tokens must be an integer >= the {index.shape[0]} routed tokens, got {num_tokens!r}")
-    if index.numel() and checks_run() and not 0 <= int(index.min()) <= int(index.max()) < num_tokens:
-        raise ValueError(f"index must hold token positions in [0, num_tokens={num_tokens})")
+    if index.numel() and checks_run():
+        lo, hi = torch.stack([index.min(), index.max()]).tolist()  # one host sync
+        if lo < 0 or hi >= num_tokens:
+            raise ValueError(f"index must hold token positions in [0, num_tokens={num_tokens}), got {lo} to {hi}")
     index = index.long()
 
     def put(t: Tensor) -> Tensor:
