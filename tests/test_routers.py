@@ -35,13 +35,16 @@ def test_batchwise_mask_keeps_exactly_the_top_m_per_expert(batch, E, k, ties, se
     scores = torch.rand(batch, E, generator=g)
     if ties:
         scores = (scores * 3).floor() / 3  # many equal values
-    if (k * batch) % E:
-        with pytest.raises(ValueError, match="not an integer"):
-            batchwise_mask(scores, k)
-        return
     m = k * batch // E
     mask = batchwise_mask(scores, k)
-    assert mask.dtype == torch.bool and (mask.sum(0) == m).all(), "every expert gets exactly m examples"
+    if (k * batch) % E:  # quotas floor(m) / ceil(m): the extra examples go to the best next scores
+        counts = mask.sum(0)
+        assert mask.dtype == torch.bool and ((counts == m) | (counts == m + 1)).all(), counts
+        best_next = scores.sort(0, descending=True).values[m]  # each expert's (m+1)-th score
+        if (counts == m).any() and (counts == m + 1).any():
+            assert best_next[counts == m + 1].min() >= best_next[counts == m].max()
+    else:
+        assert mask.dtype == torch.bool and (mask.sum(0) == m).all(), "every expert gets exactly m examples"
     assert int(mask.sum()) == k * batch, "an average of k experts per example"
     for i in range(E):  # brute force: every kept value >= every dropped value in the column
         kept, dropped = scores[mask[:, i], i], scores[~mask[:, i], i]

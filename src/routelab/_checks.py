@@ -11,7 +11,9 @@ re-export the ones that are part of their public API (``routelab.routing.expert_
   temperature per batch instance, validated on the device in the caller's one host sync);
 * tensors: :func:`check_score_matrix`, :func:`check_finite`, :func:`floating_input`,
   :func:`index_tensor`, :func:`mask_tensor`, :func:`checks_run`;
+* token masks: :func:`token_mask` (``True`` = a real token, ``False`` = padding);
 * capacity: :func:`resolve_capacity` (tokens per expert of a balanced problem),
+  :func:`balanced_quotas` (the floor/ceil quotas ``k * n / E`` of balanced routers),
   :func:`check_capacity`, :func:`check_capacity_factor` and :func:`expert_capacity` (the MoE
   layer's ``C = ceil(capacity_factor * tokens * k / E)``).
 """
@@ -42,6 +44,8 @@ __all__ = [
     "check_seed",
     "check_tau",
     "checks_run",
+    "balanced_quotas",
+    "token_mask",
     "expert_capacity",
     "floating_input",
     "index_tensor",
@@ -301,6 +305,28 @@ def index_tensor(t: object, name: str) -> Tensor:
     return t if t.dtype == torch.long else t.long()
 
 
+def token_mask(mask: object, shape: Sequence[int] | torch.Size, name: str = "mask") -> Tensor | None:
+    """A token mask: ``None`` passes through, else a ``BoolTensor`` of ``shape`` (``True`` = a real
+    token, ``False`` = padding that routing must ignore), else a TypeError/ValueError naming ``name``.
+
+    Args:
+        mask: ``None`` or a bool tensor.
+        shape: the token shape, e.g. ``x.shape[:-1]`` (``[batch, seq]``) or ``[tokens]``.
+        name: the argument's name in the errors.
+    """
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{name} must be a BoolTensor of the token shape {tuple(shape)} (True = real token) or "
+                        f"None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise ValueError(f"{name} must be a BoolTensor (True = real token), got {mask.dtype}; use {name} != 0 "
+                         f"(e.g. attention_mask.bool())")
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"{name} must have the token shape {tuple(shape)} (x.shape[:-1]), got {tuple(mask.shape)}")
+    return mask
+
+
 def mask_tensor(t: object, name: str, shape: torch.Size) -> Tensor:
     """``t`` if it is a ``BoolTensor`` of ``shape``, else a TypeError/ValueError naming ``name``."""
     if not isinstance(t, Tensor):
@@ -365,6 +391,33 @@ def resolve_capacity(n: int, k: int, capacity: Any, name: str = "capacity", *, d
             f"placed; {advice}"
         )
     return min(capacity, n) if at_most_tokens else capacity
+
+
+def balanced_quotas(num_tokens: int, num_experts: int, k: int = 1) -> tuple[int, int]:
+    """The per-expert quotas of a balanced router: ``floor`` and ``ceil`` of ``k * n / E`` pairs.
+
+    A balanced router (BASE, Gumbel-Matching, App. F batchwise gating, Sinkhorn's target) gives
+    every expert ``k * n / E`` (token, expert) pairs; when ``E`` does not divide ``k * n``,
+    ``r = k * n mod E`` experts take the ceiling and the others the floor (the ``n * k`` pairs
+    are all placed). The quota never exceeds ``n``: a token never takes one expert twice.
+
+    Args:
+        num_tokens: ``n >= 0``, the real tokens of the batch.
+        num_experts: ``E >= 1``.
+        k: experts per token, ``1 <= k <= E``.
+
+    Returns:
+        ``(floor, ceil)``; equal when ``E`` divides ``k * n``.
+
+    Raises:
+        ValueError: naming the argument, for a negative ``n``, ``E < 1`` or ``k`` outside ``[1, E]``.
+    """
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_tokens must be an integer >= 0 (real tokens in the batch), got {num_tokens!r}")
+    check_positive_int("num_experts", num_experts)
+    check_k(k, num_experts)
+    pairs = k * num_tokens
+    return pairs // num_experts, -(-pairs // num_experts)
 
 
 def check_capacity(capacity: Any, name: str = "capacity") -> int | None:

@@ -399,18 +399,23 @@ def test_batchwise_and_threshold_masks(batch, n, k, dtype, values, tvalues, seed
             s[0, 0] = float("nan")
     s = s.to(dtype)
     has_nan = values == "nan" and s.numel() > 0
-    valid = not has_nan and 1 <= k <= n and (k * batch) % n == 0
+    valid = not has_nan and 1 <= k <= n  # any batch: quotas floor / ceil of k*batch/n
     before = clone_inputs(s)
     mask_ok, mask = call(G.batchwise_mask, s, k, names=("k", "scores", "batch"), valid=valid, what="batchwise_mask")
     assert_not_mutated(before, [s])
     if mask_ok:
         m = k * batch // n
+        counts = mask.sum(0)
         assert mask.dtype == torch.bool and mask.shape == s.shape
-        assert bool((mask.sum(0) == m).all()), f"columns keep {mask.sum(0).tolist()} examples, not m={m}"
+        if (k * batch) % n == 0:
+            assert bool((counts == m).all()), f"columns keep {counts.tolist()} examples, not m={m}"
+        else:
+            assert bool(((counts == m) | (counts == m + 1)).all()), f"columns keep {counts.tolist()}, not {m}/{m + 1}"
+        assert int(counts.sum()) == k * batch, "the mask must hold k * batch pairs"
         ref = torch.zeros_like(mask)
-        if m:
-            order = torch.argsort(f64(s), dim=0, descending=True, stable=True)
-            ref.scatter_(0, order[:m], True)
+        order = torch.argsort(f64(s), dim=0, descending=True, stable=True)
+        for i in range(n):  # every column keeps its own stable top counts[i]
+            ref[order[: int(counts[i]), i], i] = True
         assert torch.equal(mask, ref), "batchwise_mask is not each column's stable top m"
     t = torch.rand(n, generator=g, dtype=torch.float64).to(dtype) / n
     if tvalues == "nan":

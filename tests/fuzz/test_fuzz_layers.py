@@ -119,13 +119,13 @@ def test_moe(router, E, d_model, k, cf, drop_policy, iw, lead, xdtype, mdtype, x
     n = math.prod(lead)
     valid = _input_validity(x, mdtype, xscale)
     slots = moe.router.slots
+    cf = cf if training else moe.eval_capacity_factor  # the capacity factor in use (eval: dropless default)
     C = expert_capacity(n, E, slots, cf)
     if valid is not False:
-        # base and gumbel_matching (every estimator) need a capacity that holds the batch
-        balanced_solve = router in ("base", "gumbel_matching")
-        if router == "batchwise" and (training or moe.router.inference == "batchwise") and (kk * n) % E:
-            valid = False
-        elif balanced_solve and cf is not None and n and C * E < n:
+        # base and gumbel_matching (every estimator) need a capacity that holds the batch when
+        # they solve (training; eval only with eval_balanced). Batchwise takes any batch size.
+        balanced_solve = router in ("base", "gumbel_matching") and (training or moe.router.eval_balanced)
+        if balanced_solve and cf is not None and n and C * E < n:
             valid = False
     leaf = x.detach().clone().requires_grad_(x.is_floating_point())
     before = clone_inputs(leaf)

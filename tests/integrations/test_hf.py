@@ -308,8 +308,8 @@ def test_bad_input_is_a_clear_error():
         patch_moe(tiny(), "topk", drop_policy="later")
     with pytest.raises(TypeError, match="generator"):
         patch_moe(tiny(), "topk", generator=0)
-    with pytest.raises(ValueError, match="drop k=2"):
-        patch_moe(tiny(), "base", k=2)  # an explicit k the router cannot take
+    with pytest.raises(ValueError, match="got k=2 but supports k=None or k=1"):
+        patch_moe(tiny(), "gumbel_matching", k=2)  # an explicit k the router cannot take
     model = tiny()
     patch_moe(model, "topk")
     with pytest.raises(ValueError, match="already patched"):

@@ -250,9 +250,21 @@ def test_batchwise_inference_masks(inference) -> None:
     np.testing.assert_allclose(r.gate.numpy(), np.where(tot > 0, p * M / np.where(tot > 0, tot, 1), 0), rtol=1e-12)
 
 
-def test_batchwise_needs_divisible_batch() -> None:
-    with pytest.raises(ValueError):
-        batchwise_routes(torch.zeros(5, 4), 2, torch.zeros(4), training=True)
+@pytest.mark.parametrize("n,E,k", [(5, 4, 2), (7, 3, 1), (9, 4, 3)])
+def test_batchwise_takes_any_batch_with_floor_ceil_quotas(n, E, k) -> None:
+    """A batch whose k*n pairs E does not divide: every expert keeps floor or ceil of k*n/E tokens,
+    all k*n pairs are placed, and each expert's tokens are the top ones of its column."""
+    logits = logits_for(11, n, E, torch.float64)
+    r = batchwise_routes(logits, k, torch.zeros(E, dtype=torch.float64), training=True)
+    M = r.keep.numpy()
+    per_expert = M.sum(0)
+    assert int(per_expert.sum()) == k * n
+    assert set(per_expert.tolist()) <= {k * n // E, -(-k * n // E)}
+    p = np_softmax(logits.numpy())
+    for e in range(E):
+        kept, dropped = p[M[:, e], e], p[~M[:, e], e]
+        if kept.size and dropped.size:
+            assert kept.min() >= dropped.max(), f"expert {e} kept a token below one it dropped"
 
 
 # ------------------------------------------------------------------------- balanced_routes

@@ -6,17 +6,22 @@ import torch
 from torch import Tensor
 
 from .._checks import check_tau
-from ..assignment import balanced_assignment
 from ..routes import Routes
-from ..routing.rules import balanced_capacity
+from ..routing.masks import masked_rule
+from ..routing.eager import eager
+from ..routing.rules import balanced_assignment, balanced_capacity
 from .sampling import METHODS, sample_routes
+
+# Gumbel-Matching samples are solver calls: they run eagerly under torch.compile (routing/eager.py).
+_sample_routes = eager(sample_routes)
 
 __all__ = ["gumbel_matching_routes"]
 
 
+@masked_rule("logits")
 def gumbel_matching_routes(logits: Tensor, capacity: int | None = None, *, method: str = "gumbel_matching_iw",
                            tau: float = 1.0, sinkhorn: bool = False, training: bool = True,
-                           eval_balanced: bool = True, balance_coef: float = 0.0,
+                           eval_balanced: bool = False, balance_coef: float = 0.0,
                            generator: torch.Generator | None = None) -> Routes:
     """Stochastic balanced routing by Gumbel-Matching with unbiased importance weights (Kool et al.).
 
@@ -25,19 +30,24 @@ def gumbel_matching_routes(logits: Tensor, capacity: int | None = None, *, metho
     ``"gumbel_matching_iw"``: a balanced Gumbel-Matching sample of ``softmax(logits / tau)`` under
     ``capacity``, importance weights ``p / q`` from the exact conditionals, App. D.5; the sampling
     methods skip what does not fit). ``gate = p(expert | x)``, ``weight`` the importance weight,
-    ``log_prob`` for REINFORCE, ``stats["weights_clamped"]``. Inference (``training=False``): the
-    deterministic balanced assignment (the ``tau -> 0`` limit, BASE), or ``argmax`` when
-    ``eval_balanced=False``.
+    ``log_prob`` for REINFORCE, ``stats["weights_clamped"]``. The sample balances at the quota
+    ``ceil(tokens / E)`` whatever the layer's buffer capacity (:func:`balanced_capacity`).
+    Inference (``training=False``): ``argmax`` of the logits (each token by its own score, so
+    its route depends on no other token; the default), or the deterministic balanced
+    assignment (the ``tau -> 0`` limit, BASE) when ``eval_balanced=True``. ``mask``
+    (``[tokens]``, ``True`` = real) routes the masked tokens nowhere
+    (:mod:`routelab.routing.masks`).
 
     Args:
         logits: ``[tokens, E]`` float32 router logits (finite).
-        capacity: tokens per expert (``None``: ``ceil(tokens / E)``); the balanced methods need it
-            to hold every token.
+        capacity: the layer's buffer capacity per expert (``None``: no limit); it must hold the
+            quota ``ceil(tokens / E)``.
         method: an estimator of :data:`METHODS`.
         tau: proposal temperature ``> 0``.
         sinkhorn: balance the proposal with Sinkhorn first (App. E).
         training: sample (else the deterministic assignment).
-        eval_balanced: whether inference solves the balanced assignment.
+        eval_balanced: whether inference solves the balanced assignment (default ``False``:
+            ``argmax``, independent of the batch).
         balance_coef: weight of the Switch balance loss in ``aux["balance"]``.
         generator: the only source of randomness.
 
@@ -61,7 +71,7 @@ def gumbel_matching_routes(logits: Tensor, capacity: int | None = None, *, metho
     # Every estimator of Kool et al. samples under a capacity that can hold the batch (the skip
     # methods skip what does not fit; "sample" ignores it): capacity_factor >= 1.
     c = balanced_capacity(n, E, capacity, "gumbel_matching")
-    r = sample_routes(logits, method, tau=tau, capacity=c, sinkhorn=sinkhorn, generator=generator)
+    r = _sample_routes(logits, method, tau=tau, capacity=c, sinkhorn=sinkhorn, generator=generator)
     r.aux = {"balance": balance_coef * r.aux["balance"]} if balance_coef else {}
     r.stats = {"weights_clamped": r.stats["weights_clamped"]}
     return r

@@ -6,7 +6,7 @@ gate values ``G_sigma(x) = softmax(x W_g)`` of a batch (eq. 15); the sparse gate
 
 * :func:`batchwise_mask` (eq. 18) — training: every expert keeps its top ``m = k |X| / n``
   scores over the batch, so each expert receives exactly ``m`` examples and each example an
-  average of ``k`` experts.
+  average of ``k`` experts (``floor`` / ``ceil`` of ``m`` when ``n`` does not divide ``k |X|``).
 * :func:`threshold_mask` (eq. 19) — inference: ``x_i > T_i`` with per-expert thresholds ``T``,
   usable with any batch size (including 1).
 * :func:`batchwise_threshold_loss` (eq. 20) — trains ``T`` so that the two masks agree.
@@ -14,12 +14,10 @@ gate values ``G_sigma(x) = softmax(x W_g)`` of a batch (eq. 15); the sparse gate
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from .._checks import check_positive_int
+from .._checks import balanced_quotas, check_positive_int, checks_run
 
 __all__ = ["batchwise_mask", "batchwise_threshold_loss", "threshold_mask"]
 
@@ -39,6 +37,8 @@ def _check_scores(scores: Tensor, thresholds: Tensor | None = None) -> None:
         if not isinstance(thresholds, Tensor) or thresholds.shape != scores.shape[-1:]:
             got = tuple(thresholds.shape) if isinstance(thresholds, Tensor) else type(thresholds).__name__
             raise ValueError(f"thresholds must be a tensor of shape [experts] = ({scores.shape[-1]},), got {got}")
+    if not checks_run():  # no host sync while torch.compile traces
+        return
     checks = [torch.isnan(scores).any()]
     if thresholds is not None:
         checks.append(torch.isnan(thresholds).any())
@@ -50,36 +50,44 @@ def _check_scores(scores: Tensor, thresholds: Tensor | None = None) -> None:
 
 
 def batchwise_mask(scores: Tensor, k: int) -> Tensor:
-    """The batchwise mask of eq. 18: the top ``m = k * batch / experts`` scores of every expert.
+    """The batchwise mask of eq. 18: every expert ``i`` keeps its top ``m_i ~ k * batch / experts`` scores.
+
+    When ``experts`` divides ``k * batch`` every expert keeps exactly ``m = k * batch / experts``
+    examples (eq. 18 as written). Otherwise the quotas are the floor and the ceiling of that
+    ratio (:func:`routelab._checks.balanced_quotas`): ``r = k * batch mod experts`` experts keep
+    one more example, those whose next-best score (their ``floor + 1``-th largest) is the largest
+    (ties to the lower expert index), so the mask still holds ``k * batch`` pairs and any batch
+    size works.
 
     Args:
         scores: ``[batch, experts]`` gate values (e.g. softmax probabilities).
         k: average number of experts per example, ``1 <= k <= experts``.
 
     Returns:
-        ``BoolTensor [batch, experts]`` with exactly ``m`` ``True`` entries in every column.
-        Ties within a column are broken towards the earlier example (deterministic).
+        ``BoolTensor [batch, experts]`` with ``floor`` or ``ceil`` of ``k * batch / experts``
+        ``True`` entries in every column, ``k * batch`` in all. Ties within a column are broken
+        towards the earlier example (deterministic).
 
     Raises:
-        ValueError: ``k`` out of range, or ``k * batch`` not divisible by ``experts`` (then ``m``
-            is not an integer: choose a batch size that is a multiple of ``experts / gcd(k,
-            experts)``).
+        ValueError: ``k`` out of range, or ``scores`` not a floating ``[batch, experts]`` tensor
+            without NaN.
     """
     _check_scores(scores)
     batch, n = scores.shape
     check_positive_int("k", k, upper=n, upper_name="experts")
-    if (k * batch) % n != 0:
-        raise ValueError(
-            f"the batchwise mask keeps m = k*batch/experts = {k}*{batch}/{n} examples per expert, which "
-            f"is not an integer; use a batch size divisible by {n // math.gcd(k, n)} (or pad the batch)"
-        )
-    m = k * batch // n
+    m, m_hi = balanced_quotas(batch, n, k)
     mask = torch.zeros_like(scores, dtype=torch.bool)
-    if m == 0:
+    if m_hi == 0:
         return mask
     # A stable descending sort over the batch dimension: ties go to the earlier example.
     order = torch.argsort(scores, dim=0, descending=True, stable=True)
-    mask.scatter_(0, order[:m], True)
+    if m:
+        mask.scatter_(0, order[:m], True)
+    extra = k * batch - m * n  # experts that keep one more example
+    if extra:
+        next_best = scores.gather(0, order[m:m + 1]).squeeze(0)  # [experts]
+        winners = torch.argsort(next_best, descending=True, stable=True)[:extra]
+        mask[order[m, winners], winners] = True
     return mask
 
 

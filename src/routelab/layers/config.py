@@ -46,6 +46,12 @@ class MoEConfig:
             (any ``nn.Module`` mapping buffers ``[E, C, d_model] -> [E, C, d_model]``; see
             :class:`~routelab.layers.MoE`); ``d_hidden``, ``activation``, ``bias`` and ``gated`` then
             describe nothing the layer builds.
+        eval_capacity_factor: the capacity factor in ``eval()`` mode, ``> 0``, or ``None`` (the
+            default) for dropless inference: at eval no token is dropped, so a token's output
+            does not depend on its batch-mates through capacity.
+        check_finite: whether the router checks its scores for NaN/inf (one host sync per call,
+            skipped while ``torch.compile`` traces); ``None`` (the default) keeps the router's
+            own setting (``True`` for a router built by name).
 
     Raises:
         ValueError: naming the field, for a non-positive width or expert count, an unknown
@@ -66,6 +72,8 @@ class MoEConfig:
     bias: bool = True
     gated: bool = False
     experts: nn.Module | None = None
+    eval_capacity_factor: float | None = None
+    check_finite: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("d_model", "d_hidden", "num_experts"):
@@ -89,17 +97,29 @@ class MoEConfig:
         else:
             raise ValueError(f"router must be a router name or a Router instance, got {type(self.router).__name__}")
         check_capacity_factor(self.capacity_factor)
+        try:
+            check_capacity_factor(self.eval_capacity_factor)
+        except ValueError as err:
+            raise ValueError(str(err).replace("capacity_factor", "eval_capacity_factor", 1)) from None
+        if self.check_finite is not None and not isinstance(self.check_finite, bool):
+            raise ValueError(f"check_finite must be True, False or None, got {self.check_finite!r}")
         if self.drop_policy not in DROP_POLICIES:
             raise ValueError(f"drop_policy must be one of {', '.join(DROP_POLICIES)}, got {self.drop_policy!r}")
         object.__setattr__(self, "importance_weighting", bool(self.importance_weighting))
         object.__setattr__(self, "bias", bool(self.bias))
 
     def build_router(self, device: torch.device | str | None = None) -> Router:
-        """The router: the instance itself, or a new one built by name (on ``device``)."""
+        """The router: the instance itself, or a new one built by name (on ``device``), with
+        ``check_finite`` applied when it is not ``None``."""
         if isinstance(self.router, Router):
-            return self.router
-        router = make_router(self.router, self.d_model, self.num_experts, k=self.k, **dict(self.router_kwargs or {}))
-        return router if device is None else router.to(device)
+            router = self.router
+        else:
+            router = make_router(self.router, self.d_model, self.num_experts, k=self.k,
+                                 **dict(self.router_kwargs or {}))
+            router = router if device is None else router.to(device)
+        if self.check_finite is not None:
+            router.check_finite = self.check_finite
+        return router
 
     def layer_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``MoE(**config.layer_kwargs())`` (the fields, not copied)."""

@@ -8,11 +8,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._checks import check_generator, floating_input
+from .._checks import check_generator, checks_run, floating_input, token_mask
 from ..routers import Router
 from ..routes import Routes
 from ..routing import DispatchPlan, apply_capacity, expert_capacity
 from ..routing.record import RoutingRecord
+from ..routing.masks import real_tokens, scatter_routes
+from ..routing.replay import NoiseReplay
 from .config import MoEConfig
 from .experts import StackedExperts
 
@@ -52,6 +54,28 @@ class MoE(RoutingRecord, nn.Module):
     (:class:`routelab.routing.RoutingRecord`): ``routelab.aux_loss(model)`` sums those of every
     routelab layer of a model, ``routelab.routing_stats(model)`` collects the statistics.
 
+    Padding: ``moe(x, mask=mask)`` with ``mask`` a ``BoolTensor`` of ``x.shape[:-1]`` (``True`` =
+    a real token) routes the real tokens exactly as ``moe`` routes them without the padding: the
+    masked tokens take no capacity, enter no balanced solve, count in no statistic or auxiliary
+    loss, and get an exactly zero output (:mod:`routelab.routing.masks`).
+
+    Training and inference: ``capacity_factor`` applies in training, ``eval_capacity_factor``
+    (default ``None``, dropless) in ``eval()``. With the routers' default inference modes
+    (top-k by each token's own score for the balanced routers, the threshold mask for batchwise
+    gating) and a dropless eval capacity, a token's output at inference depends on nothing but
+    the token: not on its batch-mates, not on later tokens of its sequence (see the README,
+    "Batch-level routing and causal language models").
+
+    ``torch.compile``: the ``softmax``, ``topk`` and ``noisy_topk`` layers compile without graph
+    breaks (no mask, no host synchronisation; the finite-score check is skipped while tracing).
+    A dropless layer then sizes its buffers for the worst case, ``C = tokens`` per expert
+    (``E`` times the dense size): set a ``capacity_factor`` for compiled training. The solvers of
+    the balanced routers run eagerly (excluded from tracing).
+
+    Activation checkpointing: the router's noise and the random drop policy's draws are replayed
+    in the recomputation (:class:`~routelab.routing.replay.NoiseReplay`), so
+    ``torch.utils.checkpoint`` gives the gradients of the uncheckpointed layer.
+
     The layer is described by one :class:`~routelab.layers.MoEConfig` (its arguments below, but
     ``generator``, ``device`` and ``dtype``): ``MoE.from_config(config)`` builds it from one and
     ``moe.config`` describes a layer.
@@ -64,7 +88,8 @@ class MoE(RoutingRecord, nn.Module):
             ``"softmax"``, ``"batchwise"``, ``"base"``, ``"sinkhorn"``, ``"gumbel_matching"``,
             ``"switch"``) or a :class:`routelab.routers.Router` instance.
         capacity_factor: ``> 0``, or ``None`` for dropless routing (the buffer then grows to the
-            largest expert load of the batch).
+            largest expert load of the batch), in training.
+        eval_capacity_factor: the same in ``eval()`` mode; ``None`` (the default): dropless.
         k: experts per token for routers that take it (with a router name only).
         router_kwargs: options passed to the router's constructor (with a router name only).
         drop_policy: one of :data:`routelab.routing.DROP_POLICIES` (``"position"``,
@@ -78,12 +103,15 @@ class MoE(RoutingRecord, nn.Module):
             ``d_hidden``, ``activation``, ``bias`` and ``gated``.
         generator: randomness of stochastic routers and of ``drop_policy="random"`` (a
             :class:`torch.Generator` or ``None``; anything else is a TypeError).
+        check_finite: the router's NaN/inf check of its scores (``None``: the router's setting,
+            ``True`` unless changed; ``False`` saves its host sync).
 
     Dtypes:
         ``x`` may be any floating dtype (float16, bfloat16, float32, float64): the router scores
         in float32, the experts compute in their parameters' dtype (``dtype=``, default float32)
         and the output is cast back to ``x``'s dtype. Integer inputs raise a ValueError, as do
-        NaN/inf inputs (detected on the router logits, one host sync per call).
+        NaN/inf inputs (detected on the router logits, one host sync per call, unless
+        ``check_finite=False``).
 
     Shapes:
         input ``x [..., d_model]`` -> output ``[..., d_model]`` (same dtype) and a
@@ -120,12 +148,14 @@ class MoE(RoutingRecord, nn.Module):
         generator: torch.Generator | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        eval_capacity_factor: float | None = None,
+        check_finite: bool | None = None,
     ) -> None:
         super().__init__()
         config = MoEConfig(d_model, d_hidden, num_experts, router=router, capacity_factor=capacity_factor, k=k,
                            router_kwargs=router_kwargs, drop_policy=drop_policy,
                            importance_weighting=importance_weighting, activation=activation, bias=bias, gated=gated,
-                           experts=experts)
+                           experts=experts, eval_capacity_factor=eval_capacity_factor, check_finite=check_finite)
         self._build(config, generator=generator, device=device, dtype=dtype)
 
     def _build(self, config: MoEConfig, *, generator: torch.Generator | None,
@@ -144,7 +174,9 @@ class MoE(RoutingRecord, nn.Module):
         self.router = config.build_router(device if router_device is _SAME else router_device)
         self.d_model, self.num_experts = config.d_model, config.num_experts
         self.capacity_factor = config.capacity_factor
+        self.eval_capacity_factor = config.eval_capacity_factor
         self.drop_policy = config.drop_policy
+        self._replay = NoiseReplay()
         self.importance_weighting = config.importance_weighting
         self._activation = config.activation
         check_generator(generator)
@@ -169,38 +201,55 @@ class MoE(RoutingRecord, nn.Module):
             return MoEConfig(self.d_model, self._d_hidden, self.num_experts, router=self.router,
                              capacity_factor=self.capacity_factor, drop_policy=self.drop_policy,
                              importance_weighting=self.importance_weighting, activation=self._activation,
-                             experts=self.experts)
+                             experts=self.experts, eval_capacity_factor=self.eval_capacity_factor,
+                             check_finite=self.router.check_finite)
         return MoEConfig(self.d_model, self.experts.d_hidden, self.num_experts, router=self.router,
                          capacity_factor=self.capacity_factor, drop_policy=self.drop_policy,
                          importance_weighting=self.importance_weighting, activation=self._activation,
-                         bias=self.experts.b1 is not None, gated=self.experts.gated)
+                         bias=self.experts.b1 is not None, gated=self.experts.gated,
+                         eval_capacity_factor=self.eval_capacity_factor, check_finite=self.router.check_finite)
+
+    @property
+    def active_capacity_factor(self) -> float | None:
+        """The capacity factor of the current mode: ``capacity_factor`` in training,
+        ``eval_capacity_factor`` in ``eval()`` (``None``: dropless)."""
+        return self.capacity_factor if self.training else self.eval_capacity_factor
 
     def capacity(self, num_tokens: int) -> int:
-        """Per-expert capacity for a batch of ``num_tokens`` (``num_tokens`` when dropless)."""
-        return expert_capacity(num_tokens, self.num_experts, self.router.slots, self.capacity_factor)
+        """Per-expert capacity for a batch of ``num_tokens`` real tokens in the current mode
+        (``num_tokens`` when dropless)."""
+        return expert_capacity(num_tokens, self.num_experts, self.router.slots, self.active_capacity_factor)
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Routes]:
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Routes]:
         """Apply the layer.
 
         Args:
             x: ``[..., d_model]``.
+            mask: optional ``BoolTensor`` of ``x.shape[:-1]``, ``True`` for real tokens (e.g.
+                ``attention_mask.bool()``): the others are routed nowhere and get a zero output.
 
         Returns:
-            ``(y [..., d_model], routes)``; ``routes`` is over the flattened tokens.
+            ``(y [..., d_model], routes)``; ``routes`` is over the flattened tokens (masked
+            tokens: ``keep`` False, ``gate`` 0); ``aux`` and ``stats`` cover the real tokens.
         """
         compute = floating_input(x, "x", self._experts_dtype(x))
         if x.ndim < 1 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [..., d_model={self.d_model}], got {tuple(x.shape)}")
         lead = x.shape[:-1]
-        flat = x.reshape(-1, self.d_model)  # the router scores it in float32 itself
-        n = flat.shape[0]
-        capacity = self.capacity(n)
-        proposed = self.router(flat, capacity)
+        mask = token_mask(mask, lead)
+        tokens = x.reshape(-1, self.d_model)  # the router scores it in float32 itself
+        flat = compute.reshape(-1, self.d_model)
+        index = None
+        if mask is not None:  # route the real tokens alone (one host sync: how many there are)
+            index = real_tokens(mask)
+            tokens, flat = tokens.index_select(0, index), flat.index_select(0, index)
+        capacity = self.capacity(flat.shape[0])
+        proposed = self.router(tokens, capacity)
         routes, plan = self.plan(proposed, capacity)
         combine = routes.gate * routes.weight if self.importance_weighting else routes.gate
         # Also when nothing is kept (capacity 0): the experts then run on empty buffers, and the
         # zero output stays part of the graph (its gradients are zeros, not an autograd error).
-        buffers = plan.dispatch(compute.reshape(-1, self.d_model))
+        buffers = plan.dispatch(flat)
         out = self.experts(buffers)
         if not isinstance(out, Tensor) or out.shape != buffers.shape:
             got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
@@ -208,6 +257,9 @@ class MoE(RoutingRecord, nn.Module):
                              f"{tuple(buffers.shape)} to the same shape, got {got}")
         y = plan.combine(out, combine).to(x.dtype)
         self.record_routing(routes.aux, routes.stats)
+        if index is not None:
+            y = y.new_zeros(lead.numel(), self.d_model).index_copy(0, index, y)
+            routes = scatter_routes(routes, index, lead.numel())
         return y.reshape(*lead, self.d_model), routes
 
     def _experts_dtype(self, x: Tensor) -> torch.dtype:
@@ -225,9 +277,13 @@ class MoE(RoutingRecord, nn.Module):
             skip correction, and the layer's ``stats``.
         """
         E = self.num_experts
-        decision = apply_capacity(proposed.expert, proposed.keep, capacity, E, policy=self.drop_policy,
-                                  score=proposed.gate, generator=self.generator)
-        if self.capacity_factor is None:  # dropless: the buffer only needs the largest load
+        random = self.drop_policy == "random"
+        with self._replay.draw(self.generator if random else None):
+            decision = apply_capacity(proposed.expert, proposed.keep, capacity, E, policy=self.drop_policy,
+                                      score=proposed.gate, generator=self.generator)
+        if self.active_capacity_factor is None and checks_run():
+            # Dropless: the buffer only needs the largest load (one host sync). While
+            # torch.compile traces, the buffer keeps the worst case C = tokens (no sync).
             capacity = int(decision.load.max()) if decision.load.numel() else 0
         keep = decision.keep
         weight = proposed.weight * decision.skip_weight.to(proposed.weight.dtype)
@@ -249,5 +305,6 @@ class MoE(RoutingRecord, nn.Module):
         return routes, plan
 
     def extra_repr(self) -> str:
-        return (f"capacity_factor={self.capacity_factor}, drop_policy={self.drop_policy!r}, "
+        return (f"capacity_factor={self.capacity_factor}, eval_capacity_factor={self.eval_capacity_factor}, "
+                f"drop_policy={self.drop_policy!r}, "
                 f"importance_weighting={self.importance_weighting}")

@@ -37,14 +37,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .._checks import check_positive_int
+from .._checks import check_positive_int, token_mask
 from ..layers.config import MoEConfig
 from ..layers.experts import StackedExperts
 from ..layers.moe import MoE
 from ..routers import Router
-from ..routers.base import check_finite_features
 from ..routes import Routes
 from ..routing import DispatchPlan
+from ..routing.masks import real_tokens, scatter_routes
 from .comm import all_gather_rows, all_to_all, exchange_counts
 
 __all__ = ["ExpertParallelMoE"]
@@ -105,7 +105,8 @@ class ExpertParallelMoE(MoE):
             the global ``E`` and must be divisible by the group's size.
         process_group: the group the experts are sharded over (``None``: the default group).
         router, capacity_factor, k, router_kwargs, drop_policy, importance_weighting,
-            activation, bias, generator, device, dtype: as :class:`~routelab.layers.MoE`.
+            activation, bias, generator, device, dtype, eval_capacity_factor, check_finite: as
+            :class:`~routelab.layers.MoE`.
         gated, experts: not supported (the layer shards plain stacked experts): a ValueError unless
             ``False`` / ``None``.
         seed: base seed of the experts' initialisation; expert ``e`` is initialised from
@@ -150,6 +151,8 @@ class ExpertParallelMoE(MoE):
         dtype: torch.dtype | None = None,
         seed: int | None = None,
         check_decisions: bool = True,
+        eval_capacity_factor: float | None = None,
+        check_finite: bool | None = None,
         _sync: bool = True,
     ) -> None:
         _require_initialized()
@@ -164,7 +167,7 @@ class ExpertParallelMoE(MoE):
         config = MoEConfig(d_model, d_hidden, num_experts, router=router, capacity_factor=capacity_factor, k=k,
                            router_kwargs=router_kwargs, drop_policy=drop_policy,
                            importance_weighting=importance_weighting, activation=activation, bias=bias, gated=gated,
-                           experts=experts)
+                           experts=experts, eval_capacity_factor=eval_capacity_factor, check_finite=check_finite)
         _check_shardable(config)
         # The full expert stack is built on the meta device (no memory) and replaced by this
         # rank's slice: only E / world experts are ever materialised. A router built by name is
@@ -306,14 +309,16 @@ class ExpertParallelMoE(MoE):
             )
         feats = router.features(flat)
         gathered = all_gather_rows(feats, counts, self.process_group)
-        check_finite_features(gathered)
-        return router.route(gathered, capacity)
+        return router.route_features(gathered, capacity)
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Routes]:
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Routes]:
         """Apply the layer to this rank's tokens.
 
         Args:
             x: ``[..., d_model]`` this rank's tokens.
+            mask: optional ``BoolTensor`` of ``x.shape[:-1]`` (``True`` = a real token): masked
+                tokens are left out of the global batch (no capacity, no solve, no statistic)
+                and get a zero output.
 
         Returns:
             ``(y [..., d_model], routes)``: ``y`` equals this rank's rows of the single-process
@@ -323,6 +328,12 @@ class ExpertParallelMoE(MoE):
         if x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [..., d_model={self.d_model}], got {tuple(x.shape)}")
         lead = x.shape[:-1]
+        mask = token_mask(mask, lead)
+        if mask is not None:  # the real tokens alone, then back in place
+            index = real_tokens(mask)
+            y, routes = self.forward(x.reshape(-1, self.d_model).index_select(0, index))
+            out = y.new_zeros(lead.numel(), self.d_model).index_copy(0, index, y)
+            return out.reshape(*lead, self.d_model), scatter_routes(routes, index, lead.numel())
         flat = x.reshape(-1, self.d_model)
         n, d = flat.shape
         W, r, group = self.world_size, self.rank, self.process_group

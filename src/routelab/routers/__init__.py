@@ -62,8 +62,17 @@ ALIASES: dict[str, str] = {
     "balanced": "base",
 }
 
-# Routers whose number of experts per token is fixed by the method, not by a k argument.
-_NO_K = {"softmax", "base", "gumbel_matching"}
+# Routers whose number of experts per token is fixed by the method, not by a k argument: the k
+# they support, in words, for the error a generic caller gets when it passes the model's k.
+_FIXED_K = {
+    "softmax": "k=None or k=num_experts: softmax gating is dense (every token uses all E experts, weighted by "
+               "the full softmax; it is not renormalised over a top-k); for k experts per token use router='topk'",
+    "switch": "k=None or k=1: Switch routing is top-1; for k experts per token use router='topk'",
+    "gumbel_matching": "k=None or k=1: Gumbel-Matching samples one expert per token (a balanced n x E matching); "
+                       "for k experts per token use router='sinkhorn' or 'topk'",
+    "base": "k=None or k=1: the exact balanced assignment routes one expert per token (the k > 1 balanced "
+            "b-matching is not available in this version); for k experts per token use router='sinkhorn'",
+}
 
 
 def router_name(name: str) -> str:
@@ -85,25 +94,26 @@ def make_router(name: str, d_model: int, num_experts: int, *, k: int | None = No
         name: a key of :data:`ROUTERS`.
         d_model: token width.
         num_experts: ``E``.
-        k: experts per token for ``topk``/``noisy_topk``/``batchwise``/``sinkhorn`` (default 1,
-            2 for ``noisy_topk``); must be ``None`` or match for the others (``softmax`` uses
-            all ``E``, ``base`` and ``gumbel_matching`` one).
+        k: the model's experts per token. ``topk``/``noisy_topk``/``batchwise``/``sinkhorn``
+            take any ``1 <= k <= E`` (default 1, 2 for ``noisy_topk``); the others support one
+            value, or ``None``: ``softmax`` ``k = E`` (dense), ``switch``, ``base`` and
+            ``gumbel_matching`` ``k = 1``.
         **kwargs: the router's own options (see its class).
 
     Raises:
-        ValueError: unknown name, or a ``k`` the router cannot use.
+        ValueError: unknown name, or a ``k`` the router cannot use (the message says which ``k``
+            it supports).
     """
     name = router_name(name)
     cls = ROUTERS[name]
-    if name in _NO_K:
+    if name in _FIXED_K:
         fixed = num_experts if name == "softmax" else 1
-        if k is not None and k != fixed:
-            raise ValueError(f"router {name!r} sends every token to {fixed} expert(s); drop k={k} (or use 'topk')")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k != fixed):
+            supported = _FIXED_K[name].replace("k=num_experts", f"k=num_experts={num_experts}")
+            raise ValueError(f"router {name!r} got k={k!r} but supports {supported}")
+        if name == "switch":
+            return cls(d_model, num_experts, 1, **kwargs)
         return cls(d_model, num_experts, **kwargs)
-    if name == "switch":
-        if k not in (None, 1):
-            raise ValueError(f"router 'switch' is top-1; use router='topk' with k={k}")
-        k = 1
     return cls(d_model, num_experts, k if k is not None else (2 if name == "noisy_topk" else 1), **kwargs)
 
 

@@ -21,19 +21,21 @@ class BASERouter(Router):
 
     (Named after the paper's BASE layers; ``BaseRouter``, its old name, is a deprecated alias.)
 
-    Training: ``expert = balanced_assignment(x W, capacity)`` (Kool et al. eq. 4, exact), one
-    expert per token, every expert at most ``capacity`` tokens. The combine weight is
-    ``sigmoid(logit of the assigned expert)`` as in BASE layers, so the router learns through
-    the gate. Inference: the balanced assignment again (``eval_balanced=True``) or the greedy
-    ``argmax`` of Lewis et al. (``False``; the layer's capacity may then drop tokens).
+    Training: ``expert = balanced_assignment(x W, ceil(n / E))`` (Kool et al. eq. 4, exact), one
+    expert per token, every expert at most the balanced quota ``ceil(n / E)`` tokens whatever the
+    layer's buffer capacity (dropless included). The combine weight is ``sigmoid(logit of the
+    assigned expert)`` as in BASE layers, so the router learns through the gate. Inference: the
+    greedy ``argmax`` of Lewis et al. (the default: a token's route depends on its own score
+    only, as a causal language model needs), or the balanced assignment again
+    (``eval_balanced=True``, which makes a token's route depend on its batch-mates).
 
     Args:
         d_model: token width.
         num_experts: ``E``.
-        eval_balanced: whether inference also solves the balanced assignment.
+        eval_balanced: whether inference solves the balanced assignment (default ``False``).
     """
 
-    def __init__(self, d_model: int, num_experts: int, *, eval_balanced: bool = True) -> None:
+    def __init__(self, d_model: int, num_experts: int, *, eval_balanced: bool = False) -> None:
         super().__init__(d_model, num_experts, 1)
         self.eval_balanced = bool(eval_balanced)
 
@@ -88,8 +90,11 @@ class GumbelMatchingRouter(Router):
     ``softmax(x W / tau)`` under the layer's capacity, with importance weights ``p / q`` from the
     exact conditionals, App. D.5). Any method of :data:`routelab.estimators.METHODS` works
     (``"sample_skip_iw"`` etc.). ``gate = p(expert | x)`` (differentiable), ``weight`` the
-    importance weight, ``log_prob`` for REINFORCE. Inference: the deterministic balanced
-    assignment (the ``tau -> 0`` limit, BASE) or ``argmax`` if ``eval_balanced=False``.
+    importance weight, ``log_prob`` for REINFORCE. The sample balances at the quota
+    ``ceil(n / E)`` whatever the layer's buffer capacity. Inference: ``argmax`` (the default; a
+    token's route depends on its own score only), or the deterministic balanced assignment (the
+    ``tau -> 0`` limit, BASE) if ``eval_balanced=True``. Its samples are replayed by activation
+    checkpointing (:class:`~routelab.routing.replay.NoiseReplay`).
 
     Use the layer's ``importance_weighting=True`` to multiply the combine weight by ``weight``
     (the unbiased estimate of the dense mixture of Kool et al. Sec. 3.1).
@@ -100,12 +105,14 @@ class GumbelMatchingRouter(Router):
         tau: proposal temperature ``> 0``.
         method: an estimator of :data:`routelab.estimators.METHODS`.
         sinkhorn: balance the proposal with Sinkhorn first (App. E).
-        eval_balanced: whether inference solves the balanced assignment.
+        eval_balanced: whether inference solves the balanced assignment (default ``False``).
         balance_coef: weight of the Switch balance loss in ``aux["balance"]``.
     """
 
+    stochastic = True
+
     def __init__(self, d_model: int, num_experts: int, *, tau: float = 1.0, method: str = "gumbel_matching_iw",
-                 sinkhorn: bool = False, eval_balanced: bool = True, balance_coef: float = 0.0) -> None:
+                 sinkhorn: bool = False, eval_balanced: bool = False, balance_coef: float = 0.0) -> None:
         super().__init__(d_model, num_experts, 1)
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")

@@ -8,6 +8,12 @@ Its ``keep`` marks the slots it *proposes* (all of them for top-k, the mask
 for batchwise gating); the MoE layer then enforces the expert capacity on those candidates
 (:func:`routelab.routing.apply_capacity`). ``aux`` holds the router's auxiliary losses, already
 multiplied by their coefficients, so a training loss is ``task_loss + sum(routes.aux.values())``.
+
+Token masks (``mask [tokens]``, ``True`` = a real token) are applied here for every router: the
+masked tokens are removed before :meth:`Router.route` and routed nowhere
+(:mod:`routelab.routing.masks`). Stochastic routers draw through a
+:class:`~routelab.routing.replay.NoiseReplay`, so activation checkpointing recomputes the
+forward's noise.
 """
 
 from __future__ import annotations
@@ -15,9 +21,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .._checks import GeneratorAttribute, check_capacity, check_finite, check_generator, check_positive_int
+from .._checks import (
+    GeneratorAttribute,
+    check_capacity,
+    check_finite,
+    check_generator,
+    check_positive_int,
+    checks_run,
+    token_mask,
+)
 from ..gates.protocol import GateOutput
 from ..routes import Routes
+from ..routing.masks import real_tokens, scatter_routes
+from ..routing.replay import NoiseReplay
 from ..routing.rules import expert_grid
 
 __all__ = ["Router", "check_finite_features", "check_positive_int", "expert_grid"]
@@ -38,6 +54,8 @@ class Router(nn.Module):
 
     Subclasses implement :meth:`route`. The scoring layer runs in float32 whatever the input
     dtype (routing decisions in half precision are fragile), and the input is validated once.
+    Subclasses that draw randomness in :meth:`route` set ``stochastic = True``: their draws are
+    replayed by activation checkpointing (:class:`~routelab.routing.replay.NoiseReplay`).
 
     Args:
         d_model: token width.
@@ -48,7 +66,12 @@ class Router(nn.Module):
         proj: ``nn.Linear(d_model, E, bias=False)``, the router's scores.
         generator: the source of randomness of stochastic routers (``None``: torch's global
             generator); set it for bit-for-bit reproducible runs.
+        check_finite: check the router's scores for NaN/inf on every call (one host sync;
+            skipped anyway while ``torch.compile`` traces). ``False`` drops the check.
     """
+
+    #: Whether :meth:`route` draws randomness in training (noise replayed under checkpointing).
+    stochastic: bool = False
 
     generator = GeneratorAttribute("The source of randomness of stochastic routers (``None``: torch's global generator).")
 
@@ -59,6 +82,8 @@ class Router(nn.Module):
         self.slots = check_positive_int("k", slots, upper=num_experts, upper_name="num_experts")
         self.proj = nn.Linear(d_model, num_experts, bias=False)
         self.generator = None
+        self.check_finite = True
+        self._replay = NoiseReplay()
 
     def logits(self, x: Tensor) -> Tensor:
         """Router logits ``[tokens, E]`` in float32."""
@@ -90,13 +115,18 @@ class Router(nn.Module):
             raise ValueError(f"x must be a floating tensor, got {x.dtype}; convert it with x.float()")
         return GateOutput(self.features(x))
 
-    def forward(self, x: Tensor, capacity: int | None = None) -> Routes:
+    def forward(self, x: Tensor, capacity: int | None = None, *, mask: Tensor | None = None) -> Routes:
         """Route ``x``: score it (:meth:`gate`), check the scores finite, then :meth:`route`.
 
         Args:
             x: ``[tokens, d_model]``.
-            capacity: the layer's per-expert capacity (balanced routers solve under it; others
-                ignore it and leave dropping to the layer). ``None``: no limit.
+            capacity: the layer's per-expert capacity (balanced routers check that it holds
+                their quota; others ignore it and leave dropping to the layer). ``None``: no
+                limit.
+            mask: optional ``BoolTensor [tokens]``, ``True`` for real tokens: the others are
+                routed nowhere (no capacity, no balanced solve, no statistic, no auxiliary loss;
+                :mod:`routelab.routing.masks`), and the real tokens are routed exactly as
+                without the masked ones. One host sync to count the real tokens.
 
         Returns:
             :class:`~routelab.Routes` ``[tokens, slots]`` (``slots`` may exceed ``k`` for
@@ -105,8 +135,30 @@ class Router(nn.Module):
         """
         feats = self.gate(x).scores
         capacity = check_capacity(capacity)
-        check_finite_features(feats)
-        return self.route(feats, capacity)
+        mask = token_mask(mask, x.shape[:1])
+        index = None
+        if mask is not None:
+            index = real_tokens(mask)
+            feats = feats.index_select(0, index)
+        routes = self.route_features(feats, capacity)
+        return routes if index is None else scatter_routes(routes, index, x.shape[0])
+
+    def route_features(self, features: Tensor, capacity: int | None) -> Routes:
+        """:meth:`route` with the router's safeguards: the finite check of the scores (unless
+        ``check_finite`` is False or ``torch.compile`` traces) and, for stochastic routers in
+        training, the noise replay of activation checkpointing. For callers that computed the
+        features themselves (expert parallelism gathers them from every rank).
+
+        Args:
+            features: ``[tokens, F]`` float32, :meth:`features` of the tokens to route.
+            capacity: as in :meth:`forward`.
+        """
+        if self.check_finite and checks_run():
+            check_finite_features(features)
+        if self.stochastic and self.training:
+            with self._replay.draw(self.generator):
+                return self.route(features, capacity)
+        return self.route(features, capacity)
 
     def route(self, features: Tensor, capacity: int | None) -> Routes:  # pragma: no cover - abstract
         """The routing rule (a function of :mod:`routelab.routing.rules`) on the float32

@@ -15,14 +15,16 @@ __all__ = ["BatchwiseRouter"]
 class BatchwiseRouter(Router):
     """App. F gating: ``G = G_sigma * M / sum(G_sigma * M)`` (eq. 16) with ``G_sigma = softmax(x W_g)``.
 
-    * Training: ``M`` is the batchwise mask (eq. 18): every expert takes exactly
-      ``m = k * tokens / E`` tokens of the batch (``k * tokens`` must be divisible by ``E``).
+    * Training: ``M`` is the batchwise mask (eq. 18): every expert takes ``m = k * tokens / E``
+      tokens of the batch (the floor or the ceiling of ``m`` when ``E`` does not divide
+      ``k * tokens``; any batch size works).
       The per-expert thresholds ``T`` learn from ``aux["threshold"] = threshold_coef *
       L_batchwise(G_sigma, T, M) / tokens`` (eq. 20, on detached scores, so only ``T`` learns
       from it; divided by the batch size so the step does not depend on it).
     * Inference (``eval()``): ``M`` is the threshold mask ``G_sigma > T`` (eq. 19), which works
-      for any batch size, including 1; ``inference="batchwise"`` keeps the batchwise mask instead
-      (only meaningful for large, divisible batches).
+      for any batch size, including 1, and depends on no other token; ``inference="batchwise"``
+      keeps the batchwise mask instead (only meaningful for large batches; a token's route then
+      depends on its batch-mates).
 
     Routes have ``E`` slots per token (slot ``e`` is expert ``e``) with ``keep`` = the mask, so a
     token may use any number of experts (including none: its gate is then all zero).

@@ -59,7 +59,11 @@ class NoisyTopKRouter(Router):
         importance_coef, load_coef: loss weights (the paper uses 0.1 each).
         noise_epsilon: added to the softplus so the noise never vanishes (reference
             implementations use 1e-2).
+
+    The noise is replayed by activation checkpointing (:class:`~routelab.routing.replay.NoiseReplay`).
     """
+
+    stochastic = True
 
     def __init__(self, d_model: int, num_experts: int, k: int = 2, *, importance_coef: float = 0.1,
                  load_coef: float = 0.1, noise_epsilon: float = 1e-2) -> None:

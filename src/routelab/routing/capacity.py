@@ -205,7 +205,9 @@ def apply_capacity(
     flat_expert = expert.t().reshape(-1)
     flat_cand = candidate.t().reshape(-1)
     group = torch.where(flat_cand, flat_expert, torch.full_like(flat_expert, num_experts))
-    counts = torch.bincount(group, minlength=num_experts + 1)
+    # Counts by scatter-add, not bincount: a static shape, so torch.compile traces it.
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(0, group, torch.ones_like(group))
     if policy == "random":
         rank = random_ranks(group, num_experts + 1, generator, counts=counts)
     else:
@@ -213,7 +215,7 @@ def apply_capacity(
             priority = -torch.arange(n * s, device=device, dtype=torch.float64)
         else:
             priority = score.detach().t().reshape(-1).to(torch.float64)
-        rank = rank_within_groups(group, priority, num_experts + 1)
+        rank = rank_within_groups(group, priority, num_experts + 1, counts=counts)
     keep_flat = flat_cand & (rank < capacity)
     load = counts[:num_experts]
     kept = torch.minimum(load, torch.as_tensor(capacity, device=device))

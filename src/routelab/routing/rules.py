@@ -7,7 +7,9 @@ the router checks them, in its one host synchronisation) and its options, and re
 ``Routes [tokens, slots]`` whose ``keep`` marks the *proposed* slots; the layer then enforces the
 expert capacity on them (:func:`routelab.routing.apply_capacity`). ``aux`` holds the rule's
 auxiliary losses, already multiplied by their coefficients. No rule keeps state: randomness comes
-from the ``generator`` argument, learned quantities (batchwise thresholds) are arguments.
+from the ``generator`` argument, learned quantities (batchwise thresholds) are arguments. Every
+rule also takes ``mask: BoolTensor [tokens]`` (``True`` = a real token): it then runs on the real
+tokens alone and routes the masked ones nowhere (:mod:`routelab.routing.masks`).
 
 * :func:`softmax_routes` — dense softmax gating (Shazeer et al. 2017, eq. 15);
 * :func:`topk_routes` — top-k (Switch for ``k = 1``), Switch balance loss;
@@ -25,11 +27,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import check_k, check_positive_int, resolve_capacity
-from ..assignment import balanced_assignment, sinkhorn_balance
+from .._checks import balanced_quotas, check_capacity, check_k, check_positive_int
+from ..assignment import balanced_assignment as _balanced_assignment
+from ..assignment import sinkhorn_balance
 from ..gates.batchwise import batchwise_mask, batchwise_threshold_loss, threshold_mask
 from ..routes import Routes
 from .losses import cv_squared, noisy_topk_load, switch_balance
+from .eager import eager
+from .masks import masked_rule
 
 __all__ = [
     "INFERENCE_MASKS",
@@ -44,6 +49,9 @@ __all__ = [
     "softmax_routes",
     "topk_routes",
 ]
+
+# The solvers run eagerly under torch.compile (routing/eager.py).
+balanced_assignment = eager(_balanced_assignment)
 
 #: The masks batchwise gating may use at inference (``batchwise_routes(..., inference=)``).
 INFERENCE_MASKS: tuple[str, ...] = ("threshold", "batchwise")
@@ -68,18 +76,36 @@ def expert_grid(n: int, num_experts: int, device: torch.device) -> Tensor:
     return torch.arange(num_experts, device=device).expand(n, num_experts)
 
 
-def balanced_capacity(n: int, num_experts: int, capacity: int | None, router: str = "balanced") -> int:
-    """The capacity a balanced solve uses: the layer's (at most ``n``), which must hold every token;
-    ``ceil(n / E)`` without one (:func:`routelab._checks.resolve_capacity`).
+def balanced_capacity(n: int, num_experts: int, capacity: int | None, router: str = "balanced", k: int = 1) -> int:
+    """The capacity a balanced solve uses: ``ceil(k * n / E)`` pairs per expert
+    (:func:`routelab._checks.balanced_quotas`), whatever the layer's buffer capacity.
+
+    Balanced means balanced: a dropless layer (``capacity = n``) or a capacity factor above 1
+    only leaves the buffers slack; the solve itself always balances at ``k * n / E``.
+
+    Args:
+        n: tokens routed (the real tokens).
+        num_experts: ``E``.
+        capacity: the layer's per-expert buffer capacity, or ``None`` (no buffer limit).
+        router: the router's name, for the error.
+        k: experts per token.
 
     Raises:
-        ValueError: ``capacity * E < n`` (naming ``capacity_factor``, the layer's knob).
+        ValueError: ``capacity`` is smaller than the quota (the balanced router could not place
+            every pair: it names ``capacity_factor``, the layer's knob).
     """
-    need = -(-n // num_experts)
-    fix = f"the {router} router assigns every token: use capacity_factor >= 1 (capacity >= {need})"
-    return resolve_capacity(n, num_experts, capacity, default="ceil", at_most_tokens=True, fix=fix)
+    quota = balanced_quotas(n, num_experts, k)[1]
+    capacity = check_capacity(capacity)
+    if capacity is not None and capacity < quota:
+        raise ValueError(
+            f"capacity={capacity} is below the balanced quota ceil(k*n/E) = {quota} of n={n} tokens on "
+            f"E={num_experts} experts: the {router} router assigns every token, so use capacity_factor >= 1 "
+            f"(capacity >= {quota})"
+        )
+    return quota
 
 
+@masked_rule("logits")
 def softmax_routes(logits: Tensor, *, importance_coef: float = 0.0) -> Routes:
     """Dense gating ``G(x) = softmax(logits)`` (Shazeer et al. 2017, eq. 15): ``E`` slots per token.
 
@@ -106,6 +132,7 @@ def softmax_routes(logits: Tensor, *, importance_coef: float = 0.0) -> Routes:
     )
 
 
+@masked_rule("logits")
 def topk_routes(logits: Tensor, k: int, *, renormalize: bool = False, balance_coef: float = 0.01) -> Routes:
     """Each token goes to the ``k`` experts with the largest logits (``k = 1``: Switch routing).
 
@@ -132,6 +159,7 @@ def topk_routes(logits: Tensor, k: int, *, renormalize: bool = False, balance_co
     return Routes(expert=expert, gate=gate, keep=keep, weight=torch.ones_like(gate), log_prob=log_prob, aux=aux)
 
 
+@masked_rule("logits", "noise_std")
 def noisy_topk_routes(logits: Tensor, noise_std: Tensor, k: int, *, training: bool = True,
                       importance_coef: float = 0.1, load_coef: float = 0.1,
                       generator: torch.Generator | None = None) -> Routes:
@@ -192,12 +220,13 @@ def batchwise_mask_in_use(probs: Tensor, k: int, thresholds: Tensor, *, training
     return threshold_mask(probs, thresholds.detach().to(probs.dtype))
 
 
+@masked_rule("logits")
 def batchwise_routes(logits: Tensor, k: int, thresholds: Tensor, *, training: bool = True,
                      inference: str = "threshold", threshold_coef: float = 1.0) -> Routes:
     """App. F gating: ``G = G_sigma * M / sum(G_sigma * M)`` (eq. 16) with ``G_sigma = softmax(logits)``.
 
-    Training: ``M`` is the batchwise mask (eq. 18), every expert takes exactly ``k * tokens / E``
-    tokens (``k * tokens`` must be divisible by ``E``), and the thresholds learn from
+    Training: ``M`` is the batchwise mask (eq. 18), every expert takes ``k * tokens / E`` tokens
+    (its floor or ceiling when ``E`` does not divide ``k * tokens``), and the thresholds learn from
     ``aux["threshold"] = threshold_coef * L_batchwise(G_sigma, T, M) / tokens`` (eq. 20, on
     detached scores). Inference: the threshold mask ``G_sigma > T`` (eq. 19), or the batchwise
     mask with ``inference="batchwise"``.
@@ -230,16 +259,20 @@ def batchwise_routes(logits: Tensor, k: int, thresholds: Tensor, *, training: bo
                   weight=torch.ones_like(gate), log_prob=log_p, aux=aux)
 
 
+@masked_rule("logits")
 def balanced_routes(logits: Tensor, capacity: int | None = None, *, balanced: bool = True) -> Routes:
     """BASE layers (Lewis et al. 2021): the exact balanced assignment maximising the total score.
 
-    ``expert = balanced_assignment(logits, capacity)`` (Kool et al. eq. 4, exact), one expert per
-    token, at most ``capacity`` tokens per expert; ``balanced=False`` takes the greedy ``argmax``
-    instead (BASE's inference). The combine weight is ``sigmoid(logit of the assigned expert)``.
+    ``expert = balanced_assignment(logits, ceil(n / E))`` (Kool et al. eq. 4, exact), one expert
+    per token, at most the balanced quota ``ceil(n / E)`` tokens per expert whatever the layer's
+    buffer capacity (:func:`balanced_capacity`); ``balanced=False`` takes the greedy ``argmax``
+    instead (BASE's inference, which depends on no other token). The combine weight is
+    ``sigmoid(logit of the assigned expert)``.
 
     Args:
         logits: ``[tokens, E]``.
-        capacity: tokens per expert (``None``: ``ceil(tokens / E)``); must hold every token.
+        capacity: the layer's buffer capacity per expert (``None``: no limit); it must hold the
+            quota ``ceil(tokens / E)``.
         balanced: solve the balanced assignment (else ``argmax``).
 
     Returns:
@@ -259,6 +292,7 @@ def balanced_routes(logits: Tensor, capacity: int | None = None, *, balanced: bo
                   weight=torch.ones_like(gate), log_prob=log_prob)
 
 
+@eager
 def sinkhorn_balanced_log_probs(log_p: Tensor, sweeps: int) -> Tensor:
     """``[tokens, E]`` log of the Sinkhorn-balanced probabilities (detached): columns towards
     ``tokens / E``, at most ``sweeps`` sweeps, stopping once every column is within 1% of it."""
@@ -268,6 +302,7 @@ def sinkhorn_balanced_log_probs(log_p: Tensor, sweeps: int) -> Tensor:
     return out.squeeze(0)
 
 
+@masked_rule("logits")
 def sinkhorn_routes(logits: Tensor, k: int, *, sweeps: int = 20, balanced: bool = True, renormalize: bool = False,
                     balance_coef: float = 0.0) -> Routes:
     """Sinkhorn-balanced routing (Kool et al. Sec. 2.3; S-BASE of Clark et al. 2022).

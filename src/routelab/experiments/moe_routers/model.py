@@ -55,9 +55,10 @@ ROUTER_SPECS: tuple[RouterSpec, ...] = (
     RouterSpec("top2", "topk", k=2, note="top-2, full-softmax weights, balance loss 0.01"),
     RouterSpec("noisy_top2", "noisy_topk", k=2, note="noisy top-2, importance + load losses 0.1 (Shazeer et al.)"),
     RouterSpec("batchwise", "batchwise", k=2, note="App. F batchwise mask in training, learned thresholds at inference, k=2"),
-    RouterSpec("base", "base", note="BASE: exact balanced assignment (train and eval)"),
+    RouterSpec("base", "base", router_kwargs={"eval_balanced": True},
+               note="BASE: exact balanced assignment (train and eval)"),
     RouterSpec("sinkhorn", "sinkhorn", k=1, note="Sinkhorn-balanced top-1 (S-BASE), unbalanced at eval"),
-    RouterSpec("gumbel_matching", "gumbel_matching", importance_weighting=True,
+    RouterSpec("gumbel_matching", "gumbel_matching", importance_weighting=True, router_kwargs={"eval_balanced": True},
                note="Gumbel-Matching sample with importance weights (Kool et al.), balanced assignment at eval"),
 )
 
@@ -152,6 +153,7 @@ class MnistMoE(nn.Module):
         self.norm = nn.LayerNorm(d)
         self.moe = MoE(d, settings.d_hidden, settings.num_experts, router=spec.router, k=spec.k,
                        router_kwargs=dict(spec.router_kwargs) or None, capacity_factor=settings.capacity_factor,
+                       eval_capacity_factor=settings.capacity_factor,  # the protocol: the same capacity at test
                        importance_weighting=spec.importance_weighting, generator=generator)
         self.out_norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, 10)
@@ -364,12 +366,12 @@ def train_run(spec: RouterSpec, seed: int, settings: Settings, data: tuple[Tenso
     n1 = settings.batch1_images
     b1 = evaluate(model, test_x[:n1], test_y[:n1], 1) if n1 else {}
     subset = evaluate(model, test_x[:n1], test_y[:n1], bs) if n1 else {}  # the same images, batched
-    factor = model.moe.capacity_factor
-    model.moe.capacity_factor = None  # dropless evaluation: the buffer holds every routed token
+    factor = model.moe.eval_capacity_factor
+    model.moe.eval_capacity_factor = None  # dropless evaluation: the buffer holds every routed token
     try:
         dropless = evaluate(model, test_x, test_y, bs)
     finally:
-        model.moe.capacity_factor = factor
+        model.moe.eval_capacity_factor = factor
     record: dict[str, Any] = {
         "router": spec.name, "seed": seed, "steps": step, "epochs": settings.epochs,
         "train": {k: _mean(v) for k, v in last_epoch.items()},

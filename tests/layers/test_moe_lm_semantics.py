@@ -1,0 +1,120 @@
+"""Language-model semantics of the MoE layer at inference (issue 15, item 7).
+
+In ``eval()`` with the defaults (dropless ``eval_capacity_factor=None``; per-token inference of the
+balanced routers), a sequence's outputs must not depend on its batch-mates nor on its own future
+tokens, for every router. Oracle: the same layer on the sequence alone and on its prefixes. The
+options that do make outputs batch-dependent (``eval_capacity_factor``, ``eval_balanced=True``,
+``inference="batchwise"``) are shown to, so that the independence checks can fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from routelab.layers import MoE, MoEConfig
+
+D, H, E = 8, 16, 4
+ROUTER_K = {"softmax": None, "topk": 2, "switch": 1, "noisy_topk": 2, "batchwise": 2, "base": 1, "sinkhorn": 2,
+            "gumbel_matching": 1}
+EVERY_ROUTER = ["softmax", "topk", "switch", "noisy_topk", "batchwise", "base", "sinkhorn", "gumbel_matching"]
+ATOL = 1e-6  # a different batch changes the buffer sizes of the batched matmuls, not the math
+
+
+def trained_layer(name: str, *, seed: int = 0, **kw) -> MoE:
+    """A layer after a few training steps (learned batchwise thresholds, non-zero noisy weights)."""
+    torch.manual_seed(seed)
+    moe = MoE(D, H, E, router=name, k=ROUTER_K[name], capacity_factor=1.0,
+              generator=torch.Generator().manual_seed(seed), **kw)
+    with torch.no_grad():
+        moe.router.proj.weight.normal_(0, 1.0)
+    opt = torch.optim.SGD(moe.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(seed + 1)
+    for _ in range(3):
+        y, routes = moe(torch.randn(4, 6, D, generator=g) + 1.0)
+        loss = (y ** 2).mean() + sum(routes.aux.values(), torch.zeros(()))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return moe.eval()
+
+
+def batch_and_sequence(seed: int = 7) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(5, 9, D, generator=g) + torch.randn(5, 1, D, generator=g)  # per-sequence offsets
+
+
+@pytest.mark.parametrize("name", EVERY_ROUTER)
+def test_eval_outputs_do_not_depend_on_batch_mates_or_future_tokens(name: str) -> None:
+    moe = trained_layer(name)
+    x = batch_and_sequence()
+    with torch.no_grad():
+        y_batch, _ = moe(x)
+        for b in range(x.shape[0]):
+            y_alone, _ = moe(x[b:b + 1])
+            torch.testing.assert_close(y_batch[b:b + 1], y_alone, rtol=0, atol=ATOL,
+                                       msg=f"{name}: sequence {b} depends on its batch-mates")
+        for t in (1, 4, 8):
+            y_prefix, _ = moe(x[:, :t])
+            torch.testing.assert_close(y_batch[:, :t], y_prefix, rtol=0, atol=ATOL,
+                                       msg=f"{name}: the first {t} tokens depend on later tokens")
+
+
+@pytest.mark.parametrize("name, option", [
+    ("topk", {"eval_capacity_factor": 1.0}),
+    ("base", {"router_kwargs": {"eval_balanced": True}}),
+    ("gumbel_matching", {"router_kwargs": {"eval_balanced": True}}),
+    ("sinkhorn", {"router_kwargs": {"eval_balanced": True}}),
+    ("batchwise", {"router_kwargs": {"inference": "batchwise"}}),
+])
+def test_batch_level_eval_options_do_depend_on_batch_mates(name: str, option: dict) -> None:
+    """The opt-in batch-level inference modes still work, and make the check above fail."""
+    moe = trained_layer(name, **option)
+    x = batch_and_sequence()
+    x[1:] += 4.0 * torch.randn(1, 1, D, generator=torch.Generator().manual_seed(3))  # batch-mates unlike seq 0
+    with torch.no_grad():
+        y_batch, _ = moe(x)
+        diffs = [float((y_batch[b:b + 1] - moe(x[b:b + 1])[0]).abs().max()) for b in range(x.shape[0])]
+    assert max(diffs) > 1e-3, f"{name} with {option}: expected batch-dependent outputs, max diff {max(diffs)}"
+
+
+def test_eval_capacity_factor_sets_the_inference_capacity() -> None:
+    moe = MoE(D, H, E, router="topk", k=2, capacity_factor=1.25, eval_capacity_factor=0.5)
+    x = torch.randn(40, D)
+    assert int(moe(x)[1].stats["capacity"]) == 25  # ceil(1.25 * 40 * 2 / 4)
+    moe.eval()
+    assert int(moe(x)[1].stats["capacity"]) == 10  # ceil(0.5 * 40 * 2 / 4)
+    moe.eval_capacity_factor = None
+    _, routes = moe(x)
+    assert float(routes.stats["dropped_fraction"]) == 0.0  # dropless: the buffer is the largest load
+    assert int(routes.stats["capacity"]) == int(routes.stats["tokens_per_expert"].max())
+
+
+def test_eval_defaults_are_dropless_and_per_token() -> None:
+    moe = MoE(D, H, E, router="base")
+    assert moe.eval_capacity_factor is None and moe.router.eval_balanced is False
+    assert MoE(D, H, E, router="gumbel_matching").router.eval_balanced is False
+    assert MoE(D, H, E, router="sinkhorn").router.eval_balanced is False
+    assert MoE(D, H, E, router="batchwise").router.inference == "threshold"
+
+
+def test_config_carries_eval_capacity_factor_and_check_finite() -> None:
+    config = MoEConfig(D, H, E, router="topk", k=2, eval_capacity_factor=2.0, check_finite=False)
+    moe = MoE.from_config(config)
+    assert moe.eval_capacity_factor == 2.0 and moe.router.check_finite is False
+    again = moe.config
+    assert again.eval_capacity_factor == 2.0 and again.check_finite is False
+    with pytest.raises(ValueError, match="eval_capacity_factor must be a finite number > 0"):
+        MoEConfig(D, H, E, eval_capacity_factor=0.0)
+    with pytest.raises(ValueError, match="eval_capacity_factor"):
+        MoE(D, H, E, eval_capacity_factor=float("nan"))
+    with pytest.raises(ValueError, match="check_finite"):
+        MoEConfig(D, H, E, check_finite="no")
+
+
+def test_check_finite_false_skips_the_check() -> None:
+    x = torch.full((3, D), float("nan"))
+    with pytest.raises(ValueError, match="not finite"):
+        MoE(D, H, E)(x)
+    y, _ = MoE(D, H, E, check_finite=False)(x)  # no error: the caller opted out of the check
+    assert y.shape == x.shape
