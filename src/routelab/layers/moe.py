@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from .._checks import check_generator, checks_run, floating_input, token_mask
 from ..routers import Router
 from ..routes import Routes
-from ..routing import DispatchPlan, apply_capacity, expert_capacity
+from ..routing import DispatchPlan, apply_capacity, expert_capacity, load_stats
 from ..routing.record import RoutingRecord
 from ..routing.masks import real_tokens, scatter_routes
 from ..routing.replay import NoiseReplay
@@ -289,17 +289,8 @@ class MoE(RoutingRecord, nn.Module):
         weight = proposed.weight * decision.skip_weight.to(proposed.weight.dtype)
         # apply_capacity's positions are valid by construction: no second host sync to check them.
         plan = DispatchPlan.build(proposed.expert, keep, decision.position, E, capacity, check=False)
-        n = proposed.expert.shape[0]
-        proposed_pairs = proposed.keep.sum()
-        kept = decision.kept.to(torch.float32)
-        stats = {
-            **proposed.stats,  # the router's own diagnostics (e.g. weights_clamped), then the layer's
-            "tokens_per_expert": decision.kept,
-            "load_cv": kept.std(unbiased=False) / kept.mean().clamp(min=1e-12) if E > 1 else kept.new_zeros(()),
-            "dropped_fraction": (proposed_pairs - keep.sum()) / proposed_pairs.clamp(min=1),
-            "tokens_dropped": (~keep.any(-1)).float().mean() if n else kept.new_zeros(()),
-            "capacity": torch.tensor(capacity),
-        }
+        # The router's own diagnostics (e.g. weights_clamped), then the layer's.
+        stats = {**proposed.stats, **load_stats(proposed.keep, decision, capacity)}
         routes = Routes(expert=proposed.expert, gate=proposed.gate, keep=keep, weight=weight,
                         log_prob=proposed.log_prob, aux=dict(proposed.aux), stats=stats)
         return routes, plan
