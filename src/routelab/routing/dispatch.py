@@ -152,8 +152,8 @@ class DispatchPlan:
 
         Args:
             expert_out: ``[E, C, d]`` expert outputs per buffer row.
-            weight: ``[tokens, slots]`` combine weight of every pair (dropped pairs read a zero
-                row, so their weight does not matter).
+            weight: ``[tokens, slots]`` combine weight of every pair; a dropped pair's weight is
+                ignored, whatever its value (inf and NaN included).
 
         Returns:
             ``[tokens, d]``: ``y_t = sum_s weight[t, s] * expert_out[row_of_slot[t, s]]``.
@@ -175,4 +175,7 @@ class DispatchPlan:
         flat = expert_out.reshape(-1, d)
         padded = torch.cat([flat, flat.new_zeros(1, d)])
         picked = padded[self.row_of_slot]  # [tokens, slots, d]
-        return torch.einsum("ts,tsd->td", weight.to(picked.dtype), picked)
+        # Dropped pairs read the zero row; their weight is zeroed too, so 0 * inf never enters the sum.
+        dropped = self.row_of_slot == flat.shape[0]
+        weight = weight.to(picked.dtype).masked_fill(dropped, 0.0)
+        return torch.einsum("ts,tsd->td", weight, picked)
