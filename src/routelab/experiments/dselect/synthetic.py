@@ -91,7 +91,7 @@ class StaticGateBank(nn.Module):
     (:func:`~routelab.gates.dselect_weights`, :func:`~routelab.gates.selector_outputs`,
     :func:`~routelab.gates.keep_top_k`). The initialisation and penalties are those of
     :class:`~routelab.gates.DSelectK`, :class:`~routelab.gates.TopKGate` and
-    :class:`~routelab.gates.SoftmaxSelectorGate`; ``tests/test_dselect_experiments.py`` checks
+    :class:`~routelab.gates.SoftmaxSelectorGate`; ``tests/experiments/test_dselect_experiments.py`` checks
     that the bank equals T separate gate modules with the same parameters.
     """
 

@@ -8,7 +8,7 @@ expert capacity ``n / k = 50``.
 Every run (configuration x method x temperature x seed) is one slice of a :class:`ToyBatch`: each
 parameter is a tensor with a leading run dimension ``[R, ...]`` and one Adam updates them all.
 Adam is elementwise and the objective is a sum over runs of per-run terms, so the runs are
-independent (``tests/test_kool_toy.py`` checks the gradients against separate single-run
+independent (``tests/experiments/test_kool_toy.py`` checks the gradients against separate single-run
 models). Per step there is one :func:`~routelab.estimators.sample_routes` call per
 ``(method, sinkhorn)`` group, with one temperature per run.
 """

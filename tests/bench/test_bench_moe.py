@@ -85,7 +85,7 @@ def test_dense_is_skipped_over_its_memory_limit() -> None:
     assert "dense skipped at E=4, k=1" in text
 
 
-def test_run_benchmark_restores_threads() -> None:  # bad arguments: tests/test_bench.py
+def test_run_benchmark_restores_threads() -> None:  # bad arguments: tests/bench/test_bench.py
     before = torch.get_num_threads()
     text = bench.run_benchmark(config=bench.BenchConfig(d_model=8, d_hidden=16, tokens=32, experts=(4,), ks=(1,),
                                                         repeats=1, budget_s=1.0), threads=1)
