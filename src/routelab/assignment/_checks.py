@@ -6,6 +6,6 @@ rule is defined once, in :mod:`routelab._checks`.
 
 from __future__ import annotations
 
-from .._checks import check_generator, check_score_matrix, check_tau, resolve_capacity
+from .._checks import check_generator, check_k, check_score_matrix, check_tau, resolve_capacity
 
-__all__ = ["check_generator", "check_score_matrix", "check_tau", "resolve_capacity"]
+__all__ = ["check_generator", "check_k", "check_score_matrix", "check_tau", "resolve_capacity"]

@@ -157,8 +157,12 @@ def _graph_of(S: Tensor, z: Tensor, c: int, big: Tensor) -> Tensor:
     return expert_graph(S, holder, counts, c, big)[0]
 
 
-def _working_scores(S: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
+def _working_scores(S: Tensor, pairs: int | None = None) -> tuple[Tensor, Tensor | None, Tensor]:
     """Replace -inf by a finite penalty large enough that any feasible assignment beats one using it.
+
+    ``pairs`` is the number of (token, expert) pairs a solution holds (default ``n``; ``k n`` for
+    the b-matching of :mod:`.b_matching`): a solution with a forbidden pair is then worse than
+    every one without, as ``penalty < lo - (hi - lo + 1) (pairs + 1)``.
 
     Returns:
         ``(working, forbidden, scale)``: the finite ``[B, n, k]`` scores, the ``[B, n, k]`` mask
@@ -175,7 +179,7 @@ def _working_scores(S: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
     hi = S.masked_fill(forbidden, float("-inf")).amax(dim=(-2, -1), keepdim=True)
     lo = torch.where(torch.isinf(lo), torch.zeros_like(lo), lo)  # an all-forbidden instance
     hi = torch.where(torch.isinf(hi), torch.zeros_like(hi), hi)
-    n = S.shape[-2]
+    n = S.shape[-2] if pairs is None else pairs
     penalty = lo - (hi - lo + 1.0) * (n + 1)
     scale = torch.maximum(hi.abs(), lo.abs()).view(-1)
     return torch.where(forbidden, penalty.expand_as(S), finite), forbidden, scale
