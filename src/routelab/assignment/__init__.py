@@ -2,6 +2,8 @@
 
 * :func:`sinkhorn` — log-space Sinkhorn balancing of an n x k matrix (Kool et al. 2021, Sec. 2.3).
 * :func:`balanced_assignment` — the exact capacity-constrained maximiser (eq. 4, App. D.2).
+* :func:`balanced_b_matching` — its ``k``-experts-per-token generalisation (BASE with top-k):
+  ``k`` distinct experts per token, every expert ``floor``/``ceil`` of ``k n / E`` pairs, exact.
 * :func:`gumbel_matching` — n x k Gumbel-Matching samples with their conditionals (App. D.3-D.5).
 * :func:`base_assignment` — the deterministic BASE-layers assignment, the ``tau -> 0`` limit.
 
@@ -21,6 +23,7 @@ than the arithmetic); :func:`clear_scratch` frees them.
 from ._groups import rank_within_groups
 from ._ops import amax, argmax, log_softmax
 from ._workspace import clear as clear_scratch
+from .b_matching import b_matching_quotas, balanced_b_matching
 from .balanced import balanced_assignment
 from .gumbel import GumbelMatching, base_assignment, gumbel_matching, sample_gumbel
 from .sinkhorn import balance as sinkhorn_balance
@@ -30,7 +33,9 @@ __all__ = [
     "GumbelMatching",
     "amax",
     "argmax",
+    "b_matching_quotas",
     "balanced_assignment",
+    "balanced_b_matching",
     "base_assignment",
     "clear_scratch",
     "gumbel_matching",

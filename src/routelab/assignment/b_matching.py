@@ -16,8 +16,9 @@ Algorithm (App. D.2 of Kool et al. 2021 for ``k = 1``, generalised to ``k`` slot
 quotas):
 
 1. **Start.** Every token takes its ``k`` best experts under expert prices ``u``,
-   ``top-k_j s[i, j] - u_j`` (:func:`._b_prices.b_matching_prices`, a few steps on the dual);
-   the loads may leave the quotas.
+   ``top-k_j s[i, j] - u_j`` (:func:`._b_start.start_b_matching`, a few steps on the dual;
+   ties spread over the experts); the loads may leave the
+   quotas.
 2. **Expert graph** on the ``E`` experts. The *move* arc ``a -> b`` costs
    ``min { s[i, a] - s[i, b] : i holds a and not b }``, the cheapest way to move one (token,
    expert) pair from ``a`` to ``b``. The *release* arc ``a -> b`` (``a`` below ``hi``, ``b``
@@ -43,7 +44,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._b_prices import b_matching_prices
+from ._b_start import repair_quotas, start_b_matching
 from ._b_tables import apply_moves, move_table, tables_from_held
 from ._checks import check_k, check_score_matrix, resolve_capacity
 from ._cycles import cycle_tolerance, find_negative_cycles
@@ -139,9 +140,8 @@ def _solve(S: Tensor, k: int, lo: int, hi: int, scale: Tensor) -> Tensor:
     B, n, E = S.shape
     dev = S.device
     # 1. start: the k best experts of every token under approximate prices
-    prices = b_matching_prices(S, k, lo, hi)
-    top = torch.topk(S - prices.unsqueeze(1), k, dim=-1).indices
-    held = torch.zeros(S.shape, dtype=torch.bool, device=dev).scatter_(-1, top, True)
+    prices, held = start_b_matching(S, k, lo, hi)
+    held = repair_quotas(S, held, lo, hi, max_rounds=4 * E + 16)  # bulk moves into the quotas (greedy)
     slots = max(hi, int(held.sum(1).max()))  # an over-full start needs room for its extra pairs
     t = tables_from_held(S, held, slots)
     # 2.-3. cancel negative cycles of the expert graph until there is none

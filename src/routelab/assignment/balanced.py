@@ -71,7 +71,7 @@ class BalancedSolution:
     rounds: int
 
 
-def balanced_assignment(scores: Tensor, capacity: int | None = None) -> Tensor:
+def balanced_assignment(scores: Tensor, capacity: int | None = None, *, k: int = 1) -> Tensor:
     """The exact maximiser of ``sum_i scores[i, z_i]`` with at most ``capacity`` tokens per expert.
 
     Exact means: no other feasible assignment beats it by more than the rounding of the scores'
@@ -85,15 +85,24 @@ def balanced_assignment(scores: Tensor, capacity: int | None = None) -> Tensor:
             leading dimensions (which may be empty). ``-inf`` marks a forbidden (token, expert)
             pair.
         capacity: tokens each expert may take; default ``n / k`` (then ``k`` must divide ``n``).
+        k: experts per token (keyword). ``k = 1`` (default): this function's assignment. ``k > 1``:
+            the exact balanced b-matching of :func:`~routelab.assignment.balanced_b_matching`
+            (``k`` distinct experts per token, every expert ``floor`` or ``ceil`` of ``k n / E``
+            pairs, or at most ``capacity``; here the experts are ``E``, the last dimension).
 
     Returns:
-        ``[..., n]`` long tensor, the expert of every token.
+        ``[..., n]`` long tensor, the expert of every token; for ``k > 1``, ``[..., n, k]``, the
+        ``k`` distinct experts of every token by descending score.
 
     Raises:
         ValueError: NaN or +inf scores, fewer than two dimensions, ``capacity * k < n``,
             ``n`` not divisible by ``k`` without an explicit capacity, or a pattern of ``-inf``
             entries that leaves no feasible assignment.
     """
+    if isinstance(k, bool) or not isinstance(k, int) or k != 1:
+        from .b_matching import balanced_b_matching  # the sibling module builds on this one
+
+        return balanced_b_matching(scores, k, capacity)
     sol = solve_balanced(scores, capacity)
     return sol.expert.view(scores.shape[:-1])
 
