@@ -63,7 +63,7 @@ ALIASES: dict[str, str] = {
 }
 
 # Routers whose number of experts per token is fixed by the method, not by a k argument.
-_NO_K = {"softmax", "base", "gumbel_matching"}
+_NO_K = {"softmax", "gumbel_matching"}
 
 
 def router_name(name: str) -> str:
@@ -85,9 +85,9 @@ def make_router(name: str, d_model: int, num_experts: int, *, k: int | None = No
         name: a key of :data:`ROUTERS`.
         d_model: token width.
         num_experts: ``E``.
-        k: experts per token for ``topk``/``noisy_topk``/``batchwise``/``sinkhorn`` (default 1,
-            2 for ``noisy_topk``); must be ``None`` or match for the others (``softmax`` uses
-            all ``E``, ``base`` and ``gumbel_matching`` one).
+        k: experts per token for ``topk``/``noisy_topk``/``batchwise``/``sinkhorn``/``base``
+            (default 1, 2 for ``noisy_topk``); must be ``None`` or match for the others
+            (``softmax`` uses all ``E``, ``gumbel_matching`` one).
         **kwargs: the router's own options (see its class).
 
     Raises:
@@ -100,6 +100,8 @@ def make_router(name: str, d_model: int, num_experts: int, *, k: int | None = No
         if k is not None and k != fixed:
             raise ValueError(f"router {name!r} sends every token to {fixed} expert(s); drop k={k} (or use 'topk')")
         return cls(d_model, num_experts, **kwargs)
+    if name == "base":
+        return cls(d_model, num_experts, k=1 if k is None else k, **kwargs)
     if name == "switch":
         if k not in (None, 1):
             raise ValueError(f"router 'switch' is top-1; use router='topk' with k={k}")

@@ -22,23 +22,29 @@ class BASERouter(Router):
     (Named after the paper's BASE layers; ``BaseRouter``, its old name, is a deprecated alias.)
 
     Training: ``expert = balanced_assignment(x W, capacity)`` (Kool et al. eq. 4, exact), one
-    expert per token, every expert at most ``capacity`` tokens. The combine weight is
-    ``sigmoid(logit of the assigned expert)`` as in BASE layers, so the router learns through
-    the gate. Inference: the balanced assignment again (``eval_balanced=True``) or the greedy
-    ``argmax`` of Lewis et al. (``False``; the layer's capacity may then drop tokens).
+    expert per token, every expert at most ``capacity`` tokens; with ``k > 1`` the exact balanced
+    b-matching (:func:`routelab.routing.balanced_routes`): ``k`` distinct experts per token and
+    every expert ``k n / E`` (token, expert) pairs (``floor``/``ceil`` of it when ``E`` does not
+    divide ``k n``; at most the layer's capacity when that is larger). The combine weight of
+    every slot is ``sigmoid(logit of its expert)`` as in BASE layers, so the router learns through
+    the gate. Inference: the balanced solve again (``eval_balanced=True``) or the greedy top-``k``
+    (``argmax`` for ``k = 1``) of Lewis et al. (``False``; the layer's capacity may then drop
+    tokens).
 
     Args:
         d_model: token width.
         num_experts: ``E``.
+        k: experts per token, ``1 <= k <= E``.
         eval_balanced: whether inference also solves the balanced assignment.
     """
 
-    def __init__(self, d_model: int, num_experts: int, *, eval_balanced: bool = True) -> None:
-        super().__init__(d_model, num_experts, 1)
+    def __init__(self, d_model: int, num_experts: int, *, k: int = 1, eval_balanced: bool = True) -> None:
+        super().__init__(d_model, num_experts, k)
+        self.k = self.slots
         self.eval_balanced = bool(eval_balanced)
 
     def route(self, logits: Tensor, capacity: int | None) -> Routes:
-        return balanced_routes(logits, capacity, balanced=self.training or self.eval_balanced)
+        return balanced_routes(logits, capacity, balanced=self.training or self.eval_balanced, k=self.k)
 
 
 class SinkhornRouter(Router):

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .._checks import check_k, check_positive_int, resolve_capacity
-from ..assignment import balanced_assignment, sinkhorn_balance
+from ..assignment import balanced_assignment, balanced_b_matching, sinkhorn_balance
 from ..gates.batchwise import batchwise_mask, batchwise_threshold_loss, threshold_mask
 from ..routes import Routes
 from .losses import cv_squared, noisy_topk_load, switch_balance
@@ -68,16 +68,25 @@ def expert_grid(n: int, num_experts: int, device: torch.device) -> Tensor:
     return torch.arange(num_experts, device=device).expand(n, num_experts)
 
 
-def balanced_capacity(n: int, num_experts: int, capacity: int | None, router: str = "balanced") -> int:
-    """The capacity a balanced solve uses: the layer's (at most ``n``), which must hold every token;
-    ``ceil(n / E)`` without one (:func:`routelab._checks.resolve_capacity`).
+def balanced_capacity(n: int, num_experts: int, capacity: int | None, router: str = "balanced", *, k: int = 1) -> int:
+    """The capacity a balanced solve uses: the layer's (at most ``n``), which must hold every
+    (token, expert) pair; ``ceil(k n / E)`` without one (:func:`routelab._checks.resolve_capacity`).
+
+    Args:
+        n: tokens.
+        num_experts: ``E``.
+        capacity: the layer's capacity, or ``None``.
+        router: the router's name, for the error message.
+        k: experts per token (``k n`` pairs to place).
 
     Raises:
-        ValueError: ``capacity * E < n`` (naming ``capacity_factor``, the layer's knob).
+        ValueError: ``capacity * E < k n`` (naming ``capacity_factor``, the layer's knob).
     """
-    need = -(-n // num_experts)
+    need = -(-k * n // num_experts)
     fix = f"the {router} router assigns every token: use capacity_factor >= 1 (capacity >= {need})"
-    return resolve_capacity(n, num_experts, capacity, default="ceil", at_most_tokens=True, fix=fix)
+    if k == 1:
+        return resolve_capacity(n, num_experts, capacity, default="ceil", at_most_tokens=True, fix=fix)
+    return min(resolve_capacity(k * n, num_experts, capacity, default="ceil", fix=fix), n)
 
 
 def softmax_routes(logits: Tensor, *, importance_coef: float = 0.0) -> Routes:
@@ -230,32 +239,45 @@ def batchwise_routes(logits: Tensor, k: int, thresholds: Tensor, *, training: bo
                   weight=torch.ones_like(gate), log_prob=log_p, aux=aux)
 
 
-def balanced_routes(logits: Tensor, capacity: int | None = None, *, balanced: bool = True) -> Routes:
+def balanced_routes(logits: Tensor, capacity: int | None = None, *, balanced: bool = True, k: int = 1) -> Routes:
     """BASE layers (Lewis et al. 2021): the exact balanced assignment maximising the total score.
 
-    ``expert = balanced_assignment(logits, capacity)`` (Kool et al. eq. 4, exact), one expert per
-    token, at most ``capacity`` tokens per expert; ``balanced=False`` takes the greedy ``argmax``
-    instead (BASE's inference). The combine weight is ``sigmoid(logit of the assigned expert)``.
+    ``k = 1``: ``expert = balanced_assignment(logits, capacity)`` (Kool et al. eq. 4, exact), one
+    expert per token, at most ``capacity`` tokens per expert. ``k > 1``: the exact balanced
+    b-matching (:func:`routelab.assignment.balanced_b_matching`): ``k`` distinct experts per
+    token maximising the total logit, every expert ``floor`` or ``ceil`` of ``k n / E`` pairs
+    when ``capacity`` is ``None`` or ``ceil(k n / E)`` (the balanced capacity), else at most
+    ``capacity``. ``balanced=False`` takes the greedy top-``k`` (``argmax`` for ``k = 1``)
+    instead (BASE's inference). The combine weight of every slot is ``sigmoid(logit of its
+    expert)``.
 
     Args:
         logits: ``[tokens, E]``.
-        capacity: tokens per expert (``None``: ``ceil(tokens / E)``); must hold every token.
-        balanced: solve the balanced assignment (else ``argmax``).
+        capacity: pairs per expert (``None``: ``ceil(k tokens / E)``); must hold every pair.
+        balanced: solve the balanced assignment (else top-``k``).
+        k: experts per token, ``1 <= k <= E``.
 
     Returns:
-        ``Routes [tokens, 1]``.
+        ``Routes [tokens, k]``, the slots of a token by descending logit.
     """
     n, E = _check_logits(logits).shape
+    check_k(k, E)
     if n == 0:
-        expert = torch.zeros(0, dtype=torch.long, device=logits.device)
+        expert = torch.zeros((0, k), dtype=torch.long, device=logits.device)
+    elif k == 1:
+        if balanced:
+            expert = balanced_assignment(logits.detach(), balanced_capacity(n, E, capacity, "base")).unsqueeze(-1)
+        else:
+            expert = logits.argmax(-1).unsqueeze(-1)
     elif balanced:
-        expert = balanced_assignment(logits.detach(), balanced_capacity(n, E, capacity, "base"))
+        c = balanced_capacity(n, E, capacity, "base", k=k)
+        expert = balanced_b_matching(logits.detach(), k, None if c <= -(-k * n // E) else c)
     else:
-        expert = logits.argmax(-1)
-    chosen = logits.gather(-1, expert.unsqueeze(-1))
-    log_prob = torch.log_softmax(logits, -1).gather(-1, expert.unsqueeze(-1))
+        expert = logits.detach().topk(k, dim=-1).indices
+    chosen = logits.gather(-1, expert)
+    log_prob = torch.log_softmax(logits, -1).gather(-1, expert)
     gate = torch.sigmoid(chosen)
-    return Routes(expert=expert.unsqueeze(-1), gate=gate, keep=torch.ones_like(gate, dtype=torch.bool),
+    return Routes(expert=expert, gate=gate, keep=torch.ones_like(gate, dtype=torch.bool),
                   weight=torch.ones_like(gate), log_prob=log_prob)
 
 
