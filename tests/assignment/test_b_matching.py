@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy.optimize import linprog
 
-from routelab.assignment import balanced_assignment, balanced_b_matching, b_matching_quotas
+from routelab.assignment import balanced_assignment, balanced_b_matching
+from routelab.assignment.b_matching import b_matching_quotas
 
 HYPOTHESIS = settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 

@@ -23,7 +23,7 @@ than the arithmetic); :func:`clear_scratch` frees them.
 from ._groups import rank_within_groups
 from ._ops import amax, argmax, log_softmax
 from ._workspace import clear as clear_scratch
-from .b_matching import b_matching_quotas, balanced_b_matching
+from .b_matching import balanced_b_matching
 from .balanced import balanced_assignment
 from .gumbel import GumbelMatching, base_assignment, gumbel_matching, sample_gumbel
 from .sinkhorn import balance as sinkhorn_balance
@@ -33,7 +33,6 @@ __all__ = [
     "GumbelMatching",
     "amax",
     "argmax",
-    "b_matching_quotas",
     "balanced_assignment",
     "balanced_b_matching",
     "base_assignment",
