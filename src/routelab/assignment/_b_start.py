@@ -38,7 +38,7 @@ def start_b_matching(
         (:func:`initial_b_matching` of them) with the fewest pairs outside the quotas among the
         ``steps + 1`` iterates.
     """
-    B, n, E = S.shape
+    n, E = S.shape[-2:]
     slack = lo == 0 and hi * E > k * n
     q = min(hi if lo == 0 else round(k * n / E), n - 1)
     u = S.mean(dim=1)
@@ -90,7 +90,7 @@ def initial_b_matching(S: Tensor, prices: Tensor, k: int) -> Tensor:
 
 def _top_k(S: Tensor, prices: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """:func:`initial_b_matching`, and the ``[B, n, k + 1]`` best reduced scores of every token."""
-    B, n, E = S.shape
+    E = S.shape[-1]
     R = S - prices.unsqueeze(1)
     top = R.topk(k + 1, dim=-1)
     held = torch.zeros(S.shape, dtype=torch.bool, device=S.device).scatter_(-1, top.indices[..., :k], True)
@@ -128,7 +128,7 @@ def repair_quotas(S: Tensor, held: Tensor, lo: int, hi: int, max_rounds: int) ->
     Returns:
         ``[B, n, E]`` bool, the repaired b-matching.
     """
-    B, n, E = S.shape
+    B, _, E = S.shape
     held = held.clone()
     inf = torch.full((), float("inf"), dtype=S.dtype, device=S.device)
     for _ in range(max_rounds):

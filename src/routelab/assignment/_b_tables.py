@@ -99,7 +99,7 @@ def apply_moves(t: BTables, move: Tensor, inst: Tensor, u: Tensor, v: Tensor) ->
         move: ``[B, E, C, E]`` the move costs of :func:`move_table` for the current tables.
         inst, u, v: ``[r]`` long, the instance and the arc of every move.
     """
-    B, E, C = t.holder.shape
+    B, E, _ = t.holder.shape
     n = t.open.shape[1] - 1
     dev = t.holder.device
     slot_u = move[inst, u, :, v].argmin(dim=-1)

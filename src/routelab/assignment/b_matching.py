@@ -52,7 +52,7 @@ from ._graph import release_arcs, release_weight
 from ._normalise import compute_dtype, normalise_scores
 from .balanced import _working_scores
 
-__all__ = ["balanced_b_matching", "b_matching_quotas"]
+__all__ = ["b_matching_quotas", "balanced_b_matching"]
 
 
 def b_matching_quotas(n: int, num_experts: int, k: int, capacity: int | None = None) -> tuple[int, int]:
