@@ -22,7 +22,7 @@ __all__ = ["initial_b_matching", "repair_quotas", "start_b_matching"]
 
 
 def start_b_matching(
-    S: Tensor, k: int, lo: int, hi: int, steps: int = 6, damping: float = 0.7
+    S: Tensor, k: int, lo: int, hi: int, steps: int = 4, damping: float = 0.7
 ) -> tuple[Tensor, Tensor]:
     """The start for the finite scores ``S``: approximate prices and the b-matching they give.
 
