@@ -71,7 +71,8 @@ def scipy_b_matching(scores: np.ndarray, k: int, method: str) -> tuple[float, fl
 
 
 def run_b_matching_benchmark(
-    sizes: Sequence[tuple[int, int, int]] = FULL_SIZES, seeds: int = 5, out: TextIO | None = None
+    sizes: Sequence[tuple[int, int, int]] = FULL_SIZES, seeds: int = 5, out: TextIO | None = None,
+    threads: int | None = 1,
 ) -> str:
     """Time routelab and scipy (linprog, milp) on the same instances; a markdown table.
 
@@ -79,10 +80,23 @@ def run_b_matching_benchmark(
         sizes: ``(n, E, k)`` triples.
         seeds: instances per size (each timed once per method).
         out: where to stream the lines as they are measured (``None``: nowhere).
+        threads: torch intra-op threads while measuring (default 1, like HiGHS's default
+            single-threaded solve; ``None``: leave torch's setting), restored afterwards.
 
     Returns:
         The markdown report.
     """
+    old = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _measure(sizes, seeds, out)
+    finally:
+        torch.set_num_threads(old)
+
+
+def _measure(sizes: Sequence[tuple[int, int, int]], seeds: int, out: TextIO | None) -> str:
+    """:func:`run_b_matching_benchmark` under the chosen thread count."""
     lines: list[str] = []
 
     def emit(line: str) -> None:
@@ -124,8 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two sizes")
     parser.add_argument("--seeds", type=int, default=5, help="instances per size")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = parser.parse_args(argv)
-    run_b_matching_benchmark(QUICK_SIZES if args.quick else FULL_SIZES, args.seeds, out=sys.stdout)
+    run_b_matching_benchmark(QUICK_SIZES if args.quick else FULL_SIZES, args.seeds, out=sys.stdout,
+                             threads=args.threads)
     return 0
 
 
