@@ -146,6 +146,19 @@ def test_explicit_capacity():
         check_solution(s, balanced_b_matching(s, k, capacity), k, capacity)
 
 
+def test_loose_capacity_and_expert_biases():
+    # capacity up to n (dropless-like) and experts with strong common biases: loads far from
+    # k n / E, tables that must grow during the solve, and the complement path for k > E / 2
+    rng = np.random.default_rng(4)
+    for trial in range(40):
+        n, E = int(rng.integers(1, 25)), int(rng.integers(2, 8))
+        k = int(rng.integers(1, E + 1))
+        capacity = n if trial % 2 else -(-k * n // E) + int(rng.integers(0, 3))
+        bias = rng.normal(size=(1, E)) * rng.choice([0.0, 3.0, 10.0])
+        s = torch.from_numpy(rng.normal(size=(n, E)) + bias)
+        check_solution(s, balanced_b_matching(s, k, capacity), k, capacity)
+
+
 def test_forbidden_pairs():
     rng = np.random.default_rng(11)
     checked = 0

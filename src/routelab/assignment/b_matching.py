@@ -33,6 +33,10 @@ quotas):
    the cheapest token moves (:func:`._b_tables.apply_moves`: a token on two arcs of the round
    still ends with ``k`` distinct experts). Repeat until Bellman-Ford converges.
 
+For ``k > E / 2`` the complement is solved instead: the ``E - k`` experts every token does *not*
+take, at scores ``-s`` and loads within ``[n - hi, n - lo]`` (the same problem; the move table
+has ``(E - k) n E`` entries instead of ``k n E``).
+
 Forbidden pairs (``-inf`` scores) get a finite penalty: if the optimum still uses one, no
 feasible b-matching exists and a ``ValueError`` is raised. The scores are first row-shifted and
 scaled by a power of two (:mod:`._normalise`; a row shift changes every solution's value by the
@@ -118,7 +122,10 @@ def balanced_b_matching(scores: Tensor, k: int, capacity: int | None = None, *, 
         normalised, _ = normalise_scores(original)
         S, forbidden, scale = _working_scores(normalised, pairs=k * n)
         with torch.inference_mode():
-            held = _solve(S, k, lo, hi, scale).clone()
+            if 2 * k > E:  # the complement: the E - k experts a token does not take (a smaller table)
+                held = ~_solve(torch.neg(S), E - k, n - hi, n - lo, scale)
+            else:
+                held = _solve(S, k, lo, hi, scale).clone()
         if forbidden is not None:
             used = (forbidden & held).flatten(1).any(-1)
             if bool(used.any()):
@@ -136,13 +143,14 @@ def balanced_b_matching(scores: Tensor, k: int, capacity: int | None = None, *, 
 
 
 def _solve(S: Tensor, k: int, lo: int, hi: int, scale: Tensor) -> Tensor:
-    """``[B, n, E]`` bool optimal pairs for the finite normalised scores ``S`` (steps 1-3)."""
+    """``[B, n, E]`` bool optimal pairs for the finite normalised scores ``S`` (steps 1-3), any
+    quotas ``0 <= lo <= hi <= n`` with ``E lo <= k n <= E hi``."""
     B, n, E = S.shape
     dev = S.device
     # 1. start: the k best experts of every token under approximate prices
     prices, held = start_b_matching(S, k, lo, hi)
     held = repair_quotas(S, held, lo, hi, max_rounds=4 * E + 16)  # bulk moves into the quotas (greedy)
-    slots = max(hi, int(held.sum(1).max()))  # an over-full start needs room for its extra pairs
+    slots = _slots(int(held.sum(1).max()), hi)
     t = tables_from_held(S, held, slots)
     # 2.-3. cancel negative cycles of the expert graph until there is none
     tol = cycle_tolerance(scale, E).to(torch.float64)
@@ -151,6 +159,10 @@ def _solve(S: Tensor, k: int, lo: int, hi: int, scale: Tensor) -> Tensor:
     dist = -prices.to(torch.float64)
     max_rounds = 10 * k * n * E + 100  # every round strictly improves; this only guards against bugs
     for _ in range(max_rounds):
+        most = int(t.counts.max())
+        if most >= slots and slots < hi:  # a round adds at most one pair to an expert: make room
+            slots = _slots(most, hi)
+            t = tables_from_held(S, t.held, slots)
         move, move_arc = move_table(t)
         arc = torch.minimum(move_arc, release_arcs(t.counts, hi, big, lower=lo))
         optimal, cycle_nodes, pred, dist = find_negative_cycles(arc, tol, running, dist)
@@ -164,3 +176,9 @@ def _solve(S: Tensor, k: int, lo: int, hi: int, scale: Tensor) -> Tensor:
         is_move = move_arc[inst, u, v] <= arc[inst, u, v]  # release arcs move nothing
         apply_moves(t, move, inst[is_move], u[is_move], v[is_move])
     raise RuntimeError("balanced_b_matching: cycle cancelling did not terminate; please report this input")
+
+
+def _slots(most: int, hi: int) -> int:
+    """Slots per expert in the tables: room above the largest load ``most`` (up to ``hi``), so
+    that a loose capacity (``hi`` up to ``n``) does not make every table ``n`` slots wide."""
+    return most if most >= hi else min(hi, most + max(4, most // 4))
