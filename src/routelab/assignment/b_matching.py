@@ -125,7 +125,8 @@ def balanced_b_matching(scores: Tensor, k: int, capacity: int | None = None, *, 
             if 2 * k > E:  # the complement: the E - k experts a token does not take (a smaller table)
                 held = ~_solve(torch.neg(S), E - k, n - hi, n - lo, scale)
             else:
-                held = _solve(S, k, lo, hi, scale).clone()
+                held = _solve(S, k, lo, hi, scale)
+        held = held.clone()  # a normal tensor (not an inference tensor) from here on
         if forbidden is not None:
             used = (forbidden & held).flatten(1).any(-1)
             if bool(used.any()):
