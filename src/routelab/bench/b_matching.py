@@ -9,8 +9,9 @@ For every size ``(n, E, k)`` and every seed, float32 scores ``torch.randn(n, E)`
 * :func:`scipy.optimize.milp` (HiGHS branch and cut) on the same binary program,
 
 both in float64 on the same scores. Reported: the median wall time of each over the seeds (after
-one untimed warm-up call of routelab's solver) and whether routelab's objective equals scipy's
-within ``1e-6`` relative to the scores' spread times ``k n``. Run it with
+one untimed warm-up call of routelab's solver; milp only up to ``MILP_MAX_PAIRS`` variables) and
+whether routelab's objective equals scipy's within ``1e-6`` relative to the scores' spread times
+``k n``. Run it with
 ``python -m routelab.bench.b_matching [--quick]``.
 """
 
