@@ -9,6 +9,7 @@ machinery (hang guard, error contract, tolerances relative to the score spread).
 
 from __future__ import annotations
 
+import math
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from fuzz_strategies import (
     assert_finite,
     assert_not_mutated,
     assignment_tolerance,
+    b_matching_lp,
     call,
     capacity_choices,
     capacity_for,
@@ -50,8 +52,8 @@ from fuzz_strategies import (
     taus,
 )
 
-COVERED = {"GumbelMatching", "balanced_assignment", "base_assignment", "clear_scratch", "gumbel_matching",
-           "sample_gumbel", "sinkhorn"} | COVERED_ASSIGNMENT
+COVERED = {"GumbelMatching", "balanced_assignment", "balanced_b_matching", "base_assignment", "clear_scratch",
+           "gumbel_matching", "sample_gumbel", "sinkhorn"} | COVERED_ASSIGNMENT
 
 
 def test_public_api_is_covered() -> None:
@@ -110,6 +112,54 @@ def test_balanced_and_base_assignment(case: ScoreCase, cap_choice: str, pick: in
     call(A.clear_scratch, names=(), valid=True)
     _, z2 = call(func, x, capacity, names=(name, "capacity"), valid=True, what=f"{fn}_assignment (again)")
     assert same_bits(z, z2), "same input, different assignment (after clear_scratch)"
+
+
+@fuzz(40)
+@given(case=score_cases(max_n=9, max_k=6), slot_pick=picks, bad_k=mostly((False,), (True,), weight=8),
+       cap_choice=capacity_choices, pick=picks)
+def test_balanced_b_matching(case: ScoreCase, slot_pick: int, bad_k: bool, cap_choice: str, pick: int) -> None:
+    """k distinct experts per token, loads within the floor/ceil quotas (or the capacity), no
+    forbidden pair, optimal against scipy's LP (HiGHS) within k n (E+1) 8 eps spread; bad k,
+    capacities, NaN/+inf and infeasible -inf patterns raise ValueError; input not mutated; the
+    same bits twice (after clear_scratch)."""
+    x = case.x
+    n, E = case.n, case.k
+    slots = (E + 1 if slot_pick % 2 else 0) if bad_k else 1 + slot_pick % E
+    pairs = slots * n
+    capacity = capacity_for(pairs, E, cap_choice, pick)
+    c = resolve(pairs, E, capacity) if capacity is not None else -(-pairs // E)
+    lo, hi = (pairs // E, -(-pairs // E)) if capacity is None else (0, None if c is None else min(c, n))
+    valid: bool | None = not case.has_nan_or_posinf() and 1 <= slots <= E and c is not None
+    if valid:
+        valid = all(b_matching_lp(S, slots, lo, hi) is not None for S in _instances(x))
+    if valid and case.dtype in HALF_DTYPES:
+        valid = None
+    before = clone_inputs(x)
+    ok, z = call(A.balanced_b_matching, x, slots, capacity, names=("scores", "k", "capacity"), valid=valid,
+                 what="balanced_b_matching")
+    assert_not_mutated(before, [x])
+    if not ok:
+        return
+    assert z.dtype == torch.long and z.shape == (*x.shape[:-1], slots), f"experts {z.dtype} {tuple(z.shape)}"
+    for i, (S, zi) in enumerate(zip(_instances(x), z.reshape(-1, n, slots).numpy())):
+        what = f"balanced_b_matching instance {i}"
+        assert all(len(set(row)) == slots for row in zi.tolist()), f"{what}: repeated expert {zi.tolist()}"
+        loads = np.bincount(zi.ravel(), minlength=E)
+        assert loads.min() >= lo and loads.max() <= hi, f"{what}: loads {loads.tolist()} outside [{lo}, {hi}]"
+        used = np.take_along_axis(S, zi, axis=-1)
+        assert not np.isneginf(used).any(), f"{what}: a forbidden (-inf) pair was used"
+        ref = b_matching_lp(S, slots, lo, hi)
+        assert ref is not None, f"{what}: returned a b-matching although the LP finds none feasible"
+        fin = np.isfinite(S)
+        rowmax = np.where(fin, S, -np.inf).max(1, keepdims=True)
+        shifted = S - rowmax  # both objectives on the same row-shifted scores (rounding relative to the spread)
+        gap = math.fsum(list(np.take_along_axis(shifted, zi, axis=-1).ravel()) + list(-shifted[ref > 0]))
+        tol = slots * n * (E + 1) * 8 * eps(x.dtype) * spread(S)
+        assert gap >= -tol, f"{what}: not optimal: objective {gap:.6g} below the LP optimum (tolerance {tol:.3g})"
+    call(A.clear_scratch, names=(), valid=True)
+    _, z2 = call(A.balanced_b_matching, x, slots, capacity, names=("scores", "k", "capacity"), valid=True,
+                 what="balanced_b_matching (again)")
+    assert same_bits(z, z2), "same input, different b-matching"
 
 
 # ----------------------------------------------------------------------------- gumbel_matching

@@ -250,7 +250,7 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="num_experts must be a positive integer"):
         MoE(D, H, 0)
     with pytest.raises(ValueError, match="supports k=None or k=1"):
-        MoE(D, H, 4, router="base", k=2)
+        MoE(D, H, 4, router="gumbel_matching", k=2)
     with pytest.raises(ValueError, match="capacity_factor >= 1"):
         MoE(D, H, 4, router="base", capacity_factor=0.5)(torch.randn(8, D))
     with pytest.raises(ValueError, match="not finite"):

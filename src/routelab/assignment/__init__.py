@@ -2,6 +2,8 @@
 
 * :func:`sinkhorn` — log-space Sinkhorn balancing of an n x k matrix (Kool et al. 2021, Sec. 2.3).
 * :func:`balanced_assignment` — the exact capacity-constrained maximiser (eq. 4, App. D.2).
+* :func:`balanced_b_matching` — its ``k``-experts-per-token generalisation (BASE with top-k):
+  ``k`` distinct experts per token, every expert ``floor``/``ceil`` of ``k n / E`` pairs, exact.
 * :func:`gumbel_matching` — n x k Gumbel-Matching samples with their conditionals (App. D.3-D.5).
 * :func:`base_assignment` — the deterministic BASE-layers assignment, the ``tau -> 0`` limit.
 
@@ -23,6 +25,7 @@ from ._groups import rank_within_groups
 from ._ops import amax, argmax, log_softmax
 from ._two_experts import closed_form as uses_closed_form
 from ._workspace import clear as clear_scratch
+from .b_matching import balanced_b_matching
 from .balanced import balanced_assignment
 from .gumbel import GumbelMatching, base_assignment, gumbel_matching, sample_gumbel
 from .sinkhorn import balance as sinkhorn_balance
@@ -33,6 +36,7 @@ __all__ = [
     "amax",
     "argmax",
     "balanced_assignment",
+    "balanced_b_matching",
     "base_assignment",
     "clear_scratch",
     "gumbel_matching",

@@ -76,17 +76,23 @@ def move_arcs(S: Tensor, z: Tensor) -> Tensor:
     return arcs
 
 
-def release_arcs(counts: Tensor, c: int, big: Tensor) -> Tensor:
+def release_arcs(counts: Tensor, c: int, big: Tensor, lower: int = 0) -> Tensor:
     """``[B, k, k]`` costs of the release arcs (the sink node contracted away).
 
-    ``a -> b`` exists when ``a`` has a free slot and ``b`` holds a token: it costs 0, or ``-big``
-    when ``b`` is over capacity; ``+inf`` otherwise and on the diagonal.
+    ``a -> b`` exists when ``a`` has a free slot (fewer than ``c`` tokens) and ``b`` holds more
+    than ``lower`` tokens: ``a`` absorbs one token, ``b`` sends one without receiving. It costs 0,
+    minus ``big`` when ``b`` is over capacity and minus ``big`` when ``a`` is under ``lower``
+    (the convex penalty of an out-of-bounds load, so that repairing it comes first); ``+inf``
+    otherwise and on the diagonal. ``lower = 0`` is the capacity-only graph of App. D.2.
     """
     B, k = counts.shape
     room = (counts < c).unsqueeze(-1)
-    cost = torch.where(counts > c, -big.view(B, 1), torch.zeros((), dtype=big.dtype, device=big.device))
-    cost = torch.where(counts > 0, cost, torch.full((), float("inf"), dtype=big.dtype, device=big.device))
+    zero = torch.zeros((), dtype=big.dtype, device=big.device)
+    cost = torch.where(counts > c, -big.view(B, 1), zero)
+    cost = torch.where(counts > lower, cost, torch.full((), float("inf"), dtype=big.dtype, device=big.device))
     arcs = torch.where(room, cost.unsqueeze(-2), torch.full((), float("inf"), dtype=big.dtype, device=big.device))
+    if lower > 0:
+        arcs = arcs - torch.where(counts < lower, big.view(B, 1), zero).unsqueeze(-1)
     arcs.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))
     return arcs
 

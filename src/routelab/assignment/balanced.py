@@ -71,7 +71,7 @@ class BalancedSolution:
     rounds: int
 
 
-def balanced_assignment(scores: Tensor, capacity: int | None = None) -> Tensor:
+def balanced_assignment(scores: Tensor, capacity: int | None = None, *, k: int = 1) -> Tensor:
     """The exact maximiser of ``sum_i scores[i, z_i]`` with at most ``capacity`` tokens per expert.
 
     Exact means: no other feasible assignment beats it by more than the rounding of the scores'
@@ -85,15 +85,24 @@ def balanced_assignment(scores: Tensor, capacity: int | None = None) -> Tensor:
             leading dimensions (which may be empty). ``-inf`` marks a forbidden (token, expert)
             pair.
         capacity: tokens each expert may take; default ``n / k`` (then ``k`` must divide ``n``).
+        k: experts per token (keyword). ``k = 1`` (default): this function's assignment. ``k > 1``:
+            the exact balanced b-matching of :func:`~routelab.assignment.balanced_b_matching`
+            (``k`` distinct experts per token, every expert ``floor`` or ``ceil`` of ``k n / E``
+            pairs, or at most ``capacity``; here the experts are ``E``, the last dimension).
 
     Returns:
-        ``[..., n]`` long tensor, the expert of every token.
+        ``[..., n]`` long tensor, the expert of every token; for ``k > 1``, ``[..., n, k]``, the
+        ``k`` distinct experts of every token by descending score.
 
     Raises:
         ValueError: NaN or +inf scores, fewer than two dimensions, ``capacity * k < n``,
             ``n`` not divisible by ``k`` without an explicit capacity, or a pattern of ``-inf``
             entries that leaves no feasible assignment.
     """
+    if isinstance(k, bool) or not isinstance(k, int) or k != 1:
+        from .b_matching import balanced_b_matching  # the sibling module builds on this one
+
+        return balanced_b_matching(scores, k, capacity)
     sol = solve_balanced(scores, capacity)
     return sol.expert.view(scores.shape[:-1])
 
@@ -157,8 +166,12 @@ def _graph_of(S: Tensor, z: Tensor, c: int, big: Tensor) -> Tensor:
     return expert_graph(S, holder, counts, c, big)[0]
 
 
-def _working_scores(S: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
+def _working_scores(S: Tensor, pairs: int | None = None) -> tuple[Tensor, Tensor | None, Tensor]:
     """Replace -inf by a finite penalty large enough that any feasible assignment beats one using it.
+
+    ``pairs`` is the number of (token, expert) pairs a solution holds (default ``n``; ``k n`` for
+    the b-matching of :mod:`.b_matching`): a solution with a forbidden pair is then worse than
+    every one without, as ``penalty < lo - (hi - lo + 1) (pairs + 1)``.
 
     Returns:
         ``(working, forbidden, scale)``: the finite ``[B, n, k]`` scores, the ``[B, n, k]`` mask
@@ -175,7 +188,7 @@ def _working_scores(S: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
     hi = S.masked_fill(forbidden, float("-inf")).amax(dim=(-2, -1), keepdim=True)
     lo = torch.where(torch.isinf(lo), torch.zeros_like(lo), lo)  # an all-forbidden instance
     hi = torch.where(torch.isinf(hi), torch.zeros_like(hi), hi)
-    n = S.shape[-2]
+    n = S.shape[-2] if pairs is None else pairs
     penalty = lo - (hi - lo + 1.0) * (n + 1)
     scale = torch.maximum(hi.abs(), lo.abs()).view(-1)
     return torch.where(forbidden, penalty.expand_as(S), finite), forbidden, scale

@@ -70,8 +70,6 @@ _FIXED_K = {
     "switch": "k=None or k=1: Switch routing is top-1; for k experts per token use router='topk'",
     "gumbel_matching": "k=None or k=1: Gumbel-Matching samples one expert per token (a balanced n x E matching); "
                        "for k experts per token use router='sinkhorn' or 'topk'",
-    "base": "k=None or k=1: the exact balanced assignment routes one expert per token (the k > 1 balanced "
-            "b-matching is not available in this version); for k experts per token use router='sinkhorn'",
 }
 
 
@@ -94,10 +92,10 @@ def make_router(name: str, d_model: int, num_experts: int, *, k: int | None = No
         name: a key of :data:`ROUTERS`.
         d_model: token width.
         num_experts: ``E``.
-        k: the model's experts per token. ``topk``/``noisy_topk``/``batchwise``/``sinkhorn``
+        k: the model's experts per token. ``topk``/``noisy_topk``/``batchwise``/``sinkhorn``/``base``
             take any ``1 <= k <= E`` (default 1, 2 for ``noisy_topk``); the others support one
-            value, or ``None``: ``softmax`` ``k = E`` (dense), ``switch``, ``base`` and
-            ``gumbel_matching`` ``k = 1``.
+            value, or ``None``: ``softmax`` ``k = E`` (dense), ``switch`` and ``gumbel_matching``
+            ``k = 1``.
         **kwargs: the router's own options (see its class).
 
     Raises:
@@ -114,6 +112,8 @@ def make_router(name: str, d_model: int, num_experts: int, *, k: int | None = No
         if name == "switch":
             return cls(d_model, num_experts, 1, **kwargs)
         return cls(d_model, num_experts, **kwargs)
+    if name == "base":
+        return cls(d_model, num_experts, k=1 if k is None else k, **kwargs)
     return cls(d_model, num_experts, k if k is not None else (2 if name == "noisy_topk" else 1), **kwargs)
 
 

@@ -21,26 +21,30 @@ class BASERouter(Router):
 
     (Named after the paper's BASE layers; ``BaseRouter``, its old name, is a deprecated alias.)
 
-    Training: ``expert = balanced_assignment(x W, ceil(n / E))`` (Kool et al. eq. 4, exact), one
-    expert per token, every expert at most the balanced quota ``ceil(n / E)`` tokens whatever the
-    layer's buffer capacity (dropless included). The combine weight is ``sigmoid(logit of the
-    assigned expert)`` as in BASE layers, so the router learns through the gate. Inference: the
-    greedy ``argmax`` of Lewis et al. (the default: a token's route depends on its own score
-    only, as a causal language model needs), or the balanced assignment again
+    Training: the exact balanced assignment of the batch (Kool et al. eq. 4): with ``k = 1`` one
+    expert per token, with ``k > 1`` the exact balanced b-matching (``k`` distinct experts per
+    token, :func:`routelab.routing.balanced_routes`); every expert gets the balanced quota, ``floor``
+    or ``ceil`` of ``k n / E`` (token, expert) pairs, whatever the layer's buffer capacity
+    (dropless included). The combine weight of every slot is ``sigmoid(logit of its expert)`` as in
+    BASE layers, so the router learns through the gate. Inference: the greedy top-``k``
+    (``argmax`` for ``k = 1``) of Lewis et al. (the default: a token's route depends on its own
+    score only, as a causal language model needs), or the balanced solve again
     (``eval_balanced=True``, which makes a token's route depend on its batch-mates).
 
     Args:
         d_model: token width.
         num_experts: ``E``.
+        k: experts per token, ``1 <= k <= E``.
         eval_balanced: whether inference solves the balanced assignment (default ``False``).
     """
 
-    def __init__(self, d_model: int, num_experts: int, *, eval_balanced: bool = False) -> None:
-        super().__init__(d_model, num_experts, 1)
+    def __init__(self, d_model: int, num_experts: int, *, k: int = 1, eval_balanced: bool = False) -> None:
+        super().__init__(d_model, num_experts, k)
+        self.k = self.slots
         self.eval_balanced = bool(eval_balanced)
 
     def route(self, logits: Tensor, capacity: int | None) -> Routes:
-        return balanced_routes(logits, capacity, balanced=self.training or self.eval_balanced)
+        return balanced_routes(logits, capacity, balanced=self.training or self.eval_balanced, k=self.k)
 
 
 class SinkhornRouter(Router):

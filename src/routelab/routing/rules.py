@@ -29,6 +29,7 @@ from torch import Tensor
 
 from .._checks import balanced_quotas, check_capacity, check_k, check_positive_int
 from ..assignment import balanced_assignment as _balanced_assignment
+from ..assignment import balanced_b_matching as _balanced_b_matching
 from ..assignment import sinkhorn_balance
 from ..gates.batchwise import batchwise_mask, batchwise_threshold_loss, threshold_mask
 from ..routes import Routes
@@ -52,6 +53,7 @@ __all__ = [
 
 # The solvers run eagerly under torch.compile (routing/eager.py).
 balanced_assignment = eager(_balanced_assignment)
+balanced_b_matching = eager(_balanced_b_matching)
 
 #: The masks batchwise gating may use at inference (``batchwise_routes(..., inference=)``).
 INFERENCE_MASKS: tuple[str, ...] = ("threshold", "batchwise")
@@ -260,35 +262,44 @@ def batchwise_routes(logits: Tensor, k: int, thresholds: Tensor, *, training: bo
 
 
 @masked_rule("logits")
-def balanced_routes(logits: Tensor, capacity: int | None = None, *, balanced: bool = True) -> Routes:
+def balanced_routes(logits: Tensor, capacity: int | None = None, *, balanced: bool = True, k: int = 1) -> Routes:
     """BASE layers (Lewis et al. 2021): the exact balanced assignment maximising the total score.
 
-    ``expert = balanced_assignment(logits, ceil(n / E))`` (Kool et al. eq. 4, exact), one expert
-    per token, at most the balanced quota ``ceil(n / E)`` tokens per expert whatever the layer's
-    buffer capacity (:func:`balanced_capacity`); ``balanced=False`` takes the greedy ``argmax``
-    instead (BASE's inference, which depends on no other token). The combine weight is
-    ``sigmoid(logit of the assigned expert)``.
+    Every expert gets the balanced quota, ``floor`` or ``ceil`` of ``k n / E`` (token, expert)
+    pairs, whatever the layer's buffer capacity (:func:`balanced_capacity`). ``k = 1``: one expert
+    per token, ``balanced_assignment(logits, n / E)`` (Kool et al. eq. 4, exact) when ``E``
+    divides ``n``; ``k > 1``, or quotas that differ (``E`` does not divide ``k n``): the exact
+    balanced b-matching (:func:`routelab.assignment.balanced_b_matching`), ``k`` distinct experts
+    per token maximising the total logit. ``balanced=False`` takes the greedy top-``k``
+    (``argmax`` for ``k = 1``) instead (BASE's inference, which depends on no other token). The
+    combine weight of every slot is ``sigmoid(logit of its expert)``.
 
     Args:
         logits: ``[tokens, E]``.
         capacity: the layer's buffer capacity per expert (``None``: no limit); it must hold the
-            quota ``ceil(tokens / E)``.
-        balanced: solve the balanced assignment (else ``argmax``).
+            quota ``ceil(k tokens / E)``.
+        balanced: solve the balanced assignment (else top-``k``).
+        k: experts per token, ``1 <= k <= E``.
 
     Returns:
-        ``Routes [tokens, 1]``.
+        ``Routes [tokens, k]``, the slots of a token by descending logit.
     """
     n, E = _check_logits(logits).shape
+    check_k(k, E)
     if n == 0:
-        expert = torch.zeros(0, dtype=torch.long, device=logits.device)
-    elif balanced:
-        expert = balanced_assignment(logits.detach(), balanced_capacity(n, E, capacity, "base"))
+        expert = torch.zeros((0, k), dtype=torch.long, device=logits.device)
+    elif not balanced:
+        expert = logits.argmax(-1, keepdim=True) if k == 1 else logits.detach().topk(k, dim=-1).indices
     else:
-        expert = logits.argmax(-1)
-    chosen = logits.gather(-1, expert.unsqueeze(-1))
-    log_prob = torch.log_softmax(logits, -1).gather(-1, expert.unsqueeze(-1))
+        quota = balanced_capacity(n, E, capacity, "base", k=k)  # checks the buffer holds the quota
+        if k == 1 and n % E == 0:  # one quota n / E for every expert: the assignment solver
+            expert = balanced_assignment(logits.detach(), quota).unsqueeze(-1)
+        else:  # floor/ceil quotas (or k > 1): the b-matching
+            expert = balanced_b_matching(logits.detach(), k)
+    chosen = logits.gather(-1, expert)
+    log_prob = torch.log_softmax(logits, -1).gather(-1, expert)
     gate = torch.sigmoid(chosen)
-    return Routes(expert=expert.unsqueeze(-1), gate=gate, keep=torch.ones_like(gate, dtype=torch.bool),
+    return Routes(expert=expert, gate=gate, keep=torch.ones_like(gate, dtype=torch.bool),
                   weight=torch.ones_like(gate), log_prob=log_prob)
 
 

@@ -1,0 +1,117 @@
+"""The b-matching solver's tables: who holds what, and the move costs (speed machinery).
+
+The state of a b-matching of ``n`` tokens with ``k`` slots each over ``E`` experts is kept in
+three tables that every cancelling round updates in place (no Python loop over tokens):
+
+* ``holder`` ``[B, E, C]``: the tokens of every expert, one per slot, ``n`` in an empty slot;
+* ``open`` ``[B, n + 1, E]``: ``s[i, j]`` where token ``i`` does *not* hold ``j`` and ``-inf``
+  where it does (row ``n``, the stand-in for empty slots, is all ``-inf``): the scores a token
+  can still move to;
+* ``counts`` ``[B, E]``: the load of every expert.
+
+The move cost of the token in slot ``(a, t)`` to expert ``b`` is ``s[i, a] - open[i, b]``:
+finite exactly when ``i`` holds ``a`` and not ``b`` (:func:`move_table`), so the expert graph's
+move arc ``a -> b`` is a minimum over the ``C`` slots of ``a``: ``E C E = O(k n E)`` work for the
+whole graph, the size of the scores times ``k``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["BTables", "apply_moves", "move_table", "tables_from_held"]
+
+
+class BTables:
+    """The mutable state of one batch of b-matchings (see the module docstring).
+
+    Attributes:
+        scores: ``[B, n + 1, E]`` finite scores, row ``n`` at ``+inf`` (an empty slot's own score).
+        open: ``[B, n + 1, E]`` scores still open to each token (``-inf`` where it holds the expert).
+        holder: ``[B, E, C]`` long token per expert slot, ``n`` when empty.
+        counts: ``[B, E]`` long load of every expert.
+    """
+
+    def __init__(self, scores: Tensor, open_: Tensor, holder: Tensor, counts: Tensor) -> None:
+        self.scores, self.open, self.holder, self.counts = scores, open_, holder, counts
+
+    @property
+    def held(self) -> Tensor:
+        """``[B, n, E]`` bool: which experts every token holds."""
+        return torch.isneginf(self.open[:, :-1])
+
+
+def tables_from_held(S: Tensor, held: Tensor, slots: int) -> BTables:
+    """The tables of the b-matching ``held`` (any loads up to ``slots`` per expert).
+
+    Args:
+        S: ``[B, n, E]`` finite scores.
+        held: ``[B, n, E]`` bool, the pairs of the matching.
+        slots: ``C``, at least the largest load.
+    """
+    B, n, E = S.shape
+    dev = S.device
+    scores = torch.cat([S, torch.full((B, 1, E), float("inf"), dtype=S.dtype, device=dev)], dim=1)
+    open_ = torch.cat([S.masked_fill(held, float("-inf")),
+                       torch.full((B, 1, E), float("-inf"), dtype=S.dtype, device=dev)], dim=1)
+    counts = held.sum(1)
+    b, e, i = held.transpose(1, 2).nonzero(as_tuple=True)  # sorted by (instance, expert, token)
+    start = (torch.cumsum(counts.view(-1), 0) - counts.view(-1))[b * E + e]
+    rank = torch.arange(b.numel(), device=dev) - start
+    holder = torch.full((B * E * slots,), n, dtype=torch.long, device=dev)
+    holder[(b * E + e) * slots + rank] = i
+    return BTables(scores, open_, holder.view(B, E, slots), counts)
+
+
+def move_table(t: BTables) -> tuple[Tensor, Tensor]:
+    """Per-slot move costs and the move arcs of the expert graph.
+
+    Returns:
+        ``(move, move_arc)``: ``move`` ``[B, E, C, E]`` the cost ``s[i, a] - s[i, b]`` of moving
+        the token ``i`` in slot ``(a, t)`` to ``b`` (``+inf`` if ``i`` holds ``b``, the diagonal
+        included, or the slot is empty); ``move_arc`` ``[B, E, E]`` float64, its minimum over
+        the slots (``+inf``: no token of ``a`` can move to ``b``).
+    """
+    B, n1, E = t.open.shape
+    C = t.holder.shape[-1]
+    base = (torch.arange(B, device=t.holder.device) * n1).view(B, 1, 1)
+    flat = (t.holder + base).view(-1)
+    rows = t.open.view(-1, E).index_select(0, flat).view(B, E, C, E)
+    expert = torch.arange(E, device=flat.device).view(1, E, 1)
+    own = t.scores.view(-1).index_select(0, ((t.holder + base) * E + expert).view(-1)).view(B, E, C, 1)  # s[i, a]
+    move = torch.sub(own, rows, out=rows)
+    return move, move.amin(dim=2).to(torch.float64)
+
+
+def apply_moves(t: BTables, move: Tensor, inst: Tensor, u: Tensor, v: Tensor) -> None:
+    """Move one token along every move arc ``u -> v`` of a set of node-disjoint cycles (in place).
+
+    The token moved along ``u -> v`` is ``u``'s cheapest one for ``v``. Arcs come from
+    node-disjoint cycles, so within an instance every ``u`` and every ``v`` appears at most once;
+    a token moving along two arcs ``a -> b`` and ``c -> d`` has ``a != c``, ``b != d`` and, as
+    it holds ``a`` and not ``d``, ``a != d``: it ends with ``k`` distinct experts again. ``v``'s
+    token goes into the slot its own outgoing move vacates, or into a free slot when ``v``'s
+    out-arc is a release arc (which exists only while ``v`` is below its capacity).
+
+    Args:
+        t: the tables (updated).
+        move: ``[B, E, C, E]`` the move costs of :func:`move_table` for the current tables.
+        inst, u, v: ``[r]`` long, the instance and the arc of every move.
+    """
+    B, E, _ = t.holder.shape
+    n = t.open.shape[1] - 1
+    dev = t.holder.device
+    slot_u = move[inst, u, :, v].argmin(dim=-1)
+    token = t.holder[inst, u, slot_u]
+    vacated = torch.full((B, E), -1, dtype=torch.long, device=dev)
+    vacated[inst, u] = slot_u
+    slot_v = vacated[inst, v]
+    first_free = (t.holder[inst, v] == n).long().argmax(dim=-1)
+    slot_v = torch.where(slot_v < 0, first_free, slot_v)
+    t.holder[inst, u, slot_u] = n
+    t.holder[inst, v, slot_v] = token
+    t.open[inst, token, u] = t.scores[inst, token, u]
+    t.open[inst, token, v] = float("-inf")
+    t.counts.index_put_((inst, u), torch.full_like(u, -1), accumulate=True)
+    t.counts.index_put_((inst, v), torch.ones_like(v), accumulate=True)
