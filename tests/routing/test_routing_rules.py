@@ -279,6 +279,24 @@ def best_balanced_total(L: np.ndarray, C: int) -> float:
     return float(big[rows, cols].sum())
 
 
+def best_quota_total(L: np.ndarray) -> float:
+    """Maximum of sum_i L[i, z_i] with every expert at floor(n/E) or ceil(n/E) tokens (the balanced
+    quotas): linear_sum_assignment on floor(n/E) "mandatory" copies of every expert's column, each
+    raised by a bonus larger than any score difference (so every mandatory copy is filled: n >=
+    E floor(n/E) rows can fill them), plus one optional copy per expert; the bonus is removed."""
+    n, E = L.shape
+    lo = n // E
+    spread = float(L.max() - L.min()) if L.size else 0.0
+    bonus = 4 * (spread + 1) * n
+    mandatory = np.repeat(L, lo, axis=1) + bonus
+    big = np.concatenate([mandatory, L], axis=1)
+    rows, cols = linear_sum_assignment(big, maximize=True)
+    assert len(rows) == n
+    filled = int((cols < mandatory.shape[1]).sum())
+    assert filled == E * lo, "the oracle must fill every mandatory copy"
+    return float(big[rows, cols].sum() - filled * bonus)
+
+
 @FAST
 @given(n=st.integers(1, 10), E=st.integers(1, 4), extra=st.integers(0, 3), default=st.booleans(),
        seed=seeds)
@@ -287,13 +305,15 @@ def test_balanced_routes_is_optimal(n, E, extra, default, seed) -> None:
     need = -(-n // E)
     C = need + extra
     r = balanced_routes(logits, None if default else C)
-    C_eff = need  # balanced means balanced: the solve uses the quota ceil(n/E) whatever the buffer capacity
+    # Balanced means balanced: every expert gets the quota floor(n/E) or ceil(n/E), whatever the buffer.
     expert = r.expert[:, 0]
     assert r.expert.shape == (n, 1)
-    assert int(torch.bincount(expert, minlength=E).max()) <= C_eff, "capacity exceeded"
+    load = torch.bincount(expert, minlength=E)
+    assert int(load.max()) <= need and int(load.min()) >= n // E, f"loads {load.tolist()} off the quotas"
     L = logits.numpy()
     ours = float(L[np.arange(n), expert.numpy()].sum())
-    assert ours == pytest.approx(best_balanced_total(L, C_eff), abs=1e-9), "not the optimal balanced assignment"
+    assert ours == pytest.approx(best_quota_total(L), abs=1e-9), "not the optimal balanced assignment"
+    assert best_quota_total(L) <= best_balanced_total(L, need) + 1e-9  # the quotas only constrain more
     chosen = L[np.arange(n), expert.numpy()]
     np.testing.assert_allclose(r.gate[:, 0].detach().numpy(), 1 / (1 + np.exp(-chosen)), rtol=1e-12)
     np.testing.assert_allclose(r.log_prob[:, 0].detach().numpy(), np.log(np_softmax(L))[np.arange(n), expert.numpy()],

@@ -304,8 +304,9 @@ def patch_moe(
             ``"softmax"``, ``"batchwise"``, ``"base"``, ``"sinkhorn"``, ``"gumbel_matching"``,
             ``"switch"``) or a factory ``(d_model, num_experts, k) -> Router`` called once per block.
         k: experts per token; default the model's (``gate.top_k``). A router that cannot route
-            to the model's default k (``base``, ``gumbel_matching``: one expert per token)
-            keeps its own, with a warning; an explicit ``k`` it cannot take is a ValueError.
+            to the model's default k (``gumbel_matching``, ``switch``: one expert per token;
+            ``softmax``: all) keeps its own, with a warning; an explicit ``k`` it cannot take is a
+            ValueError.
         capacity_factor: capacity in training, ``C = ceil(factor * tokens * k / E)``; ``None``
             (default, as transformers): dropless.
         eval_capacity_factor: the same in ``eval()``; ``None`` (default): dropless.
