@@ -17,7 +17,14 @@ import torch
 
 from routelab import Routes
 from routelab.assignment import sinkhorn
-from routelab.estimators import MAX_WEIGHT, METHODS, EMABaseline, reinforce_objective, sample_routes, switch_balance_loss
+from routelab.estimators import (
+    MAX_WEIGHT,
+    METHODS,
+    EMABaseline,
+    reinforce_objective,
+    sample_routes,
+    switch_balance_loss,
+)
 from routelab.gates import DSelectK, GumbelSoftmaxGate, SoftmaxGate, smooth_step, threshold_mask
 from routelab.gates.dselect import UNUSED_FLOOR
 from routelab.layers import MixtureOfAttentiveExperts, MoE, StackedLinear

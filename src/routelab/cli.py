@@ -22,7 +22,7 @@ import re
 import sys
 import traceback
 from collections.abc import Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import routelab
@@ -122,7 +122,7 @@ def _move_aside(exp_dir: Path) -> Path | None:
     """``--fresh``: rename a non-empty ``exp_dir`` to ``exp_dir.old-<UTC time>``; returns the new path."""
     if not exp_dir.exists() or not any(exp_dir.iterdir()):
         return None
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     target = exp_dir.with_name(f"{exp_dir.name}.old-{stamp}")
     n = 1
     while target.exists():
@@ -161,7 +161,7 @@ def _run_experiment(exp: Experiment, exp_dir: Path, quick: bool) -> tuple[Path |
 
 def _report_header(quick: bool) -> list[str]:
     """The first lines of the aggregated report: what ran, where and when."""
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return [
         "# routelab reproduce report",
         "",

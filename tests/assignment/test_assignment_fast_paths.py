@@ -9,18 +9,18 @@ with its plain counterpart, and must not leak state from one call into the next.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from dataclasses import replace
+from test_balanced_assignment import check_optimal, family
 
 from routelab.assignment import _graph, _ops, _prices, _start, _workspace, balanced_assignment
 from routelab.assignment._groups import rank_within_groups, slot_table
 from routelab.assignment._tuning import TUNING
-from test_balanced_assignment import check_optimal, family
 
 HYPOTHESIS = settings(max_examples=60, deadline=None, derandomize=True,
                       suppress_health_check=[HealthCheck.too_slow])

@@ -15,12 +15,12 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import torch
+from test_balanced_assignment import _np64, check_optimal, exactness_tol, objective, oracle
+from test_gumbel_matching import oracle_conditionals
 
 from routelab.assignment import balanced_assignment, base_assignment, gumbel_matching, sample_gumbel, sinkhorn
 from routelab.assignment._normalise import ldexp, normalise_scores, perturbed_scores
 from routelab.layers import MoE
-from test_balanced_assignment import _np64, check_optimal, exactness_tol, objective, oracle
-from test_gumbel_matching import oracle_conditionals
 
 NEG_INF = float("-inf")
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from routelab.data import DataUnavailable, make_overlays
+from routelab.experiments.dselect import recovery, synthetic
 from routelab.experiments.registry import REGISTRY
 from routelab.gates import DSelectK, SoftmaxSelectorGate, TopKGate
-from routelab.experiments.dselect import recovery, synthetic
 
 torch.set_num_threads(1)
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import routelab.experiments.kool_toy as kt
-from routelab.experiments.registry import REGISTRY
+from routelab.estimators import switch_balance_loss
+from routelab.experiments.kit.store import read_jsonl
 from routelab.experiments.kool_toy import claims as rep
 from routelab.experiments.kool_toy.model import (
     CONFIGS,
@@ -21,8 +22,7 @@ from routelab.experiments.kool_toy.model import (
     make_data,
     true_function,
 )
-from routelab.experiments.kit.store import read_jsonl
-from routelab.estimators import switch_balance_loss
+from routelab.experiments.registry import REGISTRY
 from routelab.routes import Routes
 
 TINY = kt.Settings(

@@ -11,13 +11,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import routelab.data.parallel_text as pt
+import routelab.experiments.mae as mae_exp
 from routelab.data import DataUnavailable
 from routelab.data.parallel_text import VersePair, parse_imp
-import routelab.experiments.mae as mae_exp
-from routelab.experiments.registry import REGISTRY
 from routelab.experiments.mae.analyses import attribution_shares, collect_gates, mean_entropy, pmi_tokens
 from routelab.experiments.mae.corpus import build_corpus, tokenize
 from routelab.experiments.mae.model import LMConfig, TransformerLM, lm_loss
+from routelab.experiments.registry import REGISTRY
 from routelab.layers.mae import set_routing
 
 torch.set_num_threads(1)

@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 from scipy.optimize import linprog
 
 import routelab.assignment as A
-from test_fuzz_helpers import COVERED_ASSIGNMENT
 from fuzz_strategies import (
     FLOAT_DTYPES,
     HALF_DTYPES,
@@ -40,8 +39,8 @@ from fuzz_strategies import (
     fresh,
     fuzz,
     log_softmax_np,
-    mostly,
     logsumexp_rows,
+    mostly,
     np64,
     picks,
     resolve,
@@ -51,6 +50,7 @@ from fuzz_strategies import (
     spread,
     taus,
 )
+from test_fuzz_helpers import COVERED_ASSIGNMENT
 
 COVERED = {"GumbelMatching", "balanced_assignment", "balanced_b_matching", "base_assignment", "clear_scratch",
            "gumbel_matching", "sample_gumbel", "sinkhorn"} | COVERED_ASSIGNMENT

@@ -19,7 +19,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import routelab.estimators as E
-from test_fuzz_rules import COVERED_ESTIMATOR_RULES
 from fuzz_strategies import (
     HALF_DTYPES,
     ScoreCase,
@@ -43,6 +42,7 @@ from fuzz_strategies import (
     score_cases,
     seeds,
 )
+from test_fuzz_rules import COVERED_ESTIMATOR_RULES
 
 COVERED = {"EMABaseline", "gating_objective", "reinforce_objective", "sample_routes", "switch_balance_loss"}
 COVERED |= COVERED_ESTIMATOR_RULES

@@ -16,7 +16,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import routelab.gates as G
-from test_fuzz_rules import COVERED_GATES
 from fuzz_strategies import (
     FLOAT_DTYPES,
     assert_finite,
@@ -32,6 +31,7 @@ from fuzz_strategies import (
     same_bits,
     seeds,
 )
+from test_fuzz_rules import COVERED_GATES
 
 COVERED = {"batchwise_mask", "batchwise_threshold_loss", "threshold_mask", "DSelectK", "dselect_weights",
            "selector_outputs", "smooth_step", "MTLGate", "SoftmaxGate", "TopKGate", "GumbelSoftmaxGate",
@@ -208,7 +208,7 @@ def check_gate_output(gate, x, w: torch.Tensor, batch: int, n: int, *, sums_to_o
     if params:
         loss = w.float().sum() + reg.float()
         grads = guarded(torch.autograd.grad, loss, params, allow_unused=True, what="gate backward")
-        for p, gr in zip(params, grads):
+        for _param, gr in zip(params, grads):
             if gr is not None:
                 assert_finite(gr, f"{type(gate).__name__} gradient of weights + regularization")
     rep = guarded(gate.report, what="report")

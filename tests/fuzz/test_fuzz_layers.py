@@ -22,10 +22,6 @@ from torch import nn
 
 import routelab.gates as G
 import routelab.layers as L
-from routelab.estimators import METHODS
-from routelab.routers import ROUTERS
-from routelab.routing import expert_capacity
-from test_fuzz_rules import COVERED_LAYERS
 from fuzz_strategies import (
     assert_finite,
     assert_not_mutated,
@@ -40,6 +36,10 @@ from fuzz_strategies import (
     same_bits,
     seeds,
 )
+from routelab.estimators import METHODS
+from routelab.routers import ROUTERS
+from routelab.routing import expert_capacity
+from test_fuzz_rules import COVERED_LAYERS
 
 COVERED = {"MixtureOfAttentiveExperts", "MultiGateMoE", "SharedBottom", "StackedLinear", "MoE", "StackedExperts"} | COVERED_LAYERS
 

@@ -14,10 +14,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import routelab.routing as R
-from test_fuzz_helpers import COVERED_ROUTING
-from test_fuzz_record import COVERED_ROUTING_RECORD
-from test_fuzz_masks import COVERED_MASKS
-from test_fuzz_rules import COVERED_ROUTING_RULES
 from fuzz_strategies import (
     FLOAT_DTYPES,
     assert_finite,
@@ -32,6 +28,10 @@ from fuzz_strategies import (
     same_bits,
     seeds,
 )
+from test_fuzz_helpers import COVERED_ROUTING
+from test_fuzz_masks import COVERED_MASKS
+from test_fuzz_record import COVERED_ROUTING_RECORD
+from test_fuzz_rules import COVERED_ROUTING_RULES
 
 COVERED = {"CapacityDecision", "DispatchPlan", "apply_capacity", "check_capacity", "check_capacity_factor",
            "expert_capacity"} | COVERED_ROUTING | COVERED_ROUTING_RULES | COVERED_ROUTING_RECORD | COVERED_MASKS

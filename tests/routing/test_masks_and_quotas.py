@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_routing_rules import best_quota_total
 
 import routelab.routing as R
 from routelab._checks import balanced_quotas
@@ -19,7 +20,6 @@ from routelab.estimators import gumbel_matching_routes
 from routelab.layers import MoE
 from routelab.routers import ROUTERS, make_router
 from routelab.routing.masks import real_tokens, scatter_routes
-from test_routing_rules import best_quota_total
 
 D, H = 8, 16
 FIELDS = ("expert", "gate", "keep", "weight", "log_prob")

@@ -75,7 +75,7 @@ class _ActiveSet:
         level: int,
         prices: np.ndarray,
         leads: np.ndarray,
-        parent: "_ActiveSet | None",
+        parent: _ActiveSet | None,
         tuning: SolverTuning,
     ) -> None:
         self.scores, self.weight, self.frozen_col = scores, weight, frozen_col
@@ -97,7 +97,7 @@ class _ActiveSet:
     @classmethod
     def freeze(
         cls, S: Tensor, X: Tensor, u: np.ndarray, T: np.ndarray, level: int, work: Tensor, tuning: SolverTuning
-    ) -> "_ActiveSet | None":
+    ) -> _ActiveSet | None:
         """Generation 0: freeze the saturated rows of a full step; ``None`` if more than
         ``tuning.max_active`` of the rows would stay active.
 
@@ -119,7 +119,7 @@ class _ActiveSet:
         scores, weight, frozen_col = kept
         return cls(scores, weight, frozen_col, level, u[None].copy(), gap * T[None], None, tuning)
 
-    def shrink(self, X: Tensor, u: np.ndarray, T: np.ndarray, level: int, work: Tensor) -> "_ActiveSet":
+    def shrink(self, X: Tensor, u: np.ndarray, T: np.ndarray, level: int, work: Tensor) -> _ActiveSet:
         """The next generation: freeze the active rows saturated at the (lower) temperature ``T``.
 
         Args:
@@ -135,7 +135,7 @@ class _ActiveSet:
         leads = np.concatenate([self.leads, self.tuning.shrink_gap * T[None]])
         return _ActiveSet(scores, weight, frozen_col, level, prices, leads, self, self.tuning)
 
-    def usable(self, u: np.ndarray, T: np.ndarray) -> "_ActiveSet | None":
+    def usable(self, u: np.ndarray, T: np.ndarray) -> _ActiveSet | None:
         """The deepest generation (this one or an ancestor) whose frozen rows are all still
         saturated at prices ``u`` and temperature ``T``; ``None`` if not even generation 0's are.
 

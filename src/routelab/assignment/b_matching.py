@@ -48,9 +48,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._checks import check_k, check_score_matrix, resolve_capacity
 from ._b_start import repair_quotas, start_b_matching
 from ._b_tables import apply_moves, move_table, tables_from_held
-from .._checks import check_k, check_score_matrix, resolve_capacity
 from ._cycles import cycle_tolerance, find_negative_cycles
 from ._graph import release_arcs, release_weight
 from ._normalise import compute_dtype, normalise_scores

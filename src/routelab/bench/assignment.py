@@ -29,7 +29,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, TextIO
 
 import numpy as np
@@ -38,10 +38,11 @@ import torch
 from scipy.optimize import linear_sum_assignment
 
 import routelab
+from routelab.assignment import balanced_assignment, gumbel_matching, sinkhorn
+
 from ..machine import cpu_model as _cpu_model
 from ..machine import load_average
 from ._checks import check_device_and_threads
-from routelab.assignment import balanced_assignment, gumbel_matching, sinkhorn
 
 __all__ = ["run_benchmark"]
 
@@ -531,7 +532,7 @@ def _batched_timing(
 
 def _header(*, quick: bool, device: str) -> list[str]:
     """Markdown lines stating what runs where, all facts read at run time."""
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     lines = [
         f"**routelab assignment benchmark** ({'quick' if quick else 'full'} mode)",
         "",

@@ -55,7 +55,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TextIO
 
 import torch
@@ -751,7 +751,7 @@ def _benchmark(cfg: BenchConfig, *, device: str = "cpu", out: TextIO | None = No
 
 
 def _header(quick: bool, device: str, cfg: BenchConfig) -> list[str]:
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     gpu = f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""
     return [
         f"**routelab MoE layer benchmark** ({'quick' if quick else 'full'} mode)",

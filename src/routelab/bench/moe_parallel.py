@@ -40,7 +40,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, TextIO
 
 import torch
@@ -48,9 +48,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import routelab
-from ..machine import cpu_model as _cpu_model
 from routelab.layers import MoE, MoEConfig
 from routelab.parallel import ExpertParallelMoE, init_distributed, run_workers, under_torchrun
+
+from ..machine import cpu_model as _cpu_model
 
 __all__ = ["FULL", "QUICK", "ParallelBenchConfig", "deepspeed_available", "run_benchmark"]
 
@@ -234,7 +235,7 @@ def _header(cfg: ParallelBenchConfig, quick: bool, ds: tuple[bool, str], backend
         f"E={cfg.experts} experts in all (E/W per rank), top-1 (Switch) routing, capacity factor 1 or dropless",
         f"- forward + backward, median of {cfg.repeats} steps after {cfg.warmup} warm-up steps, slowest rank; "
         "tokens/s counts the global batch (W x tokens per rank)",
-        f"- {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; load average at the end "
+        f"- {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}; load average at the end "
         f"{', '.join(f'{v:.1f}' for v in os.getloadavg())} (1, 5, 15 min; other work on the machine slows every column)",
         "",
     ]

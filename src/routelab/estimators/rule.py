@@ -7,8 +7,8 @@ from torch import Tensor
 
 from .._checks import check_tau
 from ..routes import Routes
-from ..routing.masks import masked_rule
 from ..routing.eager import eager
+from ..routing.masks import masked_rule
 from ..routing.rules import balanced_assignment, balanced_capacity
 from .sampling import METHODS, sample_routes
 

@@ -7,7 +7,6 @@ A gate only produces scores/weights, under one protocol shared with the token ro
 """
 
 from routelab.gates.batchwise import batchwise_mask, batchwise_threshold_loss, threshold_mask
-
 from routelab.gates.dselect import DSelectK, dselect_weights, selector_outputs
 from routelab.gates.mtl_baselines import (
     GumbelSoftmaxGate,

@@ -12,8 +12,8 @@ from .._checks import check_generator, checks_run, floating_input, token_mask
 from ..routers import Router
 from ..routes import Routes
 from ..routing import DispatchPlan, apply_capacity, expert_capacity, load_stats
-from ..routing.record import RoutingRecord
 from ..routing.masks import real_tokens, scatter_routes
+from ..routing.record import RoutingRecord
 from ..routing.replay import NoiseReplay
 from .config import MoEConfig
 from .experts import StackedExperts

@@ -18,14 +18,12 @@ forward's noise.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from .._checks import (
     GeneratorAttribute,
     check_capacity,
     check_finite,
-    check_generator,
     check_positive_int,
     checks_run,
     token_mask,

@@ -21,8 +21,8 @@ from routelab.routing.dispatch import DispatchPlan
 from routelab.routing.eager import eager
 from routelab.routing.losses import switch_balance
 from routelab.routing.masks import masked_rule, real_tokens, scatter_routes
-from routelab.routing.replay import NoiseReplay
 from routelab.routing.record import RoutingRecord, aux_loss, routing_stats
+from routelab.routing.replay import NoiseReplay
 from routelab.routing.rules import (
     balanced_routes,
     batchwise_routes,

@@ -33,8 +33,8 @@ from ..assignment import balanced_b_matching as _balanced_b_matching
 from ..assignment import sinkhorn_balance
 from ..gates.batchwise import batchwise_mask, batchwise_threshold_loss, threshold_mask
 from ..routes import Routes
-from .losses import cv_squared, noisy_topk_load, switch_balance
 from .eager import eager
+from .losses import cv_squared, noisy_topk_load, switch_balance
 from .masks import masked_rule
 
 __all__ = [

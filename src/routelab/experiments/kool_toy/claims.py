@@ -142,7 +142,7 @@ def _verdict_of(parts: Mapping[str, bool | None]) -> str:
     return v
 
 
-def _gaps(table: "SuccessTable", configs: Sequence[str]) -> str:
+def _gaps(table: SuccessTable, configs: Sequence[str]) -> str:
     """A note naming the methods with no results in each configuration (e.g. a skipped chunk)."""
     notes = []
     for c in configs:

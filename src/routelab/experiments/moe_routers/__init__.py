@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -64,7 +64,7 @@ def run_sweep(out_dir: Path, settings: Settings, *, figures: bool = True, progre
     """
     settings.validate()
     t_start = time.perf_counter()
-    started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     load_start = load_average()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
