@@ -289,16 +289,24 @@ class MixtureOfAttentiveExperts(nn.Module):
             ``[batch, d]`` if ``gate_context`` is None and not ``causal``; else ``[batch, seq, d]``
             (position ``t`` averages positions ``max(0, t - c + 1) .. t``, or ``0 .. t``).
         """
+        # Running sums accumulate in float32 for half-precision queries (a prefix sum of fp16 values
+        # overflows long before their mean does); the summary is returned in the query's dtype.
+        out_dtype = query.dtype
+        if query.dtype in (torch.float16, torch.bfloat16):
+            query = query.float()
         if self.gate_context is None:
             valid = None if query_padding_mask is None else (~query_padding_mask).to(query.dtype).unsqueeze(-1)
             if causal:
                 if valid is None:
                     count = torch.arange(1, query.shape[1] + 1, device=query.device, dtype=query.dtype)
-                    return torch.cumsum(query, dim=1) / count.view(1, -1, 1)
-                return torch.cumsum(query * valid, dim=1) / torch.cumsum(valid, dim=1).clamp_min(1.0)
-            if valid is None:
-                return query.mean(dim=1)
-            return (query * valid).sum(1) / valid.sum(1).clamp_min(1.0)
+                    out = torch.cumsum(query, dim=1) / count.view(1, -1, 1)
+                else:
+                    out = torch.cumsum(query * valid, dim=1) / torch.cumsum(valid, dim=1).clamp_min(1.0)
+            elif valid is None:
+                out = query.mean(dim=1)
+            else:
+                out = (query * valid).sum(1) / valid.sum(1).clamp_min(1.0)
+            return out.to(out_dtype)
         c = self.gate_context
         seq = query.shape[1]
         csum = torch.cumsum(query, dim=1)
@@ -306,7 +314,7 @@ class MixtureOfAttentiveExperts(nn.Module):
         if seq > c:
             shifted[:, c:] = csum[:, :-c]
         count = torch.arange(1, seq + 1, device=query.device, dtype=query.dtype).clamp_max(c)
-        return (csum - shifted) / count.view(1, seq, 1)
+        return ((csum - shifted) / count.view(1, seq, 1)).to(out_dtype)
 
     def _responsibilities(self, query: Tensor, query_padding_mask: Tensor | None, causal: bool) -> Tensor:
         """Responsibilities for the current :attr:`routing`: ``[batch, E]`` or ``[batch, seq, E]``."""
