@@ -78,7 +78,7 @@ def test_quick_form_is_the_full_runs_first_seed_cells() -> None:
 
 def _records(base: list[float], uni: list[float], mae: list[float]) -> Results:
     runs, analyses = [], []
-    for sd, (b, u, m) in enumerate(zip(base, uni, mae)):
+    for sd, (b, u, m) in enumerate(zip(base, uni, mae, strict=True)):
         for name, loss, lr in (("BASE", b, None), ("UNI-MAE-7", u, None), ("MAE-7", m, 10.0)):
             runs.append({"variant": name, "seed": sd, "gate_lr": lr, "dim": 32, "test_loss": loss,
                          "test_ppl": math.exp(loss), "curve": [{"train_loss": loss, "dev_loss": loss}]})

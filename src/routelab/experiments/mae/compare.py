@@ -48,7 +48,7 @@ def paired(a: Sequence[float], b: Sequence[float]) -> Paired:
     """
     if len(a) != len(b) or not a:
         raise ValueError(f"a and b must hold one value per seed, same seeds; got {len(a)} and {len(b)} values.")
-    diffs = tuple(float(x) - float(y) for x, y in zip(a, b))
+    diffs = tuple(float(x) - float(y) for x, y in zip(a, b, strict=True))
     st = mean_se(diffs)
     return Paired(diffs, st.mean, None if st.se is None else 2.0 * st.se)
 

@@ -208,7 +208,7 @@ def claims(res: Results) -> list[Claim]:
         unif = [math.log(a["uniform_gates"]["test_ppl"]) for a, _ in m7]
         p = paired(gated, unif)
         rows.append(Claim(text=HEADLINE[1], paper="the premise of MAE (eq. 6 vs eq. 5)",
-                          measured=f"per-seed test ppl change, learned - uniform gates: "
+                          measured="per-seed test ppl change, learned - uniform gates: "
                                    + ", ".join(_pct(d) for d in p.diffs),
                           verdict=less_verdict(p)))
     m6 = res.run("MAE-6", s0)
@@ -336,7 +336,7 @@ def _scale_claims(res: Results, sd: float | None) -> list[Claim]:
     gaps = _scale_gaps(res)
     if len(gaps) < 2:
         return []
-    (d0, g0, _), (d1, g1, _) = gaps[0], gaps[-1]
+    g0, g1 = gaps[0][1], gaps[-1][1]
     return [Claim(text="the MAE-7 - BASE gap closes as the model grows (routelab's question, not the paper's)",
                   paper="MAE-7 beats BASE at the paper's sizes",
                   measured="MAE-7 - BASE test ppl: " + ", ".join(f"d={d}: {_pct(g)}" for d, g, _ in gaps)
@@ -392,7 +392,9 @@ def write_report(out_dir: Path, s: Any, corpus: Any, run_list: list[dict[str, An
     atomic_write_text(out_dir / "results.json", json.dumps(summary, indent=1, sort_keys=True))
 
     sched = s.schedule
-    n_train = corpus.windows["train"].shape[0] if not s.train_limit else min(s.train_limit, corpus.windows["train"].shape[0])
+    n_train = corpus.windows["train"].shape[0]
+    if s.train_limit:
+        n_train = min(s.train_limit, n_train)
     train_secs = sum(r["seconds"] for r in ok_runs) + sum(r.get("seconds", 0.0) for r in ft)
     total_steps = sched.epochs * sched.batches_per_epoch
     L: list[str] = []
@@ -480,7 +482,8 @@ def write_report(out_dir: Path, s: Any, corpus: Any, run_list: list[dict[str, An
         L.append(f"| {n} | {_fmt_lr(res.lr(n))} | {r0['experts'] if r0['mode'] != 'base' else '-'} | "
                  f"{r0['params']:,} ({r0['gate_params']:,}) | "
                  + " | ".join(f"{r['test_ppl']:.2f}" if r else "-" for r in recs)
-                 + f" | {mean_se(r['test_ppl'] for r in have).fmt()} | {r0['steps']['g']} / {r0['steps']['f'] or r0['steps']['base'] or r0['steps']['joint']} | "
+                 + f" | {mean_se(r['test_ppl'] for r in have).fmt()} | {r0['steps']['g']} / "
+                 f"{r0['steps']['f'] or r0['steps']['base'] or r0['steps']['joint']} | "
                  f"{sum(r['seconds'] for r in have) / len(have) / 60:.1f} min |")
     L += ["", "Paper: MAE-7 improves over BASE by 0.8 BLEU (WMT14) and 0.9 BLEU (IWSLT14) and lowers "
           "WikiText-103 perplexity by more than 0.3; MAE-6 slightly below MAE-7; UNI-MAE-7 and NOBCD below "
@@ -591,7 +594,8 @@ def write_report(out_dir: Path, s: Any, corpus: Any, run_list: list[dict[str, An
         for r in sorted(ft, key=lambda r: (r["fraction"], order.get(r["method"], 9))):
             data = "-" if r["fraction"] == 0 else f"{r['fraction']:.0%}"
             L.append(f"| {r['method']} | {data} | {r.get('windows', '-')} | {r['updated_params']:,} | "
-                     f"{math.exp(r['best_dev_loss']):.2f} | {math.exp(r['test_loss_at_best']):.2f} | {r['best_step']} |")
+                     f"{math.exp(r['best_dev_loss']):.2f} | {math.exp(r['test_loss_at_best']):.2f} | "
+                     f"{r['best_step']} |")
         L += ["", "NOFT-BASE is the BASE model without fine-tuning, for reference. No SCRATCH model (budget).",
               "", "![fine-tuning](fig_finetune.png)", ""]
 
