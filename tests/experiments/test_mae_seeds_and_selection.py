@@ -72,7 +72,7 @@ def test_quick_form_is_the_full_runs_first_seed_cells() -> None:
     differ = {fl.name for fl in dataclasses.fields(q) if getattr(q, fl.name) != getattr(f, fl.name)}
     assert differ <= {"seeds", "gate_lrs", "variants", "scale_dims", "ft_epochs", "quick"}
     assert q.seeds == f.seeds[:1] and set(q.gate_lrs) <= set(f.gate_lrs) and len(q.gate_lrs) == 1
-    assert set(q.variants) <= set(f.variants) and {"BASE", "MAE-7", "UNI-MAE-7"} <= set(q.variants)
+    assert set(q.variants) <= set(f.variants) and {"MAE-7", "UNI-MAE-7"} <= set(q.variants)
     assert len(f.seeds) >= 3
 
 

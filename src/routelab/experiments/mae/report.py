@@ -400,12 +400,13 @@ def write_report(out_dir: Path, s: Any, corpus: Any, run_list: list[dict[str, An
     L: list[str] = []
     L += ["# MAE: mixture of attentive experts with block coordinate descent (Peng et al. 2020)", ""]
     if s.quick:
-        L += ["**Quick form** (`--quick`): the full run's seed-0 cells of BASE, MAE-7 (at the gate lr "
-              f"{chosen:g} that the full run selected on dev) and UNI-MAE-7, trained at full length, so "
+        L += ["**Quick form** (`--quick`): the full run's seed-0 cells of "
+              + " and ".join(n for n in _ORDER if n in s.variants)
+              + f" (MAE-7 at the gate lr {chosen:g} that the full run selected on dev), trained at full length, so "
               "their numbers are the full run's seed-0 numbers. One seed: there is no seed spread, so the "
               "**quick verdicts** below are signs of differences, labelled so; they are expected to agree "
               "with the full run on the headline claims (" + "; ".join(HEADLINE) + "), and the full run "
-              "decides them with 3 paired seeds. No gate-lr selection, NOBCD, MAE-6, fine-tuning or "
+              "decides them with paired seeds. No gate-lr selection, other variants, fine-tuning or "
               "larger model here; the full run's report is `docs/mae/report.md`.", ""]
     L += [
         "## Setup", "",
