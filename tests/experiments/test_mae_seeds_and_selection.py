@@ -18,7 +18,7 @@ import torch
 
 import routelab.experiments.mae as mae_exp
 from routelab.data.parallel_text import VersePair
-from routelab.experiments.kit.store import read_jsonl
+from routelab.experiments.kit.store import failed_record, read_jsonl
 from routelab.experiments.mae.report import HEADLINE, Results, claims
 from routelab.experiments.mae.train import Schedule
 
@@ -106,3 +106,15 @@ def test_mae_beats_base_is_judged_when_the_experts_are_free() -> None:
     # UNI-MAE-7 - BASE changes sign over seeds: no significant expert cost, the claim is judged
     rows = {c.text: c for c in claims(_records([4.00, 4.05, 3.98], [3.99, 4.07, 3.97], [3.90, 3.96, 3.87]))}
     assert rows["MAE-7 beats BASE (Tables 2-4)"].verdict == "holds"
+
+
+def test_gate_lr_selection_skips_collapsed_gates() -> None:
+    from routelab.experiments.mae import _select_gate_lr
+
+    runs = [{"gate_lr": lr, "dev_loss": d} for lr, d in ((1.0, 4.9), (10.0, 4.8), (100.0, 4.7))]
+    an = {lr: {"collapse": {"collapsed": lr == 100.0}} for lr in (1.0, 10.0, 100.0)}
+    assert _select_gate_lr(runs, an, 1.0) == 10.0  # 100 has the lowest dev loss but collapsed
+    every = {lr: {"collapse": {"collapsed": True}} for lr in (1.0, 10.0, 100.0)}
+    assert _select_gate_lr(runs, every, 1.0) == 100.0  # all collapsed: the lowest dev loss
+    failed = [failed_record({"gate_lr": 1.0}, "diverged")]
+    assert _select_gate_lr(failed, {}, 7.0) == 7.0

@@ -56,8 +56,8 @@ class Settings:
         seeds: paired seeds: every variant in ``multi_seed`` is trained once per seed, from the
             same initial weights of the shared parameters and on the same batches.
         gate_lrs: the gate SGD learning rates tried; MAE-7 is trained at ``seeds[0]`` with each and
-            the one with the lowest dev perplexity is used for every gated run (one value: no
-            selection).
+            the one with the lowest dev perplexity among those whose gates did not collapse (see
+            ``collapse``) is used for every gated run (one value: no selection).
         variants: the variants trained (names of :data:`~.train.VARIANTS`).
         multi_seed: the variants trained at every seed; the others at ``seeds[0]`` only.
         scale_dims: larger model widths (``dim``; ``ffn = 4 dim``, ``gate_hidden = dim``, same
@@ -83,7 +83,7 @@ class Settings:
     gate_context: int = 32
     schedule: Schedule = field(default_factory=lambda: Schedule(epochs=8, batches_per_epoch=50, batch=16, warmup=40))
     seeds: tuple[int, ...] = (0, 1, 2)
-    gate_lrs: tuple[float, ...] = (1.0, 10.0, 100.0, 1000.0)
+    gate_lrs: tuple[float, ...] = (1.0, 10.0, 30.0, 100.0, 1000.0)
     variants: tuple[str, ...] = tuple(v.name for v in VARIANTS)
     multi_seed: tuple[str, ...] = ("BASE", "MAE-7", "UNI-MAE-7", "NOBCD")
     scale_dims: tuple[int, ...] = (64,)
@@ -145,8 +145,8 @@ def run(out_dir: Path, s: Settings) -> Path:
     and fine-tuning, write the report (resumable).
 
     Order: (1) MAE-7 at ``seeds[0]`` for every gate lr, the lr with the lowest dev perplexity
-    chosen; (2) every variant at every seed (``multi_seed``) or at ``seeds[0]``; (3) the larger
-    models; (4) the analyses per trained model; (5) fine-tuning of ``seeds[0]``'s MAE-7.
+    among those whose gates did not collapse chosen (:func:`_select_gate_lr`); (2) every variant
+    at every seed (``multi_seed``) or at ``seeds[0]``; (3) the larger models; (4) the analyses per trained model; (5) fine-tuning of ``seeds[0]``'s MAE-7.
 
     A run that diverges is recorded as failed (with the reason) in ``runs.jsonl`` /
     ``finetune.jsonl``; the other runs still train. The analyses and claims compare the variants,
@@ -220,15 +220,29 @@ def run(out_dir: Path, s: Settings) -> Path:
         models[key] = model
         _log(f"{label}: dev ppl {rec['dev_ppl']:.2f}, test ppl {rec['test_ppl']:.2f}, G steps {state['steps']['g']}")
 
-    # ---- 1. the gate learning rate, chosen on dev (MAE-7, first seed)
+    an_path = out_dir / "analyses.jsonl"
+    analyses = {(r["variant"], r["seed"], r.get("gate_lr")): r for r in read_jsonl(an_path)
+                if r.get("name") == "model"}
+
+    def analyse(key: tuple[str, int, float | None, int]) -> None:
+        name, seed, lr, dim = key
+        if key not in models or dim != s.dim or (name, seed, lr) in analyses or name == "BASE":
+            return
+        _log(f"analyses of {run_name(name, seed, lr, dim, s.dim)}")
+        arec = _analyse(models[key], name, dev, test, s)
+        arec.update({"name": "model", "variant": name, "seed": seed, "gate_lr": lr})
+        append_jsonl_atomic(an_path, arec)
+        analyses[(name, seed, lr)] = arec
+
+    # ---- 1. the gate learning rate, chosen on dev (MAE-7, first seed) among the uncollapsed ones
     seed0 = s.seeds[0]
     if "MAE-7" in s.variants:
         for lr in s.gate_lrs:
             train_one("MAE-7", seed0, lr, s.dim)
-    candidates = [done[_key("MAE-7", seed0, lr, s.dim)] for lr in s.gate_lrs
-                  if _key("MAE-7", seed0, lr, s.dim) in done]
-    ok_candidates = [r for r in candidates if not is_failed(r)]
-    chosen = min(ok_candidates, key=lambda r: r["dev_loss"])["gate_lr"] if ok_candidates else s.gate_lrs[0]
+            analyse(_key("MAE-7", seed0, lr, s.dim))
+    chosen = _select_gate_lr(
+        [done[k] for lr in s.gate_lrs if (k := _key("MAE-7", seed0, lr, s.dim)) in done],
+        {lr: a for (n, sd, lr), a in analyses.items() if n == "MAE-7" and sd == seed0}, s.gate_lrs[0])
 
     # ---- 2. every variant, paired seeds (Tables 2-4, App. B); 3. larger models
     plan: list[tuple[str, int, float | None, int]] = []
@@ -247,19 +261,9 @@ def run(out_dir: Path, s: Settings) -> Path:
         return write_failed_report(out_dir, s, list(done.values()), time.perf_counter() - t_start)
 
     # ---- 4. analyses of Sec. 5.1 / App. C on the dev set, per trained model of the main width
-    an_path = out_dir / "analyses.jsonl"
-    analyses = {(r["variant"], r["seed"], r.get("gate_lr")): r for r in read_jsonl(an_path)
-                if r.get("name") == "model"}
-    for key, model in sorted(models.items(), key=lambda kv: str(kv[0])):
-        name, seed, lr, dim = key
-        if dim != s.dim or (name, seed, lr) in analyses or name == "BASE":
-            continue
-        _log(f"analyses of {run_name(name, seed, lr, dim, s.dim)}")
-        arec = _analyse(model, name, dev, test, s)
-        arec.update({"name": "model", "variant": name, "seed": seed, "gate_lr": lr})
-        append_jsonl_atomic(an_path, arec)
-        analyses[(name, seed, lr)] = arec
-    pmi_rec = next((r for r in read_jsonl(an_path) if r.get("name") == "pmi"), None)
+    for key in sorted(models, key=str):
+        analyse(key)
+    pmi_rec = next((r for r in read_jsonl(an_path) if r.get("name") == "pmi" and r.get("gate_lr") == chosen), None)
     main_key = _key("MAE-7", seed0, chosen, s.dim)
     if pmi_rec is None and main_key in models:
         tokens, gates = collect_gates(models[main_key], torch.cat([dev, test]))
@@ -269,13 +273,13 @@ def run(out_dir: Path, s: Settings) -> Path:
 
     # ---- 5. transfer (Sec. 5.2): pretrained on the Old Testament, fine-tuned on the New
     ft_path = out_dir / "finetune.jsonl"
-    ft_done = {(r["method"], r["fraction"]): r for r in read_jsonl(ft_path)}
+    ft_done = {(r["method"], r["fraction"]): r for r in read_jsonl(ft_path) if r.get("gate_lr") == chosen}
     base_key = _key("BASE", seed0, None, s.dim)
     if s.ft_epochs and main_key in models and base_key in models:
         nt_dev, nt_test = corpus.windows["nt_dev"], corpus.windows["nt_test"]
         if ("NOFT", 0.0) not in ft_done:
             for key, method, routing in ((main_key, "NOFT", "gate"), (base_key, "NOFT-BASE", "uniform")):
-                r = {"method": method, "fraction": 0.0,
+                r = {"method": method, "fraction": 0.0, "gate_lr": chosen,
                      "best_dev_loss": evaluate(models[key], nt_dev, routing),
                      "test_loss_at_best": evaluate(models[key], nt_test, routing),
                      "best_step": 0, "updated_params": 0, "curve": []}
@@ -291,7 +295,7 @@ def run(out_dir: Path, s: Settings) -> Path:
                 if (method, frac) in ft_done:
                     continue
                 _log(f"fine-tuning MAE-7 with {method} on {frac:.0%} of the New Testament windows")
-                key = {"method": method, "fraction": frac, "windows": int(sub.shape[0])}
+                key = {"method": method, "fraction": frac, "windows": int(sub.shape[0]), "gate_lr": chosen}
                 r = train_or_fail(lambda: finetune(models[main_key], method, sub, nt_dev, nt_test, ft_sched,
                                                    ckpt_dir, f"{method}_{frac}"), key,
                                   on_fail=lambda why: _log(f"fine-tuning {method} on {frac:.0%}: FAILED, {why}"))
@@ -304,6 +308,17 @@ def run(out_dir: Path, s: Settings) -> Path:
     report = write_report(out_dir, s, corpus, list(done.values()), list(analyses.values()), pmi_rec,
                           ft_ok, chosen, elapsed)
     return add_failures_to_report(report, ft_failed, len(ft_done), ("method", "fraction"))
+
+
+def _select_gate_lr(candidates: list[dict[str, Any]], analyses: dict[float, dict[str, Any]], default: float) -> float:
+    """The gate lr with the lowest dev loss among the candidate runs whose gates did not collapse
+    (the paper tunes away from the rich-get-richer degeneracy, Sec. 3 fn. 4); if every candidate
+    collapsed (or has no analysis), the lowest dev loss among all; ``default`` without candidates."""
+    ok = [r for r in candidates if not is_failed(r)]
+    if not ok:
+        return default
+    alive = [r for r in ok if r["gate_lr"] in analyses and not analyses[r["gate_lr"]]["collapse"]["collapsed"]]
+    return min(alive or ok, key=lambda r: r["dev_loss"])["gate_lr"]
 
 
 def _analyse(model: TransformerLM, name: str, dev: torch.Tensor, test: torch.Tensor, s: Settings) -> dict[str, Any]:

@@ -453,9 +453,12 @@ def write_report(out_dir: Path, s: Any, corpus: Any, run_list: list[dict[str, An
     cands = sorted((r for r in ok_runs if r["variant"] == "MAE-7" and r["seed"] == s0 and r["dim"] == s.dim),
                    key=lambda r: r["gate_lr"])
     L += ["## Gate learning rate, chosen on dev", "",
-          f"MAE-7 at seed {s0} with each gate SGD learning rate; the one with the lowest dev perplexity is "
-          "used by every gated run (MAE-7, MAE-6, NOBCD, fine-tuning). *Collapse*: the expert with the "
-          f"largest mean responsibility in a layer gets at least {s.collapse:.0%} of it on average.", "",
+          f"MAE-7 at seed {s0} with each gate SGD learning rate. *Collapse* (rich get richer): in some layer, "
+          f"the expert with the largest mean responsibility gets at least {s.collapse:.0%} of it on average. "
+          "The chosen lr has the lowest dev perplexity among the learning rates whose gates did not collapse "
+          "(the paper tunes away from this degeneracy, Sec. 3 fn. 4; a collapsed MAE-7 always trains and uses "
+          "the same 7 heads, which is not a mixture); it is used by every gated run (MAE-7, MAE-6, NOBCD, "
+          "fine-tuning).", "",
           "| gate lr | G steps | dev ppl | gate entropy (ln E = "
           f"{math.log(s.heads):.3f}) | top expert's mean responsibility per layer | collapsed | chosen |",
           "|---|---|---|---|---|---|---|"]
