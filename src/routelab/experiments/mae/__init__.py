@@ -108,7 +108,7 @@ class Settings:
 
 FULL = Settings()
 QUICK = Settings(
-    seeds=(0,), gate_lrs=(1000.0,), variants=("MAE-7", "UNI-MAE-7"), scale_dims=(), ft_epochs=(),
+    seeds=(0,), gate_lrs=(30.0,), variants=("MAE-7", "UNI-MAE-7"), scale_dims=(), ft_epochs=(),
     quick=True,
 )
 """The quick form: the full run's seed-0 cells of MAE-7 (at the gate lr the full run selected on
