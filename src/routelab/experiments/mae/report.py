@@ -620,8 +620,8 @@ def write_report(out_dir: Path, s: Any, corpus: Any, run_list: list[dict[str, An
     ties = [c.text for c in rows if c.outcome == INCONCLUSIVE]
     other = [c.text for c in rows if c.outcome not in (HOLDS, NOT_HOLD, INCONCLUSIVE)]
     L += ["", "## Closing note", "",
-          f"{len(held)} of {len(rows)} claims hold in this run, {len(failed)} do not, {len(ties)} are "
-          f"inconclusive and {len(other)} are partly true or not testable here. "
+          f"Of {len(rows)} claims, in this run: {len(held)} hold, {len(failed)} do not, {len(ties)} "
+          f"inconclusive, {len(other)} partly true or not testable here. "
           + ("Holding: " + "; ".join(held) + ". " if held else "")
           + ("Not holding: " + "; ".join(failed) + ". " if failed else "")
           + ("Inconclusive: " + "; ".join(ties) + ". " if ties else "")
