@@ -297,7 +297,7 @@ def run(out_dir: Path, s: Settings) -> Path:
                 _log(f"fine-tuning MAE-7 with {method} on {frac:.0%} of the New Testament windows")
                 key = {"method": method, "fraction": frac, "windows": int(sub.shape[0]), "gate_lr": chosen}
                 r = train_or_fail(lambda: finetune(models[main_key], method, sub, nt_dev, nt_test, ft_sched,
-                                                   ckpt_dir, f"{method}_{frac}"), key,
+                                                   ckpt_dir, f"{method}_{frac}_g{chosen:g}"), key,
                                   on_fail=lambda why: _log(f"fine-tuning {method} on {frac:.0%}: FAILED, {why}"))
                 r.update(key)
                 append_jsonl_atomic(ft_path, r)
