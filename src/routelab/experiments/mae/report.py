@@ -395,7 +395,10 @@ def write_report(out_dir: Path, s: Any, corpus: Any, run_list: list[dict[str, An
     n_train = corpus.windows["train"].shape[0]
     if s.train_limit:
         n_train = min(s.train_limit, n_train)
-    train_secs = sum(r["seconds"] for r in ok_runs) + sum(r.get("seconds", 0.0) for r in ft)
+    used = [r for r in ok_runs if r.get("gate_lr") in (None, chosen) or (r["variant"] == "MAE-7" and r["seed"] == s0
+                                                                          and r["dim"] == s.dim)]
+    unused = len(ok_runs) - len(used)  # runs at a gate lr selected by an earlier invocation
+    train_secs = sum(r["seconds"] for r in used) + sum(r.get("seconds", 0.0) for r in ft)
     total_steps = sched.epochs * sched.batches_per_epoch
     L: list[str] = []
     L += ["# MAE: mixture of attentive experts with block coordinate descent (Peng et al. 2020)", ""]
@@ -448,7 +451,9 @@ def write_report(out_dir: Path, s: Any, corpus: Any, run_list: list[dict[str, An
         + (f" ({res.pooled_sd():.4f} nats)" if res.pooled_sd() is not None else "") + ".",
         f"- **Run time**: training and fine-tuning took {train_secs / 60:.1f} min of recorded epochs; the last "
         f"invocation of `routelab reproduce mae` ran {elapsed / 60:.1f} min ({software_line(threads=1)}), "
-        "on a 2-core AMD EPYC shared with other jobs.", ""]
+        "on a 2-core AMD EPYC shared with other jobs."
+        + (f" `runs.jsonl` also records {unused} runs at a gate lr that an earlier invocation had selected; "
+           "they are not used in this report." if unused else ""), ""]
 
     cands = sorted((r for r in ok_runs if r["variant"] == "MAE-7" and r["seed"] == s0 and r["dim"] == s.dim),
                    key=lambda r: r["gate_lr"])
