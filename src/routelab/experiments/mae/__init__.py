@@ -146,7 +146,8 @@ def run(out_dir: Path, s: Settings) -> Path:
 
     Order: (1) MAE-7 at ``seeds[0]`` for every gate lr, the lr with the lowest dev perplexity
     among those whose gates did not collapse chosen (:func:`_select_gate_lr`); (2) every variant
-    at every seed (``multi_seed``) or at ``seeds[0]``; (3) the larger models; (4) the analyses per trained model; (5) fine-tuning of ``seeds[0]``'s MAE-7.
+    at every seed (``multi_seed``) or at ``seeds[0]``; (3) the larger models; (4) the analyses per
+    trained model; (5) fine-tuning of ``seeds[0]``'s MAE-7.
 
     A run that diverges is recorded as failed (with the reason) in ``runs.jsonl`` /
     ``finetune.jsonl``; the other runs still train. The analyses and claims compare the variants,
