@@ -265,14 +265,15 @@ def test_mae_diverged_variant_is_recorded_and_the_others_still_train(
 
     monkeypatch.setattr(BCDTrainer, "train_step", train_step)
     s = replace(mae_exp.QUICK, vocab=20, dim=8, heads=4, ffn=8, seq=6, gate_hidden=4, gate_context=2,
-                schedule=Schedule(epochs=1, batches_per_epoch=2, batch=2, warmup=1, g_every=1), train_limit=40)
+                schedule=Schedule(epochs=1, batches_per_epoch=2, batch=2, warmup=1, g_every=1), train_limit=40,
+                variants=("BASE", "MAE-7", "MAE-6", "UNI-MAE-7", "NOBCD"), gate_lrs=(1.0,))
     text = mae_exp.run(tmp_path, s).read_text()
     recs = {r["variant"]: r for r in read_jsonl(tmp_path / "runs.jsonl")}
     assert set(recs) == {"BASE", "MAE-7", "MAE-6", "UNI-MAE-7", "NOBCD"}
     assert [v for v, r in recs.items() if is_failed(r)] == ["NOBCD"]
     assert recs["NOBCD"]["failed_step"] == 1 and recs["NOBCD"]["reason"].startswith("diverged at step 1: ")
-    assert "1 of 5 variants failed" in text and "variant=NOBCD: diverged at step 1" in text
-    assert not (tmp_path / "models" / "NOBCD.pt").exists()
+    assert "1 of 5 variants failed" in text and "variant=NOBCD, seed=0, gate_lr=1.0: diverged at step 1" in text
+    assert not (tmp_path / "models" / "NOBCD_s0_g1.pt").exists() and (tmp_path / "models" / "BASE_s0.pt").exists()
     # a rerun does not train anything again
     monkeypatch.setattr(mae_exp, "train_variant", lambda *a, **k: pytest.fail("retrained"))
     mae_exp.run(tmp_path, s)

@@ -11,7 +11,12 @@ attention weights and the rest of the model: embeddings, feed-forward layers, ..
   weighted 0, so they get no gradient from that instance); ``theta`` is updated by Adam, ``phi``
   never.
 * **BCD epoch** (Alg. 3): at epochs ``e`` with ``e % g_every == 0`` every batch gets a G step
-  then an F step; otherwise only F steps (paper: ``g_every = 5``).
+  then an F step; otherwise only F steps (paper: ``g_every = 5``). When an "epoch" is short (a
+  few dozen batches) this leaves the gates almost untrained, so the schedule can be set in steps
+  instead: ``g_every_steps = m`` takes one G step before every ``m``-th F step (the paper's ratio
+  of one G update to five F updates is ``m = 5``), and :meth:`BCDTrainer.g_phase` runs a G-only
+  phase (G steps over a list of batches, no F step), e.g. at the end of each epoch so that the
+  gates catch up with the experts. :attr:`BCDTrainer.steps` counts every G and F step taken.
 
 The same trainer runs the paper's baselines (``mode``):
 
@@ -80,7 +85,11 @@ class BCDTrainer:
         loss_fn: ``loss_fn(model, batch) -> scalar Tensor`` (mean loss of the batch); the MAE
             layers route according to the step being taken.
         mode: one of :data:`MODES`.
-        g_every: G steps are taken in epochs ``e`` with ``e % g_every == 0`` (mode ``"bcd"``).
+        g_every: G steps are taken in epochs ``e`` with ``e % g_every == 0`` (mode ``"bcd"``;
+            ignored when ``g_every_steps`` is set).
+        g_every_steps: if set (``m >= 1``), the schedule is in steps: :meth:`train_step` takes a
+            G step before the F step whenever the F steps taken so far are a multiple of ``m``
+            (one G step per ``m`` F steps, whatever the epoch).
         gate_lr: SGD learning rate of the gates (no momentum; paper: 1).
         lr, betas, weight_decay: Adam's, for ``theta``.
         clip_norm: if set, clip ``theta``'s gradient norm to it before each Adam step.
@@ -103,6 +112,7 @@ class BCDTrainer:
         *,
         mode: str = "bcd",
         g_every: int = 5,
+        g_every_steps: int | None = None,
         gate_lr: float = 1.0,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.98),
@@ -115,6 +125,8 @@ class BCDTrainer:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
         check_positive_int("g_every", g_every)  # the paper uses 5
+        if g_every_steps is not None:
+            check_positive_int("g_every_steps", g_every_steps)
         if gate_lr <= 0 or lr <= 0:
             raise ValueError(f"gate_lr and lr must be positive, got {gate_lr} and {lr}.")
         self.mae = mae_modules(model)
@@ -127,6 +139,7 @@ class BCDTrainer:
         self.loss_fn = loss_fn
         self.mode = mode
         self.g_every = g_every
+        self.g_every_steps = g_every_steps
         self.clip_norm = clip_norm
         check_generator(generator)
         self.generator = generator
@@ -226,6 +239,25 @@ class BCDTrainer:
         self.steps["joint" if self.mode == "nobcd" else "base"] += 1
         return float(loss)
 
+    def takes_g_step(self, epoch: int) -> bool:
+        """Whether :meth:`train_step` at ``epoch`` takes a G step before its F step now: by the
+        step schedule (``g_every_steps``) if set, else by the epoch schedule (``g_every``)."""
+        if self.mode != "bcd" or not self.train_gates:
+            return False
+        if self.g_every_steps is not None:
+            return self.steps["f"] % self.g_every_steps == 0
+        return epoch % self.g_every == 0
+
+    def g_phase(self, batches: Iterable[Any]) -> list[float]:
+        """A G-only phase: one G step (Alg. 1) per batch, no F step. Returns the losses.
+
+        Raises:
+            ValueError: in a mode without G steps (the gates are not trained).
+        """
+        losses = [self.g_step(batch) for batch in batches]
+        self.set_eval_routing()
+        return losses
+
     def train_step(self, batch: Any, epoch: int) -> dict[str, float]:
         """One batch of Alg. 3 (or of the baseline mode) at epoch ``epoch`` (0-based).
 
@@ -234,7 +266,7 @@ class BCDTrainer:
         """
         if self.mode == "bcd":
             out: dict[str, float] = {}
-            if self.train_gates and epoch % self.g_every == 0:
+            if self.takes_g_step(epoch):
                 out["g_loss"] = self.g_step(batch)
             out["loss"] = self.f_step(batch)
             return out

@@ -126,9 +126,11 @@ class MixtureOfAttentiveExperts(nn.Module):
             ``[seq, batch, d]`` (as :class:`torch.nn.MultiheadAttention`).
         gate_hidden: hidden size of the gate's tanh MLP (default ``embed_dim``).
         gate_context: ``None``: one gate per instance, from the mean of the query over its
-            (unpadded) positions (translation). An integer ``c``: one gate per position, from
-            the mean of the ``c`` most recent query vectors up to and including that position
-            (language modelling; causal, so the gate never sees future tokens).
+            (unpadded) positions (translation encoder), or, where the queries attend causally
+            (see ``causal_gate`` in :meth:`forward`), one gate per position from the mean of the
+            query prefix ``0 .. t`` (translation decoder). An integer ``c``: one gate per
+            position, from the mean of the ``c`` most recent query vectors up to and including
+            that position (language modelling; causal, so the gate never sees future tokens).
         dropout: dropout on the attention weights (as in MHA), in training mode only.
         bias: whether the input and output projections have biases (as in MHA).
 
@@ -266,22 +268,45 @@ class MixtureOfAttentiveExperts(nn.Module):
 
     # ------------------------------------------------------------------ gate
 
-    def gate_summary(self, query: Tensor, query_padding_mask: Tensor | None = None) -> Tensor:
-        """The gate's input: mean of the query over the sequence (or causal window).
+    def per_position_gate(self, causal: bool) -> bool:
+        """Whether the gate is one per position (``[batch, seq, E]``) rather than one per
+        instance (``[batch, E]``): with ``gate_context``, or when the queries attend causally."""
+        return self.gate_context is not None or causal
+
+    def gate_summary(
+        self, query: Tensor, query_padding_mask: Tensor | None = None, *, causal: bool = False
+    ) -> Tensor:
+        """The gate's input: mean of the query over the sequence, its prefix, or a causal window.
 
         Args:
             query: ``[batch, seq, d]`` (batch first).
             query_padding_mask: ``[batch, seq]`` bool, True at padding (excluded from the mean).
+            causal: the queries attend causally: with ``gate_context`` None, position ``t``
+                averages the (unpadded) positions ``0 .. t`` only, so its gate never depends on a
+                later position (a translation decoder under teacher forcing).
 
         Returns:
-            ``[batch, d]`` if ``gate_context`` is None, else ``[batch, seq, d]`` (position ``t``
-            averages positions ``max(0, t - c + 1) .. t``).
+            ``[batch, d]`` if ``gate_context`` is None and not ``causal``; else ``[batch, seq, d]``
+            (position ``t`` averages positions ``max(0, t - c + 1) .. t``, or ``0 .. t``).
         """
+        # Running sums accumulate in float32 for half-precision queries (a prefix sum of fp16 values
+        # overflows long before their mean does); the summary is returned in the query's dtype.
+        out_dtype = query.dtype
+        if query.dtype in (torch.float16, torch.bfloat16):
+            query = query.float()
         if self.gate_context is None:
-            if query_padding_mask is None:
-                return query.mean(dim=1)
-            valid = (~query_padding_mask).to(query.dtype).unsqueeze(-1)
-            return (query * valid).sum(1) / valid.sum(1).clamp_min(1.0)
+            valid = None if query_padding_mask is None else (~query_padding_mask).to(query.dtype).unsqueeze(-1)
+            if causal:
+                if valid is None:
+                    count = torch.arange(1, query.shape[1] + 1, device=query.device, dtype=query.dtype)
+                    out = torch.cumsum(query, dim=1) / count.view(1, -1, 1)
+                else:
+                    out = torch.cumsum(query * valid, dim=1) / torch.cumsum(valid, dim=1).clamp_min(1.0)
+            elif valid is None:
+                out = query.mean(dim=1)
+            else:
+                out = (query * valid).sum(1) / valid.sum(1).clamp_min(1.0)
+            return out.to(out_dtype)
         c = self.gate_context
         seq = query.shape[1]
         csum = torch.cumsum(query, dim=1)
@@ -289,14 +314,14 @@ class MixtureOfAttentiveExperts(nn.Module):
         if seq > c:
             shifted[:, c:] = csum[:, :-c]
         count = torch.arange(1, seq + 1, device=query.device, dtype=query.dtype).clamp_max(c)
-        return (csum - shifted) / count.view(1, seq, 1)
+        return ((csum - shifted) / count.view(1, seq, 1)).to(out_dtype)
 
-    def _responsibilities(self, query: Tensor, query_padding_mask: Tensor | None) -> Tensor:
+    def _responsibilities(self, query: Tensor, query_padding_mask: Tensor | None, causal: bool) -> Tensor:
         """Responsibilities for the current :attr:`routing`: ``[batch, E]`` or ``[batch, seq, E]``."""
         routing = self.routing
         if routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}.")
-        lead = (query.shape[0],) if self.gate_context is None else tuple(query.shape[:2])
+        lead = tuple(query.shape[:2]) if self.per_position_gate(causal) else (query.shape[0],)
         n = self.num_experts
         if routing == "uniform":
             return query.new_full((*lead, n), 1.0 / n)
@@ -304,9 +329,9 @@ class MixtureOfAttentiveExperts(nn.Module):
             idx = torch.randint(n, lead, generator=self.generator, device="cpu").to(query.device)
             return F.one_hot(idx, n).to(query.dtype)
         if routing == "gate":
-            return self.gate(self.gate_summary(query, query_padding_mask))
+            return self.gate(self.gate_summary(query, query_padding_mask, causal=causal))
         with torch.no_grad():  # sample / top1: non-differentiable choice, never a gate gradient
-            probs = self.gate(self.gate_summary(query, query_padding_mask))
+            probs = self.gate(self.gate_summary(query, query_padding_mask, causal=causal))
             if routing == "top1":
                 idx = probs.argmax(-1)
             else:
@@ -346,6 +371,7 @@ class MixtureOfAttentiveExperts(nn.Module):
         key_padding_mask: Tensor | None = None,
         attn_mask: Tensor | None = None,
         responsibilities: Tensor | None = None,
+        causal_gate: bool | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Mixture of attentive experts ``sum_e g_e f_e(X)`` (eq. 6).
 
@@ -359,11 +385,20 @@ class MixtureOfAttentiveExperts(nn.Module):
                 (MHA semantics; e.g. ``nn.Transformer.generate_square_subsequent_mask``).
             responsibilities: ``[N, E]`` (or ``[N, L, E]``), rows summing to 1; overrides the
                 gate and :attr:`routing` (uniform: MHA; one-hot: a single expert).
+            causal_gate: whether the queries attend causally, so that the gate of query ``t``
+                must not depend on later queries. ``None`` (default): causal exactly when
+                ``attn_mask`` forbids every key after its query (``L == S``, e.g. a decoder's
+                self-attention with ``generate_square_subsequent_mask``). Pass True for a causal
+                decoder's cross-attention (its queries are target positions under teacher
+                forcing, but its ``attn_mask`` is None), False to force one gate per instance.
+                With ``gate_context`` set the gate is causal anyway. A causal gate is one per
+                position: the mean of the query prefix ``0 .. t`` (see :meth:`gate_summary`).
 
         Returns:
             ``(attn_output, responsibilities)``: ``attn_output`` has the query's shape (as
             ``nn.MultiheadAttention(...)[0]``); ``responsibilities`` are the expert weights used,
-            ``[N, E]`` (``[N, L, E]`` with ``gate_context``; ``[E]`` / ``[L, E]`` unbatched),
+            ``[N, E]`` (``[N, L, E]`` with ``gate_context`` or a causal gate; ``[E]`` / ``[L, E]``
+            unbatched),
             differentiable w.r.t. the gate only under ``routing="gate"``.
 
         Raises:
@@ -404,11 +439,15 @@ class MixtureOfAttentiveExperts(nn.Module):
                 f"{tuple(key_padding_mask.shape)}."
             )
 
+        if causal_gate is None:
+            causal_gate = _forbids_future(attn_mask, seq, src)
+        elif not isinstance(causal_gate, bool):
+            raise TypeError(f"causal_gate must be None, True or False, got {type(causal_gate).__name__}.")
         if responsibilities is None:
             qpm = None
             if self_attention and key_padding_mask is not None and key_padding_mask.dtype == torch.bool:
                 qpm = key_padding_mask
-            resp = self._responsibilities(query, qpm)
+            resp = self._responsibilities(query, qpm, causal_gate)
         else:
             resp = self._check_responsibilities(responsibilities, batch, seq).to(query.dtype)
         w = head_weights(resp, self.keep)  # [N, h] or [N, L, h]
@@ -477,6 +516,17 @@ class MixtureOfAttentiveExperts(nn.Module):
             f"num_experts={self.num_experts}, batch_first={self.batch_first}, "
             f"gate_context={self.gate_context}"
         )
+
+
+def _forbids_future(attn_mask: Tensor | None, seq: int, src: int) -> bool:
+    """Whether ``attn_mask`` (MHA semantics, ``[L, S]`` or ``[N*h, L, S]``) forbids every key
+    ``s > t`` to query ``t``: the queries attend causally. Needs ``L == S``; a mask of the wrong
+    shape is left to :func:`_additive_mask` to reject."""
+    if attn_mask is None or seq != src or seq < 2 or attn_mask.shape[-2:] != (seq, src):
+        return False
+    future = torch.triu(torch.ones(seq, src, dtype=torch.bool, device=attn_mask.device), diagonal=1)
+    blocked = attn_mask if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask)
+    return bool(blocked[..., future].all())
 
 
 def _additive_mask(

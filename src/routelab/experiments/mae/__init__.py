@@ -31,7 +31,6 @@ import torch
 
 from routelab.data.parallel_text import load_parallel_text
 from routelab.layers.bcd import EVAL_ROUTING
-from routelab.layers.mae import set_routing
 
 from ..kit.divergence import RunDiverged, train_or_fail
 from ..kit.experiment import Experiment
@@ -42,7 +41,9 @@ from .corpus import build_corpus
 from .model import LMConfig, TransformerLM
 from .train import FINETUNE_METHODS, VARIANTS, Schedule, _log, evaluate, finetune, train_variant
 
-__all__ = ["FULL", "QUICK", "EXPERIMENT", "Settings", "run"]
+__all__ = ["FULL", "QUICK", "EXPERIMENT", "Settings", "run", "run_name"]
+
+_GATED = ("MAE-7", "MAE-6", "NOBCD")  # the variants with a learned gate (and a gate lr)
 
 
 @dataclass(frozen=True)
@@ -51,42 +52,78 @@ class Settings:
 
     Attributes:
         vocab, dim, heads, layers, ffn, seq, gate_hidden, gate_context: the LM (:class:`LMConfig`).
-        schedule: training of each variant.
-        ft_lr: Adam learning rate of fine-tuning (theta); the gates keep ``schedule.gate_lr``.
-        ft_epochs: fine-tuning epochs (full passes over the subset) per data fraction.
-        train_limit: use only the first ``train_limit`` training windows (quick form).
+        schedule: training of each variant (its ``seed`` and ``gate_lr`` are set per run).
+        seeds: paired seeds: every variant in ``multi_seed`` is trained once per seed, from the
+            same initial weights of the shared parameters and on the same batches.
+        gate_lrs: the gate SGD learning rates tried; MAE-7 is trained at ``seeds[0]`` with each and
+            the one with the lowest dev perplexity among those whose gates did not collapse (see
+            ``collapse``) is used for every gated run (one value: no selection).
+        variants: the variants trained (names of :data:`~.train.VARIANTS`).
+        multi_seed: the variants trained at every seed; the others at ``seeds[0]`` only.
+        scale_dims: larger model widths (``dim``; ``ffn = 4 dim``, ``gate_hidden = dim``, same
+            heads) at which ``scale_variants`` are trained at ``seeds[0]``, to see whether the gap
+            to BASE closes as the model grows.
+        ft_lr: Adam learning rate of fine-tuning (theta); the gates keep the selected gate lr.
+        ft_epochs: fine-tuning epochs (full passes over the subset) per data fraction; () skips
+            fine-tuning.
+        train_limit: use only the first ``train_limit`` training windows.
         uni_runs: random-expert evaluations of UNI-MAE-7 averaged (paper: 5).
         pmi_min_count: tokens rarer than this are left out of the PMI ranking.
+        collapse: a layer's gates have collapsed when the expert with the largest mean
+            responsibility gets at least this much of it on average (rich get richer).
     """
 
     vocab: int = 3000
-    dim: int = 64
+    dim: int = 32
     heads: int = 8
     layers: int = 2
-    ffn: int = 256
+    ffn: int = 128
     seq: int = 64
-    gate_hidden: int = 64
+    gate_hidden: int = 32
     gate_context: int = 32
-    schedule: Schedule = field(default_factory=Schedule)
+    schedule: Schedule = field(default_factory=lambda: Schedule(epochs=8, batches_per_epoch=50, batch=16, warmup=40))
+    seeds: tuple[int, ...] = (0, 1, 2)
+    gate_lrs: tuple[float, ...] = (1.0, 10.0, 30.0, 100.0, 1000.0)
+    variants: tuple[str, ...] = tuple(v.name for v in VARIANTS)
+    multi_seed: tuple[str, ...] = ("BASE", "MAE-7", "UNI-MAE-7", "NOBCD")
+    scale_dims: tuple[int, ...] = (64,)
+    scale_variants: tuple[str, ...] = ("BASE", "MAE-7", "UNI-MAE-7")
     ft_lr: float = 5e-4
     ft_epochs: tuple[tuple[float, int], ...] = ((0.1, 6), (1.0, 1))
     train_limit: int | None = None
     uni_runs: int = 5
     pmi_min_count: int = 20
+    collapse: float = 0.9
     quick: bool = False
 
-    def lm_config(self, vocab: int) -> LMConfig:
-        return LMConfig(vocab=vocab, dim=self.dim, heads=self.heads, layers=self.layers,
-                        ffn=self.ffn, seq=self.seq, gate_hidden=self.gate_hidden,
-                        gate_context=self.gate_context)
+    def lm_config(self, vocab: int, dim: int | None = None) -> LMConfig:
+        """The LM at this width (default ``self.dim``; a scaled width scales ffn and the gate)."""
+        if dim is None or dim == self.dim:
+            return LMConfig(vocab=vocab, dim=self.dim, heads=self.heads, layers=self.layers,
+                            ffn=self.ffn, seq=self.seq, gate_hidden=self.gate_hidden,
+                            gate_context=self.gate_context)
+        return LMConfig(vocab=vocab, dim=dim, heads=self.heads, layers=self.layers, ffn=4 * dim,
+                        seq=self.seq, gate_hidden=dim, gate_context=self.gate_context)
 
 
 FULL = Settings()
 QUICK = Settings(
-    vocab=1500, dim=32, heads=8, layers=1, ffn=64, seq=32, gate_hidden=32, gate_context=16,
-    schedule=Schedule(epochs=5, batches_per_epoch=12, batch=16, warmup=10, g_every=2),
-    ft_epochs=((0.05, 2), (0.2, 1)), train_limit=4000, uni_runs=2, pmi_min_count=5, quick=True,
+    seeds=(0,), gate_lrs=(30.0,), variants=("MAE-7", "UNI-MAE-7"), scale_dims=(), ft_epochs=(),
+    quick=True,
 )
+"""The quick form: the full run's seed-0 cells of MAE-7 (at the gate lr the full run selected on
+dev) and UNI-MAE-7, at full length, so that its verdicts on the headline claims (MAE-7 vs
+UNI-MAE-7, learned vs uniform gates, gate entropy, attribution balance, top-1 drop) are the full
+run's seed-0 verdicts; no selection, no other seed, no BASE / NOBCD / MAE-6, no fine-tuning, no
+larger model (about 2-3 minutes on a shared 2-core CPU)."""
+
+
+def run_name(variant: str, seed: int, gate_lr: float | None, dim: int, main_dim: int) -> str:
+    """The file name of a run's model and checkpoint, e.g. ``MAE-7_s0_g100`` or ``BASE_s1_d64``."""
+    name = f"{variant}_s{seed}"
+    if gate_lr is not None:
+        name += f"_g{gate_lr:g}"
+    return name if dim == main_dim else f"{name}_d{dim}"
 
 
 def _windows_subset(w: torch.Tensor, frac: float, seed: int) -> torch.Tensor:
@@ -95,13 +132,26 @@ def _windows_subset(w: torch.Tensor, frac: float, seed: int) -> torch.Tensor:
     return w[perm[:n]]
 
 
-def run(out_dir: Path, s: Settings) -> Path:
-    """Train the variants, run the analyses and fine-tuning, write the report (resumable).
+def _key(variant: str, seed: int, gate_lr: float | None, dim: int) -> tuple[str, int, float | None, int]:
+    return (variant, seed, gate_lr, dim)
 
-    A variant or fine-tuning run that diverges is recorded as failed (with the reason) in
-    ``runs.jsonl`` / ``finetune.jsonl``; the other variants still train. The analyses and claims
-    compare all five variants, so with a failed variant the report gives the scores of the others
-    and the failures only.
+
+def _rec_key(r: dict[str, Any]) -> tuple[str, int, float | None, int]:
+    return _key(r["variant"], r["seed"], r.get("gate_lr"), r["dim"])
+
+
+def run(out_dir: Path, s: Settings) -> Path:
+    """Select the gate lr, train the variants over the seeds (and larger models), run the analyses
+    and fine-tuning, write the report (resumable).
+
+    Order: (1) MAE-7 at ``seeds[0]`` for every gate lr, the lr with the lowest dev perplexity
+    among those whose gates did not collapse chosen (:func:`_select_gate_lr`); (2) every variant
+    at every seed (``multi_seed``) or at ``seeds[0]``; (3) the larger models; (4) the analyses per
+    trained model; (5) fine-tuning of ``seeds[0]``'s MAE-7.
+
+    A run that diverges is recorded as failed (with the reason) in ``runs.jsonl`` /
+    ``finetune.jsonl``; the other runs still train. The analyses and claims compare the variants,
+    so with a failed run the report gives the scores of the others and the failures only.
 
     Raises:
         DataUnavailable: the parallel text is not installed (``routelab reproduce`` reports
@@ -117,148 +167,191 @@ def run(out_dir: Path, s: Settings) -> Path:
     train = corpus.windows["train"]
     if s.train_limit is not None:
         train = train[: s.train_limit]
-    cfg = s.lm_config(corpus.vocab)
-    sched = s.schedule
+    dev, test = corpus.windows["dev"], corpus.windows["test"]
+    variants = {v.name: v for v in VARIANTS}
+    unknown = [n for n in s.variants if n not in variants]
+    if unknown or not s.seeds or not s.gate_lrs:
+        raise ValueError(f"Settings.variants must name variants of {tuple(variants)} (got unknown {unknown}); "
+                         f"seeds and gate_lrs must not be empty.")
     models_dir, ckpt_dir = out_dir / "models", out_dir / "checkpoints"
     models_dir.mkdir(exist_ok=True)
     runs_path = out_dir / "runs.jsonl"
+    done = {_rec_key(r): r for r in read_jsonl(runs_path)}
+    models: dict[tuple[str, int, float | None, int], TransformerLM] = {}
 
-    # ---- 1. the five variants (Tables 2-4, App. B)
-    done = {r["variant"]: r for r in read_jsonl(runs_path)}
-    models: dict[str, TransformerLM] = {}
-    for v in VARIANTS:
-        path = models_dir / f"{v.name}.pt"
-        if v.name in done and is_failed(done[v.name]):
-            continue
-        if v.name in done and path.exists():
-            model = TransformerLM(replace(cfg, drop_heads=v.drop_heads))
+    def train_one(name: str, seed: int, gate_lr: float | None, dim: int) -> None:
+        key = _key(name, seed, gate_lr, dim)
+        v = variants[name]
+        cfg = replace(s.lm_config(corpus.vocab, dim), drop_heads=v.drop_heads)
+        label = run_name(name, seed, gate_lr, dim, s.dim)
+        path = models_dir / f"{label}.pt"
+        if key in done and is_failed(done[key]):
+            return
+        if key in done and path.exists():
+            model = TransformerLM(cfg)
             model.load_state_dict(torch.load(path, weights_only=True))
-            model.eval()
-            models[v.name] = model
-            continue
-        _log(f"training {v.name} ({v.mode}, drop_heads={v.drop_heads})")
+            models[key] = model.eval()
+            return
+        sched = replace(s.schedule, seed=seed, gate_lr=gate_lr if gate_lr is not None else s.schedule.gate_lr)
+        _log(f"training {label} ({v.mode}, drop_heads={v.drop_heads})")
+        ident = {"variant": name, "seed": seed, "gate_lr": gate_lr, "dim": dim, "mode": v.mode,
+                 "drop_heads": v.drop_heads}
         try:
-            model, state = train_variant(v, cfg, train, corpus.windows["dev"], sched, ckpt_dir)
+            model, state = train_variant(v, cfg, train, dev, sched, ckpt_dir, label)
         except RunDiverged as err:
-            rec = failed_record({"variant": v.name, "mode": v.mode, "drop_heads": v.drop_heads}, err.reason, err.step)
+            rec = failed_record(ident, err.reason, err.step)
             append_jsonl_atomic(runs_path, rec)
-            done[v.name] = rec
-            _log(f"{v.name}: FAILED, {err.reason}")
-            continue
+            done[key] = rec
+            _log(f"{label}: FAILED, {err.reason}")
+            return
         routing = EVAL_ROUTING[v.mode]
         gated = routing == "gate"  # the gates are part of the model only where it uses them
-        dev = evaluate(model, corpus.windows["dev"], routing)
-        test = evaluate(model, corpus.windows["test"], routing)
+        dev_loss, test_loss = evaluate(model, dev, routing), evaluate(model, test, routing)
         gate_params = sum(p.numel() for b in model.blocks for p in b.attn.gate.parameters())
         total_params = sum(p.numel() for p in model.parameters())
         torch.save(model.state_dict(), path)
-        rec = {
-            "variant": v.name, "mode": v.mode, "drop_heads": v.drop_heads,
-            "experts": model.blocks[0].attn.num_experts,
-            "dev_loss": dev, "test_loss": test, "dev_ppl": math.exp(dev), "test_ppl": math.exp(test),
-            "params": total_params if gated else total_params - gate_params,
-            "gate_params": gate_params if gated else 0,
-            "curve": state["curve"], "seconds": state["seconds"],
-        }
+        rec = {**ident, "experts": model.blocks[0].attn.num_experts,
+               "dev_loss": dev_loss, "test_loss": test_loss,
+               "dev_ppl": math.exp(dev_loss), "test_ppl": math.exp(test_loss),
+               "params": total_params if gated else total_params - gate_params,
+               "gate_params": gate_params if gated else 0, "steps": state["steps"],
+               "curve": state["curve"], "seconds": state["seconds"]}
         append_jsonl_atomic(runs_path, rec)
-        done[v.name] = rec
-        models[v.name] = model
-        _log(f"{v.name}: dev ppl {rec['dev_ppl']:.2f}, test ppl {rec['test_ppl']:.2f}")
+        done[key] = rec
+        models[key] = model
+        _log(f"{label}: dev ppl {rec['dev_ppl']:.2f}, test ppl {rec['test_ppl']:.2f}, G steps {state['steps']['g']}")
 
-    failed_variants = [r for r in done.values() if is_failed(r)]
-    if failed_variants:  # the analyses, fine-tuning and claims compare all five variants
+    an_path = out_dir / "analyses.jsonl"
+    analyses = {(r["variant"], r["seed"], r.get("gate_lr")): r for r in read_jsonl(an_path)
+                if r.get("name") == "model"}
+
+    def analyse(key: tuple[str, int, float | None, int]) -> None:
+        name, seed, lr, dim = key
+        if key not in models or dim != s.dim or (name, seed, lr) in analyses or name == "BASE":
+            return
+        _log(f"analyses of {run_name(name, seed, lr, dim, s.dim)}")
+        arec = _analyse(models[key], name, dev, test, s)
+        arec.update({"name": "model", "variant": name, "seed": seed, "gate_lr": lr})
+        append_jsonl_atomic(an_path, arec)
+        analyses[(name, seed, lr)] = arec
+
+    # ---- 1. the gate learning rate, chosen on dev (MAE-7, first seed) among the uncollapsed ones
+    seed0 = s.seeds[0]
+    if "MAE-7" in s.variants:
+        for lr in s.gate_lrs:
+            train_one("MAE-7", seed0, lr, s.dim)
+            analyse(_key("MAE-7", seed0, lr, s.dim))
+    chosen = _select_gate_lr(
+        [done[k] for lr in s.gate_lrs if (k := _key("MAE-7", seed0, lr, s.dim)) in done],
+        {lr: a for (n, sd, lr), a in analyses.items() if n == "MAE-7" and sd == seed0}, s.gate_lrs[0])
+
+    # ---- 2. every variant, paired seeds (Tables 2-4, App. B); 3. larger models
+    plan: list[tuple[str, int, float | None, int]] = []
+    for seed in s.seeds:
+        for name in s.variants:
+            if seed == seed0 or name in s.multi_seed:
+                plan.append(_key(name, seed, chosen if name in _GATED else None, s.dim))
+    for dim in s.scale_dims:
+        for name in s.scale_variants:
+            plan.append(_key(name, seed0, chosen if name in _GATED else None, dim))
+    for key in plan:
+        train_one(*key)
+
+    failed_runs = [r for r in done.values() if is_failed(r)]
+    if failed_runs:  # the analyses, fine-tuning and claims compare the variants
         return write_failed_report(out_dir, s, list(done.values()), time.perf_counter() - t_start)
 
-    # ---- 2. analyses of Sec. 5.1 / App. C on the dev set
-    an_path = out_dir / "analyses.jsonl"
-    analyses = {r["name"]: r for r in read_jsonl(an_path)}
-    dev = corpus.windows["dev"]
-    dev_gates: dict[str, list[torch.Tensor]] = {}  # collected once, for "gates" and "spread"
+    # ---- 4. analyses of Sec. 5.1 / App. C on the dev set, per trained model of the main width
+    for key in sorted(models, key=str):
+        analyse(key)
+    pmi_rec = next((r for r in read_jsonl(an_path) if r.get("name") == "pmi" and r.get("gate_lr") == chosen), None)
+    main_key = _key("MAE-7", seed0, chosen, s.dim)
+    if pmi_rec is None and main_key in models:
+        tokens, gates = collect_gates(models[main_key], torch.cat([dev, test]))
+        pmi_rec = {"name": "pmi", "seed": seed0, "gate_lr": chosen,
+                   "pmi": [pmi_tokens(tokens, g, corpus.itos, min_count=s.pmi_min_count) for g in gates]}
+        append_jsonl_atomic(an_path, pmi_rec)
 
-    def gates_on_dev(name: str) -> list[torch.Tensor]:
-        if name not in dev_gates:
-            dev_gates[name] = collect_gates(models[name], dev)[1]
-        return dev_gates[name]
-
-    if "gates" not in analyses:
-        _log("analyses: entropy, attribution shares, top-1, PMI")
-        rec: dict[str, Any] = {"name": "gates", "entropy": {}, "shares": {}}
-        for name in ("MAE-7", "MAE-6", "NOBCD"):
-            gates = gates_on_dev(name)
-            mean, per_layer = mean_entropy(gates)
-            rec["entropy"][name] = {"mean": mean, "per_layer": per_layer,
-                                    "uniform": math.log(gates[0].shape[-1])}
-            rec["shares"][name] = [attribution_shares(g) for g in gates]
-        # UNI-MAE-7's responsibilities are the constant 1/h: measure them as used at test time
-        uni = models["UNI-MAE-7"]
-        set_routing(uni, "uniform")
-        with torch.no_grad():
-            _, ug = uni(dev[:8, :-1], return_gates=True)
-        umean, uper = mean_entropy(ug)
-        rec["entropy"]["UNI-MAE-7"] = {"mean": umean, "per_layer": uper, "uniform": math.log(ug[0].shape[-1])}
-        tokens, gates = collect_gates(models["MAE-7"], torch.cat([dev, corpus.windows["test"]]))
-        rec["pmi"] = [pmi_tokens(tokens, g, corpus.itos, min_count=s.pmi_min_count) for g in gates]
-        append_jsonl_atomic(an_path, rec)
-        analyses["gates"] = rec
-    if "spread" not in analyses:
-        rec = {"name": "spread", "models": {}}
-        for name in ("MAE-7", "MAE-6", "NOBCD"):
-            gates = gates_on_dev(name)
-            rec["models"][name] = [
-                {"mean_max": float(g.amax(-1).mean()), "mean_min": float(g.amin(-1).mean()),
-                 "uniform": 1.0 / g.shape[-1]} for g in gates]
-        append_jsonl_atomic(an_path, rec)
-        analyses["spread"] = rec
-    if "top1" not in analyses:
-        rec = {"name": "top1", "models": {}}
-        for name in ("MAE-7", "MAE-6", "NOBCD"):
-            mix = evaluate(models[name], dev, "gate")
-            top = evaluate(models[name], dev, "top1")
-            rec["models"][name] = {"mixture_ppl": math.exp(mix), "single_ppl": math.exp(top),
-                                   "single": "top expert"}
-        mix = evaluate(models["UNI-MAE-7"], dev, "uniform")
-        runs = [math.exp(evaluate(models["UNI-MAE-7"], dev, "uniform_sample",
-                                  generator=torch.Generator().manual_seed(100 + i)))
-                for i in range(s.uni_runs)]
-        rec["models"]["UNI-MAE-7"] = {"mixture_ppl": math.exp(mix), "single_ppl": sum(runs) / len(runs),
-                                      "single_runs": runs, "single": f"random expert, mean of {len(runs)} runs"}
-        append_jsonl_atomic(an_path, rec)
-        analyses["top1"] = rec
-
-    # ---- 3. transfer (Sec. 5.2): pretrained on the Old Testament, fine-tuned on the New
+    # ---- 5. transfer (Sec. 5.2): pretrained on the Old Testament, fine-tuned on the New
     ft_path = out_dir / "finetune.jsonl"
-    ft_done = {(r["method"], r["fraction"]): r for r in read_jsonl(ft_path)}
-    nt_dev, nt_test = corpus.windows["nt_dev"], corpus.windows["nt_test"]
-    if ("NOFT", 0.0) not in ft_done:
-        for name in ("MAE-7", "BASE"):
-            routing = "gate" if name == "MAE-7" else "uniform"
-            r = {"method": "NOFT" if name == "MAE-7" else "NOFT-BASE", "fraction": 0.0,
-                 "best_dev_loss": evaluate(models[name], nt_dev, routing),
-                 "test_loss_at_best": evaluate(models[name], nt_test, routing),
-                 "best_step": 0, "updated_params": 0, "curve": []}
-            append_jsonl_atomic(ft_path, r)
-            ft_done[(r["method"], 0.0)] = r
-    for frac, epochs in s.ft_epochs:
-        sub = _windows_subset(corpus.windows["nt_train"], frac, sched.seed + 5)
-        bpe = max(1, math.ceil(sub.shape[0] / sched.batch))
-        ft_sched = replace(sched, epochs=epochs, batches_per_epoch=bpe, lr=s.ft_lr,
-                           warmup=min(sched.warmup, bpe))
-        for method in FINETUNE_METHODS:
-            if (method, frac) in ft_done:
-                continue
-            _log(f"fine-tuning MAE-7 with {method} on {frac:.0%} of the New Testament windows")
-            key = {"method": method, "fraction": frac, "windows": int(sub.shape[0])}
-            r = train_or_fail(lambda: finetune(models["MAE-7"], method, sub, nt_dev, nt_test, ft_sched,
-                                               ckpt_dir, f"{method}_{frac}"), key,
-                              on_fail=lambda why: _log(f"fine-tuning {method} on {frac:.0%}: FAILED, {why}"))
-            r.update(key)
-            append_jsonl_atomic(ft_path, r)
-            ft_done[(method, frac)] = r
+    ft_done = {(r["method"], r["fraction"]): r for r in read_jsonl(ft_path) if r.get("gate_lr") == chosen}
+    base_key = _key("BASE", seed0, None, s.dim)
+    if s.ft_epochs and main_key in models and base_key in models:
+        nt_dev, nt_test = corpus.windows["nt_dev"], corpus.windows["nt_test"]
+        if ("NOFT", 0.0) not in ft_done:
+            for key, method, routing in ((main_key, "NOFT", "gate"), (base_key, "NOFT-BASE", "uniform")):
+                r = {"method": method, "fraction": 0.0, "gate_lr": chosen,
+                     "best_dev_loss": evaluate(models[key], nt_dev, routing),
+                     "test_loss_at_best": evaluate(models[key], nt_test, routing),
+                     "best_step": 0, "updated_params": 0, "curve": []}
+                append_jsonl_atomic(ft_path, r)
+                ft_done[(method, 0.0)] = r
+        sched = replace(s.schedule, seed=seed0, gate_lr=chosen)
+        for frac, epochs in s.ft_epochs:
+            sub = _windows_subset(corpus.windows["nt_train"], frac, sched.seed + 5)
+            bpe = max(1, math.ceil(sub.shape[0] / sched.batch))
+            ft_sched = replace(sched, epochs=epochs, batches_per_epoch=bpe, lr=s.ft_lr,
+                               warmup=min(sched.warmup, bpe))
+            for method in FINETUNE_METHODS:
+                if (method, frac) in ft_done:
+                    continue
+                _log(f"fine-tuning MAE-7 with {method} on {frac:.0%} of the New Testament windows")
+                key = {"method": method, "fraction": frac, "windows": int(sub.shape[0]), "gate_lr": chosen}
+                r = train_or_fail(lambda: finetune(models[main_key], method, sub, nt_dev, nt_test, ft_sched,
+                                                   ckpt_dir, f"{method}_{frac}_g{chosen:g}"), key,
+                                  on_fail=lambda why: _log(f"fine-tuning {method} on {frac:.0%}: FAILED, {why}"))
+                r.update(key)
+                append_jsonl_atomic(ft_path, r)
+                ft_done[(method, frac)] = r
 
     elapsed = time.perf_counter() - t_start
     ft_ok, ft_failed = split_failed(ft_done.values())
-    report = write_report(out_dir, s, corpus, list(done.values()), analyses, ft_ok, elapsed)
+    report = write_report(out_dir, s, corpus, list(done.values()), list(analyses.values()), pmi_rec,
+                          ft_ok, chosen, elapsed)
     return add_failures_to_report(report, ft_failed, len(ft_done), ("method", "fraction"))
+
+
+def _select_gate_lr(candidates: list[dict[str, Any]], analyses: dict[float, dict[str, Any]], default: float) -> float:
+    """The gate lr with the lowest dev loss among the candidate runs whose gates did not collapse
+    (the paper tunes away from the rich-get-richer degeneracy, Sec. 3 fn. 4); if every candidate
+    collapsed (or has no analysis), the lowest dev loss among all; ``default`` without candidates."""
+    ok = [r for r in candidates if not is_failed(r)]
+    if not ok:
+        return default
+    alive = [r for r in ok if r["gate_lr"] in analyses and not analyses[r["gate_lr"]]["collapse"]["collapsed"]]
+    return min(alive or ok, key=lambda r: r["dev_loss"])["gate_lr"]
+
+
+def _analyse(model: TransformerLM, name: str, dev: torch.Tensor, test: torch.Tensor, s: Settings) -> dict[str, Any]:
+    """Sec. 5.1 / App. C of one trained model on dev: gate entropy, attribution shares, spread,
+    collapse, the top-expert-only drop (Table 5) and the "MAE with uniform gates" diagnostic.
+
+    UNI-MAE-7 has no gate: its responsibilities are the constant ``1/E`` (entropy ``ln E``) and its
+    single-expert score is a uniformly random expert per position, averaged over ``s.uni_runs``.
+    """
+    rec: dict[str, Any] = {}
+    if name == "UNI-MAE-7":
+        e = model.blocks[0].attn.num_experts
+        rec["entropy"] = {"mean": math.log(e), "per_layer": [math.log(e)] * len(model.blocks), "uniform": math.log(e)}
+        mix = evaluate(model, dev, "uniform")
+        runs = [math.exp(evaluate(model, dev, "uniform_sample", generator=torch.Generator().manual_seed(100 + i)))
+                for i in range(s.uni_runs)]
+        rec["top1"] = {"mixture_ppl": math.exp(mix), "single_ppl": sum(runs) / len(runs), "single_runs": runs,
+                       "single": f"random expert, mean of {len(runs)} runs"}
+        return rec
+    gates = collect_gates(model, dev)[1]
+    mean, per_layer = mean_entropy(gates)
+    rec["entropy"] = {"mean": mean, "per_layer": per_layer, "uniform": math.log(gates[0].shape[-1])}
+    rec["shares"] = [attribution_shares(g) for g in gates]
+    rec["spread"] = [{"mean_max": float(g.amax(-1).mean()), "mean_min": float(g.amin(-1).mean()),
+                      "uniform": 1.0 / g.shape[-1]} for g in gates]
+    top_mass = [float(g.reshape(-1, g.shape[-1]).mean(0).max()) for g in gates]
+    rec["collapse"] = {"top_mass": top_mass, "collapsed": any(m >= s.collapse for m in top_mass)}
+    mix, top = evaluate(model, dev, "gate"), evaluate(model, dev, "top1")
+    rec["top1"] = {"mixture_ppl": math.exp(mix), "single_ppl": math.exp(top), "single": "top expert"}
+    rec["uniform_gates"] = {"dev_ppl": math.exp(evaluate(model, dev, "uniform")),
+                            "test_ppl": math.exp(evaluate(model, test, "uniform"))}
+    return rec
 
 
 EXPERIMENT = Experiment(

@@ -57,8 +57,14 @@ class Schedule:
             of the shuffled training windows, cycling through them).
         batches_per_epoch, batch: batches per epoch and windows per batch.
         lr, warmup: Adam's peak learning rate, linear warm-up steps, then cosine decay to 10%.
-        gate_lr: the gates' SGD learning rate (paper: 1).
-        g_every: G steps every ``g_every`` epochs (paper: 5).
+        gate_lr: the gates' SGD learning rate (paper: 1; the experiment selects it on dev).
+        g_every: G steps every ``g_every`` epochs (paper: 5); used only when ``g_every_steps``
+            is None.
+        g_every_steps: one G step before every ``g_every_steps``-th F step (the paper's ratio of
+            one G update per five F updates is 5), whatever the epoch.
+        g_phase: a G-only phase of this many G steps (on the epoch's first batches) at the end
+            of every epoch of BCD training, so that the gates catch up with the experts they
+            route to (0: none).
         clip_norm: gradient clipping of theta.
         seed: seeds the initialisation, dropout, data order and the sampled experts.
     """
@@ -70,6 +76,8 @@ class Schedule:
     warmup: int = 60
     gate_lr: float = 1.0
     g_every: int = 5
+    g_every_steps: int | None = 5
+    g_phase: int = 10
     clip_norm: float = 1.0
     seed: int = 0
 
@@ -164,12 +172,18 @@ def _run_training(
             if "g_loss" in out:
                 check_finite(step, loss=out["g_loss"])
                 g_losses.append(out["g_loss"])
+        if s.g_phase and trainer.mode == "bcd" and trainer.train_gates:  # the G-only phase
+            with diverged_on_error(model, step):
+                phase = trainer.g_phase(batches[: s.g_phase])
+            check_finite(step, loss=sum(phase))
+            g_losses += phase
         check_finite(step, params=model)  # before the checkpoint: never save a diverged model
         point = {
             "epoch": epoch + 1,
             "step": (epoch + 1) * s.batches_per_epoch,
             "train_loss": sum(losses) / len(losses),
             "g_steps": len(g_losses),
+            "g_steps_total": trainer.steps["g"],
             "dev_loss": evaluate(model, dev, trainer.eval_routing),
         }
         if g_losses:
@@ -190,16 +204,24 @@ def _run_training(
 
 
 def train_variant(
-    variant: Variant, cfg: LMConfig, train: Tensor, dev: Tensor, s: Schedule, work: Path
+    variant: Variant, cfg: LMConfig, train: Tensor, dev: Tensor, s: Schedule, work: Path,
+    name: str | None = None,
 ) -> tuple[TransformerLM, dict[str, Any]]:
-    """Train one variant from scratch (or resume it); returns the model and its curve/time."""
+    """Train one variant from scratch (or resume it); returns the model and its curve/time.
+
+    ``name`` (default: the variant's) names the checkpoint ``work / f"{name}.pt"`` and the log
+    lines; the state records the G and F steps taken (``state["steps"]``).
+    """
+    name = name or variant.name
     torch.manual_seed(s.seed)
     model = TransformerLM(replace(cfg, drop_heads=variant.drop_heads))
     trainer = BCDTrainer(
-        model, lm_loss, mode=variant.mode, g_every=s.g_every, gate_lr=s.gate_lr, lr=s.lr,
-        clip_norm=s.clip_norm, generator=torch.Generator().manual_seed(s.seed + 17),
+        model, lm_loss, mode=variant.mode, g_every=s.g_every, g_every_steps=s.g_every_steps,
+        gate_lr=s.gate_lr, lr=s.lr, clip_norm=s.clip_norm,
+        generator=torch.Generator().manual_seed(s.seed + 17),
     )
-    state = _run_training(model, trainer, train, dev, s, work / f"{variant.name}.pt", variant.name)
+    state = _run_training(model, trainer, train, dev, s, work / f"{name}.pt", name)
+    state["steps"] = dict(trainer.steps)
     trainer.set_eval_routing()
     model.eval()
     return model, state
@@ -208,7 +230,7 @@ def train_variant(
 FINETUNE_METHODS: dict[str, str] = {
     "FTG": "gates only (phi), on the gate mixture, SGD",
     "FTG+": "gates (SGD) + every attention output projection W (Adam), on the gate mixture",
-    "FTALL": "all parameters, by BCD (G steps every epoch + F steps)",
+    "FTALL": "all parameters, by BCD (a G step and an F step on every batch)",
 }
 
 
@@ -237,6 +259,7 @@ def finetune(
         "FTG": lambda n, p: False,
         "FTG+": lambda n, p: ".attn.out_proj." in n,
     }
+    s = replace(s, g_phase=0)  # fine-tuning: the methods' own steps only
     if method == "FTALL":
         trainer = BCDTrainer(model, lm_loss, mode="bcd", g_every=1, gate_lr=s.gate_lr, lr=s.lr,
                              clip_norm=s.clip_norm, generator=torch.Generator().manual_seed(s.seed + 17))

@@ -1,0 +1,140 @@
+"""The MAE gate is causal wherever the queries attend causally (issue 13, part 3).
+
+Oracle: the gate output (and the layer output) at query position ``t`` is unchanged when the
+queries after ``t`` change; and the causal gate at ``t`` equals the gate of the mean of the
+queries ``0 .. t`` computed by hand. The same check with the causal gate switched off shows the
+leak the fix removes, so the property tests can fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from routelab.layers import MixtureOfAttentiveExperts
+
+torch.set_num_threads(1)
+
+D, H = 8, 4
+
+
+def _mae(seed: int, drop_heads: int = 1) -> MixtureOfAttentiveExperts:
+    torch.manual_seed(seed)
+    mae = MixtureOfAttentiveExperts(D, H, drop_heads=drop_heads, batch_first=True).eval()
+    with torch.no_grad():  # a gate far from uniform, so every position's gate matters
+        mae.gate.out.weight.normal_(0, 3.0)
+        mae.gate.out.bias.normal_(0, 1.0)
+    return mae
+
+
+def _causal_mask(length: int, kind: str, batch: int) -> torch.Tensor:
+    future = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)
+    if kind == "bool":
+        return future
+    if kind == "float":
+        return torch.zeros(length, length).masked_fill(future, float("-inf"))
+    return future.expand(batch * H, length, length).clone()  # [N*h, L, S]
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 10_000), length=st.integers(2, 7), batch=st.integers(1, 3),
+       kind=st.sampled_from(["bool", "float", "3d"]), drop=st.sampled_from([1, 2]), data=st.data())
+def test_self_attention_gate_at_t_ignores_later_positions(seed, length, batch, kind, drop, data) -> None:
+    t = data.draw(st.integers(0, length - 2), label="t")
+    mae = _mae(seed, drop)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, length, D, generator=g)
+    y = x.clone()
+    y[:, t + 1:] = 10.0 * torch.randn(batch, length - t - 1, D, generator=g)  # change every later position
+    mask = _causal_mask(length, kind, batch)
+    with torch.no_grad():
+        out_x, r_x = mae(x, x, x, attn_mask=mask)
+        out_y, r_y = mae(y, y, y, attn_mask=mask)
+        _, leak = mae(y, y, y, attn_mask=mask, causal_gate=False)
+        _, r_whole = mae(x, x, x, attn_mask=mask, causal_gate=False)
+    assert r_x.shape == (batch, length, mae.num_experts)  # one gate per position
+    torch.testing.assert_close(r_y[:, : t + 1], r_x[:, : t + 1])
+    torch.testing.assert_close(out_y[:, : t + 1], out_x[:, : t + 1])
+    # without the causal gate, one gate per instance from the whole sequence: the future leaks in
+    assert leak.shape == (batch, mae.num_experts)
+    assert (leak - r_whole).abs().max() > 1e-4
+
+
+def test_causal_gate_equals_the_gate_of_the_prefix_mean() -> None:
+    mae = _mae(3)
+    x = torch.randn(2, 6, D, generator=torch.Generator().manual_seed(1))
+    pad = torch.tensor([[False] * 6, [False, False, True, False, True, False]])
+    mask = _causal_mask(6, "bool", 2)
+    with torch.no_grad():
+        _, r = mae(x, x, x, attn_mask=mask)
+        _, r_pad = mae(x, x, x, attn_mask=mask, key_padding_mask=pad)
+        for b in range(2):
+            for t in range(6):
+                want = mae.gate(x[b, : t + 1].mean(0))  # brute force: the mean of the prefix
+                torch.testing.assert_close(r[b, t], want)
+                keep = [i for i in range(t + 1) if not pad[b, i]]  # padding is not averaged
+                torch.testing.assert_close(r_pad[b, t], mae.gate(x[b, keep].mean(0)))
+
+
+def test_cross_attention_of_a_decoder_takes_causal_gate_true() -> None:
+    """A translation decoder's cross-attention has no attn_mask, but its queries are target
+    positions under teacher forcing: causal_gate=True keeps their gates causal."""
+    mae = _mae(5)
+    g = torch.Generator().manual_seed(2)
+    memory = torch.randn(2, 9, D, generator=g)  # the encoder output (any length)
+    q = torch.randn(2, 5, D, generator=g)
+    q2 = q.clone()
+    q2[:, 3:] += 5.0
+    with torch.no_grad():
+        out, r = mae(q, memory, memory, causal_gate=True)
+        out2, r2 = mae(q2, memory, memory, causal_gate=True)
+        _, r_default = mae(q, memory, memory)
+    torch.testing.assert_close(r2[:, :3], r[:, :3])
+    torch.testing.assert_close(out2[:, :3], out[:, :3])
+    assert r_default.shape == (2, mae.num_experts)  # an encoder-style gate unless asked
+
+
+def test_non_causal_masks_keep_one_gate_per_instance() -> None:
+    mae = _mae(0)
+    x = torch.randn(2, 5, D)
+    banded = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=2)  # allows key t + 1
+    with torch.no_grad():
+        assert mae(x, x, x)[1].shape == (2, mae.num_experts)
+        assert mae(x, x, x, attn_mask=banded)[1].shape == (2, mae.num_experts)
+
+
+def test_routings_other_than_the_gate_follow_the_causal_shape() -> None:
+    mae = _mae(1)
+    mae.generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4, D)
+    mask = _causal_mask(4, "bool", 3)
+    for routing in ("sample", "top1", "uniform", "uniform_sample"):
+        mae.routing = routing
+        with torch.no_grad():
+            _, r = mae(x, x, x, attn_mask=mask)
+        assert r.shape == (3, 4, mae.num_experts) and torch.allclose(r.sum(-1), torch.ones(3, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_causal_gate_in_half_precision(dtype: torch.dtype) -> None:
+    mae = _mae(2).to(dtype)
+    # prefix sums of 64 values near 3e4 overflow float16 (max 65504); their means do not
+    x = 3e4 + 1e3 * torch.randn(2, 64, D, generator=torch.Generator().manual_seed(0))
+    got = mae.gate_summary(x.to(dtype), causal=True)
+    want = torch.cumsum(x.double(), 1) / torch.arange(1, 65, dtype=torch.float64).view(1, -1, 1)
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=0)
+    y = torch.randn(2, 6, D).to(dtype)
+    with torch.no_grad():
+        out, r = mae(y, y, y, attn_mask=_causal_mask(6, "bool", 2))
+    assert out.dtype == dtype and torch.isfinite(out).all() and torch.isfinite(r).all()
+    torch.testing.assert_close(r.float().sum(-1), torch.ones(2, 6), atol=1e-2, rtol=0)
+
+
+def test_bad_causal_gate_is_a_type_error() -> None:
+    mae = _mae(0)
+    x = torch.randn(1, 3, D)
+    with pytest.raises(TypeError, match="causal_gate"):
+        mae(x, x, x, causal_gate="yes")
