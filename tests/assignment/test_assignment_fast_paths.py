@@ -116,7 +116,9 @@ def reference_newton_step(col, G, grad, T, c, prices, step_limit):
         else:
             keep = ~((prices[b] <= 0) & (grad[b] > 0))
             rhs = np.where(keep, rhs, 0.0)
-            A = -G[b] * np.outer(keep, keep) + np.diag(np.where(keep, col[b], 0.0) + np.where(keep, 1e-6, 1.0 + 1e-6) * rho)
+            A = -G[b] * np.outer(keep, keep) + np.diag(
+                np.where(keep, col[b], 0.0) + np.where(keep, 1e-6, 1.0 + 1e-6) * rho
+            )
         x = np.linalg.solve(A, rhs)
         out[b] = x * min(1.0, step_limit * T[b] / max(np.abs(x).max(), 1e-30))
     return out

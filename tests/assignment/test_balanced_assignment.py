@@ -485,7 +485,10 @@ def test_property_invariances(inst, data) -> None:
     r = torch.randint(-4, 5, (n, 1), generator=gen).to(dtype)
     z = balanced_assignment(s + r, capacity=cap)
     shifted = _np64(s + r)
-    assert abs(objective(shifted, z.numpy()) - (best + float(_np64(r).sum()))) <= objective_tol(shifted, dtype) + rounding
+    assert (
+        abs(objective(shifted, z.numpy()) - (best + float(_np64(r).sum())))
+        <= objective_tol(shifted, dtype) + rounding
+    )
     assert abs(objective(S, z.numpy()) - best) <= objective_tol(shifted, dtype) + rounding
 
     # per-expert constant when every slot is used: value shifts by c * sum of the constants

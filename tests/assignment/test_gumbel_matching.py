@@ -117,7 +117,10 @@ def test_expert_is_balanced_assignment_of_perturbed_scores(n, k, capacity, tau, 
     for b in range(20):
         assert np.bincount(Z[b], minlength=k).max() <= c
         best = assignment_value(S[b], [c] * k)
-        assert abs(S[b][np.arange(n), Z[b]].sum() - best) <= (1e-4 if dtype == torch.float32 else 1e-10) * n * np.abs(S[b]).max()
+        assert (
+            abs(S[b][np.arange(n), Z[b]].sum() - best)
+            <= (1e-4 if dtype == torch.float32 else 1e-10) * n * np.abs(S[b]).max()
+        )
 
 
 def test_seeded_generator_is_reproducible_and_the_only_randomness() -> None:
@@ -375,9 +378,21 @@ def test_importance_weighted_estimator_is_unbiased(n: int, k: int, capacity: int
     [
         pytest.param({"gumbels": torch.zeros(6, 2)}, "shape of logits", id="gumbels-wrong-shape"),
         pytest.param({"gumbels": torch.zeros(1, 6, 3)}, "shape of logits", id="gumbels-extra-batch-dim"),
-        pytest.param({"gumbels": torch.zeros(6, 3).index_fill(0, torch.tensor([2]), float("inf"))}, "finite", id="gumbels-inf"),
-        pytest.param({"gumbels": torch.zeros(6, 3).index_fill(0, torch.tensor([2]), float("nan"))}, "finite", id="gumbels-nan"),
-        pytest.param({"gumbels": torch.zeros(6, 3).index_fill(0, torch.tensor([2]), float("-inf"))}, "finite", id="gumbels-minus-inf"),
+        pytest.param(
+            {"gumbels": torch.zeros(6, 3).index_fill(0, torch.tensor([2]), float("inf"))},
+            "finite",
+            id="gumbels-inf",
+        ),
+        pytest.param(
+            {"gumbels": torch.zeros(6, 3).index_fill(0, torch.tensor([2]), float("nan"))},
+            "finite",
+            id="gumbels-nan",
+        ),
+        pytest.param(
+            {"gumbels": torch.zeros(6, 3).index_fill(0, torch.tensor([2]), float("-inf"))},
+            "finite",
+            id="gumbels-minus-inf",
+        ),
         pytest.param({"tau": -1.0}, "tau", id="negative-tau"),
         pytest.param({"tau": float("nan")}, "tau", id="nan-tau"),
         pytest.param({"tau": float("inf")}, "tau", id="inf-tau"),

@@ -257,10 +257,14 @@ def test_perturbed_scores_equal_logits_over_tau_plus_noise() -> None:
         direct = a / tau + g
         direct = direct - direct.amax(-1, keepdim=True)
         rebuilt = ldexp(S, E)
-        np.testing.assert_allclose((rebuilt - rebuilt.amax(-1, keepdim=True)).numpy(), direct.numpy(), atol=1e-9 * float(direct.abs().max()))
+        np.testing.assert_allclose(
+            (rebuilt - rebuilt.amax(-1, keepdim=True)).numpy(), direct.numpy(), atol=1e-9 * float(direct.abs().max())
+        )
         noise_free = ldexp(A, E)
         expect = (a - a.amax(-1, keepdim=True)) / tau
-        np.testing.assert_allclose(noise_free.numpy(), expect.numpy(), rtol=1e-12, atol=1e-12 * float(expect.abs().max()))
+        np.testing.assert_allclose(
+            noise_free.numpy(), expect.numpy(), rtol=1e-12, atol=1e-12 * float(expect.abs().max())
+        )
 
 
 def test_overflowing_perturbed_scores_are_returned_rescaled() -> None:
@@ -273,7 +277,9 @@ def test_overflowing_perturbed_scores_are_returned_rescaled() -> None:
     allowed = ~torch.isneginf(a)
     assert torch.isfinite(gm.scores[allowed]).all() and torch.isneginf(gm.scores[~allowed]).all()
     best, _ = oracle(_np64(gm.scores), 3)
-    assert objective(_np64(gm.scores), gm.expert.numpy()) == pytest.approx(best, abs=exactness_tol(_np64(gm.scores), torch.float32))
+    assert objective(_np64(gm.scores), gm.expert.numpy()) == pytest.approx(
+        best, abs=exactness_tol(_np64(gm.scores), torch.float32)
+    )
     # noise negligible at this temperature: also the optimum of the logits themselves
     best_a, _ = oracle(_np64(a), 3)
     assert objective(_np64(a), gm.expert.numpy()) == pytest.approx(best_a, rel=1e-6)

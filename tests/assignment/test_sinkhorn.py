@@ -239,7 +239,9 @@ def _randn(n: int, k: int) -> torch.Tensor:
         pytest.param(_randn(4, 2), {"col_sum": torch.tensor([5.0, -1.0])}, "non-negative", id="negative-col-sum"),
         pytest.param(_randn(4, 2), {"col_sum": torch.tensor([1.0, 2.0])}, "add up to n=4", id="col-sum-not-n"),
         pytest.param(_randn(4, 2), {"col_sum": 3.0}, "add up to n=4", id="scalar-col-sum-not-n-over-k"),
-        pytest.param(_randn(4, 2), {"col_sum": torch.tensor([1.0, 1.0, 2.0])}, "last dimension k=2", id="col-sum-shape"),
+        pytest.param(
+            _randn(4, 2), {"col_sum": torch.tensor([1.0, 1.0, 2.0])}, "last dimension k=2", id="col-sum-shape"
+        ),
         pytest.param(_randn(4, 2), {"col_sum": torch.tensor([float("nan"), 2.0])}, "NaN", id="nan-col-sum"),
         pytest.param(
             _randn(4, 2).index_put((torch.tensor([1]),), torch.tensor(NEG_INF, dtype=torch.float64)),
@@ -248,13 +250,25 @@ def _randn(n: int, k: int) -> torch.Tensor:
             id="all-minus-inf-row",
         ),
         pytest.param(
-            _randn(4, 2).index_put((torch.arange(4), torch.zeros(4, dtype=torch.long)), torch.tensor(NEG_INF, dtype=torch.float64)),
+            _randn(4, 2).index_put(
+                (torch.arange(4), torch.zeros(4, dtype=torch.long)), torch.tensor(NEG_INF, dtype=torch.float64)
+            ),
             {},
             "column that is all -inf",
             id="all-minus-inf-column",
         ),
-        pytest.param(_randn(4, 2).index_put((torch.tensor([0]),), torch.tensor(float("nan"), dtype=torch.float64)), {}, "NaN", id="nan-input"),
-        pytest.param(_randn(4, 2).index_put((torch.tensor([0]),), torch.tensor(float("inf"), dtype=torch.float64)), {}, r"\+inf", id="plus-inf-input"),
+        pytest.param(
+            _randn(4, 2).index_put((torch.tensor([0]),), torch.tensor(float("nan"), dtype=torch.float64)),
+            {},
+            "NaN",
+            id="nan-input",
+        ),
+        pytest.param(
+            _randn(4, 2).index_put((torch.tensor([0]),), torch.tensor(float("inf"), dtype=torch.float64)),
+            {},
+            r"\+inf",
+            id="plus-inf-input",
+        ),
         pytest.param(torch.zeros(4, dtype=torch.float64), {}, "at least 2 dimensions", id="1-d"),
         pytest.param(torch.zeros(4, 2, dtype=torch.long), {}, "floating", id="integer-dtype"),
         pytest.param(_randn(4, 2), {"max_iter": 0}, "max_iter", id="max-iter-zero"),

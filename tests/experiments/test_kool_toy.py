@@ -279,7 +279,9 @@ LOW = (0.1, 0.2154, 0.4642)
 
 def test_success_criterion_and_solved_cells() -> None:
     assert rep.is_success(0.0199) and not rep.is_success(0.02) and not rep.is_success(float("nan"))
-    recs = [{"config": "c", "method": "sample", "tau": 1.0, "seed": s, "mse": 0.01 if s < 8 else 0.5} for s in range(10)]
+    recs = [
+        {"config": "c", "method": "sample", "tau": 1.0, "seed": s, "mse": 0.01 if s < 8 else 0.5} for s in range(10)
+    ]
     t = rep.success_table(recs)
     assert t.cells[("c", "sample", 1.0)] == (8, 10) and t.solved("c", "sample", 1.0)
     recs[7]["mse"] = 0.03

@@ -249,7 +249,10 @@ def call(fn: Callable[..., Any], *args: Any, names: Sequence[str], valid: bool |
                 ) from exc
             check_error(exc, names, what)
             _no_warnings(caught, what)
-            _event(f"{what}: raised {type(exc).__name__}" + (f" {str(exc)[:70]}" if os.environ.get("ROUTELAB_FUZZ_DEBUG") else ""))
+            _event(
+                f"{what}: raised {type(exc).__name__}"
+                + (f" {str(exc)[:70]}" if os.environ.get("ROUTELAB_FUZZ_DEBUG") else "")
+            )
             return False, exc
     _no_warnings(caught, what)
     _event(f"{what}: returned")
@@ -424,7 +427,9 @@ def score_cases(
     x = x.masked_fill(forb, NEG_INF)
     if poison != "none" and x.numel():
         flat = x.reshape(-1).clone()
-        flat[int(torch.randint(0, flat.numel(), (1,), generator=gen))] = float("nan") if poison == "nan" else float("inf")
+        flat[int(torch.randint(0, flat.numel(), (1,), generator=gen))] = (
+            float("nan") if poison == "nan" else float("inf")
+        )
         x = flat.view(shape)
     if os.environ.get("ROUTELAB_FUZZ_DEBUG"):
         for label in (f"dtype={dtype}", f"scale={scale:g}", f"kind={kind}", f"mask={mask}", f"offset={offset:g}"):

@@ -234,7 +234,9 @@ def check_gumbel_result(x: torch.Tensor, gm: A.GumbelMatching, c: int, tau: floa
             fin = ~forbidden
             err = (f64(S) - ref).abs()[fin]
             bound = (4 * eps(S.dtype) * (ref.abs() + f64(gm.gumbels).abs() + 1e-300))[fin]
-            assert bool((err <= bound).all()), f"scores != logits / tau + gumbels (max error {float((err - bound).max()):.3g} over bound)"
+            assert bool((err <= bound).all()), (
+                f"scores != logits / tau + gumbels (max error {float((err - bound).max()):.3g} over bound)"
+            )
     # the sample: optimal for the returned scores (tau == 0: for the logits themselves)
     Sn = np64(S).reshape(-1, n, k)
     for i, (Si, zi) in enumerate(zip(Sn, gm.expert.reshape(-1, n).numpy())):
@@ -266,7 +268,9 @@ def check_gumbel_result(x: torch.Tensor, gm: A.GumbelMatching, c: int, tau: floa
     tau=taus,
     seed=seeds,
 )
-def test_gumbel_conditionals_match_brute_force(case: ScoreCase, cap_choice: str, pick: int, tau: float, seed: int) -> None:
+def test_gumbel_conditionals_match_brute_force(
+    case: ScoreCase, cap_choice: str, pick: int, tau: float, seed: int
+) -> None:
     """conditional_log_probs == log_softmax_j(a_ij / tau + OPT_-i(j)) with OPT_-i(j) the best value of the
     other tokens when token i takes a slot of expert j (n * k scipy solves on the returned scores).
     tau == 0: positive mass only on the near-maximisers. Tolerances: rounding of the returned

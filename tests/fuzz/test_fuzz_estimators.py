@@ -175,7 +175,9 @@ def check_routes(x: torch.Tensor, r, method: str, tau, c: int, sinkhorn: bool) -
         assert int(counts.max()) <= c, f"capacity {c} exceeded: kept tokens per expert {counts.reshape(-1, k).tolist()}"
     if method == "sample" or method.startswith("gumbel"):
         assert bool(keep.all()), f"{method} must keep every token"
-    assert torch.equal(r.stats["tokens_per_expert"].long(), counts), "stats['tokens_per_expert'] != kept tokens per expert"
+    assert torch.equal(r.stats["tokens_per_expert"].long(), counts), (
+        "stats['tokens_per_expert'] != kept tokens per expert"
+    )
     dropped = (~keep).to(torch.float64).mean(-1)
     assert torch.allclose(f64(r.stats["dropped_fraction"]), dropped, atol=1e-6), "stats['dropped_fraction'] is wrong"
     for f in ("gate", "log_prob", "weight"):
@@ -196,7 +198,8 @@ def check_routes(x: torch.Tensor, r, method: str, tau, c: int, sinkhorn: bool) -
     tiny = 1e3 * torch.finfo(r.gate.dtype).tiny
     gerr = (f64(t.gate) - p).abs()
     assert bool((gerr <= p * torch.expm1(tol_lp.clamp(max=50.0)) + tiny).all()), (
-        f"gate != softmax(logits)[expert]: gate {f64(t.gate).flatten()[:4].tolist()}, reference {p.flatten()[:4].tolist()}"
+        f"gate != softmax(logits)[expert]: gate {f64(t.gate).flatten()[:4].tolist()}, "
+        f"reference {p.flatten()[:4].tolist()}"
     )
     w = f64(t.weight)
     assert bool((w >= 0).all()), "negative importance weight"
@@ -217,7 +220,9 @@ def check_routes(x: torch.Tensor, r, method: str, tau, c: int, sinkhorn: bool) -
     log_w = lp - lq
     if method in ("sample_skip", "sample_skip_iw"):
         if method == "sample_skip_iw":
-            load = torch.zeros((*batch, k), dtype=torch.float64).scatter_add_(-1, z, torch.ones_like(z, dtype=torch.float64))
+            load = torch.zeros((*batch, k), dtype=torch.float64).scatter_add_(
+                -1, z, torch.ones_like(z, dtype=torch.float64)
+            )
             nz = load.gather(-1, z)
             corr = nz / nz.clamp(max=c)
         else:
@@ -293,9 +298,9 @@ def test_objectives_and_balance_loss(case: ScoreCase, method: str, baseline_kind
                 assert_finite(logits.grad, "reinforce gradient w.r.t. logits")
     ok, gv = call(E.gating_objective, r, loss.detach(), use_weights=use_weights, names=("loss", "routes"), valid=True)
     coef = w if use_weights else t.keep.to(torch.float64)
-    assert torch.allclose(f64(gv), (coef * f64(loss)).mean(-1), rtol=1e-5, atol=1e-30 + 1e-6 * float(coef.max() if coef.numel() else 1)), (
-        "gating_objective != mean(keep * weight * loss)"
-    )
+    assert torch.allclose(
+        f64(gv), (coef * f64(loss)).mean(-1), rtol=1e-5, atol=1e-30 + 1e-6 * float(coef.max() if coef.numel() else 1)
+    ), "gating_objective != mean(keep * weight * loss)"
     call(E.gating_objective, r, loss.detach()[..., :-1] if n > 1 else loss.detach().unsqueeze(-1).expand(*batch, 1, 2),
          names=("loss",), valid=False, what="gating_objective(wrong loss shape)")
     # switch balance loss
@@ -332,7 +337,11 @@ BAD_CALLS = [
     ("EMABaseline", lambda: E.EMABaseline(1.0), ("decay",)),
     ("EMABaseline", lambda: E.EMABaseline("0.9"), ("decay",)),
     ("switch_balance_loss", lambda: E.switch_balance_loss(torch.ones(6, 3) / 3, torch.full((6,), 3)), ("expert",)),
-    ("switch_balance_loss", lambda: E.switch_balance_loss(torch.ones(6, 3) / 3, torch.zeros(5, dtype=torch.long)), ("expert",)),
+    (
+        "switch_balance_loss",
+        lambda: E.switch_balance_loss(torch.ones(6, 3) / 3, torch.zeros(5, dtype=torch.long)),
+        ("expert",),
+    ),
 ]
 
 

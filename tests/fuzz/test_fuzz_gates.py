@@ -88,7 +88,8 @@ def test_smooth_step(t: torch.Tensor, gamma) -> None:
     err = (s64 - ref).abs()
     tol = 32 * eps(t.dtype)
     assert float(err.max()) <= tol if err.numel() else True, (
-        f"smooth_step differs from the cubic by {float(err.max()):.3g} > {tol:.3g} at t={float(t64.flatten()[err.argmax()])}"
+        f"smooth_step differs from the cubic by {float(err.max()):.3g} > {tol:.3g} "
+        f"at t={float(t64.flatten()[err.argmax()])}"
     )
     if t.numel() > 1:
         order = t64.flatten().argsort()
@@ -188,7 +189,9 @@ def _x_validity(per_example: bool, dtype: torch.dtype, scale: float, nan: bool) 
     return True
 
 
-def check_gate_output(gate, x, w: torch.Tensor, batch: int, n: int, *, sums_to_one: bool, max_nonzero: int | None) -> None:
+def check_gate_output(
+    gate, x, w: torch.Tensor, batch: int, n: int, *, sums_to_one: bool, max_nonzero: int | None
+) -> None:
     assert tuple(w.shape) == (batch, n), f"{type(gate).__name__} weights have shape {tuple(w.shape)}"
     if isinstance(x, torch.Tensor) and x.is_floating_point():
         assert w.dtype == x.dtype or w.dtype == torch.float32, f"weights dtype {w.dtype} for x {x.dtype}"
@@ -394,7 +397,9 @@ def test_batchwise_and_threshold_masks(batch, n, k, dtype, values, tvalues, seed
     elif values == "constant":
         s = torch.full((batch, n), 1.0 / n, dtype=torch.float64)
     else:
-        s = torch.softmax(torch.randn(batch, n, generator=g, dtype=torch.float64) * (1e30 if values == "huge" else 1), -1)
+        s = torch.softmax(
+            torch.randn(batch, n, generator=g, dtype=torch.float64) * (1e30 if values == "huge" else 1), -1
+        )
         if values == "nan" and s.numel():
             s[0, 0] = float("nan")
     s = s.to(dtype)
@@ -438,7 +443,9 @@ def test_batchwise_and_threshold_masks(batch, n, k, dtype, values, tvalues, seed
     value = float(loss.detach())
     assert value >= 0, f"threshold loss {value} < 0"
     ref = ((tm.to(torch.float64) - mask.to(torch.float64)) * (f64(s) - f64(t))).sum()
-    assert abs(value - float(ref)) <= 1e-3 * max(1.0, abs(float(ref))) + 64 * batch * n * eps(dtype), "threshold loss != eq. 20"
+    assert abs(value - float(ref)) <= 1e-3 * max(1.0, abs(float(ref))) + 64 * batch * n * eps(dtype), (
+        "threshold loss != eq. 20"
+    )
     guarded(loss.backward, what="threshold loss backward")
     assert_finite(tt.grad, "threshold loss gradient")
     ok, zero = call(G.batchwise_threshold_loss, s, t, tm, names=("scores",), valid=True)
@@ -471,7 +478,11 @@ BAD_CALLS = [
     ("batchwise_mask", lambda: G.batchwise_mask(S, 1.0), ("k",)),
     ("batchwise_mask", lambda: G.batchwise_mask(S[0], 1), ("scores",)),
     ("threshold_mask", lambda: G.threshold_mask(S, [0.5, 0.5]), ("thresholds",)),
-    ("batchwise_threshold_loss", lambda: G.batchwise_threshold_loss(S, torch.zeros(2), torch.ones(3, 2).bool()), ("mask",)),
+    (
+        "batchwise_threshold_loss",
+        lambda: G.batchwise_threshold_loss(S, torch.zeros(2), torch.ones(3, 2).bool()),
+        ("mask",),
+    ),
 ]
 
 

@@ -41,7 +41,9 @@ from routelab.routers import ROUTERS
 from routelab.routing import expert_capacity
 from test_fuzz_rules import COVERED_LAYERS
 
-COVERED = {"MixtureOfAttentiveExperts", "MultiGateMoE", "SharedBottom", "StackedLinear", "MoE", "StackedExperts"} | COVERED_LAYERS
+COVERED = {
+    "MixtureOfAttentiveExperts", "MultiGateMoE", "SharedBottom", "StackedLinear", "MoE", "StackedExperts"
+} | COVERED_LAYERS
 
 
 def test_public_api_is_covered() -> None:
@@ -135,7 +137,9 @@ def test_moe(router, E, d_model, k, cf, drop_policy, iw, lead, xdtype, mdtype, x
     if not ok:
         return
     y, routes = out
-    assert y.shape == x.shape and y.dtype == x.dtype, f"output {tuple(y.shape)} {y.dtype} for input {tuple(x.shape)} {x.dtype}"
+    assert y.shape == x.shape and y.dtype == x.dtype, (
+        f"output {tuple(y.shape)} {y.dtype} for input {tuple(x.shape)} {x.dtype}"
+    )
     check_moe_routes(moe, routes, n, E, cf, C, router, training, method, xscale)
     # Importance weights reach MAX_WEIGHT (1e8, the biased Gumbel-Matching methods at small tau):
     # weight x expert output then exceeds float16's range (65504), and the output rounds to inf.
@@ -146,7 +150,9 @@ def test_moe(router, E, d_model, k, cf, drop_policy, iw, lead, xdtype, mdtype, x
         assert_finite(y, "MoE output")
         check_moe_reference(moe, x, y, routes)
     if xscale <= 1e10 and n and not beyond_half:
-        loss = lambda: (y.float().sum() + sum((v.float().sum() for v in routes.aux.values()), torch.zeros(()))).backward()  # noqa: E731
+        loss = lambda: (  # noqa: E731
+            y.float().sum() + sum((v.float().sum() for v in routes.aux.values()), torch.zeros(()))
+        ).backward()
         guarded(loss, what="MoE backward")
         assert_finite(leaf.grad, "MoE gradient w.r.t. x")
         for name, p in moe.named_parameters():
@@ -254,9 +260,9 @@ def test_stacked_experts(E, d, cap, bias, activation, dtype, scale, seed) -> Non
         with torch.no_grad():
             ref = ex.expert(e, buf[e])
         tol = 1e-5 if dtype == torch.float32 else 1e-12
-        assert torch.allclose(out[e].detach(), ref, rtol=tol, atol=tol * float(ref.abs().max()) if ref.numel() else 0.0), (
-            f"StackedExperts forward != expert({e}, .)"
-        )
+        assert torch.allclose(
+            out[e].detach(), ref, rtol=tol, atol=tol * float(ref.abs().max()) if ref.numel() else 0.0
+        ), f"StackedExperts forward != expert({e}, .)"
     call(ex, torch.randn(E + 1, cap, d, dtype=dtype), names=("buffers",), valid=False, what="StackedExperts(bad E)")
     call(ex, torch.randn(E, cap, d + 1, dtype=dtype), names=("buffers",), valid=False, what="StackedExperts(bad d)")
 
@@ -366,7 +372,9 @@ def test_mixture_of_attentive_experts(h, hd, t, batch_first, gate_context, routi
     if not ok:
         return
     y, used = out
-    assert y.shape == q.shape and y.dtype == q.dtype, f"output {tuple(y.shape)} {y.dtype} for query {tuple(q.shape)} {q.dtype}"
+    assert y.shape == q.shape and y.dtype == q.dtype, (
+        f"output {tuple(y.shape)} {y.dtype} for query {tuple(q.shape)} {q.dtype}"
+    )
     assert tuple(used.shape) == rshape, f"responsibilities have shape {tuple(used.shape)}, expected {rshape}"
     assert_finite(used, "responsibilities")
     u = f64(used)
@@ -510,12 +518,14 @@ def test_multigate_moe(n, in_dim, out_dim, batch, gates, stacked, towers, xdtype
                 assert torch.allclose(o, tower(bottom(x))), "SharedBottom != towers(bottom(x))"
         ok, y2 = call(sl, x, names=("x",), valid=True, what="StackedLinear([batch, in])")
         ref2 = torch.einsum("bi,nio->bno", f64(x), f64(sl.weight)) + f64(sl.bias)
-        assert torch.allclose(f64(y2), ref2, rtol=1e-4, atol=1e-5 * max(1.0, float(ref2.abs().max()))), "StackedLinear (2-D)"
+        assert torch.allclose(f64(y2), ref2, rtol=1e-4, atol=1e-5 * max(1.0, float(ref2.abs().max()))), (
+            "StackedLinear (2-D)"
+        )
         x3 = x.unsqueeze(1).expand(batch, n, in_dim)
         ok, y3 = call(sl, x3, names=("x",), valid=True, what="StackedLinear([batch, n, in])")
-        assert torch.allclose(y3.detach(), y2.detach(), rtol=1e-5, atol=1e-6 * max(1.0, float(y2.detach().abs().max()))), (
-            "StackedLinear (3-D) != (2-D)"
-        )
+        assert torch.allclose(
+            y3.detach(), y2.detach(), rtol=1e-5, atol=1e-6 * max(1.0, float(y2.detach().abs().max()))
+        ), "StackedLinear (3-D) != (2-D)"
         call(sl, x[:, :0] if in_dim else x, names=("x",), valid=False, what="StackedLinear(bad width)")
         call(sl, x.unsqueeze(0).unsqueeze(0), names=("x",), valid=False, what="StackedLinear(4-D)")
 
@@ -535,8 +545,18 @@ BAD_CALLS = [
     ("MixtureOfAttentiveExperts", lambda: L.MixtureOfAttentiveExperts(6, 4), ("embed_dim", "num_heads")),
     ("MixtureOfAttentiveExperts", lambda: L.MixtureOfAttentiveExperts(8, 4, drop_heads=4), ("drop_heads",)),
     ("MixtureOfAttentiveExperts", lambda: L.MixtureOfAttentiveExperts(8, 4, dropout=1.0), ("dropout",)),
-    ("MixtureOfAttentiveExperts", lambda: L.MixtureOfAttentiveExperts(8, 4)(torch.randn(3, 2, 8), torch.randn(3, 2, 6), torch.randn(3, 2, 6)), ("key", "value", "embed_dim")),
-    ("MixtureOfAttentiveExperts", lambda: L.MixtureOfAttentiveExperts(8, 4)(torch.full((3, 2, 8), float("nan")), torch.randn(3, 2, 8), torch.randn(3, 2, 8)), ("query",)),
+    (
+        "MixtureOfAttentiveExperts",
+        lambda: L.MixtureOfAttentiveExperts(8, 4)(torch.randn(3, 2, 8), torch.randn(3, 2, 6), torch.randn(3, 2, 6)),
+        ("key", "value", "embed_dim"),
+    ),
+    (
+        "MixtureOfAttentiveExperts",
+        lambda: L.MixtureOfAttentiveExperts(8, 4)(
+            torch.full((3, 2, 8), float("nan")), torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+        ),
+        ("query",),
+    ),
     ("MultiGateMoE", lambda: L.MultiGateMoE([nn.Linear(2, 2)], [G.SoftmaxGate(2)]), ("gate", "gates", "num_experts")),
     ("MultiGateMoE", lambda: L.MultiGateMoE([], [G.SoftmaxGate(1)]), ("experts",)),
     ("MultiGateMoE", lambda: L.MultiGateMoE([nn.Linear(2, 2)], [G.SoftmaxGate(1)], [nn.Identity()] * 2), ("towers",)),

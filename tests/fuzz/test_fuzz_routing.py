@@ -150,7 +150,11 @@ def test_apply_capacity(n, s, E, capacity, policy, cand_p, score_kind, bad, seed
     rows = expert[keep] * max(C, 1) + pos
     assert rows.unique().numel() == rows.numel(), "two kept pairs share an (expert, position) slot"
     sw = f64(d.skip_weight)
-    ref = torch.where(keep, load.to(torch.float64)[expert.clamp(0, E - 1)] / kept.clamp(min=1).to(torch.float64)[expert.clamp(0, E - 1)], 0.0)
+    ref = torch.where(
+        keep,
+        load.to(torch.float64)[expert.clamp(0, E - 1)] / kept.clamp(min=1).to(torch.float64)[expert.clamp(0, E - 1)],
+        0.0,
+    )
     assert torch.allclose(sw, ref, rtol=1e-6), "skip_weight != n_z / min(n_z, C) on kept pairs (0 elsewhere)"
     # policy semantics
     flat_e = expert.t().reshape(-1)
@@ -241,7 +245,11 @@ BAD_CALLS = [
     ("expert_capacity", lambda: R.expert_capacity(-4, 2, 1, 1.0), ("num_tokens",)),
     ("check_capacity_factor", lambda: R.check_capacity_factor("2"), ("capacity_factor",)),
     ("DispatchPlan.build", lambda: R.DispatchPlan.build(E3, K3, torch.tensor([[5], [0], [0]]), 3, 2), ("position",)),
-    ("DispatchPlan.dispatch", lambda: R.DispatchPlan.build(E3, K3, torch.zeros(3, 1, dtype=torch.long), 3, 1).dispatch(torch.ones(4, 2)), ("x",)),
+    (
+        "DispatchPlan.dispatch",
+        lambda: R.DispatchPlan.build(E3, K3, torch.zeros(3, 1, dtype=torch.long), 3, 1).dispatch(torch.ones(4, 2)),
+        ("x",),
+    ),
 ]
 
 

@@ -189,7 +189,9 @@ def test_base_router_is_the_optimal_balanced_assignment() -> None:
     ours = logits[np.arange(n), r.expert[:, 0].numpy()].sum()
     assert ours == pytest.approx(best, abs=1e-9)
     assert (torch.bincount(r.expert[:, 0], minlength=E) == n // E).all()
-    torch.testing.assert_close(r.gate[:, 0], torch.sigmoid(torch.from_numpy(logits[np.arange(n), r.expert[:, 0].numpy()])).float())
+    torch.testing.assert_close(
+        r.gate[:, 0], torch.sigmoid(torch.from_numpy(logits[np.arange(n), r.expert[:, 0].numpy()])).float()
+    )
     router.eval_balanced = False
     router.eval()
     assert torch.equal(router(x).expert[:, 0], torch.from_numpy(logits.argmax(-1)))

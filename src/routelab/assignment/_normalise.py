@@ -76,7 +76,9 @@ def _chunk(dtype: torch.dtype) -> int:
 
 def _exponent(x: Tensor) -> Tensor:
     """``[B]`` long ``e`` with ``x`` in ``[2^(e-1), 2^e)`` for ``x > 0``; ``0`` where ``x == 0``."""
-    return torch.where(x > 0, torch.frexp(x).exponent.to(torch.long), torch.zeros((), dtype=torch.long, device=x.device))
+    return torch.where(
+        x > 0, torch.frexp(x).exponent.to(torch.long), torch.zeros((), dtype=torch.long, device=x.device)
+    )
 
 
 def _finite_row_max(S: Tensor) -> Tensor:
@@ -148,7 +150,9 @@ def perturbed_scores(a: Tensor, tau: float, g: Tensor | None) -> tuple[Tensor, T
     if g is None or tau == 0.0:
         return a_norm, a_norm, ea
     m, et = math.frexp(tau)
-    e_g = _exponent(g.abs().amax(dim=(-2, -1)) if g.numel() else torch.zeros(a.shape[0], dtype=a.dtype, device=a.device))
+    e_g = _exponent(
+        g.abs().amax(dim=(-2, -1)) if g.numel() else torch.zeros(a.shape[0], dtype=a.dtype, device=a.device)
+    )
     E = torch.maximum(ea - et + 1, e_g)
     A = ldexp(a_norm / m, ea - et - E)
     G = ldexp(g, -E)

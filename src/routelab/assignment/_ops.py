@@ -95,7 +95,11 @@ def top_two(x: Tensor, work: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # One expert, -inf entries or scores spanning most of the float range (the mask below
         # would overflow).
         first, index = x.max(dim=-1)
-        second = x.scatter(-1, index.unsqueeze(-1), float("-inf")).amax(dim=-1) if k > 1 else torch.full_like(first, float("-inf"))
+        second = (
+            x.scatter(-1, index.unsqueeze(-1), float("-inf")).amax(dim=-1)
+            if k > 1
+            else torch.full_like(first, float("-inf"))
+        )
         return first, index, second
     top = torch.sub(x, first.unsqueeze(-1), out=work).sign_().add_(1.0)  # 1 at the maxima
     ties = top.sum(-1) > 1.5

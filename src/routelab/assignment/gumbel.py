@@ -168,7 +168,9 @@ def gumbel_matching(
         guard = _TIE_GUARD * (k + 1) * torch.finfo(work).eps
         hit = shifted >= -ldexp(torch.full_like(top, guard), sol.log2_scale)
         hit.scatter_(-1, z.unsqueeze(-1), True)
-        log_q = torch.where(hit, -torch.log(hit.sum(-1, keepdim=True).to(torch.float64)), torch.full_like(val, float("-inf")))
+        log_q = torch.where(
+            hit, -torch.log(hit.sum(-1, keepdim=True).to(torch.float64)), torch.full_like(val, float("-inf"))
+        )
     else:
         log_q = torch.log_softmax(ldexp(shifted, E), dim=-1)
     return GumbelMatching(

@@ -2,7 +2,8 @@
 
 The graphs here are the *expert graphs* of the balanced assignment solver (:mod:`._graph`):
 ``m = k`` nodes, one per expert (the sink node of the classic construction is contracted into
-the release arcs), a dense ``[..., m, m]`` matrix of arc costs with ``+inf`` for missing arcs. All functions are batched over leading dimensions and run on any device.
+the release arcs), a dense ``[..., m, m]`` matrix of arc costs with ``+inf`` for missing arcs.
+All functions are batched over leading dimensions and run on any device.
 """
 
 from __future__ import annotations

@@ -130,7 +130,8 @@ QUICK = BenchConfig(d_model=64, d_hidden=256, tokens=1024, experts=(8, 64), ks=(
 
 
 def _routes_after_capacity(moe: MoE, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The layer's routing decision on ``x [tokens, d_model]``: ``(expert, combine, keep)``, each ``[tokens, slots]``."""
+    """The layer's routing decision on ``x [tokens, d_model]``: ``(expert, combine, keep)``,
+    each ``[tokens, slots]``."""
     n = x.shape[0]
     capacity = moe.capacity(n)
     proposed = moe.router(x, capacity)

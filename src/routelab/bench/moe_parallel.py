@@ -201,7 +201,8 @@ def _fmt_rate(tokens: int, seconds: float | None) -> str:
 
 def _table(cfg: ParallelBenchConfig, results: dict[int, dict]) -> list[str]:
     lines = [
-        "| world size | mode | routelab tokens/s | DeepSpeed tokens/s | routelab / DeepSpeed | single-process MoE tokens/s |",
+        "| world size | mode | routelab tokens/s | DeepSpeed tokens/s | routelab / DeepSpeed "
+        "| single-process MoE tokens/s |",
         "|---:|---|---:|---:|---:|---:|",
     ]
     for world in sorted(results):
@@ -213,7 +214,8 @@ def _table(cfg: ParallelBenchConfig, results: dict[int, dict]) -> list[str]:
             lines.append(f"| {world} | {mode} | {_fmt_rate(tokens, ours)} | {_fmt_rate(tokens, theirs)} | {ratio} "
                          f"| {_fmt_rate(tokens, single)} |")
     lines += ["", "Same function (dropless top-1, largest absolute difference over ranks):", ""]
-    lines += ["| world size | routelab vs single process (y, dx) | DeepSpeed vs routelab y | DeepSpeed vs routelab dx |",
+    lines += ["| world size | routelab vs single process (y, dx) | DeepSpeed vs routelab y "
+              "| DeepSpeed vs routelab dx |",
               "|---:|---:|---:|---:|"]
     for world in sorted(results):
         c = results[world]["checks"]
@@ -236,7 +238,8 @@ def _header(cfg: ParallelBenchConfig, quick: bool, ds: tuple[bool, str], backend
         f"- forward + backward, median of {cfg.repeats} steps after {cfg.warmup} warm-up steps, slowest rank; "
         "tokens/s counts the global batch (W x tokens per rank)",
         f"- {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}; load average at the end "
-        f"{', '.join(f'{v:.1f}' for v in os.getloadavg())} (1, 5, 15 min; other work on the machine slows every column)",
+        f"{', '.join(f'{v:.1f}' for v in os.getloadavg())} (1, 5, 15 min; "
+        "other work on the machine slows every column)",
         "",
     ]
 
@@ -262,7 +265,9 @@ def run_benchmark(*, world_sizes: Sequence[int] | None = None, quick: bool = Fal
         if isinstance(w, bool) or not isinstance(w, int) or w < 1:
             raise ValueError(f"world sizes must be positive integers, got {w!r} in {list(cfg.world_sizes)}")
         if cfg.experts % w:
-            raise ValueError(f"world size {w} does not divide the {cfg.experts} experts; use a divisor of {cfg.experts}")
+            raise ValueError(
+                f"world size {w} does not divide the {cfg.experts} experts; use a divisor of {cfg.experts}"
+            )
     ds = deepspeed_available() if deepspeed else (False, "disabled")
     results: dict[int, dict] = {}
     backend = "gloo"

@@ -63,7 +63,8 @@ def routes_record(expert: Tensor, keep: Tensor, log_p_z: Tensor, log_q_z: Tensor
         counts: ``[..., k]`` kept tokens per expert.
 
     Returns:
-        Routes with one slot per token (per-slot fields ``[..., n, 1]``), ``weight = (p_z / q_z) * correction`` (0 where skipped, detached), computed
+        Routes with one slot per token (per-slot fields ``[..., n, 1]``),
+        ``weight = (p_z / q_z) * correction`` (0 where skipped, detached), computed
         in log space and clamped at :data:`MAX_WEIGHT` (``stats["weights_clamped"]`` counts the
         clamped kept weights per instance; ``p_z = 0`` gives weight 0 whatever ``q_z``),
         ``gate = p_z``, ``log_prob = log p_z``.

@@ -104,8 +104,8 @@ def sample_routes(
 
     Returns:
         :class:`~routelab.routes.Routes` with one slot per token, per-slot tensors ``[..., n, 1]``
-        (the layout of every router): ``expert``; ``keep`` (False where capacity skipped the token); ``weight`` (detached
-        importance weight, finite, at most :data:`MAX_WEIGHT`); ``gate = p[expert]`` and
+        (the layout of every router): ``expert``; ``keep`` (False where capacity skipped the token);
+        ``weight`` (detached importance weight, finite, at most :data:`MAX_WEIGHT`); ``gate = p[expert]`` and
         ``log_prob = log p[expert]`` (differentiable); ``aux["balance"]`` the Switch
         load-balancing loss ``[...]``; ``stats["tokens_per_expert"]`` ``[..., k]``,
         ``stats["dropped_fraction"]`` ``[...]`` and ``stats["weights_clamped"]`` ``[...]``

@@ -2,8 +2,8 @@
 
 Both objectives take the per-token loss ``f_i = f(x_i, z_i)`` ``[..., n]`` of the routed expert
 and single-choice :class:`~routelab.routes.Routes`: one slot per token, ``[..., n, 1]`` (from
-:func:`~routelab.estimators.sample_routes` or any router with ``k = 1``). They average over the ``n`` tokens with the routes'
-importance weights (dropped tokens count 0):
+:func:`~routelab.estimators.sample_routes` or any router with ``k = 1``). They average over the
+``n`` tokens with the routes' importance weights (dropped tokens count 0):
 
 * REINFORCE (eq. 2, with a baseline): the gradient of
   ``(1/n) sum_i keep_i w_i [f_i + (f_i - b) log p(z_i | x_i)]`` (the second term's factor is

@@ -71,7 +71,9 @@ class Router(nn.Module):
     #: Whether :meth:`route` draws randomness in training (noise replayed under checkpointing).
     stochastic: bool = False
 
-    generator = GeneratorAttribute("The source of randomness of stochastic routers (``None``: torch's global generator).")
+    generator = GeneratorAttribute(
+        "The source of randomness of stochastic routers (``None``: torch's global generator)."
+    )
 
     def __init__(self, d_model: int, num_experts: int, slots: int) -> None:
         super().__init__()

@@ -205,7 +205,9 @@ def write_outputs(
         (*r.key, settings.steps) for c in plan_chunks(settings) for r in c.runs)}
     records.sort(key=lambda r: order[record_key(r)])
     names = {c.name for c in plan_chunks(settings)}
-    chunks = [c for c in read_jsonl(out_dir / "chunks.jsonl") if c.get("chunk") in names and c.get("steps") == settings.steps]
+    chunks = [
+        c for c in read_jsonl(out_dir / "chunks.jsonl") if c.get("chunk") in names and c.get("steps") == settings.steps
+    ]
     atomic_write_text(out_dir / "results.csv", results_csv(records))
 
     if figures:

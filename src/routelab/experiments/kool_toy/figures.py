@@ -147,7 +147,8 @@ def plot_curves(path, records: Sequence[Mapping], configs: Sequence[tuple[str, s
     fig, axes = _figure(1, len(configs), size=(4.6, 3.4))
     for ax, (config, title) in zip(axes[0], configs):
         for m in METHODS:
-            curves = [r["mse_curve"] for r in records if r["config"] == config and r["method"] == m and r.get("mse_curve")]
+            curves = [r["mse_curve"] for r in records
+                      if r["config"] == config and r["method"] == m and r.get("mse_curve")]
             if not curves:
                 continue
             steps = [s for s, _ in curves[0]]
@@ -172,7 +173,8 @@ def plot_marginals(path, marginals: Sequence[Mapping]) -> None:
     ns = [r["n"] for r in marginals]
     ax.errorbar(ns, [r["max_abs_diff"] for r in marginals], yerr=[r["se_of_max"] for r in marginals],
                 marker="o", capsize=3, label="max |GM − Sinkhorn|")
-    ax.errorbar(ns, [r["mean_abs_diff"] for r in marginals], yerr=[r["mean_se"] / math.sqrt(max(1, r["n"] * r["matrices"])) for r in marginals],
+    ax.errorbar(ns, [r["mean_abs_diff"] for r in marginals],
+                yerr=[r["mean_se"] / math.sqrt(max(1, r["n"] * r["matrices"])) for r in marginals],
                 marker="s", capsize=3, label="mean |GM − Sinkhorn|")
     ax.plot(ns, [r["mean_abs_diff_unbalanced"] for r in marginals], marker="^", ls=":", color="gray",
             label="mean |GM − softmax| (no balancing)")

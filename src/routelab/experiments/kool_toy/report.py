@@ -117,8 +117,10 @@ def diagnostics_markdown(records: Sequence[Mapping], configs: Sequence[str]) -> 
             return float(np.median([f(r) for r in rs]))
 
         lines.append(
-            f"| `{c}` | {len(rs)} | {med(lambda r: abs(r['params']['a'])):.2f} | {med(lambda r: min(r['load'], 1 - r['load'])):.2f} | "
-            f"{med(lambda r: r['mse']):.4f} | {med(lambda r: r['argmax_mse']):.4f} | {med(lambda r: r['mse_ungated']):.4f} |"
+            f"| `{c}` | {len(rs)} | {med(lambda r: abs(r['params']['a'])):.2f} | "
+            f"{med(lambda r: min(r['load'], 1 - r['load'])):.2f} | "
+            f"{med(lambda r: r['mse']):.4f} | {med(lambda r: r['argmax_mse']):.4f} | "
+            f"{med(lambda r: r['mse_ungated']):.4f} |"
         )
     return "\n".join(lines)
 
@@ -307,7 +309,8 @@ def render_report(
               f"k = 2, capacity n/2, {marginals[0]['matrices']} random logit matrices (entries N(0, 1)) per n, "
               f"{marginals[0]['samples']} Gumbel-Matching samples (τ = 1) each; s.e. = Monte Carlo standard error "
               "of an empirical marginal.", "",
-              "| n | mean abs. diff. GM vs Sinkhorn | max abs. diff. | s.e. at max | mean s.e. | mean abs. diff. GM vs softmax |",
+              "| n | mean abs. diff. GM vs Sinkhorn | max abs. diff. | s.e. at max | mean s.e. "
+              "| mean abs. diff. GM vs softmax |",
               "|---|---|---|---|---|---|"]
         for r in marginals:
             L.append(f"| {r['n']} | {r['mean_abs_diff']:.4f} | {r['max_abs_diff']:.4f} | {r['se_of_max']:.4f} | "

@@ -218,7 +218,8 @@ def claims(records: Sequence[Mapping[str, Any]], settings: Settings) -> list[Cla
             criterion=f"(a) test accuracy with the threshold mask at batch size 1 is at least that of the "
                       f"batchwise mask over batches of the training size ({settings.batch_size}) minus "
                       f"{100 * ACC_MARGIN:.1f} point "
-                      f"(means over seeds); (b) the two masks agree on at least {AGREEMENT_MIN:.0%} of the (image, expert) "
+                      f"(means over seeds); (b) the two masks agree on at least {AGREEMENT_MIN:.0%} "
+                      "of the (image, expert) "
                       "entries of the test set. holds: (a) and (b); partly: one; does not hold: neither.",
             measured=f"(a) threshold @ batch 1: {_pct(acc_t1.mean)}, batchwise @ batch {b}: {_pct(acc_bw.mean)} "
                      f"(difference {100 * (acc_t1.mean - acc_bw.mean):+.2f} points); (b) agreement {_pct(agree.mean)}; "
@@ -288,8 +289,8 @@ def claims(records: Sequence[Mapping[str, Any]], settings: Settings) -> list[Cla
                  "weights eliminates the benefit of using all the capacity. (Shown there on a REINFORCE toy; here "
                  "an analogue with differentiable gating on MNIST.)",
             criterion="test accuracy of Gumbel-Matching with importance weights (nothing skipped) is not above that of "
-                      "top-1 with capacity skipping (switch) by more than 2 standard errors of the difference (with one "
-                      "seed: not above at all). holds: so; does not hold: otherwise.",
+                      "top-1 with capacity skipping (switch) by more than 2 standard errors of the difference "
+                      "(with one seed: not above at all). holds: so; does not hold: otherwise.",
             measured=f"gumbel_matching {_pct(gm.mean)} vs switch {_pct(sw.mean)}: difference {100 * diff:+.2f} points"
                      + (f" (2 s.e. = {200 * se:.2f})" if se is not None else quick_note)
                      + "; training pairs dropped by switch: "
@@ -384,8 +385,8 @@ def render_report(settings: Settings, records: Sequence[Mapping[str, Any]], *, w
         "noise).",
         f"- Evaluation (`eval()`): test accuracy over batches of {settings.batch_size} with the same capacity "
         f"factor; at batch size 1 on the first {settings.batch1_images} test images (a single token never "
-        "exceeds a capacity, so nothing is dropped), compared with batches on the same images; dropless (`capacity_factor=None`) over batches of "
-        f"{settings.batch_size}.",
+        "exceeds a capacity, so nothing is dropped), compared with batches on the same images; "
+        f"dropless (`capacity_factor=None`) over batches of {settings.batch_size}.",
         "- Load: *proposed* load = (token, slot) pairs a router sends to each expert before the capacity; "
         "*kept* load = after it (`routes.stats['tokens_per_expert']`). Load CV = std / mean over the experts "
         "(population std); `routes.stats['load_cv']` is the CV of the kept load, which the capacity caps. "
