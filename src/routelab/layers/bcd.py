@@ -41,8 +41,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._checks import check_generator, check_positive_int
 from routelab.layers.mae import MixtureOfAttentiveExperts, mae_modules, set_routing
+
+from .._checks import check_generator, check_positive_int
 
 __all__ = ["EVAL_ROUTING", "MODES", "BCDTrainer", "gate_parameter_names"]
 

@@ -149,7 +149,8 @@ class MixtureOfAttentiveExperts(nn.Module):
     ValueError.
     """
 
-    generator = GeneratorAttribute("The :class:`torch.Generator` of the ``*sample`` routings (``None``: torch's global one).")
+    generator = GeneratorAttribute(
+        "The :class:`torch.Generator` of the ``*sample`` routings (``None``: torch's global one).")
 
     def __init__(
         self,
@@ -213,7 +214,7 @@ class MixtureOfAttentiveExperts(nn.Module):
         *,
         gate_hidden: int | None = None,
         gate_context: int | None = None,
-    ) -> "MixtureOfAttentiveExperts":
+    ) -> MixtureOfAttentiveExperts:
         """An MAE with ``mha``'s weights (copied), ``batch_first`` and dropout.
 
         With uniform responsibilities (``routing="uniform"``, or a fresh gate, which starts
