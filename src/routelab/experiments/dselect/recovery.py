@@ -113,7 +113,7 @@ class RecoverySettings:
 
 FULL = RecoverySettings(reps=20, epochs=200, checkpoints=(50, 200), lrs=(0.1, 0.01, 0.001),
                         entropy_regs=(0.0, 0.001, 0.01), units=("fresh", "generator", "frozen"),
-                        inits=("official", "distinct"), identifiability=True)
+                        inits=("official", "distinct"), identifiability=True, identifiability_fitted=10)
 QUICK = RecoverySettings(reps=4, epochs=200, checkpoints=(50, 200), lrs=(0.1, 0.01, 0.001),
                          entropy_regs=(0.0, 0.001, 0.01), units=("fresh", "generator", "frozen"),
                          inits=("official", "distinct"), identifiability=True, n_train=5_000, n_val=5_000,
