@@ -239,6 +239,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: Any, wall: flo
         lines += ["## Claims" + (" (QUICK verdicts)" if s.quick else ""), "",
                   "Judged on the paper's setting: trainable output unit (both starts), the paper's selector init, "
                   "the chosen settings.", "", claims_markdown(claims), ""]
+    lines += _findings(head, idents)
     for f in figs:
         lines += [f"![{f}]({f})", ""]
     lines += [
@@ -254,6 +255,34 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: Any, wall: flo
         "",
     ]
     return atomic_write_text(out_dir / "report.md", "\n".join(lines))
+
+
+def _findings(head: dict[Model, dict[str, Any]], idents: Sequence[dict[str, Any]]) -> list[str]:
+    """Measured comparisons beside the claims: identifiability, the two selector inits, the units."""
+
+    def m(v: Sequence[float]) -> str:
+        return f"{sum(v) / len(v):.2f}" if v else "—"
+
+    out = []
+    for name, label in (("frozen", "the frozen generating unit"), ("fitted", "a unit fitted to each set")):
+        ranks = [r[f"{name}_rank"] for r in idents if r.get(f"{name}_rank") is not None]
+        if ranks:
+            out.append(f"- Identifiability with {label}: the true set ranks 1st in {sum(x == 1 for x in ranks)}/"
+                       f"{len(ranks)} repetitions (median rank {statistics.median(ranks):g} of "
+                       f"{idents[0]['n_sets']}).")
+    for unit in ("fresh", "generator", "frozen"):
+        t, d, dd = (head.get(("topk_static", unit, None)), head.get(("dselect_static", unit, "official")),
+                    head.get(("dselect_static", unit, "distinct")))
+        if t is None or d is None:
+            continue
+        text = (f"- Output unit {UNIT_LABELS[unit]}: Top-k recovers {m(t['recovered'])} of 4 ({t['all4']}/{t['counted']} "
+                f"runs all 4); DSelect-k with the paper's init {m(d['recovered'])} ({d['all4']}/{d['counted']} "
+                f"binary runs all 4; binary {d['binary']}; its 4 selectors pick {m(d['distinct'])} distinct experts)")
+        if dd is not None:
+            text += (f"; with the distinct-expert init (routelab option) {m(dd['recovered'])} ({dd['all4']}/"
+                     f"{dd['counted']}; binary {dd['binary']}; {m(dd['distinct'])} distinct)")
+        out.append(text + ".")
+    return (["## Findings", "", *out, ""]) if out else []
 
 
 def _claims(head: dict[Model, dict[str, Any]], best: dict[Model, tuple[Setting, str]], quick: bool) -> list[Claim]:
