@@ -277,7 +277,8 @@ def _findings(head: dict[Model, dict[str, Any]], idents: Sequence[dict[str, Any]
             continue
         text = (f"- Output unit {UNIT_LABELS[unit]}: Top-k recovers {m(t['recovered'])} of 4 "
                 f"({t['all4']}/{t['counted']} runs all 4); DSelect-k with the paper's init {m(d['recovered'])} "
-                f"({d['all4']}/{d['counted']} binary runs all 4; binary {d['binary']}; its 4 selectors pick {m(d['distinct'])} distinct experts)")
+                f"({d['all4']}/{d['counted']} binary runs all 4; binary {d['binary']}; its 4 selectors pick "
+                f"{m(d['distinct'])} distinct experts)")
         if dd is not None:
             text += (f"; with the distinct-expert init (routelab option) {m(dd['recovered'])} ({dd['all4']}/"
                      f"{dd['counted']}; binary {dd['binary']}; {m(dd['distinct'])} distinct)")
