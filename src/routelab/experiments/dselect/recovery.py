@@ -114,7 +114,7 @@ class RecoverySettings:
 
 FULL = RecoverySettings(reps=20, epochs=200, checkpoints=(50, 200), lrs=(0.1, 0.01, 0.001),
                         entropy_regs=(0.0, 0.001, 0.01), units=("fresh", "generator", "frozen"),
-                        inits=("official", "distinct"), identifiability=True, identifiability_fitted=10)
+                        inits=("official", "distinct"), identifiability=True)
 QUICK = dataclasses.replace(FULL, reps=3, identifiability_fitted=1, quick=True)
 """The quick form: the full grid at full length on the first 3 repetitions (its runs are the full
 run's runs of seeds 0-2), the fitted-unit identifiability check on the first."""
