@@ -189,6 +189,10 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: Any, wall: flo
                   _stat(st["distinct"], 2), _stat(st["val_acc"], 3), _stat(st["late"], 1)]
         head_rows.append(rows_h)
     n_runs = len(records)
+    per_rep: dict[int, float] = {}
+    for r in records:  # wall_s = the batched repetition's time until that run's evaluation
+        per_rep[r["seed"]] = max(per_rep.get(r["seed"], 0.0), r["wall_s"])
+    train_s = sum(per_rep.values())
     lines = [
         "# DSelect-k expert recovery (Hazimeh et al. 2021, App. C.2.2, Fig. C.7–C.8)",
         "",
@@ -196,7 +200,9 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: Any, wall: flo
          else "**Full run.**"),
         "",
         f"- Wall time of the last invocation (runs already recorded are not re-run): {wall:.0f} s; {n_runs} finished "
-        f"runs. All settings of a repetition train together as one batched model (independent rows).",
+        f"runs. All settings of a repetition train together as one batched model (independent rows); recorded "
+        f"training wall time {train_s:.0f} s over {len(per_rep)} repetitions, identifiability check "
+        f"{sum(r['wall_s'] for r in idents):.0f} s.",
         f"- {software_line(torch.get_num_threads())}, CPU.",
         "",
         "## Setup",
