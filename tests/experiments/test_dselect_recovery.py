@@ -60,7 +60,7 @@ def test_units_frozen_fixed_trained_move():
     fresh0, _ = rc.initial_unit("fresh", prob, 0)
     for r in recs:
         if r["unit"] == "frozen":
-            assert r["unit_w"] == gen and r["unit_b"] == 0.0
+            assert r["unit_w"] == gen and r["unit_b"] == round(float(prob["head_b"]), 6)
         else:
             start = prob["head_w"] if r["unit"] == "generator" else fresh0
             assert (torch.tensor(r["unit_w"]) - start).abs().max() > 1e-3
@@ -73,7 +73,8 @@ def test_set_losses_frozen_unit_is_the_brute_force_loss():
     assert sets.shape == (comb(16, 4), 4) and len({tuple(x) for x in sets.tolist()}) == comb(16, 4)
     for i in (0, 77, 1000, comb(16, 4) - 1):
         mix = e[:, sets[i]].double().mean(1)
-        want = F.binary_cross_entropy_with_logits(mix @ prob["head_w"].double(), prob["y_tr"].double())
+        want = F.binary_cross_entropy_with_logits(mix @ prob["head_w"].double() + float(prob["head_b"]),
+                                                  prob["y_tr"].double())
         assert float(loss[i]) == pytest.approx(float(want), rel=1e-10)
     rank = ident.true_set_rank(sets, loss, prob["true"])
     true_loss = loss[[tuple(x) == tuple(prob["true"]) for x in sets.tolist()]]
