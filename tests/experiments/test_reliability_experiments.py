@@ -181,24 +181,26 @@ def test_dselect_recovery_records_a_diverged_gate_and_reports_it(
 
     tiny = recovery.RecoverySettings(reps=1, epochs=1, lrs=(0.01,), entropy_regs=(0.0,), n_train=512, n_val=256,
                                      quick=True)
-    real = recovery._forward
+    # All settings of a repetition train as one batched model: poison the Top-k row's loss at step 1.
+    real = recovery._row_losses
     steps = {"n": 0}
 
-    def forward(gate, prob, x):
-        out = real(gate, prob, x)
-        if type(gate).__name__ == "TopKGate" and gate.training:
-            steps["n"] += 1
-            if steps["n"] == 2:
-                return out * NAN
-        return out
+    def row_losses(bank, e, y):
+        w, loss = real(bank, e, y)
+        steps["n"] += 1
+        if steps["n"] == 2:
+            loss = loss + torch.tensor([NAN if c.gate == "topk_static" else 0.0 for c in bank.rows])
+        return w, loss
 
-    monkeypatch.setattr(recovery, "_forward", forward)
+    monkeypatch.setattr(recovery, "_row_losses", row_losses)
     text = recovery.run_recovery(tmp_path, tiny).read_text()
     recs = {r["gate"]: r for r in read_jsonl(tmp_path / "runs.jsonl")}
     assert is_failed(recs["topk_static"]) and not is_failed(recs["dselect_static"])
     assert recs["topk_static"]["reason"] == "diverged at step 1: the training loss became nan"
-    assert "1 of 2 runs failed" in text and "gate=topk_static, lr=0.01, entropy_reg=0.0, seed=0" in text
-    assert "Top-k (static)" not in text.split("## Results")[1].split("## ")[0]  # not averaged in
+    assert "1 of 2 runs failed" in text
+    assert "gate=topk_static, unit=frozen, init=None, lr=0.01, entropy_reg=0.0, epochs=1, seed=0" in text
+    for section in ("## Chosen settings", "## Every setting"):
+        assert "Top-k (static)" not in text.split(section)[1].split("## ")[0]  # not averaged in
 
 
 def test_moe_routers_nan_parameters_are_a_failed_run_not_a_crash(

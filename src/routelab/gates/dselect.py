@@ -4,7 +4,11 @@ Functional core :func:`dselect_weights` and the module :class:`DSelectK` (static
 per-example, Sec. 3.2), with the entropy regularizer, the App. B.2 penalty for a number of
 experts that is not a power of 2, and convergence reporting. Defaults follow the official
 TensorFlow implementation: gamma = 1, Z (or the bias and weights of W) uniform in
-±gamma/100, selector logits alpha (or G) uniform in ±0.05, entropy -sum p log(p + 1e-6).
+±gamma/100, selector logits alpha (or G) uniform in ±0.05, entropy -sum p log(p + 1e-6), summed
+over the examples of the batch for the per-example gate (Sec. 3.2: one term per example).
+
+A routelab option that is not in the paper, ``selector_init="distinct"``, starts the k selectors
+on k different experts (symmetry breaking); see :data:`SELECTOR_INITS`.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from .mtl_gate import MTLGate, uniform_init
 from .protocol import GateOutput
 from .smooth_step import check_gamma, smooth_step
 
-__all__ = ["dselect_weights", "selector_outputs", "num_code_bits", "DSelectK", "ENTROPY_EPS", "UNUSED_FLOOR"]
+__all__ = ["dselect_weights", "selector_outputs", "num_code_bits", "DSelectK", "ENTROPY_EPS", "UNUSED_FLOOR",
+           "ENTROPY_REDUCTIONS", "SELECTOR_INITS", "DISTINCT_CODE_OFFSET"]
 
 ENTROPY_EPS = 1e-6
 """The epsilon of the official entropy regularizer, -sum p log(p + eps)."""
@@ -34,6 +39,21 @@ Above the floor the penalty is exactly the paper's."""
 
 ALPHA_INIT = 0.05
 """Half-width of the uniform init of the selector logits (Keras RandomUniform default)."""
+
+ENTROPY_REDUCTIONS = ("sum", "mean")
+"""How a per-example gate reduces the per-example entropy terms over the batch: ``"sum"`` (the
+paper's objective, Sec. 3.2, and the official code; the default) or ``"mean"`` (batch average)."""
+
+SELECTOR_INITS = ("official", "distinct")
+"""Selector initialisations. ``"official"`` (default, the paper's code): every code logit uniform in
+±gamma/100, so all k selectors start near the uniform distribution and receive nearly the same
+gradient (they tend to move together). ``"distinct"`` (a routelab option, not in the paper): k
+different experts c_1..c_k are drawn from ``generator`` and selector i's code logits start at
+``DISTINCT_CODE_OFFSET * gamma * (2 bit_j(c_i) - 1)`` plus the official noise, so selector i starts
+with the most weight on expert c_i while every S(z) stays strictly inside (0, 1) (trainable)."""
+
+DISTINCT_CODE_OFFSET = 0.25
+"""|z| / gamma of the ``"distinct"`` initialisation: S(±gamma/4) = 0.84375 / 0.15625 per bit."""
 
 
 def num_code_bits(num_experts: int) -> int:
@@ -139,8 +159,9 @@ class DSelectK(MTLGate):
     static gate only uses the batch size, or takes an int). The penalties of that call are in
     :attr:`aux` / :meth:`regularization`:
 
-    * ``entropy``: entropy_reg * sum_i h(r(S(z^(i)))), h(p) = -sum p log(p + 1e-6), averaged
-      over the batch for the per-example gate;
+    * ``entropy``: entropy_reg * sum_i h(r(S(z^(i)))), h(p) = -sum p log(p + 1e-6); for the
+      per-example gate one such term per example, summed over the batch (the paper's objective,
+      Sec. 3.2) or averaged (``entropy_reduction="mean"``);
     * ``unused_codes`` (only when n is not a power of 2): unused_penalty * sum_i 1 / (sum of
       selector i's weight on the n real experts), batch-averaged for per-example gates; the sum
       is floored at :data:`UNUSED_FLOOR` for the value (not the gradient), so the penalty is
@@ -162,6 +183,9 @@ class DSelectK(MTLGate):
         per_example: static (False) or per-example (True) gating.
         input_dim: width p of x, required when per_example.
         entropy_reg: coefficient of the entropy regularizer (>= 0).
+        entropy_reduction: ``"sum"`` (default, the paper) or ``"mean"`` over the examples of a
+            batch (per-example gate; a static gate has one term, so both agree).
+        selector_init: ``"official"`` (default) or ``"distinct"``; see :data:`SELECTOR_INITS`.
         unused_penalty: coefficient of the App. B.2 penalty (>= 0; the official code uses 1).
         generator: optional torch.Generator for the initialisation (reproducible); anything
             else is a TypeError.
@@ -169,12 +193,19 @@ class DSelectK(MTLGate):
 
     def __init__(self, num_experts: int, k: int, *, gamma: float = 1.0, per_example: bool = False,
                  input_dim: int | None = None, entropy_reg: float = 0.0,
-                 unused_penalty: float = 1.0, generator: torch.Generator | None = None) -> None:
+                 unused_penalty: float = 1.0, generator: torch.Generator | None = None,
+                 entropy_reduction: str = "sum", selector_init: str = "official") -> None:
         super().__init__(num_experts, per_example=per_example, input_dim=input_dim)
         self.k = check_k(k, num_experts)
         self.gamma = check_gamma(gamma)
         self.entropy_reg = check_nonneg("entropy_reg", entropy_reg)
         self.unused_penalty = check_nonneg("unused_penalty", unused_penalty)
+        if entropy_reduction not in ENTROPY_REDUCTIONS:
+            raise ValueError(f"entropy_reduction must be one of {ENTROPY_REDUCTIONS}, got {entropy_reduction!r}.")
+        if selector_init not in SELECTOR_INITS:
+            raise ValueError(f"selector_init must be one of {SELECTOR_INITS}, got {selector_init!r}.")
+        self.entropy_reduction = entropy_reduction
+        self.selector_init = selector_init
         self.m = num_code_bits(num_experts)
         self.power_of_2 = 2**self.m == num_experts
         zr = self.gamma / 100.0
@@ -191,11 +222,23 @@ class DSelectK(MTLGate):
                 self.G.bias.copy_(uniform_init((k,), ALPHA_INIT, g))
                 self.W.weight.copy_(uniform_init((k * self.m, p), zr, g))
                 self.W.bias.copy_(uniform_init((k * self.m,), zr, g))
+                if selector_init == "distinct":
+                    self.W.bias.add_(self._distinct_offsets(g).flatten())
         else:
             self.alpha = nn.Parameter(uniform_init((k,), ALPHA_INIT, g))
-            self.z = nn.Parameter(uniform_init((k, self.m), zr, g))
+            z0 = uniform_init((k, self.m), zr, g)
+            if selector_init == "distinct":
+                z0 = z0 + self._distinct_offsets(g)
+            self.z = nn.Parameter(z0)
         self.binary_step: int | None = None
         self._last_s: torch.Tensor | None = None
+
+    def _distinct_offsets(self, generator: torch.Generator | None) -> torch.Tensor:
+        """``[k, m]`` code-logit offsets of the ``"distinct"`` init: selector i toward expert c_i,
+        c = k distinct experts out of the n real ones (drawn after the official noise)."""
+        c = torch.randperm(self.num_experts, generator=generator)[: self.k]          # [k]
+        bits = (c.unsqueeze(-1) >> torch.arange(self.m)) & 1                          # [k, m], bit j of c_i
+        return (2.0 * bits.to(torch.get_default_dtype()) - 1.0) * (DISTINCT_CODE_OFFSET * self.gamma)
 
     @property
     def Z(self) -> torch.Tensor:  # noqa: N802 - the paper's name
@@ -206,7 +249,8 @@ class DSelectK(MTLGate):
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, k={self.k}, gamma={self.gamma}, "
-                f"per_example={self.per_example}, entropy_reg={self.entropy_reg}")
+                f"per_example={self.per_example}, entropy_reg={self.entropy_reg}, "
+                f"entropy_reduction={self.entropy_reduction!r}, selector_init={self.selector_init!r}")
 
     def codes(self, x: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
         """alpha ``[batch or 1, k]`` and z ``[batch or 1, k, m]`` for the input ``x``."""
@@ -232,7 +276,7 @@ class DSelectK(MTLGate):
         rp = r if r.dtype in (torch.float32, torch.float64) else r.float()  # penalties in >= float32
         if self.entropy_reg > 0:
             ent = -(rp * torch.log(rp + ENTROPY_EPS)).sum(dim=-1).sum(dim=-1)   # [B']
-            aux["entropy"] = self.entropy_reg * ent.mean()
+            aux["entropy"] = self.entropy_reg * (ent.sum() if self.entropy_reduction == "sum" else ent.mean())
         if not self.power_of_2 and self.unused_penalty > 0:
             real = rp[..., : self.num_experts].sum(dim=-1)         # [B', k]
             # max(real, floor) in value, d real in gradient: finite where App. B.2 divides by 0.

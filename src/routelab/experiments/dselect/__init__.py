@@ -3,7 +3,8 @@
 Four experiments, one module each, each with its settings (``FULL``, ``QUICK``), its run
 function and its ``EXPERIMENT``:
 
-* ``dselect-recovery`` — App. C.2.2 expert recovery (:mod:`.recovery`);
+* ``dselect-recovery`` — App. C.2.2 expert recovery (:mod:`.recovery`; its report
+  :mod:`.recovery_report`, its identifiability check :mod:`.identifiability`);
 * ``dselect-synthetic`` — App. C.1 synthetic multi-task data, 16–128 tasks (:mod:`.synthetic`);
 * ``dselect-movielens`` — Sec. 4.1 on MovieLens-100k (:mod:`.movielens`);
 * ``dselect-multimnist`` — Sec. 4.2 Multi-MNIST and Multi-Fashion (:mod:`.multimnist`).

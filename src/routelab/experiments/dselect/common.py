@@ -55,14 +55,17 @@ GATE_LABELS: dict[str, str] = {
 
 def make_gate(kind: str, num_experts: int, *, k: int, input_dim: int | None, seed: int,
               gamma: float = 1.0, entropy_reg: float = 0.0, gumbel_reg: float = 0.0,
-              anneal: tuple[float, float] = (1.0, 1e-3), ablation_entropy_reg: float = 0.01) -> MTLGate:
-    """Build one gate of the comparison by name (see :data:`GATE_LABELS`)."""
+              anneal: tuple[float, float] = (1.0, 1e-3), ablation_entropy_reg: float = 0.01,
+              entropy_reduction: str = "sum", selector_init: str = "official") -> MTLGate:
+    """Build one gate of the comparison by name (see :data:`GATE_LABELS`). ``entropy_reduction`` and
+    ``selector_init`` are DSelect-k's (:class:`routelab.gates.DSelectK`); other gates ignore them."""
     g = torch.Generator().manual_seed(seed)
+    dsel = dict(gamma=gamma, entropy_reg=entropy_reg, generator=g, entropy_reduction=entropy_reduction,
+                selector_init=selector_init)
     if kind == "dselect_static":
-        return DSelectK(num_experts, k, gamma=gamma, entropy_reg=entropy_reg, generator=g)
+        return DSelectK(num_experts, k, **dsel)
     if kind == "dselect_per_example":
-        return DSelectK(num_experts, k, gamma=gamma, entropy_reg=entropy_reg, per_example=True,
-                        input_dim=input_dim, generator=g)
+        return DSelectK(num_experts, k, per_example=True, input_dim=input_dim, **dsel)
     if kind == "topk_static":
         return TopKGate(num_experts, k, generator=g)
     if kind == "topk_per_example":

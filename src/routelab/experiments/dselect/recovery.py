@@ -1,18 +1,28 @@
 """App. C.2.2 of Hazimeh et al. (2021): can the gate recover the experts that generated the data?
 
 Data: x ~ N(0, I_10); a "data-generating" static MoE of 4 random experts (each a ReLU dense
-layer with 4 units), whose average is fed to one logistic unit; labels = 1[logit > 0].
+layer with 4 units), whose average is fed to one logistic unit; labels = 1[logit > 0]. The unit's
+bias (not given in the paper) is the negated median logit, so the two labels are equally frequent.
 10,000 training and 10,000 validation points. Model: 16 frozen experts, 4 of which are exact
 copies of the generating ones (at random positions), the others random; a trainable static gate
-(DSelect-k or Top-k, k = 4) mixes them and the mixture goes through the (frozen) generating
-logistic unit. Only the gate is trained: Adam, batch 256, cross-entropy; the learning rate (and
-DSelect-k's entropy coefficient) is chosen on the validation loss, as in the paper.
+(DSelect-k or Top-k, k = 4) mixes them and "the final result is fed into a single logistic unit"
+(the paper), which is trained with the gate: started fresh (Glorot-uniform weights, zero bias, the
+Keras default) or at the generating unit. (The unit kept frozen at the generating one, the setting
+of routelab's first report, is run too, as a reference.) Adam, batch 256, binary cross-entropy;
+the learning rate, DSelect-k's entropy coefficient and the number of epochs are chosen on the
+validation loss, for DSelect-k only among settings whose S(Z) became binary (the paper's rule).
 
-A repetition counts how many of the 4 true experts the trained gate selects (nonzero weight).
+A run counts how many of the 4 true experts the trained gate selects (nonzero weight); for
+DSelect-k only runs with a binary S(Z) count, and the distinct experts picked by the k selectors
+are reported. All settings of one repetition train together as one batched model
+(:func:`train_rep`; rows are independent, equal to :func:`train_one` run by run); the report is
+:mod:`.recovery_report`, the identifiability check :mod:`.identifiability`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
@@ -20,25 +30,50 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
-from ..kit.claims import HOLDS, NOT_HOLD, PARTLY, Claim, claims_markdown
-from ..kit.divergence import check_finite, diverged_on_error, train_or_fail
+from routelab.gates import dselect_weights, keep_top_k, selector_outputs, smooth_step
+from routelab.gates.dselect import ENTROPY_EPS, SELECTOR_INITS
+
+from ..kit.divergence import check_finite, diverged_on_error, nonfinite_rows
 from ..kit.experiment import Experiment
 from ..kit.failed_runs import add_failures_to_report
-from ..kit.provenance import software_line
-from ..kit.stats import mean_se
-from ..kit.store import append_jsonl_atomic, atomic_write_text, completed_keys, is_failed, read_jsonl, split_failed
-from ..kit.tables import md_table
-from .common import GATE_LABELS, Timer, log, make_gate, minibatches, steps_per_epoch, write_csv
+from ..kit.store import append_jsonl_atomic, completed_keys, failed_record, is_failed, read_jsonl, split_failed
+from . import identifiability as ident
+from .common import Timer, log, make_gate, minibatches, steps_per_epoch
 
-__all__ = ["EXPERIMENT", "RecoverySettings", "FULL", "QUICK", "run_recovery", "train_one", "make_problem"]
+__all__ = ["EXPERIMENT", "RecoverySettings", "RunConfig", "FULL", "QUICK", "UNITS", "KEY", "run_recovery",
+           "train_one", "train_rep", "make_problem", "expert_outputs", "initial_unit", "identifiability_record"]
 
-P, UNITS, TRUE_EXPERTS, EXPERTS, K = 10, 4, 4, 16, 4
+P, UNITS_PER_EXPERT, TRUE_EXPERTS, EXPERTS, K = 10, 4, 4, 16, 4
+UNITS = UNITS_PER_EXPERT  # the old name of the expert width, kept for callers
+
+UNIT_KINDS = ("fresh", "generator", "frozen")
+"""The output logistic unit: trained from a fresh init, trained from the generating unit, or the
+generating unit frozen (the earlier setting, in which the claim cannot show; a reference)."""
+
+KEY = ("gate", "unit", "init", "lr", "entropy_reg", "epochs", "seed")
+"""The fields that identify one run in ``runs.jsonl``."""
 
 
 @dataclass(frozen=True)
 class RecoverySettings:
-    """Size of the sweep."""
+    """Size of the sweep.
+
+    Attributes:
+        reps: repetitions (problem seeds 0..reps-1).
+        epochs: training epochs (the longest run when ``checkpoints`` is set).
+        lrs: Adam learning rates.
+        entropy_regs: DSelect-k entropy coefficients.
+        checkpoints: epochs at which every run is evaluated and recorded as a run of that many
+            epochs (training is deterministic and the same up to there); ``()`` = ``(epochs,)``.
+        units: output units (:data:`UNIT_KINDS`).
+        inits: DSelect-k selector initialisations (:data:`routelab.gates.dselect.SELECTOR_INITS`).
+        gamma: smooth-step width.
+        identifiability: run the identifiability check (frozen unit) on every repetition.
+        identifiability_fitted: how many repetitions (the first ones) also get the check with a unit
+            fitted to each set (the costly part); ``None`` = all.
+    """
 
     reps: int
     epochs: int
@@ -47,26 +82,81 @@ class RecoverySettings:
     n_train: int = 10_000
     n_val: int = 10_000
     batch: int = 256
-    traj_points: int = 400
+    traj_points: int = 200
     quick: bool = False
+    checkpoints: tuple[int, ...] = ()
+    units: tuple[str, ...] = ("frozen",)
+    inits: tuple[str, ...] = ("official",)
+    gamma: float = 1.0
+    identifiability: bool = False
+    identifiability_fitted: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reps, int) or self.reps < 1:
+            raise ValueError(f"reps must be a positive int, got {self.reps!r}.")
+        if not isinstance(self.epochs, int) or self.epochs < 1:
+            raise ValueError(f"epochs must be a positive int, got {self.epochs!r}.")
+        if any(not isinstance(c, int) or not 1 <= c <= self.epochs for c in self.checkpoints):
+            raise ValueError(f"checkpoints must be ints in [1, epochs={self.epochs}], got {self.checkpoints!r}.")
+        if not self.units or any(u not in UNIT_KINDS for u in self.units):
+            raise ValueError(f"units must be a non-empty subset of {UNIT_KINDS}, got {self.units!r}.")
+        if not self.inits or any(i not in SELECTOR_INITS for i in self.inits):
+            raise ValueError(f"inits must be a non-empty subset of {SELECTOR_INITS}, got {self.inits!r}.")
+        if not self.lrs or any(lr <= 0 for lr in self.lrs):
+            raise ValueError(f"lrs must be positive learning rates, got {self.lrs!r}.")
+        if not self.entropy_regs or any(e < 0 for e in self.entropy_regs):
+            raise ValueError(f"entropy_regs must be >= 0, got {self.entropy_regs!r}.")
+
+    @property
+    def eval_epochs(self) -> tuple[int, ...]:
+        """The epochs at which runs are recorded, ascending."""
+        return tuple(sorted(set(self.checkpoints))) if self.checkpoints else (self.epochs,)
 
 
-FULL = RecoverySettings(reps=20, epochs=50, lrs=(0.1, 0.01), entropy_regs=(0.0, 0.1))
-QUICK = RecoverySettings(reps=4, epochs=10, lrs=(0.01,), entropy_regs=(0.1,), quick=True)
+FULL = RecoverySettings(reps=20, epochs=200, checkpoints=(50, 200), lrs=(0.1, 0.01, 0.001),
+                        entropy_regs=(0.0, 0.001, 0.01), units=("fresh", "generator", "frozen"),
+                        inits=("official", "distinct"), identifiability=True)
+QUICK = dataclasses.replace(FULL, reps=3, identifiability_fitted=1, quick=True)
+"""The quick form: the full grid at full length on the first 3 repetitions (its runs are the full
+run's runs of seeds 0-2), the fitted-unit identifiability check on the first."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One setting of the grid (one row of the batched model)."""
+
+    gate: str          # "topk_static" or "dselect_static"
+    unit: str          # one of UNIT_KINDS
+    init: str | None   # DSelect-k selector init; None for Top-k
+    lr: float
+    entropy_reg: float
+
+
+def configs(s: RecoverySettings) -> list[RunConfig]:
+    """The grid of ``s``: per unit, Top-k at every lr and DSelect-k at every (init, lr, entropy)."""
+    out = []
+    for unit in s.units:
+        out += [RunConfig("topk_static", unit, None, lr, 0.0) for lr in s.lrs]
+        out += [RunConfig("dselect_static", unit, init, lr, er)
+                for init, lr, er in product(s.inits, s.lrs, s.entropy_regs)]
+    return out
 
 
 def make_problem(seed: int, s: RecoverySettings) -> dict[str, Any]:
     """Data, the 16 frozen experts (weights ``[16, 10, 4]``, biases ``[16, 4]``), the true set."""
     g = torch.Generator().manual_seed(10_000 + seed)
-    w_true = torch.randn(TRUE_EXPERTS, P, UNITS, generator=g) / P**0.5
-    b_true = torch.randn(TRUE_EXPERTS, UNITS, generator=g) * 0.1
-    head_w = torch.randn(UNITS, generator=g)
-    head_b = torch.zeros(())
+    w_true = torch.randn(TRUE_EXPERTS, P, UNITS_PER_EXPERT, generator=g) / P**0.5
+    b_true = torch.randn(TRUE_EXPERTS, UNITS_PER_EXPERT, generator=g) * 0.1
+    head_w = torch.randn(UNITS_PER_EXPERT, generator=g)
     x = torch.randn(s.n_train + s.n_val, P, generator=g)
     h = torch.relu(torch.einsum("bi,nio->bno", x, w_true) + b_true).mean(dim=1)
+    # The unit's bias is the negated median logit, so both labels are equally frequent: the experts'
+    # outputs are ReLUs (>= 0), and with a zero bias 9 of the first 20 problems had >= 99 % of one
+    # label (3 had a single label), on which no gate, true or not, can be told apart.
+    head_b = -(h @ head_w).median()
     y = ((h @ head_w + head_b) > 0).float()
-    w_all = torch.randn(EXPERTS, P, UNITS, generator=g) / P**0.5
-    b_all = torch.randn(EXPERTS, UNITS, generator=g) * 0.1
+    w_all = torch.randn(EXPERTS, P, UNITS_PER_EXPERT, generator=g) / P**0.5
+    b_all = torch.randn(EXPERTS, UNITS_PER_EXPERT, generator=g) * 0.1
     true_pos = torch.randperm(EXPERTS, generator=g)[:TRUE_EXPERTS]
     w_all[true_pos] = w_true
     b_all[true_pos] = b_true
@@ -74,24 +164,61 @@ def make_problem(seed: int, s: RecoverySettings) -> dict[str, Any]:
                 w=w_all, b=b_all, head_w=head_w, head_b=head_b, true=sorted(true_pos.tolist()))
 
 
-def _forward(gate: nn.Module, prob: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
-    e = torch.relu(torch.einsum("bi,nio->bno", x, prob["w"]) + prob["b"])   # [B, 16, 4]
+def expert_outputs(prob: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+    """The 16 frozen experts on ``x [B, 10]``: ``[B, 16, 4]``."""
+    return torch.relu(torch.einsum("bi,nio->bno", x, prob["w"]) + prob["b"])
+
+
+def initial_unit(unit: str, prob: dict[str, Any], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output unit's start ``(w [4], b [])``: the generating unit, or (``"fresh"``) Glorot-uniform
+    weights (bound sqrt(6 / (4 + 1)), Keras' default) from seed ``30_000 + seed`` and a zero bias."""
+    if unit not in UNIT_KINDS:
+        raise ValueError(f"unit must be one of {UNIT_KINDS}, got {unit!r}.")
+    if unit != "fresh":
+        return prob["head_w"].clone(), prob["head_b"].clone()
+    g = torch.Generator().manual_seed(30_000 + seed)
+    bound = (6.0 / (UNITS_PER_EXPERT + 1)) ** 0.5
+    return (torch.rand(UNITS_PER_EXPERT, generator=g) * 2 - 1) * bound, torch.zeros(())
+
+
+def _forward(gate: nn.Module, prob: dict[str, Any], x: torch.Tensor,
+             unit: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Logits ``[B]`` of one gate's model on ``x [B, 10]``; ``unit`` = (w, b), default the generating one."""
+    w_u, b_u = unit if unit is not None else (prob["head_w"], prob["head_b"])
+    e = expert_outputs(prob, x)                                              # [B, 16, 4]
     w = gate(x.shape[0])                                                     # [B, 16]
     mix = torch.einsum("bn,bno->bo", w, e)
-    return mix @ prob["head_w"] + prob["head_b"]
+    return mix @ w_u + b_u
+
+
+def _selector_picks(z: torch.Tensor, gamma: float) -> list[int]:
+    """The expert each selector puts most weight on, ``z [k, m]`` -> k ints (its pick when binary)."""
+    return selector_outputs(z, gamma)[:, :EXPERTS].argmax(dim=-1).tolist()
+
+
+def _summary(w: torch.Tensor, true: list[int]) -> dict[str, Any]:
+    selected = sorted(torch.nonzero(w).flatten().tolist())
+    return {"selected": selected, "recovered": len(set(selected) & set(true)),
+            "mistakes": len(set(selected) - set(true)), "mass_on_true": float(w[true].sum()),
+            "weights": [round(v, 6) for v in w.tolist()]}
 
 
 def train_one(kind: str, lr: float, entropy_reg: float, seed: int, s: RecoverySettings,
-              prob: dict[str, Any], record_traj: bool) -> dict[str, Any]:
-    """Train one gate on one problem; returns the run's record (JSON-ready).
+              prob: dict[str, Any], record_traj: bool, *, unit: str = "frozen",
+              init: str = "official") -> dict[str, Any]:
+    """Train one gate (and, unless ``unit == "frozen"``, its output unit) for ``s.epochs`` epochs;
+    returns the run's record (JSON-ready). The reference for :func:`train_rep`, run by run.
 
     Raises:
-        RunDiverged: the loss or the gate's parameters became non-finite (the sweep records
-            the run as failed).
+        RunDiverged: the loss or the parameters became non-finite.
     """
     timer = Timer()
-    gate = make_gate(kind, EXPERTS, k=K, input_dim=None, seed=seed, entropy_reg=entropy_reg)
-    opt = torch.optim.Adam(gate.parameters(), lr=lr)
+    gate = make_gate(kind, EXPERTS, k=K, input_dim=None, seed=seed, gamma=s.gamma, entropy_reg=entropy_reg,
+                     selector_init=init)
+    w0, b0 = initial_unit(unit, prob, seed)
+    head = nn.ParameterDict({"w": nn.Parameter(w0), "b": nn.Parameter(b0)})
+    params = list(gate.parameters()) + ([] if unit == "frozen" else list(head.parameters()))
+    opt = torch.optim.Adam(params, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS)
     bce = nn.BCEWithLogitsLoss()
     gen = torch.Generator().manual_seed(20_000 + seed)
     total = s.epochs * steps_per_epoch(s.n_train, s.batch, drop_last=False)
@@ -103,7 +230,8 @@ def train_one(kind: str, lr: float, entropy_reg: float, seed: int, s: RecoverySe
         gate.on_step(step, total)
         opt.zero_grad()
         with diverged_on_error(gate, step):
-            loss = bce(_forward(gate, prob, prob["x_tr"][idx]), prob["y_tr"][idx]) + gate.regularization()
+            loss = bce(_forward(gate, prob, prob["x_tr"][idx], (head["w"], head["b"])), prob["y_tr"][idx])
+            loss = loss + gate.regularization()
         check_finite(step, loss=loss)
         loss.backward()
         opt.step()
@@ -119,203 +247,303 @@ def train_one(kind: str, lr: float, entropy_reg: float, seed: int, s: RecoverySe
             traj.append([round(v, 5) for v in w.tolist()])
     check_finite(total - 1, params=gate)
     with torch.no_grad():
-        logits = _forward(gate, prob, prob["x_va"])
+        logits = _forward(gate, prob, prob["x_va"], (head["w"], head["b"]))
         val_loss = float(bce(logits, prob["y_va"]))
         val_acc = float(((logits > 0).float() == prob["y_va"]).float().mean())
+        train_loss = float(bce(_forward(gate, prob, prob["x_tr"], (head["w"], head["b"])), prob["y_tr"]))
         w = gate(1)[0]
-    selected = sorted(torch.nonzero(w).flatten().tolist())
-    true = prob["true"]
     rep = gate.report()
+    picks = _selector_picks(gate.z.detach(), s.gamma) if kind == "dselect_static" else None
     return {
-        "gate": kind, "lr": lr, "entropy_reg": entropy_reg, "seed": seed,
-        "val_loss": val_loss, "val_acc": val_acc,
-        "selected": selected, "true": true,
-        "recovered": len(set(selected) & set(true)),
-        "mistakes": len(set(selected) - set(true)),
-        "mass_on_true": float(w[true].sum()),
-        "weights": [round(v, 6) for v in w.tolist()],
+        "gate": kind, "unit": unit, "init": init if kind == "dselect_static" else None, "lr": lr,
+        "entropy_reg": entropy_reg, "epochs": s.epochs, "seed": seed,
+        "val_loss": val_loss, "val_acc": val_acc, "train_loss": train_loss, "true": prob["true"],
+        **_summary(w, prob["true"]),
+        "selector_picks": picks, "distinct": len(set(picks)) if picks is not None else None,
         "support_changes": changes, "support_changes_second_half": changes_late,
         "binary": rep.get("binary"), "binary_step": rep.get("binary_step"),
+        "unit_w": [round(v, 6) for v in head["w"].detach().tolist()], "unit_b": round(float(head["b"].detach()), 6),
         "steps": total, "wall_s": timer(),
         "traj_every": every if record_traj else None, "traj": traj if record_traj else None,
     }
 
 
-def _configs(s: RecoverySettings) -> list[tuple[str, float, float]]:
-    out = [("topk_static", lr, 0.0) for lr in s.lrs]
-    out += [("dselect_static", lr, er) for lr, er in product(s.lrs, s.entropy_regs)]
+ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
+"""torch.optim.Adam's defaults, used by :func:`train_one` (torch's Adam) and :class:`_Bank` (row-wise)."""
+
+
+class _Bank(nn.Module):
+    """Every setting of one repetition as one batched model: R static gates and their output units
+    as stacked parameters, each row with its own learning rate.
+
+    DSelect-k rows: ``alpha [Rd, k]``, ``z [Rd, k, m]``; Top-k rows: ``logits [Rt, n]``; every row:
+    ``unit_w [R, 4]``, ``unit_b [R]``. Each row starts exactly as :func:`train_one`'s gate and unit
+    and is updated by Adam with its own learning rate (:meth:`adam_step`); rows share nothing.
+    """
+
+    def __init__(self, rows: Sequence[RunConfig], seed: int, prob: dict[str, Any], gamma: float) -> None:
+        super().__init__()
+        self.rows = list(rows)
+        self.gamma = gamma
+        self.d_rows = [i for i, c in enumerate(self.rows) if c.gate == "dselect_static"]
+        self.t_rows = [i for i, c in enumerate(self.rows) if c.gate == "topk_static"]
+        if len(self.d_rows) + len(self.t_rows) != len(self.rows):
+            raise ValueError(f"unknown gate in {[c.gate for c in self.rows]}; use dselect_static or topk_static.")
+        alphas, zs, logits = [], [], []
+        for c in self.rows:
+            gate = make_gate(c.gate, EXPERTS, k=K, input_dim=None, seed=seed, gamma=gamma, entropy_reg=c.entropy_reg,
+                             selector_init=c.init or "official")
+            if c.gate == "dselect_static":
+                alphas.append(gate.alpha.detach())
+                zs.append(gate.z.detach())
+            else:
+                logits.append(gate.logits.detach())
+        m = zs[0].shape[-1] if zs else 0
+        self.alpha = nn.Parameter(torch.stack(alphas) if alphas else torch.zeros(0, K))
+        self.z = nn.Parameter(torch.stack(zs) if zs else torch.zeros(0, K, m))
+        self.logits = nn.Parameter(torch.stack(logits) if logits else torch.zeros(0, EXPERTS))
+        units = [initial_unit(c.unit, prob, seed) for c in self.rows]
+        self.unit_w = nn.Parameter(torch.stack([u[0] for u in units]))
+        self.unit_b = nn.Parameter(torch.stack([u[1] for u in units]))
+        self.register_buffer("frozen", torch.tensor([c.unit == "frozen" for c in self.rows]))
+        self.register_buffer("ent", torch.tensor([self.rows[i].entropy_reg for i in self.d_rows]))
+        self.register_buffer("d_index", torch.tensor(self.d_rows, dtype=torch.long))
+        order = self.d_rows + self.t_rows
+        self.register_buffer("inv", torch.argsort(torch.tensor(order)))
+        lr = torch.tensor([c.lr for c in self.rows])
+        # per parameter: the learning rate of each of its rows, shaped to broadcast over the row
+        self._lr = {"alpha": lr[self.d_rows].view(-1, 1), "z": lr[self.d_rows].view(-1, 1, 1),
+                    "logits": lr[self.t_rows].view(-1, 1), "unit_w": lr.view(-1, 1), "unit_b": lr}
+        self._adam: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._t = 0
+
+    def weights(self) -> torch.Tensor:
+        """Expert weights ``[R, n]``: eq. 6 for DSelect-k rows, softmax(KeepTopK) for Top-k rows."""
+        parts = []
+        if self.d_rows:
+            parts.append(dselect_weights(self.alpha, self.z, EXPERTS, self.gamma))      # [Rd, n]
+        if self.t_rows:
+            parts.append(torch.softmax(keep_top_k(self.logits, K), dim=-1))               # [Rt, n]
+        return torch.cat(parts)[self.inv]
+
+    def penalty(self) -> torch.Tensor:
+        """Per-row entropy regularizer ``[R]`` (0 for Top-k rows): lambda * sum_i h(r(S(z^(i))))."""
+        out = torch.zeros(len(self.rows), dtype=self.z.dtype)
+        if self.d_rows and bool((self.ent > 0).any()):
+            r = selector_outputs(self.z, self.gamma)                                # [Rd, k, 2^m]
+            ent = -(r * torch.log(r + ENTROPY_EPS)).sum(dim=(-1, -2))               # [Rd]
+            out = out.index_put((self.d_index,), self.ent * ent)
+        return out
+
+    def logits_of(self, w: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """Model logits ``[R, B]`` from weights ``w [R, n]`` and expert outputs ``e [B, n, 4]``."""
+        mix = torch.einsum("rn,bno->rbo", w, e)
+        return torch.einsum("rbo,ro->rb", mix, self.unit_w) + self.unit_b.unsqueeze(-1)
+
+    @torch.no_grad()
+    def adam_step(self) -> None:
+        """One Adam step (torch.optim.Adam's update, defaults) on every row with the row's learning
+        rate; the frozen-unit rows' units get a zero gradient, so they stay exactly fixed."""
+        self._t += 1
+        b1, b2 = ADAM_BETAS
+        c1, c2 = 1 - b1 ** self._t, (1 - b2 ** self._t) ** 0.5
+        for name, p in self.named_parameters():
+            if p.grad is None or p.numel() == 0:
+                continue
+            g = p.grad
+            if name.startswith("unit_"):
+                g = g.masked_fill(self.frozen.view(-1, *([1] * (g.dim() - 1))), 0.0)
+            m, v = self._adam.get(name, (torch.zeros_like(p), torch.zeros_like(p)))
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            self._adam[name] = (m, v)
+            p.sub_(self._lr[name] / c1 * m / (v.sqrt() / c2 + ADAM_EPS))
+            p.grad = None
+
+    def binary(self) -> torch.Tensor:
+        """Bool ``[Rd]``: S(z) of the row is all 0/1."""
+        s = smooth_step(self.z.detach(), self.gamma)
+        return ((s == 0) | (s == 1)).flatten(1).all(-1)
+
+    def row_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter as ``[R, ...]`` (gate rows of the other kind filled with 0), for divergence checks."""
+        R = len(self.rows)
+        d = torch.zeros(R, K * (1 + self.z.shape[-1]))
+        if self.d_rows:
+            d[self.d_rows] = torch.cat([self.alpha.detach(), self.z.detach().flatten(1)], dim=-1)
+        t = torch.zeros(R, EXPERTS)
+        if self.t_rows:
+            t[self.t_rows] = self.logits.detach()
+        return {"gate": d, "topk_logits": t, "unit_w": self.unit_w.detach(), "unit_b": self.unit_b.detach()}
+
+
+def _row_losses(bank: _Bank, e: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights [R, n], per-row training objective [R])`` on one batch: mean BCE + entropy penalty."""
+    w = bank.weights()
+    logits = bank.logits_of(w, e)
+    bce = F.binary_cross_entropy_with_logits(logits, y.expand_as(logits), reduction="none").mean(-1)
+    return w, bce + bank.penalty()
+
+
+def train_rep(rows: Sequence[RunConfig], seed: int, s: RecoverySettings, prob: dict[str, Any],
+              record_traj: bool) -> list[dict[str, Any]]:
+    """Train every setting in ``rows`` on one problem at once, as one batched model (rows never
+    interact: each has its own parameters, loss term, learning rate and Adam state).
+
+    Returns:
+        One record per row and evaluation epoch (``s.eval_epochs``), as :func:`train_one` would
+        return for that many epochs; a row whose loss or parameters became non-finite gets a
+        failed record (kit's :func:`~routelab.experiments.kit.store.failed_record`) at every
+        evaluation epoch from the step it failed.
+    """
+    timer = Timer()
+    bank = _Bank(rows, seed, prob, s.gamma)
+    e_tr, e_va = expert_outputs(prob, prob["x_tr"]), expert_outputs(prob, prob["x_va"])
+    gen = torch.Generator().manual_seed(20_000 + seed)
+    per_epoch = steps_per_epoch(s.n_train, s.batch, drop_last=False)
+    evals = {ep * per_epoch - 1: ep for ep in s.eval_epochs}
+    total = s.epochs * per_epoch
+    every = max(1, total // s.traj_points)
+    failed: dict[int, tuple[str, int]] = {}
+    binary_step = torch.full((len(bank.d_rows),), -1, dtype=torch.long)
+    changed = torch.zeros(total, len(bank.rows), dtype=torch.bool)   # per step: the support changed
+    prev: torch.Tensor | None = None
+    traj: list[torch.Tensor] = []
+    records: list[dict[str, Any]] = []
+    for _, step, idx in minibatches(s.n_train, s.batch, s.epochs, gen, drop_last=False):
+        w, loss = _row_losses(bank, e_tr[idx], prob["y_tr"][idx])
+        for r, why in nonfinite_rows(step, loss=loss.detach()).items():
+            failed.setdefault(r, (why, step))
+        loss.sum().backward()
+        bank.adam_step()
+        support = w.detach() > 0
+        if prev is not None:
+            changed[step] = (support != prev).any(-1)
+        prev = support
+        if record_traj and step % every == 0:
+            traj.append(w.detach().clone())
+        if bank.d_rows:
+            binary_step = torch.where((binary_step < 0) & bank.binary(), step, binary_step)
+        if step in evals:
+            with torch.no_grad():
+                for r, why in nonfinite_rows(step, params=bank.row_params()).items():
+                    failed.setdefault(r, (why, step))
+                last = evals[step] == s.eval_epochs[-1]
+                records += _evaluate(bank, evals[step], step + 1, seed, s, prob, e_tr, e_va, failed,
+                                     binary_step.tolist(), changed, traj if record_traj and last else None,
+                                     every, timer())
+    return records
+
+
+def _evaluate(bank: _Bank, epochs: int, steps: int, seed: int, s: RecoverySettings,
+              prob: dict[str, Any], e_tr: torch.Tensor, e_va: torch.Tensor, failed: dict[int, tuple[str, int]],
+              binary_step: list[int], changed: torch.Tensor, traj: list[torch.Tensor] | None,
+              every: int, wall: float) -> list[dict[str, Any]]:
+    """The records of every row of ``bank`` after ``steps`` training steps (= ``epochs`` epochs)."""
+    w = bank.weights()
+    va = bank.logits_of(w, e_va)
+    tr = bank.logits_of(w, e_tr)
+    y_va, y_tr = prob["y_va"], prob["y_tr"]
+    val_loss = F.binary_cross_entropy_with_logits(va, y_va.expand_as(va), reduction="none").mean(-1)
+    train_loss = F.binary_cross_entropy_with_logits(tr, y_tr.expand_as(tr), reduction="none").mean(-1)
+    val_acc = ((va > 0).float() == y_va).float().mean(-1)
+    binary = bank.binary()
+    late = changed[steps // 2: steps].sum(0)
+    early = changed[:steps].sum(0)
+    tr_stack = torch.stack(traj) if traj else None                                  # [T, R, n]
+    out = []
+    for r, c in enumerate(bank.rows):
+        key = {"gate": c.gate, "unit": c.unit, "init": c.init, "lr": c.lr, "entropy_reg": c.entropy_reg,
+               "epochs": epochs, "seed": seed}
+        if r in failed:
+            out.append(failed_record(key, failed[r][0], failed[r][1]))
+            continue
+        rec: dict[str, Any] = {**key, "val_loss": float(val_loss[r]), "val_acc": float(val_acc[r]),
+                               "train_loss": float(train_loss[r]), "true": prob["true"], **_summary(w[r], prob["true"])}
+        if c.gate == "dselect_static":
+            j = bank.d_rows.index(r)
+            picks = _selector_picks(bank.z[j].detach(), s.gamma)
+            rec.update(selector_picks=picks, distinct=len(set(picks)), binary=bool(binary[j]),
+                       binary_step=binary_step[j] if binary_step[j] >= 0 else None)
+        else:
+            rec.update(selector_picks=None, distinct=None, binary=None, binary_step=None)
+        rec.update(support_changes=int(early[r]), support_changes_second_half=int(late[r]),
+                   unit_w=[round(v, 6) for v in bank.unit_w[r].tolist()], unit_b=round(float(bank.unit_b[r]), 6),
+                   steps=steps, wall_s=wall, batched_rows=len(bank.rows),
+                   traj_every=every if tr_stack is not None else None,
+                   traj=[[round(v, 4) for v in row] for row in tr_stack[:, r].tolist()] if tr_stack is not None
+                   else None)
+        out.append(rec)
     return out
 
 
+def identifiability_record(seed: int, s: RecoverySettings, prob: dict[str, Any], fitted: bool = True
+                           ) -> dict[str, Any]:
+    """Where the true set ranks among all C(16, 4) = 1,820 equal-weight sets under the training loss,
+    with the frozen generating unit and (if ``fitted``) with a unit fitted to each set
+    (:mod:`.identifiability`); the ``fitted_*`` fields are None when not ``fitted``."""
+    timer = Timer()
+    e = expert_outputs(prob, prob["x_tr"])
+    rec: dict[str, Any] = {"seed": seed, "true": prob["true"], "n_sets": 0}
+    for name, fit in (("frozen", False), ("fitted", True)):
+        if fit and not fitted:
+            rec.update({f"{name}_{f}": None for f in ("rank", "true_loss", "best_loss", "best_true_count")})
+            continue
+        sets, loss = ident.set_losses(e, prob["y_tr"], prob["head_w"], prob["head_b"], TRUE_EXPERTS, fit_unit=fit)
+        match = (sets == torch.tensor(prob["true"])).all(-1)
+        best = int(loss.argmin())
+        rec["n_sets"] = int(sets.shape[0])
+        rec[f"{name}_rank"] = ident.true_set_rank(sets, loss, prob["true"])
+        rec[f"{name}_true_loss"] = float(loss[match])
+        rec[f"{name}_best_loss"] = float(loss[best])
+        rec[f"{name}_best_true_count"] = len(set(sets[best].tolist()) & set(prob["true"]))
+    rec["wall_s"] = timer()
+    return rec
+
+
 def run_recovery(out_dir: Path, s: RecoverySettings) -> Path:
-    """Run (or resume) the sweep of ``s``, then write report.md, figures and results.csv."""
+    """Run (or resume) the sweep of ``s``, then write report.md, the figure and results.csv.
+
+    Resumes by repetition: a repetition with every run of the grid recorded in ``runs.jsonl`` is
+    not trained again; otherwise it is trained and its missing runs appended. The identifiability
+    records go to ``identifiability.jsonl``.
+    """
+    from .recovery_report import write_report
+
     torch.set_num_threads(1)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "runs.jsonl"
-    done = completed_keys(path, ("gate", "lr", "entropy_reg", "seed"))
+    path, ipath = out_dir / "runs.jsonl", out_dir / "identifiability.jsonl"
+    done = completed_keys(path, KEY)
+    idone = {k[0] for k in completed_keys(ipath, ("seed",))}
     timer = Timer()
-    configs = _configs(s)
-    for seed in range(s.reps):
-        prob = None
-        for kind, lr, er in configs:
-            if (kind, lr, er, seed) in done:
-                continue
-            if prob is None:
-                prob = make_problem(seed, s)
-            label = f"dselect-recovery rep {seed + 1}/{s.reps} {kind} lr={lr} ent={er}"
-            rec = train_or_fail(lambda: train_one(kind, lr, er, seed, s, prob, record_traj=(seed == 0)),
-                                {"gate": kind, "lr": lr, "entropy_reg": er, "seed": seed},
-                                on_fail=lambda why: log(f"{label}: FAILED, {why}"))
-            append_jsonl_atomic(path, rec)
-            if not is_failed(rec):
-                log(f"{label}: recovered {rec['recovered']}/4, val acc {rec['val_acc']:.3f}, {rec['wall_s']:.1f}s")
-    planned = set(configs)
-    everything = read_jsonl(path)
-    records = [r for r in everything if (r["gate"], r["lr"], r["entropy_reg"]) in planned
-               and r["seed"] < s.reps]
-    ok, failed = split_failed(records)
-    report = write_report(out_dir, ok, s, timer(), unused=len(everything) - len(records))
-    return add_failures_to_report(report, failed, len(records), ("gate", "lr", "entropy_reg", "seed"))
-
-
-def _best_config(records: list[dict[str, Any]], kind: str) -> tuple[float, float]:
-    """(lr, entropy_reg) with the lowest mean validation loss (DSelect-k: among the configs
-    where most repetitions reached a binary S(Z), as the paper prescribes)."""
-    groups: dict[tuple[float, float], list[dict[str, Any]]] = {}
-    for r in records:
-        if r["gate"] == kind:
-            groups.setdefault((r["lr"], r["entropy_reg"]), []).append(r)
-    cands = groups
-    if kind == "dselect_static":
-        binary = {c: g for c, g in groups.items() if sum(bool(r["binary"]) for r in g) * 2 > len(g)}
-        cands = binary or groups
-    return min(cands, key=lambda c: mean_se(r["val_loss"] for r in cands[c]).mean)
-
-
-def _figure(out_dir: Path, records: list[dict[str, Any]], best: dict[str, tuple[float, float]]) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = []
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, kind in zip(axes, ("topk_static", "dselect_static")):
-        lr, er = best[kind]
-        rec = next((r for r in records if r["gate"] == kind and r["lr"] == lr
-                    and r["entropy_reg"] == er and r["traj"]), None)
-        if rec is None:
+    rows = configs(s)
+    keys = [(c.gate, c.unit, c.init, c.lr, c.entropy_reg, ep) for c in rows for ep in s.eval_epochs]
+    for seed in range(s.reps):          # training first: the headline
+        missing = [k for k in keys if k + (seed,) not in done]
+        if not missing:
             continue
-        traj = torch.tensor(rec["traj"])
-        steps = torch.arange(traj.shape[0]) * rec["traj_every"]
-        for e in range(traj.shape[1]):
-            is_true = e in rec["true"]
-            ax.plot(steps, traj[:, e], lw=1.6 if is_true else 0.8, ls="-" if is_true else "--",
-                    label=f"expert {e}{' (true)' if is_true else ''}")
-        ax.set_title(f"{GATE_LABELS[kind]}, lr={lr}" + (f", entropy={er}" if kind == "dselect_static" else ""))
-        ax.set_xlabel("training step")
-    axes[0].set_ylabel("expert weight")
-    axes[1].legend(fontsize=6, ncol=2)
-    fig.suptitle("Expert weights during training, repetition 0 (solid: the 4 true experts)")
-    fig.tight_layout()
-    fig.savefig(out_dir / "fig_expert_weights.png", dpi=110)
-    plt.close(fig)
-    names.append("fig_expert_weights.png")
-    return names
-
-
-def write_report(out_dir: Path, records: list[dict[str, Any]], s: RecoverySettings, wall: float,
-                 unused: int = 0) -> Path:
-    """Tables, claims, figure and CSV from the recorded runs."""
-    best = {k: _best_config(records, k) for k in ("topk_static", "dselect_static")
-            if any(r["gate"] == k for r in records)}
-    figs = _figure(out_dir, records, best) if len(best) == 2 else []
-    rows = []
-    write_csv(out_dir / "results.csv", records,
-              ("gate", "lr", "entropy_reg", "seed", "recovered", "mistakes", "mass_on_true", "val_loss", "val_acc",
-               "support_changes", "support_changes_second_half", "binary", "binary_step", "wall_s"))
-    groups: dict[tuple[str, float, float], list[dict[str, Any]]] = {}
-    for r in records:
-        groups.setdefault((r["gate"], r["lr"], r["entropy_reg"]), []).append(r)
-    for (kind, lr, er), g in sorted(groups.items()):
-        sel = "**best**" if best.get(kind) == (lr, er) else ""
-        rows.append([GATE_LABELS[kind], lr, er if kind == "dselect_static" else "—", len(g),
-                     mean_se(r["recovered"] for r in g).fmt(2),
-                     f"{sum(r['recovered'] == 4 for r in g)}/{len(g)}",
-                     mean_se(r["mistakes"] for r in g).fmt(2),
-                     mean_se(r["val_acc"] for r in g).fmt(3), mean_se(r["val_loss"] for r in g).fmt(3),
-                     mean_se(r["support_changes_second_half"] for r in g).fmt(1),
-                     (f"{sum(bool(r['binary']) for r in g)}/{len(g)}" if kind == "dselect_static" else "—"),
-                     sel])
-    headline = {}
-    for kind, (lr, er) in best.items():
-        g = groups[(kind, lr, er)]
-        headline[kind] = g
-    lines = [
-        "# DSelect-k expert recovery (Hazimeh et al. 2021, App. C.2.2, Fig. 2 / C.7–C.8)",
-        "",
-        f"**{'QUICK form (few repetitions, short training): numbers are indicative only.' if s.quick else 'Full run.'}**",
-        "",
-        f"- Wall time of the last invocation (runs already recorded are not re-run): {wall:.0f} s (training time recorded in runs.jsonl: "
-        f"{sum(r['wall_s'] for r in records):.0f} s over {len(records)} runs).",
-        f"- {software_line(torch.get_num_threads())}, CPU.",
-        "",
-        "## Setup",
-        "",
-        f"- Data per repetition: x ~ N(0, I_{P}), {s.n_train} training + {s.n_val} validation points; a random "
-        f"static MoE of {TRUE_EXPERTS} experts (ReLU dense, {UNITS} units; weights N(0, 1/{P}), biases N(0, 0.01)) "
-        "is averaged and fed to one logistic unit (weights N(0, 1)); label = 1[logit > 0].",
-        f"- Model: {EXPERTS} frozen experts, {TRUE_EXPERTS} of them exact copies of the generating ones at random "
-        f"positions; a static gate with k = {K}; the mixture goes through the frozen generating logistic unit. "
-        "Only the gate is trained (Adam, batch 256, binary cross-entropy, "
-        f"{s.epochs} epochs = {s.epochs * ((s.n_train + s.batch - 1) // s.batch)} steps).",
-        f"- Grid (chosen on the mean validation loss; for DSelect-k only among settings where most repetitions "
-        f"reached a binary S(Z)): lr in {list(s.lrs)}; DSelect-k entropy coefficient in {list(s.entropy_regs)}, "
-        "γ = 1. Paper: lr in {1e-1, ..., 1e-5}.",
-        f"- {s.reps} repetitions (new data, experts and gate initialisation per repetition; seeds 0..{s.reps - 1}).",
-        "- *Recovered* = true experts with nonzero final weight; *mistakes* = selected experts that are not true. "
-        "*Support changes (2nd half)* = training steps in the second half of training at which the set of "
-        "experts with nonzero weight changed (Top-k 'jumps').",
-        "",
-        "## Results",
-        "",
-        md_table(["gate", "lr", "entropy", "reps", "recovered (of 4)", "all 4 recovered", "mistakes",
-                  "val accuracy", "val loss", "support changes (2nd half)", "binary S(Z)", ""], rows),
-        "",
-    ]
-    claims = []
-    if len(headline) == 2:
-        d, t = headline["dselect_static"], headline["topk_static"]
-        dm, tm = mean_se(r["recovered"] for r in d).mean, mean_se(r["recovered"] for r in t).mean
-        dall = sum(r["recovered"] == 4 for r in d) / len(d)
-        ok1 = dm >= 3.5 and dall >= 0.5
-        part1 = dm > tm
-        claims.append(Claim(text="DSelect-k recovers all 4 true experts (paper: 4 of 4).",
-                            criterion="mean recovered ≥ 3.5 and all 4 in ≥ half the repetitions: holds; more than Top-k: partly",
-                            measured=f"{dm:.2f} of 4 on average, all 4 in {dall:.0%} of repetitions",
-                            verdict=HOLDS if ok1 else (PARTLY if part1 else NOT_HOLD)))
-        ok2 = tm <= 2.0
-        claims.append(Claim(text="Top-k recovers few true experts (paper: 1 of 4, 3 mistakes).",
-                            criterion="mean recovered ≤ 2: holds; fewer than DSelect-k: partly",
-                            measured=f"{tm:.2f} of 4 on average (mistakes {mean_se(r['mistakes'] for r in t).mean:.2f})",
-                            verdict=HOLDS if ok2 else (PARTLY if tm < dm else NOT_HOLD)))
-        dc = mean_se(r["support_changes_second_half"] for r in d).mean
-        tc = mean_se(r["support_changes_second_half"] for r in t).mean
-        claims.append(Claim(
-            text="Top-k's weights oscillate during training, DSelect-k's change smoothly (Fig. 2, C.7–C.8).",
-            criterion="mean support changes in the 2nd half of training: Top-k ≥ 5 and DSelect-k ≤ 1: holds; "
-                      "Top-k > DSelect-k: partly",
-            measured=f"Top-k {tc:.1f}, DSelect-k {dc:.1f}",
-            verdict=HOLDS if (tc >= 5 and dc <= 1) else (PARTLY if tc > dc else NOT_HOLD)))
-        lines += ["## Claims", "", claims_markdown(claims), ""]
-    for f in figs:
-        lines += [f"![{f}]({f})", ""]
-    lines += ["Per-run results: `results.csv`; raw records with weight trajectories of repetition 0: `runs.jsonl`."
-              + (f" `runs.jsonl` also holds {unused} runs outside this grid (an interrupted first invocation also "
-                 "tried lr = 0.001 on the first repetitions; dropped from the grid for time), not used here."
-                 if unused else ""), ""]
-    return atomic_write_text(out_dir / "report.md", "\n".join(lines))
-
+        recs = train_rep(rows, seed, s, make_problem(seed, s), record_traj=(seed == 0))
+        want = set(missing)
+        for rec in recs:
+            if tuple(rec[f] for f in KEY[:-1]) in want:
+                append_jsonl_atomic(path, rec)
+        n_failed = sum(is_failed(r) for r in recs)
+        log(f"dselect-recovery rep {seed + 1}/{s.reps}: {len(recs)} runs ({n_failed} failed) in {timer():.0f}s so far")
+    n_fitted = s.reps if s.identifiability_fitted is None else min(s.reps, s.identifiability_fitted)
+    for seed in range(s.reps if s.identifiability else 0):   # then the identifiability check
+        if seed in idone:
+            continue
+        rec = identifiability_record(seed, s, make_problem(seed, s), fitted=seed < n_fitted)
+        append_jsonl_atomic(ipath, rec)
+        log(f"dselect-recovery rep {seed + 1}/{s.reps} identifiability: the true set ranks {rec['frozen_rank']} "
+            f"(frozen unit), {rec['fitted_rank']} (fitted unit) of {rec['n_sets']}")
+    planned = set(keys)
+    everything = read_jsonl(path)
+    records = [r for r in everything if tuple(r[f] for f in KEY[:-1]) in planned and r["seed"] < s.reps]
+    idents = [r for r in read_jsonl(ipath) if r["seed"] < s.reps] if s.identifiability else []
+    ok, failed = split_failed(records)
+    report = write_report(out_dir, ok, s, timer(), idents, unused=len(everything) - len(records))
+    return add_failures_to_report(report, failed, len(records), KEY)
 
 
 EXPERIMENT = Experiment(
