@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import NamedTuple
 
 import pytest
 import torch
 
-from routelab import Routes
 from routelab.assignment import sinkhorn
 from routelab.estimators import (
     MAX_WEIGHT,
@@ -32,6 +30,7 @@ from routelab.layers.bcd import BCDTrainer
 from routelab.layers.mae import set_routing
 from routelab.routers import make_router
 from routelab.routing import apply_capacity, check_capacity, check_capacity_factor, expert_capacity
+from routes_view import per_token
 
 SAMPLE_METHODS = tuple(m for m in METHODS if m.startswith("sample"))
 NEG_INF = float("-inf")
@@ -41,20 +40,6 @@ def gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-class PerToken(NamedTuple):
-    """The per-slot fields of a ``sample_routes`` record read per token, each ``[..., n]``."""
-
-    expert: torch.Tensor
-    gate: torch.Tensor
-    keep: torch.Tensor
-    weight: torch.Tensor
-    log_prob: torch.Tensor
-
-
-def per_token(r: Routes) -> PerToken:
-    """``sample_routes`` gives one slot per token (``[..., n, 1]``): its fields as ``[..., n]``."""
-    assert r.num_slots == 1, r
-    return PerToken(*(getattr(r, name)[..., 0] for name in PerToken._fields))
 
 
 def chosen(t: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -45,6 +44,7 @@ from routelab.estimators import (
     sample_routes,
     switch_balance_loss,
 )
+from routes_view import PerToken, per_token
 
 ALL_METHODS = (
     "sample",
@@ -89,20 +89,6 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-class PerToken(NamedTuple):
-    """The per-slot fields of a ``sample_routes`` record read per token, each ``[..., n]``."""
-
-    expert: torch.Tensor
-    gate: torch.Tensor
-    keep: torch.Tensor
-    weight: torch.Tensor
-    log_prob: torch.Tensor
-
-
-def per_token(routes: Routes) -> PerToken:
-    """``sample_routes`` gives one slot per token (``[..., n, 1]``): its fields as ``[..., n]``."""
-    assert routes.num_slots == 1, routes
-    return PerToken(*(getattr(routes, name)[..., 0] for name in PerToken._fields))
 
 
 def zscores(samples: torch.Tensor, truth: torch.Tensor | float) -> torch.Tensor:

@@ -11,7 +11,6 @@ is at least ``p`` (``q <= 1``, corrections >= 1). Tolerances are relative to the
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import pytest
 import torch
@@ -42,6 +41,7 @@ from fuzz_strategies import (
     score_cases,
     seeds,
 )
+from routes_view import per_token
 from test_fuzz_rules import COVERED_ESTIMATOR_RULES
 
 COVERED = {"EMABaseline", "gating_objective", "reinforce_objective", "sample_routes", "switch_balance_loss"}
@@ -79,20 +79,6 @@ def _tau64(tau, batch: tuple[int, ...]) -> torch.Tensor:
     return t.reshape(*batch, 1, 1) if t.ndim else t.reshape(1, 1)
 
 
-class PerToken(NamedTuple):
-    """The per-slot fields of a ``sample_routes`` record read per token, each ``[..., n]``."""
-
-    expert: torch.Tensor
-    gate: torch.Tensor
-    keep: torch.Tensor
-    weight: torch.Tensor
-    log_prob: torch.Tensor
-
-
-def per_token(r) -> PerToken:
-    """``sample_routes`` gives one slot per token (``[..., n, 1]``): its fields as ``[..., n]``."""
-    assert r.num_slots == 1, f"sample_routes must return one slot per token, got {r.num_slots}"
-    return PerToken(*(getattr(r, name)[..., 0] for name in PerToken._fields))
 
 
 def _log_softmax64(x: torch.Tensor) -> torch.Tensor:
