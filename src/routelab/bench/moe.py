@@ -684,16 +684,23 @@ def render_hf_row(row: HFRow, tokens: int) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def _benchmark_hf(cfg: BenchConfig, *, device: str = "cpu", out: TextIO | None = None) -> tuple[str, list[HFRow]]:
-    """The layer against transformers' Mixtral sparse block at every ``(E, k)`` of ``cfg``: the
-    markdown section and the rows (a one-line note and no rows when transformers is not installed)."""
-    lines: list[str] = []
+def _emitter(lines: list[str], out: TextIO | None) -> Callable[..., None]:
+    """``emit(*new)``: append lines to ``lines`` and print each to ``out`` (if any) as it comes."""
 
     def emit(*new: str) -> None:
         for line in new:
             lines.append(line)
             if out is not None:
                 print(line, file=out, flush=True)
+
+    return emit
+
+
+def _benchmark_hf(cfg: BenchConfig, *, device: str = "cpu", out: TextIO | None = None) -> tuple[str, list[HFRow]]:
+    """The layer against transformers' Mixtral sparse block at every ``(E, k)`` of ``cfg``: the
+    markdown section and the rows (a one-line note and no rows when transformers is not installed)."""
+    lines: list[str] = []
+    emit = _emitter(lines, out)
 
     emit("", "**Against transformers' Mixtral sparse MoE block** (same sizes, same run):", "")
     try:
@@ -728,12 +735,7 @@ def _benchmark(cfg: BenchConfig, *, device: str = "cpu", out: TextIO | None = No
     Rows are written to ``out`` as they are measured.
     """
     lines: list[str] = []
-
-    def emit(*new: str) -> None:
-        for line in new:
-            lines.append(line)
-            if out is not None:
-                print(line, file=out, flush=True)
+    emit = _emitter(lines, out)
 
     emit(*TABLE_HEADER)
     rows = []

@@ -31,13 +31,15 @@ from ..kit.store import append_jsonl_atomic, atomic_write_text, completed_keys, 
 from ..kit.tables import md_table
 from .common import (
     GATE_LABELS,
-    MTL_MODELS as MODELS,
     Timer,
     binary_step_percent,
     experts_per_run,
     log,
     make_gate,
     write_csv,
+)
+from .common import (
+    MTL_MODELS as MODELS,
 )
 from .mtl_train import experts_selected, train_mtl
 
