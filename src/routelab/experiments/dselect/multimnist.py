@@ -20,7 +20,7 @@ from torch import nn
 from routelab.data import DataUnavailable, make_overlays
 from routelab.layers import MultiGateMoE, SharedBottom, StackedLinear
 
-from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown
+from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown, write_claims_json
 from ..kit.divergence import train_or_fail
 from ..kit.experiment import Experiment
 from ..kit.failed_runs import add_failures_to_report
@@ -30,13 +30,16 @@ from ..kit.store import append_jsonl_atomic, atomic_write_text, completed_keys, 
 from ..kit.tables import md_table
 from .common import (
     GATE_LABELS,
-    MTL_MODELS as MODELS,
+    PAPER,
     Timer,
     binary_step_percent,
     experts_per_run,
     log,
     make_gate,
     write_csv,
+)
+from .common import (
+    MTL_MODELS as MODELS,
 )
 from .mtl_train import experts_selected, train_mtl
 
@@ -302,6 +305,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MultiMnistSett
         lines += ["## Claims", "", claims_markdown(claims), ""]
     lines += ["Paper's k was tuned in {2, 4} (Top-k used 4); here k = 2 for every sparse gate, so 'experts' of Top-k is "
               "2 by construction.", ""]
+    write_claims_json(out_dir, claims, experiment="dselect-multimnist", paper=PAPER, quick=s.quick)
     return atomic_write_text(out_dir / "report.md", "\n".join(lines))
 
 
