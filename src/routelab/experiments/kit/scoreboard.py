@@ -120,8 +120,8 @@ def _short(text: str, limit: int = CLAIM_CHARS) -> str:
 
 
 def _cell(text: str) -> str:
-    """A markdown table cell: one line, no ``|``."""
-    return " ".join(text.split()).replace("|", "/")
+    """A markdown table cell: one line, ``|`` escaped."""
+    return " ".join(text.split()).replace("|", "\\|")
 
 
 def scoreboard_markdown(names: Sequence[str], out_dir: Path, *, quick: bool, docs_dir: Path | None,
