@@ -45,8 +45,8 @@ def test_scoreboard_lists_every_claim_of_every_experiment() -> None:
     table = _table_rows(scoreboard_markdown(names, DOCS, quick=False, docs_dir=DOCS))
     assert len(table) == len(expected)
     for cells, (name, text, verdict, _) in zip(table, expected, strict=True):
-        assert cells[1] == name and cells[5] == f"[{name}]({name}/report.md)"
-        assert _shows(cells[2], text) and _shows(cells[4], verdict) and _shows(cells[3], verdict)
+        assert cells[4] == f"[{name}]({name}/report.md)"
+        assert _shows(cells[1], text) and _shows(cells[3], verdict) and _shows(cells[2], verdict)
 
 
 def _shows(cell: str, full: str) -> bool:

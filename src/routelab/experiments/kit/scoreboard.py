@@ -21,8 +21,10 @@ from .tables import md_table
 __all__ = ["ScoreRow", "committed_dir", "scoreboard_markdown", "scoreboard_rows"]
 
 DASH = "—"
-CLAIM_CHARS = 90
+CLAIM_CHARS = 72
 """The longest claim text shown in the scoreboard (longer ones are cut at a word, with "…")."""
+VERDICT_CHARS = 48
+"""The longest verdict shown in the scoreboard (its qualifier cut like a claim's text)."""
 
 
 def committed_dir() -> Path | None:
@@ -124,20 +126,26 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
+def _verdict(text: str) -> str:
+    """A verdict cell: the verdict, its qualifier (or a "—" reason) cut to :data:`VERDICT_CHARS`."""
+    return _cell(_short(text, VERDICT_CHARS))
+
+
 def scoreboard_markdown(names: Sequence[str], out_dir: Path, *, quick: bool, docs_dir: Path | None,
                         not_run: Mapping[str, str] | None = None) -> str:
     """The scoreboard section (a ``## Scoreboard`` heading, one line on how to read it, the table):
-    columns paper, experiment, claim (short), this run's verdict (headed *quick verdict* when ``quick``),
-    the committed full run's verdict, link to the detailed report. Arguments as :func:`scoreboard_rows`."""
+    columns paper, claim (short), this run's verdict (headed *quick verdict* when ``quick``), the committed
+    full run's verdict, and the detailed report (a link named by the experiment). Arguments as
+    :func:`scoreboard_rows`."""
     rows = scoreboard_rows(names, out_dir, docs_dir=docs_dir, not_run=not_run)
     run_col = "quick verdict (this run, --quick)" if quick else "verdict (this run, full)"
     table = md_table(
-        ["paper", "experiment", "claim (short)", run_col, "committed full run (docs/)", "details"],
-        [[_cell(r.paper) or DASH, r.experiment, _cell(_short(r.claim)), _cell(_short(r.run_verdict, 100)),
-          _cell(_short(r.full_verdict, 100)), f"[{r.experiment}]({r.link})" if r.link else DASH] for r in rows])
+        ["paper", "claim (short)", run_col, "committed full run (docs/)", "details"],
+        [[_cell(r.paper) or DASH, _cell(_short(r.claim)), _verdict(r.run_verdict), _verdict(r.full_verdict),
+          f"[{r.experiment}]({r.link})" if r.link else r.experiment] for r in rows])
     note = ("Quick verdicts come from the quick form (fewer runs, shorter training) and can differ from the full "
             "run's; the committed full run's verdicts are read from docs/<experiment>/claims.json. "
             if quick else
             "This run's verdicts beside the committed full run's (docs/<experiment>/claims.json). ")
-    return "\n".join(["## Scoreboard", "", note + f"{len(rows)} claims; details of each experiment below.", "",
-                      table, ""])
+    return "\n".join(["## Scoreboard", "", note + f"{len(rows)} claims; each experiment's details below, and "
+                      "each verdict's criterion and evidence in its report's Claims section.", "", table, ""])

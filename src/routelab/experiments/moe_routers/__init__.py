@@ -124,7 +124,7 @@ def write_outputs(out_dir: Path, settings: Settings, *, wall_s: float | None = N
                          invocations=invocations)
     text = with_failures_section(text, failed, total, ("router", "seed"))
     write_claims_json(out_dir, claims(records, settings), experiment="moe-routers",
-                      paper="Shazeer et al. 2017 (App. F); Kool et al. 2021", quick=settings.quick)
+                      paper="Shazeer et al. 2017; Kool et al. 2021", quick=settings.quick)
     return atomic_write_text(out_dir / "report.md", text)
 
 
