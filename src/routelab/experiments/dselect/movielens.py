@@ -29,18 +29,16 @@ from ..kit.provenance import software_line
 from ..kit.stats import mean_se
 from ..kit.store import append_jsonl_atomic, atomic_write_text, completed_keys, is_failed, read_jsonl, split_failed
 from ..kit.tables import md_table
+from . import common
 from .common import (
     GATE_LABELS,
-    PAPER,
+    MTL_MODELS as MODELS,
     Timer,
     binary_step_percent,
     experts_per_run,
     log,
     make_gate,
     write_csv,
-)
-from .common import (
-    MTL_MODELS as MODELS,
 )
 from .mtl_train import experts_selected, train_mtl
 
@@ -372,7 +370,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MovieLensSetti
     ]
     if claims:
         lines += ["## Claims", "", claims_markdown(claims), ""]
-    write_claims_json(out_dir, claims, experiment="dselect-movielens", paper=PAPER, quick=s.quick)
+    write_claims_json(out_dir, claims, experiment="dselect-movielens", paper=common.PAPER, quick=s.quick)
     return atomic_write_text(out_dir / "report.md", "\n".join(lines))
 
 

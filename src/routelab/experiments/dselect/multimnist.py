@@ -28,18 +28,16 @@ from ..kit.provenance import software_line
 from ..kit.stats import mean_se
 from ..kit.store import append_jsonl_atomic, atomic_write_text, completed_keys, is_failed, read_jsonl, split_failed
 from ..kit.tables import md_table
+from . import common
 from .common import (
     GATE_LABELS,
-    PAPER,
+    MTL_MODELS as MODELS,
     Timer,
     binary_step_percent,
     experts_per_run,
     log,
     make_gate,
     write_csv,
-)
-from .common import (
-    MTL_MODELS as MODELS,
 )
 from .mtl_train import experts_selected, train_mtl
 
@@ -305,7 +303,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MultiMnistSett
         lines += ["## Claims", "", claims_markdown(claims), ""]
     lines += ["Paper's k was tuned in {2, 4} (Top-k used 4); here k = 2 for every sparse gate, so 'experts' of Top-k is "
               "2 by construction.", ""]
-    write_claims_json(out_dir, claims, experiment="dselect-multimnist", paper=PAPER, quick=s.quick)
+    write_claims_json(out_dir, claims, experiment="dselect-multimnist", paper=common.PAPER, quick=s.quick)
     return atomic_write_text(out_dir / "report.md", "\n".join(lines))
 
 

@@ -29,7 +29,8 @@ from ..kit.provenance import software_line
 from ..kit.stats import mean_se
 from ..kit.store import append_jsonl_atomic, atomic_write_text, completed_keys, is_failed, read_jsonl, split_failed
 from ..kit.tables import md_table
-from .common import GATE_LABELS, PAPER, Timer, log, make_gate, minibatches, steps_per_epoch, write_csv
+from . import common
+from .common import GATE_LABELS, Timer, log, make_gate, minibatches, steps_per_epoch, write_csv
 
 __all__ = ["EXPERIMENT", "RecoverySettings", "FULL", "QUICK", "run_recovery", "train_one", "make_problem"]
 
@@ -314,7 +315,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: RecoverySettin
               + (f" `runs.jsonl` also holds {unused} runs outside this grid (an interrupted first invocation also "
                  "tried lr = 0.001 on the first repetitions; dropped from the grid for time), not used here."
                  if unused else ""), ""]
-    write_claims_json(out_dir, claims, experiment="dselect-recovery", paper=PAPER, quick=s.quick)
+    write_claims_json(out_dir, claims, experiment="dselect-recovery", paper=common.PAPER, quick=s.quick)
     return atomic_write_text(out_dir / "report.md", "\n".join(lines))
 
 

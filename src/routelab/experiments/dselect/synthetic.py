@@ -39,7 +39,8 @@ from ..kit.provenance import software_line
 from ..kit.stats import mean_se
 from ..kit.store import append_jsonl_atomic, atomic_write_text, completed_keys, is_failed, read_jsonl, split_failed
 from ..kit.tables import md_table
-from .common import GATE_LABELS, PAPER, Timer, log, minibatches, steps_per_epoch, write_csv
+from . import common
+from .common import GATE_LABELS, Timer, log, minibatches, steps_per_epoch, write_csv
 
 __all__ = ["EXPERIMENT", "SyntheticSettings", "FULL", "QUICK", "run_synthetic", "make_data", "random_gate_jaccard"]
 
@@ -428,7 +429,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSetti
         lines += ["## Claims", "", claims_markdown(claims), ""]
     if fig:
         lines += [f"![Fig. C.5]({fig})", ""]
-    write_claims_json(out_dir, claims, experiment="dselect-synthetic", paper=PAPER, quick=s.quick)
+    write_claims_json(out_dir, claims, experiment="dselect-synthetic", paper=common.PAPER, quick=s.quick)
     return atomic_write_text(out_dir / "report.md", "\n".join(lines))
 
 
