@@ -28,8 +28,10 @@ from pathlib import Path
 import routelab
 from routelab.data.errors import DataUnavailable
 from routelab.experiments import registry
+from routelab.experiments.kit.claims import CLAIMS_FILE
 from routelab.experiments.kit.experiment import Experiment
 from routelab.experiments.kit.provenance import software_line
+from routelab.experiments.kit.scoreboard import committed_dir, scoreboard_markdown
 from routelab.experiments.kit.store import ResultsFileError, atomic_write_text
 
 __all__ = ["main", "build_parser"]
@@ -198,6 +200,7 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
             print(f"== {name}: --fresh: moved the earlier results aside to {old}", flush=True)
         exp_dir.mkdir(parents=True, exist_ok=True)
         print(f"== {name}: {exp.description}", flush=True)
+        (exp_dir / CLAIMS_FILE).unlink(missing_ok=True)  # an earlier invocation's: the scoreboard reads this run's
         report_path, kind, reason = _run_experiment(exp, exp_dir, args.quick)
         if report_path is None:
             not_run.append((name, kind, reason))
@@ -217,6 +220,8 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
             _demote_headings(body).strip(),
             "",
         ]
+    lines += [scoreboard_markdown(names, out_dir, quick=args.quick, docs_dir=committed_dir(),
+                                  not_run={n: f"{k}: {r}" for n, k, r in not_run})]
     if not_run:
         lines += [f"**{len(not_run)} of {len(names)} experiment(s) did not run**; the others ran and are "
                   "reported below.", "", "| experiment | status | reason and fix |", "|---|---|---|"]

@@ -25,6 +25,7 @@ from ..kit.store import atomic_write_text
 
 __all__ = [
     "GATE_LABELS",
+    "PAPER",
     "minibatches",
     "steps_per_epoch",
     "make_gate",
@@ -35,6 +36,9 @@ __all__ = [
     "experts_per_run",
     "binary_step_percent",
 ]
+
+#: The paper whose claims the DSelect-k experiments check (the scoreboard's paper column).
+PAPER = "Hazimeh et al. 2021 (DSelect-k)"
 
 #: The models of the real-data multi-task experiments (Tables 1-2): every gate, and shared bottom.
 MTL_MODELS = ("dselect_static", "topk_static", "gumbel_static", "dselect_per_example", "topk_per_example",

@@ -21,7 +21,7 @@ from torch import nn
 from routelab.data import DataUnavailable
 from routelab.layers import MultiGateMoE, SharedBottom, StackedLinear
 
-from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown
+from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown, write_claims_json
 from ..kit.divergence import train_or_fail
 from ..kit.experiment import Experiment
 from ..kit.failed_runs import add_failures_to_report
@@ -29,6 +29,7 @@ from ..kit.provenance import software_line
 from ..kit.stats import mean_se
 from ..kit.store import append_jsonl_atomic, atomic_write_text, completed_keys, is_failed, read_jsonl, split_failed
 from ..kit.tables import md_table
+from . import common
 from .common import (
     GATE_LABELS,
     Timer,
@@ -373,6 +374,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MovieLensSetti
     ]
     if claims:
         lines += ["## Claims", "", claims_markdown(claims), ""]
+    write_claims_json(out_dir, claims, experiment="dselect-movielens", paper=common.PAPER, quick=s.quick)
     return atomic_write_text(out_dir / "report.md", "\n".join(lines))
 
 

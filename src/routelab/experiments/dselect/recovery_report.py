@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from ..kit.claims import HOLDS, NOT_HOLD, PARTLY, Claim, claims_markdown
+from ..kit.claims import HOLDS, NOT_HOLD, PARTLY, Claim, claims_markdown, write_claims_json
 from ..kit.provenance import software_line
 from ..kit.stats import mean_se
 from ..kit.store import atomic_write_text
 from ..kit.tables import md_table
+from . import common
 from .common import GATE_LABELS, write_csv
 
 __all__ = ["write_report", "best_settings", "counted", "TRAINABLE"]
@@ -262,6 +263,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: Any, wall: flo
         + (f" `runs.jsonl` also holds {unused} runs outside this grid, not used here." if unused else ""),
         "",
     ]
+    write_claims_json(out_dir, claims, experiment="dselect-recovery", paper=common.PAPER, quick=s.quick)
     return atomic_write_text(out_dir / "report.md", "\n".join(lines))
 
 

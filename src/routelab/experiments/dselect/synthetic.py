@@ -31,7 +31,7 @@ from routelab.gates.dselect import ALPHA_INIT, ENTROPY_EPS, num_code_bits
 from routelab.gates.mtl_gate import uniform_init
 from routelab.layers import StackedLinear
 
-from ..kit.claims import HOLDS, NOT_HOLD, PARTLY, Claim, claims_markdown
+from ..kit.claims import HOLDS, NOT_HOLD, PARTLY, Claim, claims_markdown, write_claims_json
 from ..kit.divergence import check_finite, diverged_on_error, train_or_fail
 from ..kit.experiment import Experiment
 from ..kit.failed_runs import add_failures_to_report
@@ -39,6 +39,7 @@ from ..kit.provenance import software_line
 from ..kit.stats import mean_se
 from ..kit.store import append_jsonl_atomic, atomic_write_text, completed_keys, is_failed, read_jsonl, split_failed
 from ..kit.tables import md_table
+from . import common
 from .common import GATE_LABELS, Timer, log, minibatches, steps_per_epoch, write_csv
 
 __all__ = ["EXPERIMENT", "SyntheticSettings", "FULL", "QUICK", "run_synthetic", "make_data", "random_gate_jaccard"]
@@ -428,6 +429,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSetti
         lines += ["## Claims", "", claims_markdown(claims), ""]
     if fig:
         lines += [f"![Fig. C.5]({fig})", ""]
+    write_claims_json(out_dir, claims, experiment="dselect-synthetic", paper=common.PAPER, quick=s.quick)
     return atomic_write_text(out_dir / "report.md", "\n".join(lines))
 
 

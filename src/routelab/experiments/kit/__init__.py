@@ -7,7 +7,8 @@
   failed instead of stopping the sweep;
 * report helpers: :mod:`.provenance` (version, commit, software, load), :mod:`.tables`
   (markdown tables, CSV cells), :mod:`.stats` (mean ± s.e.), :mod:`.claims` (a paper's claims,
-  their verdicts and table), :mod:`.failed_runs` (the failed-runs section).
+  their verdicts and table, ``claims.json``), :mod:`.failed_runs` (the failed-runs section);
+* :mod:`.scoreboard` — the table of every experiment's claims that opens ``routelab reproduce``'s report.
 
 The kit imports nothing from the experiments; the experiments import from its modules.
 """

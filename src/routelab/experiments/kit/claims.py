@@ -3,17 +3,46 @@ and the claims table of a report.
 
 Every experiment states each claim with the criterion that decides it, computes what it measured
 from its run records, and prints them with :func:`claims_markdown`, so a reader sees why each
-verdict was reached.
+verdict was reached. Its report step also writes them machine-readable, with :func:`write_claims_json`
+(``claims.json``: one object per claim), which :func:`read_claims_json` reads back; the combined report's
+scoreboard (:mod:`.scoreboard`) is built from those files. :func:`claims_from_markdown` reads the claims
+back from a report's claims table, for a committed report whose run records are not kept.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+from .store import atomic_write_text
 from .tables import md_table
 
-__all__ = ["HOLDS", "NOT_HOLD", "NOT_MEASURED", "PARTLY", "Claim", "claims_markdown", "verdict_of"]
+__all__ = [
+    "CLAIMS_FILE",
+    "HOLDS",
+    "NOT_HOLD",
+    "NOT_MEASURED",
+    "PARTLY",
+    "Claim",
+    "ClaimsFile",
+    "claims_from_markdown",
+    "claims_markdown",
+    "read_claims_json",
+    "verdict_of",
+    "write_claims_json",
+]
+
+CLAIMS_FILE = "claims.json"
+"""The name of the machine-readable claims file an experiment's report step writes next to its report."""
+
+_FORMAT = 1
+"""The version of the ``claims.json`` format (``"format"`` key)."""
+
+_NUMBER = re.compile(r"[-+−]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
 
 HOLDS, PARTLY, NOT_HOLD, NOT_MEASURED = "holds", "partly", "does not hold", "not measured"
 """The verdicts. A verdict may add a qualifier in parentheses, e.g. ``"partly (within 2 s.e.)"``."""
@@ -33,6 +62,9 @@ class Claim:
             word, such as ``"inconclusive"``), optionally followed by a qualifier in parentheses.
         paper: the paper's side when it is not in ``text``: where it makes the claim, or the
             numbers it reports.
+        id: a short identifier, stable across runs of the experiment (quick and full), by which the
+            scoreboard pairs a run's claim with the committed full run's; "" (default) means
+            :attr:`key`'s slug of ``text``.
     """
 
     text: str
@@ -40,11 +72,54 @@ class Claim:
     measured: str
     verdict: str
     paper: str = ""
+    id: str = ""
 
     @property
     def outcome(self) -> str:
         """The verdict without its qualifier (``"partly (within 2 s.e.)"`` -> ``"partly"``)."""
         return self.verdict.split(" (")[0]
+
+    @property
+    def key(self) -> str:
+        """:attr:`id`, or when it is empty a slug of ``text`` (lower-case words joined by ``-``, at
+        most 80 characters): what pairs the same claim in two runs."""
+        if self.id:
+            return self.id
+        slug = "-".join(re.findall(r"[a-z0-9]+", self.text.lower()))
+        return slug[:80].rstrip("-") or "claim"
+
+    @property
+    def numbers(self) -> list[float]:
+        """The numbers in :attr:`measured`, in order (``"1.5 of 4, 40 %"`` -> ``[1.5, 4.0, 40.0]``)."""
+        return [float(m.replace("\u2212", "-")) for m in _NUMBER.findall(self.measured)]
+
+    def to_json(self, paper_name: str = "") -> dict[str, Any]:
+        """One ``claims.json`` object: ``id``, ``paper`` (``paper_name``: which paper), ``text``,
+        ``verdict``, ``outcome``, ``criterion``, ``measured`` (the evidence, in words), ``numbers``
+        (the evidence's numbers, :attr:`numbers`) and ``paper_says`` (:attr:`paper`)."""
+        return {"id": self.key, "paper": paper_name, "text": self.text, "verdict": self.verdict,
+                "outcome": self.outcome, "criterion": self.criterion, "measured": self.measured,
+                "numbers": self.numbers, "paper_says": self.paper}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Claim:
+        """The claim of a :meth:`to_json` object (``numbers`` and ``outcome`` are derived, not read).
+
+        Raises:
+            ValueError: when ``obj`` lacks ``text``, ``measured`` or ``verdict``, or one is not a string.
+        """
+        if not isinstance(obj, Mapping):
+            raise ValueError(f"a claims.json claim must be a JSON object, got {type(obj).__name__}.")
+        fields = {}
+        for name, src, required in (("text", "text", True), ("measured", "measured", True),
+                                    ("verdict", "verdict", True), ("criterion", "criterion", False),
+                                    ("paper", "paper_says", False), ("id", "id", False)):
+            value = obj.get(src, None if required else "")
+            if not isinstance(value, str):
+                raise ValueError(f"a claims.json claim needs a string {src!r}, got {value!r}; rewrite the file "
+                                 "with write_claims_json (rerun the experiment's report step).")
+            fields[name] = value
+        return cls(**fields)
 
 
 def verdict_of(parts: Sequence[bool]) -> str:
@@ -67,3 +142,104 @@ def claims_markdown(claims: Sequence[Claim]) -> str:
     rows = [[str(i), c.text, *([c.paper] if paper else []), *([c.criterion] if criterion else []), c.measured,
              f"**{c.verdict}**"] for i, c in enumerate(claims, 1)]
     return md_table(headers, rows)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClaimsFile:
+    """The contents of one ``claims.json``.
+
+    Attributes:
+        experiment: the experiment's registered name.
+        paper: the paper (or papers) whose claims these are, short (``"Kool et al. 2021"``).
+        quick: whether the run was the quick form.
+        claims: the claims, in the report's order.
+        report: the detailed report, relative to the file's directory.
+    """
+
+    experiment: str
+    paper: str
+    quick: bool
+    claims: tuple[Claim, ...]
+    report: str = "report.md"
+
+
+def write_claims_json(out_dir: Path, claims: Sequence[Claim], *, experiment: str, paper: str, quick: bool,
+                      report: str = "report.md") -> Path:
+    """Write ``out_dir/claims.json``: the experiment, its paper, whether quick, and one object per claim
+    (:meth:`Claim.to_json`). Atomic; returns the path.
+
+    Raises:
+        TypeError: when an item of ``claims`` is not a :class:`Claim`.
+        ValueError: when two claims have the same :attr:`Claim.key` (give them distinct ``id`` values).
+    """
+    bad = [type(c).__name__ for c in claims if not isinstance(c, Claim)]
+    if bad:
+        raise TypeError(f"claims must be Claim objects (routelab.experiments.kit.claims), got {', '.join(bad)}.")
+    keys = [c.key for c in claims]
+    dup = sorted({k for k in keys if keys.count(k) > 1})
+    if dup:
+        raise ValueError(f"claims of {experiment} share the key(s) {dup}; give each claim a distinct id=.")
+    doc = {"format": _FORMAT, "experiment": experiment, "paper": paper, "quick": bool(quick), "report": report,
+           "claims": [c.to_json(paper) for c in claims]}
+    return atomic_write_text(Path(out_dir) / CLAIMS_FILE, json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+
+
+def read_claims_json(path: Path) -> ClaimsFile:
+    """Read a file written by :func:`write_claims_json`.
+
+    Raises:
+        FileNotFoundError: when ``path`` does not exist.
+        ValueError: when it is not such a file (the message names the file and the fix).
+    """
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); rerun the experiment's report step to rewrite it.") \
+            from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("claims"), list) or doc.get("format") != _FORMAT:
+        raise ValueError(f"{path} is not a claims.json of format {_FORMAT} (an object with a 'claims' list); "
+                         "rerun the experiment's report step to rewrite it.")
+    try:
+        claims = tuple(Claim.from_json(c) for c in doc["claims"])
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    return ClaimsFile(experiment=str(doc.get("experiment", "")), paper=str(doc.get("paper", "")),
+                      quick=bool(doc.get("quick", False)), claims=claims, report=str(doc.get("report", "report.md")))
+
+
+def _cells(line: str) -> list[str]:
+    """The cells of one markdown table row (outer pipes removed, cells stripped)."""
+    return [c.strip() for c in line.strip().strip("|").split(" | ")]
+
+
+def claims_from_markdown(markdown: str) -> list[Claim]:
+    """The claims of a report, read back from the table :func:`claims_markdown` printed in it (the first
+    table whose header starts ``| # | claim (paper) |``); ``[]`` when there is none.
+
+    For a committed report whose run records are not kept, so that its ``claims.json`` is written by
+    :func:`write_claims_json` like every other (the verdict loses its bold, nothing else changes).
+
+    Raises:
+        ValueError: when a row of that table does not have the header's number of cells (a ``" | "`` inside
+            a cell).
+    """
+    lines = markdown.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("| # | claim (paper) |")), None)
+    if start is None:
+        return []
+    headers = _cells(lines[start])
+    out: list[Claim] = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = _cells(line)
+        if len(cells) != len(headers):
+            raise ValueError(f"claims table row has {len(cells)} cells, the header {len(headers)}: {line[:200]!r}")
+        row = dict(zip(headers, cells, strict=True))
+        verdict = row["verdict"]
+        if verdict.startswith("**") and verdict.endswith("**"):
+            verdict = verdict[2:-2]
+        out.append(Claim(text=row["claim (paper)"], paper=row.get("paper", ""), criterion=row.get("criterion", ""),
+                         measured=row["measured"], verdict=verdict))
+    return out

@@ -28,9 +28,11 @@ from pathlib import Path
 
 import torch
 
+from ..kit.claims import write_claims_json
 from ..kit.experiment import Experiment
 from ..kit.provenance import routelab_version
 from ..kit.store import append_jsonl_atomic, atomic_write_text, is_failed, read_jsonl, split_failed
+from .claims import evaluate_claims
 from .figures import FIGURES, draw_figures
 from .marginals import marginals_check
 from .model import CONFIGS, Config, RunSpec, make_data, train_chunk
@@ -214,6 +216,8 @@ def write_outputs(
         draw_figures(out_dir, split_failed(records)[0], marginals)
     text = render_report(settings, records, marginals=marginals, errors=errors, wall_s=wall_s,
                          n_planned=len(planned), skipped=skipped or {}, chunks=chunks)
+    write_claims_json(out_dir, evaluate_claims(records, marginals), experiment="kool-toy",
+                      paper="Kool et al. 2021", quick=settings.quick)
     return atomic_write_text(out_dir / "report.md", text)
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..kit.claims import HOLDS, NOT_HOLD, PARTLY, Claim, claims_markdown
+from ..kit.claims import HOLDS, NOT_HOLD, PARTLY, Claim, claims_markdown, write_claims_json
 from ..kit.failed_runs import with_failures_section
 from ..kit.provenance import software_line
 from ..kit.stats import mean_se
@@ -637,6 +637,7 @@ def write_report(out_dir: Path, s: Any, corpus: Any, run_list: list[dict[str, An
           + f"These are {len(s.seeds)}-seed results from a {s.layers}-layer, {s.dim}-dimensional language model "
           "trained for minutes on a CPU, not the paper's WMT14 / WikiText-103 models; they test the "
           "mechanisms (identity of eq. 5, BCD, the analyses), not the paper's absolute gains.", ""]
+    write_claims_json(out_dir, rows, experiment="mae", paper="Peng et al. 2020 (MAE)", quick=s.quick)
     return atomic_write_text(out_dir / "report.md", "\n".join(L))
 
 

@@ -23,13 +23,14 @@ from pathlib import Path
 
 import torch
 
+from ..kit.claims import write_claims_json
 from ..kit.divergence import train_or_fail
 from ..kit.experiment import Experiment
 from ..kit.failed_runs import with_failures_section
 from ..kit.provenance import load_average
 from ..kit.store import append_jsonl_atomic, atomic_write_text, is_failed, missing_keys, read_jsonl, split_failed
 from .model import ROUTER_SPECS, MnistMoE, RouterSpec, Settings, evaluate, prepare_data, train_run
-from .report import draw_figures, render_report, results_csv
+from .report import claims, draw_figures, render_report, results_csv
 
 __all__ = ["FULL", "QUICK", "ROUTER_SPECS", "MnistMoE", "EXPERIMENT", "RouterSpec", "Settings", "evaluate",
            "run_sweep", "train_run", "write_outputs"]
@@ -122,6 +123,8 @@ def write_outputs(out_dir: Path, settings: Settings, *, wall_s: float | None = N
     text = render_report(settings, records, wall_s=wall_s, figures=figure_files, resumed=resumed,
                          invocations=invocations)
     text = with_failures_section(text, failed, total, ("router", "seed"))
+    write_claims_json(out_dir, claims(records, settings), experiment="moe-routers",
+                      paper="Shazeer et al. 2017; Kool et al. 2021", quick=settings.quick)
     return atomic_write_text(out_dir / "report.md", text)
 
 
