@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
-from scipy.optimize import linear_sum_assignment, linprog
+from scipy.optimize import linear_sum_assignment
 
 import routelab
 
@@ -516,29 +516,6 @@ def lsa(S: np.ndarray, caps: Sequence[int]) -> np.ndarray | None:
     z = np.empty(m, dtype=np.int64)
     z[r] = cols[c]
     return z
-
-
-def b_matching_lp(S: np.ndarray, k: int, lo: int, hi: int) -> np.ndarray | None:
-    """A maximiser ``[n, E]`` (0/1) of ``sum S x`` with ``k`` experts per token and loads in
-    ``[lo, hi]`` (scipy's HiGHS on the ``n * E`` LP, totally unimodular: integral), or None when
-    infeasible. Solved on ``(S - rowmax) / spread`` so HiGHS's absolute tolerances are relative
-    to the score spread (the same maximisers: every token takes ``k`` pairs)."""
-    n, E = S.shape
-    N = n * E
-    fin = np.isfinite(S)
-    rowmax = np.where(fin, S, -np.inf).max(1, keepdims=True)
-    norm = np.where(fin, S - np.where(np.isfinite(rowmax), rowmax, 0.0), 0.0) / max(spread(S), 1e-300)
-    per_token = np.kron(np.eye(n), np.ones((1, E)))
-    per_expert = np.kron(np.ones((1, n)), np.eye(E))
-    res = linprog(-norm.ravel(), A_ub=np.vstack([per_expert, -per_expert]),
-                  b_ub=np.concatenate([np.full(E, hi), np.full(E, -lo)]), A_eq=per_token, b_eq=np.full(n, k),
-                  bounds=np.stack([np.zeros(N), fin.ravel().astype(float)], 1), method="highs")
-    if res.status == 2:
-        return None
-    assert res.status == 0, res.message
-    x = np.round(res.x).reshape(n, E)
-    assert np.abs(res.x.reshape(n, E) - x).max() < 1e-6, "the LP vertex is not integral"
-    return x
 
 
 def objective_gap(S: np.ndarray, z: np.ndarray, z_ref: np.ndarray) -> float:

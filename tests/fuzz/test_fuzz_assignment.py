@@ -26,7 +26,6 @@ from fuzz_strategies import (
     assert_finite,
     assert_not_mutated,
     assignment_tolerance,
-    b_matching_lp,
     call,
     capacity_choices,
     capacity_for,
@@ -50,6 +49,7 @@ from fuzz_strategies import (
     spread,
     taus,
 )
+from oracles import b_matching_lp
 from test_fuzz_helpers import COVERED_ASSIGNMENT
 
 COVERED = {"GumbelMatching", "balanced_assignment", "balanced_b_matching", "base_assignment", "clear_scratch",
