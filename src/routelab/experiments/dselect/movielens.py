@@ -311,7 +311,8 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MovieLensSetti
                             criterion="every α: holds; some α: partly", measured=f"{wins}/3 α",
                             verdict=HOLDS if wins == 3 else (PARTLY if wins else NOT_HOLD)))
         sm = sum(mloss("softmax", a) > max(mloss("dselect_static", a), mloss("topk_static", a)) for a in ALPHAS)
-        claims.append(Claim(text="The softmax MoE is outperformed by the (static) DSelect-k and Top-k gates at every α.",
+        claims.append(Claim(text="The softmax MoE is outperformed by the (static) DSelect-k and Top-k gates "
+                                 "at every α.",
                             criterion="every α: holds; some α: partly", measured=f"{sm}/3 α",
                             verdict=HOLDS if sm == 3 else (PARTLY if sm else NOT_HOLD)))
 
@@ -320,19 +321,22 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MovieLensSetti
             return sum(vals) / len(vals) if vals else float("nan")
 
         fewer = sum(mexp("dselect_static", a) <= s.k and mexp("dselect_per_example", a) <= s.k for a in ALPHAS)
-        claims.append(Claim(text=f"DSelect-k selects at most k = {s.k} experts on average (paper: 1.1–2.7 with k tuned in {{2, 4}}).",
+        claims.append(Claim(text=f"DSelect-k selects at most k = {s.k} experts on average "
+                                 "(paper: 1.1–2.7 with k tuned in {2, 4}).",
                             criterion="both DSelect-k gates ≤ k at every α: holds; some α: partly",
                             measured=f"{fewer}/3 α", verdict=HOLDS if fewer == 3 else (PARTLY if fewer else NOT_HOLD)))
     lines = [
         "# DSelect-k on MovieLens (Hazimeh et al. 2021, Sec. 4.1, Table 1 / C.5)",
         "",
-        f"**{'QUICK form (20k ratings, 1 epoch, small experts): indicative only.' if s.quick else 'Full run (CPU, scaled to the budget; see Setup).'}**",
+        f"""**{'QUICK form (20k ratings, 1 epoch, small experts): indicative only.' if s.quick
+               else 'Full run (CPU, scaled to the budget; see Setup).'}**""",
         "",
         "**Data differs from the paper:** MovieLens-100k (100,000 ratings, 943 users, 1,682 movies; the only MovieLens "
         "that ships in a package here) instead of MovieLens-1M, so the absolute losses are not comparable with the "
         "paper's; compare the ordering of the gates.",
         "",
-        f"- Wall time of the last invocation (runs already recorded are not re-run): {wall:.0f} s (training recorded in runs.jsonl: "
+        "- Wall time of the last invocation (runs already recorded are not re-run): "
+        f"{wall:.0f} s (training recorded in runs.jsonl: "
         f"{sum(r['wall_s'] for r in records):.0f} s over {len(records)} runs).",
         f"- {software_line(torch.get_num_threads())}, CPU.",
     ]
@@ -349,16 +353,20 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MovieLensSetti
         f"- Features: user and movie embeddings (dim {s.emb}), standardised age, gender, occupation embedding (4), "
         "19 genre flags — trained with the model.",
         f"- Multi-gate MoE: {EXPERTS} experts (ReLU dense {s.hidden} + dropout 0.5), one gate per task, towers "
-        f"(ReLU dense {s.hidden} + 1 unit) as App. D.1; shared bottom: ReLU dense {s.bottom_units} + dropout 0.5, same towers.",
+        f"(ReLU dense {s.hidden} + 1 unit) as App. D.1; shared bottom: ReLU dense {s.bottom_units} + dropout 0.5, "
+        "same towers.",
         f"- Training: Adam lr {s.lr}, batch {s.batch}, {s.epochs} epochs (paper: Adagrad, tuned lr/epochs/k/γ/λ "
         f"with random grid search). Fixed here: k = {s.k}, γ = {s.gamma}, DSelect-k entropy λ = {s.entropy_reg} "
         "(per-example gate: averaged over the batch), "
         f"Gumbel-softmax sparsity λ = {s.gumbel_reg}.",
-        f"- {s.reps} repetitions (new negatives, split and initialisation; paper: 100). Standard errors over repetitions.",
+        f"- {s.reps} repetitions (new negatives, split and initialisation; paper: 100). "
+        "Standard errors over repetitions.",
         "",
         "## Table 1: test loss (× 10⁴, mean ± s.e.) and experts selected per example (mean over tasks)",
         "",
-        md_table(["model"] + [f"{h} α={a}" for a in ALPHAS for h in ("loss", "experts", "paper (1M): loss, experts")], rows),
+        md_table(
+            ["model"] + [f"{h} α={a}" for a in ALPHAS for h in ("loss", "experts", "paper (1M): loss, experts")],
+            rows),
         "",
         "## Table C.5: task 1 accuracy (%) and task 2 squared error",
         "",
@@ -368,7 +376,8 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MovieLensSetti
         "",
         md_table(["gate", "α", "binary", "% of steps until binary"], bin_rows),
         "",
-        "Paper (Table C.4, MovieLens-1M, static DSelect-k, after tuning): 11.37 %, 9.39 %, 0.04 % of the steps for α = 0.1, 0.5, 0.9. "
+        "Paper (Table C.4, MovieLens-1M, static DSelect-k, after tuning): 11.37 %, 9.39 %, 0.04 % of the steps "
+        "for α = 0.1, 0.5, 0.9. "
         "Per-example gates: binary on the batch of that step (all gates of the model).",
         "",
     ]

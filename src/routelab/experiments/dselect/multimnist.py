@@ -53,12 +53,14 @@ IMG = 36 * 36
 PAPER_TABLE2 = {
     "multi_mnist": {
         "dselect_static": ("92.56 ± 0.03", "90.98 ± 0.04", "1.7"), "topk_static": ("91.93 ± 0.06", "90.03 ± 0.08", "4"),
-        "gumbel_static": ("92.3 ± 0.05", "90.63 ± 0.05", "1.8"), "dselect_per_example": ("92.42 ± 0.03", "90.7 ± 0.03", "1.5"),
+        "gumbel_static": ("92.3 ± 0.05", "90.63 ± 0.05", "1.8"),
+        "dselect_per_example": ("92.42 ± 0.03", "90.7 ± 0.03", "1.5"),
         "topk_per_example": ("92.27 ± 0.03", "90.45 ± 0.03", "4"), "softmax": ("92.61 ± 0.03", "91.0 ± 0.03", "8"),
         "shared_bottom": ("91.3 ± 0.04", "89.47 ± 0.04", "—")},
     "multi_fashion": {
         "dselect_static": ("83.78 ± 0.05", "83.34 ± 0.05", "1.8"), "topk_static": ("83.44 ± 0.07", "82.66 ± 0.08", "4"),
-        "gumbel_static": ("83.66 ± 0.07", "83.28 ± 0.05", "1.5"), "dselect_per_example": ("83.69 ± 0.04", "83.13 ± 0.04", "1.5"),
+        "gumbel_static": ("83.66 ± 0.07", "83.28 ± 0.05", "1.5"),
+        "dselect_per_example": ("83.69 ± 0.04", "83.13 ± 0.04", "1.5"),
         "topk_per_example": ("83.66 ± 0.04", "83.15 ± 0.04", "4"), "softmax": ("83.48 ± 0.04", "82.81 ± 0.04", "8"),
         "shared_bottom": ("82.05 ± 0.05", "81.37 ± 0.06", "—")},
 }
@@ -209,9 +211,11 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MultiMnistSett
     lines = [
         "# DSelect-k on Multi-MNIST and Multi-Fashion (Hazimeh et al. 2021, Sec. 4.2, Table 2)",
         "",
-        f"**{'QUICK form (512 training images, 1 epoch): indicative only.' if s.quick else 'Full run (CPU, scaled down to the budget; see Setup).'}**",
+        f"""**{'QUICK form (512 training images, 1 epoch): indicative only.' if s.quick
+               else 'Full run (CPU, scaled down to the budget; see Setup).'}**""",
         "",
-        f"- Wall time of the last invocation (runs already recorded are not re-run): {wall:.0f} s (training recorded in runs.jsonl: "
+        "- Wall time of the last invocation (runs already recorded are not re-run): "
+        f"{wall:.0f} s (training recorded in runs.jsonl: "
         f"{sum(r['wall_s'] for r in records):.0f} s over {len(records)} runs).",
         f"- {software_line(torch.get_num_threads())}, CPU.",
     ]
@@ -221,13 +225,14 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MultiMnistSett
         "",
         "## Setup",
         "",
-        f"- Data: overlays of two random images (top-left shifted by 4 px, bottom-right by 4 px, 36×36, pixel-wise max) "
-        f"from the MNIST / Fashion-MNIST training images ({s.n_train} training examples) and test images ({s.n_test} test "
-        "examples). **Scaled down** from the paper's 100,000 / 20,000 / 20,000; no validation set, no tuning.",
+        "- Data: overlays of two random images (top-left shifted by 4 px, bottom-right by 4 px, 36×36, "
+        f"pixel-wise max) from the MNIST / Fashion-MNIST training images ({s.n_train} training examples) "
+        f"and test images ({s.n_test} test examples). **Scaled down** from the paper's 100,000 / 20,000 / 20,000; "
+        "no validation set, no tuning.",
         "- Model as App. D.2: 8 CNN experts (conv5×5×10, pool, conv5×5×20, pool, one dense ReLU layer of 50), towers "
         "50-50-10; shared bottom = one such CNN with the same towers.",
-        f"- Training: Adam lr {s.lr}, batch {s.batch}, {s.epochs} epochs (paper: tuned, 25–100 epochs). Fixed: k = {s.k}, "
-        f"γ = {s.gamma}, DSelect-k entropy λ = {s.entropy_reg} "
+        f"- Training: Adam lr {s.lr}, batch {s.batch}, {s.epochs} epochs (paper: tuned, 25–100 epochs). "
+        f"Fixed: k = {s.k}, γ = {s.gamma}, DSelect-k entropy λ = {s.entropy_reg} "
         f"(per-example gate: averaged over the batch), Gumbel-softmax λ = {s.gumbel_reg}; per-example gates see "
         "the flattened image.",
         (f"- {s.reps} repetitions (new overlays and initialisation; paper: 100); mean ± standard error." if s.reps > 1
@@ -305,8 +310,8 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MultiMnistSett
                   "experts, which is why its 'experts' column reads 8.", ""]
     if claims:
         lines += ["## Claims", "", claims_markdown(claims), ""]
-    lines += ["Paper's k was tuned in {2, 4} (Top-k used 4); here k = 2 for every sparse gate, so 'experts' of Top-k is "
-              "2 by construction.", ""]
+    lines += ["Paper's k was tuned in {2, 4} (Top-k used 4); here k = 2 for every sparse gate, so 'experts' of Top-k "
+              "is 2 by construction.", ""]
     write_claims_json(out_dir, claims, experiment="dselect-multimnist", paper=common.PAPER, quick=s.quick)
     return atomic_write_text(out_dir / "report.md", "\n".join(lines))
 

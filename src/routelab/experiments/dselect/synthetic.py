@@ -347,7 +347,8 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSetti
             verdict=HOLDS if (better == len(s.tasks) and imp >= 0.4) else
                     (PARTLY if better * 2 > len(s.tasks) else NOT_HOLD)))
         d_rel, t_rel = m("dselect_static", tmax, "jaccard_related"), m("topk_static", tmax, "jaccard_related")
-        rel_better = sum(m("dselect_static", t, "jaccard_related") > m("topk_static", t, "jaccard_related") for t in s.tasks)
+        rel_better = sum(m("dselect_static", t, "jaccard_related") > m("topk_static", t, "jaccard_related")
+                         for t in s.tasks)
         claims.append(Claim(
             text="DSelect-k's related tasks share more experts than Top-k's (76% higher Jaccard at T = 128).",
             criterion="higher at every T: holds; at most T: partly",
@@ -355,7 +356,8 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSetti
             verdict=HOLDS if rel_better == len(s.tasks) else
                     (PARTLY if rel_better * 2 > len(s.tasks) else NOT_HOLD)))
         multi = [t for t in s.tasks if t > GROUP_TASKS]
-        un_better = sum(m("dselect_static", t, "jaccard_unrelated") < m("topk_static", t, "jaccard_unrelated") for t in multi)
+        un_better = sum(m("dselect_static", t, "jaccard_unrelated") < m("topk_static", t, "jaccard_unrelated")
+                        for t in multi)
         claims.append(Claim(
             text="DSelect-k's unrelated tasks share fewer experts than Top-k's.",
             criterion="lower at every T > 16: holds; at most: partly",
@@ -375,17 +377,21 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSetti
     lines = [
         "# DSelect-k on synthetic multi-task data (Hazimeh et al. 2021, App. C.1, Fig. C.5)",
         "",
-        f"**{'QUICK form (T in {16, 32}, 1 repetition, short training): indicative only.' if s.quick else 'Full run (scaled down to a 1-core CPU budget, see Setup).'}**",
+        f"""**{'QUICK form (T in {16, 32}, 1 repetition, short training): indicative only.' if s.quick
+               else 'Full run (scaled down to a 1-core CPU budget, see Setup).'}**""",
         "",
-        f"- Wall time of the last invocation (runs already recorded are not re-run): {wall:.0f} s (training recorded in runs.jsonl: "
+        "- Wall time of the last invocation (runs already recorded are not re-run): "
+        f"{wall:.0f} s (training recorded in runs.jsonl: "
         f"{sum(r['wall_s'] for r in records):.0f} s over {len(records)} runs).",
         f"- {software_line(torch.get_num_threads())}, CPU.",
         "",
         "## Setup",
         "",
-        f"- Data as App. C.1 (groups of 16 tasks, T/16 groups: 8 at T = 128, since the paper's '4 groups' cannot give 16/32/64/128 tasks with 16 tasks and 4 experts per group; group MoEs of 4 experts = sums of 4 ReLU units with N(0, 1) weights, "
-        f"task weights with correlation {CORR}); x ~ N(0, I_10). **Scaled down:** {s.n_train} training and {s.n_test} test "
-        "points (paper: 100,000 / 20,000 / 20,000), no validation set and no tuning.",
+        "- Data as App. C.1 (groups of 16 tasks, T/16 groups: 8 at T = 128, since the paper's '4 groups' cannot "
+        "give 16/32/64/128 tasks with 16 tasks and 4 experts per group; group MoEs of 4 experts = sums of 4 ReLU "
+        f"units with N(0, 1) weights, task weights with correlation {CORR}); x ~ N(0, I_10). **Scaled down:** "
+        f"{s.n_train} training and {s.n_test} test points (paper: 100,000 / 20,000 / 20,000), no validation set "
+        "and no tuning.",
         f"- Model: multi-gate MoE with T/4 trainable experts of the same form, one static gate per task, k = 4 "
         "(the T gates of a run are evaluated together, with stacked parameters, through the library's functional "
         "gate cores; see `StaticGateBank`); "
@@ -424,7 +430,8 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSetti
                   "the main run's settings). With γ = 10, S(Z) did not become binary for any gate within the "
                   "training budget here, so DSelect-k stayed a dense gate; the main run therefore uses the official "
                   "default γ = 1.", "",
-                  md_table(["tasks", "runs", "test MSE", "binary S(Z) fraction", "experts selected per task"], prow), ""]
+                  md_table(["tasks", "runs", "test MSE", "binary S(Z) fraction", "experts selected per task"],
+                           prow), ""]
     if claims:
         lines += ["## Claims", "", claims_markdown(claims), ""]
     if fig:
