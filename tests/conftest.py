@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+
+from routelab.experiments import registry as experiment_registry
 
 
 @pytest.fixture
@@ -13,3 +17,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture
+def registry(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """An isolated, initially empty experiment registry (the CLI and experiment tests register toys)."""
+    fresh: dict[str, Any] = {}
+    monkeypatch.setattr(experiment_registry, "REGISTRY", fresh)
+    return fresh

@@ -10,7 +10,6 @@ from typing import Any, TextIO
 import pytest
 
 from routelab import cli
-from routelab.experiments import registry as experiment_registry
 from routelab.experiments.kit.experiment import Experiment
 from routelab.experiments.registry import register
 
@@ -34,14 +33,6 @@ def fake_bench(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     fake.run_benchmark = run_benchmark  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "routelab.bench.assignment", fake)
     return calls
-
-
-@pytest.fixture
-def registry(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """An isolated, initially empty experiment registry."""
-    fresh: dict[str, Any] = {}
-    monkeypatch.setattr(experiment_registry, "REGISTRY", fresh)
-    return fresh
 
 
 def toy_experiment(name: str) -> Experiment:

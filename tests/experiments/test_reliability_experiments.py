@@ -24,7 +24,6 @@ import routelab.experiments.kool_toy as kt
 from routelab import cli
 from routelab.data import DataUnavailable
 from routelab.data.parallel_text import VersePair
-from routelab.experiments import registry as experiment_registry
 from routelab.experiments.kit.divergence import (
     RunDiverged,
     check_finite,
@@ -362,14 +361,6 @@ def test_workers_die_promptly_when_the_sweep_is_killed() -> None:
 
 
 # ============================================================================ 3. errors of reproduce
-
-
-@pytest.fixture
-def registry(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """An isolated, initially empty experiment registry."""
-    fresh: dict[str, Any] = {}
-    monkeypatch.setattr(experiment_registry, "REGISTRY", fresh)
-    return fresh
 
 
 def _ok(name: str) -> Experiment:
