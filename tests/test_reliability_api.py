@@ -453,7 +453,7 @@ def test_estimator_helpers_name_bad_arguments():
         reinforce_objective("routes", loss)
     with pytest.raises(ValueError, match="decay"):
         EMABaseline("0.9")
-    with pytest.raises(ValueError, match="expert"):
+    with pytest.raises(TypeError, match="expert"):
         switch_balance_loss(torch.ones(6, 3) / 3, torch.full((6,), 3))
     with pytest.raises(TypeError, match="tau"):
         sample_routes(torch.randn(6, 3), "sample", tau="warm")

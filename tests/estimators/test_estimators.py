@@ -400,9 +400,9 @@ def test_aux_balance_is_the_switch_loss(method: str) -> None:
               + 0.5 * torch.randn(B, n, k, dtype=torch.float64, generator=gen(13))).requires_grad_()
     r = sample_routes(logits, method, tau=0.5, generator=gen(14))
     p = torch.softmax(logits, -1)
-    t = per_token(r)
-    f = (torch.nn.functional.one_hot(t.expert, k) * t.keep.unsqueeze(-1)).sum(-2).to(torch.float64) / n
-    expected = k * (f * p.mean(-2)).sum(-1)  # f is a constant (counts), P_j carries the gradient
+    # f_j: share of tokens whose router argmax is j, whatever was sampled or kept; P_j carries the gradient
+    f = torch.nn.functional.one_hot(logits.detach().argmax(-1), k).sum(-2).to(torch.float64) / n
+    expected = k * (f * p.mean(-2)).sum(-1)
     torch.testing.assert_close(r.aux["balance"], expected)
     (g,) = torch.autograd.grad(r.aux["balance"].sum(), logits)
     (g_ref,) = torch.autograd.grad(expected.sum(), logits)
@@ -653,27 +653,28 @@ def test_ema_baseline_bad_decay(decay: float) -> None:
 
 def test_switch_balance_loss_hand_computed() -> None:
     probs = torch.tensor([[0.7, 0.3], [0.4, 0.6], [0.5, 0.5], [0.2, 0.8]], dtype=torch.float64)
-    expert = torch.tensor([0, 1, 1, 1])
-    # f = (1/4, 3/4), P = (0.45, 0.55): 2 * (0.25 * 0.45 + 0.75 * 0.55) = 1.05
-    torch.testing.assert_close(switch_balance_loss(probs, expert), torch.tensor(1.05, dtype=torch.float64))
-    # token 2 dropped: f = (1/4, 2/4): 2 * (0.1125 + 0.275) = 0.775
-    keep = torch.tensor([True, True, False, True])
-    torch.testing.assert_close(switch_balance_loss(probs, expert, keep), torch.tensor(0.775, dtype=torch.float64))
-    # uniform router, balanced routing: 1 ; everything (router and routes) on one expert: k
+    # argmax experts 0, 1, 0 (tie: lower index), 1: f = (1/2, 1/2), P = (0.45, 0.55): 2 * (0.225 + 0.275) = 1
+    torch.testing.assert_close(switch_balance_loss(probs), torch.tensor(1.0, dtype=torch.float64))
+    skew = torch.tensor([[0.7, 0.3], [0.6, 0.4], [0.9, 0.1], [0.2, 0.8]], dtype=torch.float64)
+    # f = (3/4, 1/4), P = (0.6, 0.4): 2 * (0.45 + 0.1) = 1.1
+    torch.testing.assert_close(switch_balance_loss(skew), torch.tensor(1.1, dtype=torch.float64))
+    # uniform router: 1 ; everything on one expert: k
     uni = torch.full((6, 3), 1 / 3, dtype=torch.float64)
-    torch.testing.assert_close(switch_balance_loss(uni, torch.tensor([0, 1, 2, 2, 1, 0])),
-                               torch.tensor(1.0, dtype=torch.float64))
+    torch.testing.assert_close(switch_balance_loss(uni), torch.tensor(1.0, dtype=torch.float64))
     hot = torch.tensor([[1.0, 0.0, 0.0]] * 6, dtype=torch.float64)
-    torch.testing.assert_close(switch_balance_loss(hot, torch.zeros(6, dtype=torch.long)),
-                               torch.tensor(3.0, dtype=torch.float64))
+    torch.testing.assert_close(switch_balance_loss(hot), torch.tensor(3.0, dtype=torch.float64))
     # batched
-    both = switch_balance_loss(torch.stack([probs, probs]), torch.stack([expert, expert]),
-                               torch.stack([torch.ones(4, dtype=torch.bool), keep]))
-    torch.testing.assert_close(both, torch.tensor([1.05, 0.775], dtype=torch.float64))
+    torch.testing.assert_close(switch_balance_loss(torch.stack([probs, skew])),
+                               torch.tensor([1.0, 1.1], dtype=torch.float64))
     # gradient: d/dP only (f is a count): d loss / d probs_ij = k f_j / n
-    pr = probs.clone().requires_grad_()
-    (g,) = torch.autograd.grad(switch_balance_loss(pr, expert, keep), pr)
-    torch.testing.assert_close(g, (2 * torch.tensor([0.25, 0.5], dtype=torch.float64) / 4).expand(4, 2))
+    pr = skew.clone().requires_grad_()
+    (g,) = torch.autograd.grad(switch_balance_loss(pr), pr)
+    torch.testing.assert_close(g, (2 * torch.tensor([0.75, 0.25], dtype=torch.float64) / 4).expand(4, 2))
+    # the old (expert, keep) arguments are refused, naming them
+    with pytest.raises(TypeError, match="expert"):
+        switch_balance_loss(probs, torch.tensor([0, 1, 1, 1]))
+    with pytest.raises(TypeError, match="keep"):
+        switch_balance_loss(probs, keep=torch.ones(4, dtype=torch.bool))
 
 
 # ============================================================================ 5. bad input

@@ -73,7 +73,7 @@ def _own_routes(model: ToyBatch, r: Routes, i: int) -> Routes:
     log_p_z = log_p.gather(-1, expert)
     return Routes(
         expert=expert, gate=log_p_z.exp(), keep=keep, weight=r.weight[i : i + 1], log_prob=log_p_z,
-        aux={"balance": switch_balance_loss(log_p.exp(), expert[..., 0], keep[..., 0])},
+        aux={"balance": switch_balance_loss(log_p.exp())},
     )
 
 

@@ -34,63 +34,68 @@ seeds = st.integers(0, 2**31 - 1)
 # ------------------------------------------------------------------------- switch_balance
 
 
-def np_switch_balance(probs: np.ndarray, expert: np.ndarray, keep: np.ndarray | None, fraction_of: str) -> float:
+def np_switch_balance(probs: np.ndarray) -> float:
+    """Fedus et al. (2021) eq. 4 written out: f_e = share of tokens whose argmax is e, P_e = mean prob."""
     n, E = probs.shape
     if n == 0:
         return 0.0
-    counted = np.ones(expert.shape) if keep is None else keep.astype(float)
     counts = np.zeros(E)
-    for t in range(expert.shape[0]):
-        for j in range(expert.shape[1]):
-            counts[expert[t, j]] += counted[t, j]
-    if fraction_of == "slots":
-        f = counts / max(counts.sum(), 1.0)
-    else:
-        f = counts / n
+    for t in range(n):
+        best = 0
+        for e in range(1, E):
+            if probs[t, e] > probs[t, best]:
+                best = e
+        counts[best] += 1
     P = probs.mean(0)
-    return float(E * sum(f[j] * P[j] for j in range(E)))
+    return float(E * sum(counts[j] / n * P[j] for j in range(E)))
 
 
 @FAST
-@given(B=st.sampled_from(((), (2,), (2, 3))), n=st.integers(0, 8), E=st.integers(1, 5), s=st.integers(1, 3),
-       fraction_of=st.sampled_from(("slots", "tokens")), with_keep=st.booleans(), seed=seeds)
-def test_switch_balance_formula_and_gradient(B, n, E, s, fraction_of, with_keep, seed) -> None:
+@given(B=st.sampled_from(((), (2,), (2, 3))), n=st.integers(0, 8), E=st.integers(1, 5), seed=seeds)
+def test_switch_balance_formula_and_gradient(B, n, E, seed) -> None:
     g = torch.Generator().manual_seed(seed)
     probs = torch.softmax(torch.randn(*B, n, E, generator=g, dtype=torch.float64), -1).requires_grad_(True)
-    expert = torch.randint(0, E, (*B, n, s), generator=g)
-    keep = (torch.rand(*B, n, s, generator=g) < 0.6) if with_keep else None
-    loss = switch_balance(probs, expert, keep, fraction_of=fraction_of)
+    loss = switch_balance(probs)
     assert loss.shape == B
     nb = math.prod(B)
     P = probs.detach().reshape(nb, n, E).numpy()
-    Z = expert.reshape(nb, n, s).numpy()
-    K = None if keep is None else keep.reshape(nb, n, s).numpy()
-    want = [np_switch_balance(P[b], Z[b], None if K is None else K[b], fraction_of) for b in range(P.shape[0])]
+    want = [np_switch_balance(P[b]) for b in range(P.shape[0])]
     np.testing.assert_allclose(loss.detach().reshape(-1).numpy(), want, rtol=1e-12, atol=1e-15)
     if n:
         (grad,) = torch.autograd.grad(loss.sum(), probs)
         for b in range(P.shape[0]):
-            counted = np.ones((n, s)) if K is None else K[b].astype(float)
-            counts = np.bincount(Z[b].reshape(-1), weights=counted.reshape(-1), minlength=E)
-            f = counts / (max(counts.sum(), 1.0) if fraction_of == "slots" else n)
+            f = np.bincount(P[b].argmax(-1), minlength=E) / n
             np.testing.assert_allclose(grad.reshape(nb, n, E)[b].numpy(), np.broadcast_to(E * f / n, (n, E)),
                                        rtol=1e-12, atol=1e-15)
 
 
 def test_switch_balance_hand_computed() -> None:
-    """n = 4 tokens, E = 2, one slot, the last slot dropped. Counted: experts 0, 0, 1.
-    P = (0.6, 0.4). slots: f = (2/3, 1/3) -> 2 (0.4 + 0.4/3) = 16/15; tokens: f = (1/2, 1/4)
-    -> 2 (0.3 + 0.1) = 0.8. The two options differ only when slots are dropped (or s > 1)."""
+    """n = 4 tokens, E = 2. Argmax experts 0, 0 (a tie goes to the lower index), 1, 0:
+    f = (3/4, 1/4), P = (0.6, 0.4) -> 2 (0.45 + 0.1) = 1.1."""
     probs = torch.tensor([[0.9, 0.1], [0.5, 0.5], [0.3, 0.7], [0.7, 0.3]], dtype=torch.float64)
-    expert = torch.tensor([[0], [0], [1], [1]])
-    keep = torch.tensor([[True], [True], [True], [False]])
-    assert float(switch_balance(probs, expert, keep, fraction_of="slots")) == pytest.approx(16 / 15, rel=1e-12)
-    assert float(switch_balance(probs, expert, keep, fraction_of="tokens")) == pytest.approx(0.8, rel=1e-12)
-    both = [float(switch_balance(probs, expert, fraction_of=f)) for f in ("slots", "tokens")]
-    assert both[0] == pytest.approx(both[1]) == pytest.approx(2 * (0.5 * 0.6 + 0.5 * 0.4))
-    assert float(switch_balance(torch.full((4, 4), 0.25), torch.arange(4).reshape(4, 1))) == pytest.approx(1.0)
-    with pytest.raises(ValueError, match="fraction_of"):
-        switch_balance(probs, expert, fraction_of="experts")
+    assert float(switch_balance(probs)) == pytest.approx(1.1, rel=1e-12)
+    assert float(switch_balance(torch.full((4, 4), 0.25))) == pytest.approx(1.0)  # uniform router: 1
+    hot = torch.tensor([[1.0, 0.0, 0.0]] * 6, dtype=torch.float64)
+    assert float(switch_balance(hot)) == pytest.approx(3.0)  # one expert takes everything: E
+    assert switch_balance(torch.zeros(2, 0, 3)).tolist() == [0.0, 0.0]
+
+
+def test_switch_balance_acts_where_the_routing_is_balanced_by_construction() -> None:
+    """The issue it fixes: a Gumbel-Matching assignment keeps n/E tokens per expert, so a loss counting
+    the *kept* tokens is the constant 1 with zero gradient. The router's argmax is not balanced, so the
+    Switch loss is above 1 and pushes the router towards the under-used expert."""
+    from routelab.estimators import sample_routes
+
+    x = torch.linspace(-1, 1, 20, dtype=torch.float64)
+    logits = torch.stack([torch.zeros_like(x), 0.3 + x], -1).requires_grad_(True)  # prefers expert 1
+    r = sample_routes(logits, "gumbel_matching_iw", tau=0.01, generator=torch.Generator().manual_seed(0))
+    assert r.stats["tokens_per_expert"].tolist() == [10, 10]
+    p = torch.softmax(logits, -1).detach().numpy()
+    value = float(r.aux["balance"].detach())
+    assert value == pytest.approx(np_switch_balance(p), rel=1e-12)
+    assert value > 1.0
+    (g,) = torch.autograd.grad(r.aux["balance"], logits)
+    assert float(g[:, 1].sum()) > 0  # descending it lowers the over-used expert's logits
 
 
 # ------------------------------------------------------------------------- cv_squared

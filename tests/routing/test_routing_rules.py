@@ -55,7 +55,8 @@ def np_cv2(x: np.ndarray) -> float:
 
 def np_switch(probs: np.ndarray, expert: np.ndarray) -> float:
     n, E = probs.shape
-    f = np.bincount(expert.reshape(-1), minlength=E) / expert.size
+    """Switch loss: f from each token's argmax of the router probabilities (not the chosen slots)."""
+    f = np.bincount(probs.argmax(-1), minlength=E) / n
     return float(E * (f * probs.mean(0)).sum())
 
 

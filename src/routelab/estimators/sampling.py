@@ -187,45 +187,40 @@ def sample_routes(
     log_p_z = log_p.gather(-1, expert.unsqueeze(-1)).squeeze(-1)
     counts = torch.zeros((*batch, k), dtype=torch.long, device=logits.device)
     counts.scatter_add_(-1, expert, keep.long())
-    balance = switch_balance(log_p.exp(), expert.unsqueeze(-1), keep.unsqueeze(-1), fraction_of="tokens")
+    balance = switch_balance(log_p.exp())
     return _cast_routes(routes_record(expert, keep, log_p_z, log_q_z, correction, balance, counts), logits.dtype)
 
 
-def switch_balance_loss(probs: Tensor, expert: Tensor, keep: Tensor | None = None) -> Tensor:
-    """Switch-Transformer load-balancing loss ``k * sum_j f_j * P_j`` (Fedus et al. 2021).
+def switch_balance_loss(probs: Tensor, expert: object = None, keep: object = None) -> Tensor:
+    """Switch-Transformer load-balancing loss ``k * sum_j f_j * P_j`` (Fedus et al. 2021): the
+    ``aux["balance"]`` of :func:`sample_routes`, with its argument checked.
 
-    :func:`routelab.routing.switch_balance` with ``fraction_of="tokens"``, for single-choice
-    routes (the ``aux["balance"]`` of :func:`sample_routes`), with its arguments checked.
+    :func:`routelab.routing.switch_balance`, the one definition: ``f_j`` is the fraction of the
+    ``n`` tokens whose router argmax is ``j`` (before any sampling, skipping or balancing; not
+    differentiable) and ``P_j`` the mean router probability of ``j``. It is 1 when both are
+    uniform and grows as the router concentrates -- also under Gumbel-Matching, whose sampled
+    assignment is balanced by construction while the router need not be.
 
     Args:
         probs: ``[..., n, k]`` router probabilities (differentiable).
-        expert: ``[..., n]`` chosen experts.
-        keep: optional ``[..., n]`` bool; dropped tokens do not count in ``f``.
+        expert, keep: no longer taken (``f`` used to count the sampled, kept experts, which made
+            the loss the constant 1 under Gumbel-Matching); passing either is a ``TypeError``.
 
     Returns:
-        ``[...]``: ``f_j`` is the fraction of the ``n`` tokens routed to expert ``j`` (not
-        differentiable), ``P_j`` the mean router probability of ``j``. It is 1 when both are
-        uniform and grows as routing concentrates.
+        ``[...]``.
 
     Raises:
-        ValueError: ``probs`` not a floating ``[..., n, k]`` tensor, ``expert`` not a long tensor
-            ``[..., n]`` of indices in ``[0, k)``, or ``keep`` of another shape.
+        ValueError: ``probs`` not a floating ``[..., n, k]`` tensor.
+        TypeError: ``expert`` or ``keep`` given.
     """
+    for name, value in (("expert", expert), ("keep", keep)):
+        if value is not None:
+            raise TypeError(f"switch_balance_loss takes no {name} argument: f_j is the fraction of tokens whose "
+                            "router argmax is j (Switch Transformer), computed from probs; call "
+                            "switch_balance_loss(probs)")
     if not isinstance(probs, Tensor) or probs.ndim < 2 or not probs.is_floating_point():
         raise ValueError(f"probs must be a floating tensor [..., n, k], got {getattr(probs, 'shape', type(probs))}")
-    k = probs.shape[-1]
-    if not isinstance(expert, Tensor) or expert.shape != probs.shape[:-1] or expert.dtype != torch.long:
-        got = (tuple(expert.shape), expert.dtype) if isinstance(expert, Tensor) else type(expert).__name__
-        raise ValueError(f"expert must be a long tensor of shape {tuple(probs.shape[:-1])} (probs without the "
-                         f"experts dimension), got {got}")
-    if keep is not None and (not isinstance(keep, Tensor) or keep.shape != expert.shape):
-        got = tuple(keep.shape) if isinstance(keep, Tensor) else type(keep).__name__
-        raise ValueError(f"keep must be a bool tensor of expert's shape {tuple(expert.shape)}, got {got}")
-    if expert.numel() and bool(((expert < 0) | (expert >= k)).any()):
-        raise ValueError(f"expert must hold indices in [0, k={k}), got values in "
-                         f"[{int(expert.min())}, {int(expert.max())}]")
-    return switch_balance(probs, expert.unsqueeze(-1), None if keep is None else keep.unsqueeze(-1),
-                          fraction_of="tokens")
+    return switch_balance(probs)
 
 
 def _temperature(tau: float | Tensor, batch: torch.Size, like: Tensor, top: Tensor | None = None,

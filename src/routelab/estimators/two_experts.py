@@ -26,7 +26,7 @@ from torch import Tensor
 from ..assignment import sinkhorn_balance
 from ..routes import Routes
 from ..routing.capacity import random_skip
-from ..routing.losses import switch_balance_from
+from ..routing.losses import switch_balance
 from ._record import routes_record, score_limit, skip_correction
 
 __all__ = ["sample_two"]
@@ -141,12 +141,9 @@ def sample_two(
     sign = torch.where(z, 1.0, -1.0).to(s.dtype)
     log_q_z = F.logsigmoid(sign * s_ref)
     log_p_z = F.logsigmoid(sign * s)
-    # Switch balance loss 2 * sum_j f_j P_j with f over the n tokens (as switch_balance_loss),
-    # from its closed-form halves.
-    p1 = torch.sigmoid(s)
-    f1 = (z & keep).to(s.dtype).sum(-1) / n
-    f0 = (~z & keep).to(s.dtype).sum(-1) / n
-    balance = switch_balance_from(torch.stack([f0, f1], -1), torch.stack([(1 - p1).mean(-1), p1.mean(-1)], -1))
+    # Switch balance loss 2 * sum_j f_j P_j, f from the router's argmax (routing.losses): the
+    # probabilities of the two experts are sigmoid(-s) and sigmoid(s).
+    balance = switch_balance(torch.stack([torch.sigmoid(-s), torch.sigmoid(s)], -1))
     on_one = (z & keep).sum(-1)
     counts = torch.stack([keep.sum(-1) - on_one, on_one], dim=-1)
     return routes_record(z.long(), keep, log_p_z, log_q_z, correction, balance.reshape(batch), counts)

@@ -7,52 +7,39 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["FRACTIONS", "cv_squared", "noisy_topk_load", "switch_balance", "switch_balance_from"]
-
-#: What the routed fraction ``f_e`` of :func:`switch_balance` is a fraction of.
-FRACTIONS: tuple[str, ...] = ("slots", "tokens")
+__all__ = ["cv_squared", "noisy_topk_load", "switch_balance"]
 
 
-def switch_balance(probs: Tensor, expert: Tensor, keep: Tensor | None = None, *, fraction_of: str = "slots") -> Tensor:
-    """Switch-Transformer balance loss ``E * sum_e f_e P_e`` (Fedus et al. 2021).
+def switch_balance(probs: Tensor) -> Tensor:
+    """Switch-Transformer load-balancing loss ``E * sum_e f_e P_e`` (Fedus et al. 2021, eq. 4).
 
-    ``P_e`` is the mean router probability of expert ``e`` over the ``n`` tokens, ``f_e`` the
-    routed fraction of ``e`` (not differentiable). It is 1 when both are uniform and grows as the
-    routing concentrates. The two normalisations of ``f`` in use:
+    The one definition in routelab, used by every router's and estimator's ``aux["balance"]``:
 
-    * ``fraction_of="slots"``: ``f_e`` = counted slots on ``e`` / all counted slots (``f`` sums
-      to 1): the routers' ``aux["balance"]`` (:func:`routelab.routers.losses.switch_balance`);
-    * ``fraction_of="tokens"``: ``f_e`` = counted slots on ``e`` / ``n`` tokens (a dropped token
-      lowers the sum): the record of :func:`routelab.estimators.sample_routes`
-      (:func:`routelab.estimators.switch_balance_loss`).
+    * ``f_e``: the fraction of the ``n`` tokens whose router argmax is ``e`` -- the argmax of the
+      router's own probabilities, i.e. of its logits *before* noise, capacity, balancing or
+      sampling (not differentiable; ties go to the lower index, as :func:`torch.argmax`);
+    * ``P_e``: the mean router probability of ``e`` over the tokens (differentiable).
+
+    Counting the router's argmax, not the experts a rule finally keeps, is what makes the loss
+    act where routing is balanced by construction: a Gumbel-Matching or BASE assignment keeps
+    exactly ``n / E`` tokens per expert, so a loss counting the kept tokens would be the
+    constant 1 with zero gradient, while the router itself may still prefer one expert.
+    The loss is 1 when both ``f`` and ``P`` are uniform, and at most ``E``.
 
     Args:
-        probs: ``[..., n, E]`` router probabilities (differentiable).
-        expert: ``[..., n, slots]`` chosen experts, in ``[0, E)`` (not checked here).
-        keep: optional ``[..., n, slots]`` bool, the slots that count (default: all).
-        fraction_of: ``"slots"`` or ``"tokens"``, see above.
+        probs: ``[..., n, E]`` router probabilities (differentiable), e.g. ``softmax(logits)``.
 
     Returns:
         ``[...]`` (``0`` for an empty batch, ``n = 0``).
     """
-    if fraction_of not in FRACTIONS:
-        raise ValueError(f"fraction_of must be one of {', '.join(FRACTIONS)}, got {fraction_of!r}")
     n, E = probs.shape[-2], probs.shape[-1]
     batch = probs.shape[:-2]
     if n == 0:
         return probs.new_zeros(batch)
-    flat = expert.reshape(*batch, expert.shape[-2] * expert.shape[-1])
-    counted = torch.ones(flat.shape, dtype=probs.dtype, device=probs.device) if keep is None else \
-        keep.reshape(flat.shape).to(probs.dtype)
-    counts = torch.zeros((*batch, E), dtype=probs.dtype, device=probs.device).scatter_add_(-1, flat, counted)
-    total = counts.sum(-1, keepdim=True).clamp(min=1) if fraction_of == "slots" else n
-    return switch_balance_from(counts / total, probs.mean(-2))
-
-
-def switch_balance_from(fraction: Tensor, mean_prob: Tensor) -> Tensor:
-    """``E * sum_e f_e P_e`` from its two halves, ``fraction`` ``f [..., E]`` (detached here) and
-    ``mean_prob`` ``P [..., E]``: for callers that have them in closed form (two experts)."""
-    return fraction.shape[-1] * (fraction.detach() * mean_prob).sum(-1)
+    top = probs.detach().argmax(-1)  # [..., n]
+    counts = torch.zeros((*batch, E), dtype=probs.dtype, device=probs.device)
+    counts.scatter_add_(-1, top, torch.ones(top.shape, dtype=probs.dtype, device=probs.device))
+    return E * ((counts / n) * probs.mean(-2)).sum(-1)
 
 
 def cv_squared(x: Tensor, eps: float = 1e-10) -> Tensor:

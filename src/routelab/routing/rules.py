@@ -157,7 +157,7 @@ def topk_routes(logits: Tensor, k: int, *, renormalize: bool = False, balance_co
     keep = torch.ones_like(expert, dtype=torch.bool)
     aux = {}
     if balance_coef:
-        aux["balance"] = balance_coef * switch_balance(log_p.exp(), expert, keep, fraction_of="slots")
+        aux["balance"] = balance_coef * switch_balance(log_p.exp())
     return Routes(expert=expert, gate=gate, keep=keep, weight=torch.ones_like(gate), log_prob=log_prob, aux=aux)
 
 
@@ -347,5 +347,5 @@ def sinkhorn_routes(logits: Tensor, k: int, *, sweeps: int = 20, balanced: bool 
     keep = torch.ones_like(expert, dtype=torch.bool)
     aux = {}
     if balance_coef and n:
-        aux["balance"] = balance_coef * switch_balance(log_p.exp(), expert, keep, fraction_of="slots")
+        aux["balance"] = balance_coef * switch_balance(log_p.exp())
     return Routes(expert=expert, gate=gate, keep=keep, weight=torch.ones_like(gate), log_prob=log_prob, aux=aux)
