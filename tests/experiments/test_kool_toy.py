@@ -148,14 +148,18 @@ def test_registered() -> None:
     assert exp is kt.EXPERIMENT and exp.sweep is kt.run_sweep
     assert exp.full is kt.FULL and exp.quick_settings is kt.QUICK
     assert kt.QUICK.quick and not kt.FULL.quick
-    assert len(kt.FULL.taus) == 7 and kt.FULL.taus[0] == 0.1 and kt.FULL.taus[-1] == 10.0
+    # Issue 13: at least 11 log-spaced temperatures from 1e-3 to 10 (gating learns only at tau <= 0.01)
+    taus = kt.FULL.taus
+    assert len(taus) >= 11 and taus[0] == 0.001 and taus[-1] == 10.0
+    ratios = [b / a for a, b in zip(taus, taus[1:])]
+    assert max(ratios) / min(ratios) < 1.01, "log-spaced"
     assert len(kt.FULL.seeds) == 10 and kt.FULL.steps == 10_000
 
 
 def test_chunks_cover_every_run_once() -> None:
     chunks = kt.plan_chunks(kt.FULL)
     keys = [r.key for c in chunks for r in c.runs]
-    assert len(keys) == len(set(keys)) == len(kt.FULL.configs) * 6 * 7 * 10
+    assert len(keys) == len(set(keys)) == len(kt.FULL.configs) * 6 * len(kt.FULL.taus) * 10
     for c in chunks:  # no Sinkhorn call in the plain chunks
         if "sinkhorn" not in c.name:
             assert all(not CONFIGS[r.config].sinkhorn and r.method != "gumbel_matching_sh" for r in c.runs)

@@ -334,7 +334,9 @@ class ToyBatch:
         expert from the router, where ``pred_ij = out_j(x_i)`` for REINFORCE and
         ``p_ij out_j(x_i)`` for gating (the model's output when expert ``j`` is chosen).
         ``argmax_mse``: the same with the most probable expert. ``load``: mean router
-        probability of expert 1. ``mse_ungated``: the REINFORCE-style MSE for every run.
+        probability of expert 1. ``argmax_load``: the fraction of points whose most probable
+        expert is expert 1 (0 or 1: the router has collapsed, one expert is never preferred).
+        ``mse_ungated``: the REINFORCE-style MSE for every run.
         """
         p = torch.softmax(self.logits(), dim=-1)
         out = self.expert_outputs()
@@ -344,7 +346,8 @@ class ToyBatch:
         top = p.argmax(-1, keepdim=True)
         argmax_mse = err.gather(-1, top).squeeze(-1).mean(-1)
         mse_ungated = (p * (self.y.unsqueeze(-1) - out) ** 2).sum(-1).mean(-1)
-        return {"mse": mse, "argmax_mse": argmax_mse, "load": p[..., 1].mean(-1), "mse_ungated": mse_ungated}
+        return {"mse": mse, "argmax_mse": argmax_mse, "load": p[..., 1].mean(-1),
+                "argmax_load": top.squeeze(-1).to(p.dtype).mean(-1), "mse_ungated": mse_ungated}
 
 
 def _group_generators(batch: ToyBatch, chunk_seed: int) -> dict[tuple[bool, str], torch.Generator]:
@@ -401,7 +404,9 @@ def train_chunk(
 
     Returns:
         One dict per run (in order): the run's fields, ``mse``, ``argmax_mse``, ``success``,
-        ``load`` (final mean router probability of expert 1), ``mse_ungated``, ``tokens_per_expert``
+        ``load`` (final mean router probability of expert 1), ``argmax_load`` (final fraction of
+        points whose most probable expert is 1) and ``collapsed`` (it is 0 or 1: router collapse,
+        one expert never preferred), ``mse_ungated``, ``tokens_per_expert``
         (last step), importance-weight statistics over training (``iw_mean``: mean weight of kept
         tokens; ``iw_max``: largest weight seen; ``iw_mean_max``: mean over steps of the per-step
         largest weight), ``dropped``: mean dropped fraction, ``mse_curve``: ``[step, mse]`` every
@@ -505,6 +510,8 @@ def train_chunk(
                 "mse_ungated": r7(ev["mse_ungated"][i]),
                 "success": bool(mse < SUCCESS_MSE),
                 "load": r7(ev["load"][i]),
+                "argmax_load": r7(ev["argmax_load"][i]),
+                "collapsed": ev["argmax_load"][i] in (0.0, 1.0),
                 "tokens_per_expert": tpe[i],
                 "iw_mean": r7(iw_mean[i]),
                 "iw_max": r7(iw_max_l[i]),

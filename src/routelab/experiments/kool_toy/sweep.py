@@ -44,7 +44,7 @@ class Settings:
 
     configs: tuple[str, ...] = tuple(CONFIGS)
     methods: tuple[str, ...] = METHODS
-    taus: tuple[float, ...] = log_taus(7)
+    taus: tuple[float, ...] = log_taus(13, 1e-3, 10.0)
     seeds: tuple[int, ...] = tuple(range(10))
     steps: int = 10_000
     marginal_ns: tuple[int, ...] = (2, 4, 8, 16, 32)
