@@ -34,6 +34,7 @@ from ..kit.provenance import routelab_version
 from ..kit.store import append_jsonl_atomic, atomic_write_text, is_failed, read_jsonl, split_failed
 from .claims import evaluate_claims
 from .figures import FIGURES, draw_figures
+from .gradients import gradient_check
 from .marginals import marginals_check
 from .model import CONFIGS, Config, RunSpec, make_data, train_chunk
 from .parallel import ChunkResult, train_chunks
@@ -145,10 +146,11 @@ def run_sweep(
         finally:
             bar.close()
         marginals = _marginals(out_dir, settings)
+        gradients = _gradients(out_dir, settings)
     finally:
         torch.set_num_threads(old_threads)
     skipped = {name: skip_reason for name in skip_chunks}
-    return write_outputs(out_dir, settings, marginals=marginals, errors=errors,
+    return write_outputs(out_dir, settings, marginals=marginals, gradients=gradients, errors=errors,
                          wall_s=time.perf_counter() - t_start, figures=figures, skipped=skipped)
 
 
@@ -183,6 +185,24 @@ def _marginals(out_dir: Path, settings: Settings) -> list[dict] | None:
     return rows
 
 
+def _gradients(out_dir: Path, settings: Settings) -> list[dict] | None:
+    """Claim 2's expected-gradient check (or reuse ``gradients.json`` from an identical earlier call)."""
+    if not (settings.gradient_seeds and settings.gradient_taus):
+        return None
+    groups = 8
+    spec = {"seeds": list(settings.gradient_seeds), "taus": list(settings.gradient_taus),
+            "copies": settings.gradient_copies, "groups": groups}
+    path = out_dir / "gradients.json"
+    if path.exists():
+        old = json.loads(path.read_text(encoding="utf-8"))
+        if old.get("spec") == spec:
+            return old["rows"]
+    rows = gradient_check(settings.gradient_seeds, settings.gradient_taus,
+                          copies=max(1, settings.gradient_copies // groups), groups=groups)
+    atomic_write_text(path, json.dumps({"spec": spec, "rows": rows}, indent=1))
+    return rows
+
+
 # ----------------------------------------------------------------------------- outputs
 
 
@@ -191,6 +211,7 @@ def write_outputs(
     settings: Settings,
     *,
     marginals: list[dict] | None = None,
+    gradients: list[dict] | None = None,
     errors: Sequence[dict] = (),
     wall_s: float | None = None,
     figures: bool = True,
@@ -214,9 +235,11 @@ def write_outputs(
 
     if figures:
         draw_figures(out_dir, split_failed(records)[0], marginals)
-    text = render_report(settings, records, marginals=marginals, errors=errors, wall_s=wall_s,
+    if gradients is None and (out_dir / "gradients.json").exists():  # re-rendered from the records
+        gradients = json.loads((out_dir / "gradients.json").read_text(encoding="utf-8"))["rows"]
+    text = render_report(settings, records, marginals=marginals, gradients=gradients, errors=errors, wall_s=wall_s,
                          n_planned=len(planned), skipped=skipped or {}, chunks=chunks)
-    write_claims_json(out_dir, evaluate_claims(records, marginals), experiment="kool-toy",
+    write_claims_json(out_dir, evaluate_claims(records, marginals, gradients), experiment="kool-toy",
                       paper="Kool et al. 2021", quick=settings.quick)
     return atomic_write_text(out_dir / "report.md", text)
 

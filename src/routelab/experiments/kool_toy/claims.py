@@ -32,6 +32,7 @@ __all__ = [
     "SOLVED_FRACTION",
     "SuccessTable",
     "evaluate_claims",
+    "gradient_summary",
     "is_success",
     "success_table",
 ]
@@ -190,8 +191,28 @@ def skip_iw_matches_sample(table: SuccessTable) -> Claim:
     return Claim(text=text, criterion=crit, measured=measured, verdict=verdict)
 
 
-def skip_without_iw_falls_behind(table: SuccessTable) -> Claim:
-    """Claim 2 of the report (its text, criterion and verdict below)."""
+def gradient_summary(gradients: Sequence[Mapping] | None) -> str:
+    """One sentence on claim 2's mechanism from :func:`.gradients.gradient_check` rows ("" if none)."""
+    if not gradients:
+        return ""
+
+    def span(key: str) -> str:
+        v = [float(r[key]) for r in gradients]
+        return f"{min(v):.3f}–{max(v):.3f} (median {float(np.median(v)):.3f})"
+
+    taus = sorted({float(r["tau"]) for r in gradients})
+    return (
+        f"; expected REINFORCE gradient at the initial parameters ({len({r['seed'] for r in gradients})} seeds × "
+        f"τ = {', '.join(tau_str(t) for t in taus)}; {gradients[0]['copies']} draws per method): Sample Skip vs "
+        f"Sample, cosine {span('cos_skip_all')}, norm ratio {span('ratio_skip_all')}; router (a, c) alone: cosine "
+        f"{span('cos_skip_router')}, norm ratio {span('ratio_skip_router')} (control, Sample Skip IW: cosine "
+        f"{span('cos_iw_all')}, ratio {span('ratio_iw_all')})"
+    )
+
+
+def skip_without_iw_falls_behind(table: SuccessTable, gradients: Sequence[Mapping] | None = None) -> Claim:
+    """Claim 2 of the report (its text, criterion and verdict below). ``gradients``: the rows of
+    the expected-gradient check (:mod:`.gradients`), quoted as the mechanism."""
     text = "Sample Skip (no IW correction) does not match Sample (Fig. 2b)."
     crit = (
         "REINFORCE: (a) at some τ, Sample's success rate exceeds Sample Skip's by ≥ 0.3; (b) averaged "
@@ -205,7 +226,7 @@ def skip_without_iw_falls_behind(table: SuccessTable) -> Claim:
     b = bool(gaps) and float(np.mean(gaps)) >= 0.1 - 1e-12
     measured = (
         f"success-rate gap Sample − Sample Skip per τ: {', '.join(f'{g:+.1f}' for g in gaps)} "
-        f"(mean {np.mean(gaps) if gaps else float('nan'):+.2f})"
+        f"(mean {np.mean(gaps) if gaps else float('nan'):+.2f})" + gradient_summary(gradients)
     )
     return Claim(text=text, criterion=crit, measured=measured, verdict=verdict_of([a, b]))
 
@@ -397,13 +418,15 @@ def sinkhorn_marginals_match_gumbel_matching(marginals: Sequence[Mapping] | None
     return Claim(text=text, criterion=crit, measured=measured, verdict=verdict_of(ok) if rows else NOT_MEASURED)
 
 
-def evaluate_claims(records: Sequence[Mapping], marginals: Sequence[Mapping] | None) -> list[Claim]:
+def evaluate_claims(records: Sequence[Mapping], marginals: Sequence[Mapping] | None,
+                    gradients: Sequence[Mapping] | None = None) -> list[Claim]:
     """The nine claims, in the report's order (claim 1 first), evaluated from the run records
-    (failed runs included: they count as unsuccessful seeds) and the marginals check."""
+    (failed runs included: they count as unsuccessful seeds), the marginals check and (quoted in
+    claim 2) the expected-gradient check."""
     table = success_table(records)
     return [
         skip_iw_matches_sample(table),
-        skip_without_iw_falls_behind(table),
+        skip_without_iw_falls_behind(table, gradients),
         gumbel_matching_less_effective(table, records),
         gating_needs_a_small_balance_loss(table),
         gating_fails_without_iw(table),

@@ -35,6 +35,9 @@ class Settings:
         seeds: seeds (data and initialisation).
         steps: Adam steps per run.
         marginal_ns, marginal_matrices, marginal_samples: the marginals check (``()`` skips it).
+        gradient_seeds, gradient_taus, gradient_copies: claim 2's expected-gradient check
+            (:mod:`.gradients`) at these seeds' initial parameters and temperatures, with
+            ``gradient_copies`` route draws per method (``()`` skips it).
         threads: torch intra-op threads while training (restored afterwards); the tensors are
             small, so one thread avoids synchronisation overhead; ``None`` leaves torch alone.
         workers: processes training chunks side by side (one per CPU core helps: each chunk
@@ -50,6 +53,9 @@ class Settings:
     marginal_ns: tuple[int, ...] = (2, 4, 8, 16, 32)
     marginal_matrices: int = 16
     marginal_samples: int = 40_000
+    gradient_seeds: tuple[int, ...] = tuple(range(10))
+    gradient_taus: tuple[float, ...] = (0.1, 1.0, 10.0)
+    gradient_copies: int = 16_000
     threads: int | None = 1
     workers: int | None = None
     quick: bool = False
