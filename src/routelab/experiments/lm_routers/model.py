@@ -45,8 +45,8 @@ from ...routing import aux_loss, routing_stats
 from ..kit.divergence import check_finite, diverged_on_error
 from .data import CharCorpus
 
-__all__ = ["ROUTER_SPECS", "LayerTimer", "RouterSpec", "Settings", "build_model", "evaluate", "merge_unit_pairs",
-           "mixtral_config", "train_run"]
+__all__ = ["ROUTER_SPECS", "LayerTimer", "ProposedLoad", "RouterSpec", "Settings", "build_model", "evaluate", "lr_at",
+           "merge_unit_pairs", "mixtral_config", "train_run", "unpatched_model"]
 
 
 @dataclass(frozen=True)
@@ -232,6 +232,26 @@ def merge_unit_pairs(narrow: nn.Module, wide: nn.Module) -> None:
                 p.copy_(q)
 
 
+def unpatched_model(spec: RouterSpec, settings: Settings, vocab: int, seed: int) -> nn.Module:
+    """The transformers Mixtral of ``spec`` for ``seed``, before its MoE blocks are given a router.
+
+    ``torch.manual_seed(seed)``, then the ``2 E``-unit model; for a k = 1 router its unit pairs merged into
+    ``E`` wide experts (:func:`merge_unit_pairs`). On ``settings.device``, in training mode.
+    """
+    from transformers import MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    narrow = MixtralForCausalLM(mixtral_config(settings, vocab, wide=False, dense=not spec.sparse))
+    if spec.wide:
+        model = MixtralForCausalLM(mixtral_config(settings, vocab, wide=True))
+        merge_unit_pairs(narrow, model)
+    else:
+        model = narrow
+    model.to(settings.device)
+    model.train()
+    return model
+
+
 def build_model(spec: RouterSpec, settings: Settings, vocab: int, seed: int,
                 generator: torch.Generator | None = None) -> nn.Module:
     """The patched Mixtral of ``spec`` for ``seed`` (same initial weights for every router, see the module docstring).
@@ -246,19 +266,9 @@ def build_model(spec: RouterSpec, settings: Settings, vocab: int, seed: int,
     Returns:
         ``MixtralForCausalLM`` on ``settings.device``, in training mode, its MoE blocks patched.
     """
-    from transformers import MixtralForCausalLM
-
     from ...integrations.hf import patch_moe
 
-    torch.manual_seed(seed)
-    narrow = MixtralForCausalLM(mixtral_config(settings, vocab, wide=False, dense=not spec.sparse))
-    if spec.wide:
-        model = MixtralForCausalLM(mixtral_config(settings, vocab, wide=True))
-        merge_unit_pairs(narrow, model)
-    else:
-        model = narrow
-    model.to(settings.device)
-    model.train()
+    model = unpatched_model(spec, settings, vocab, seed)
     patch_moe(model, spec.router, k=spec.k if spec.sparse else None,
               capacity_factor=settings.capacity_factor if spec.sparse else None, eval_capacity_factor=None,
               importance_weighting=spec.importance_weighting, router_kwargs=dict(spec.options), generator=generator)
@@ -367,7 +377,8 @@ def evaluate(model: nn.Module, windows: Tensor, batch: int) -> dict[str, float]:
     return {"loss": mean, "ppl": math.exp(mean), "bpc": mean / math.log(2), "dropped": dropped}
 
 
-def _lr_at(step: int, settings: Settings) -> float:
+def lr_at(step: int, settings: Settings) -> float:
+    """The learning rate of ``step``: linear warm-up over ``settings.warmup`` steps, then cosine to 10 %."""
     if step < settings.warmup:
         return settings.lr * (step + 1) / settings.warmup
     progress = (step - settings.warmup) / max(1, settings.steps - settings.warmup)
@@ -434,7 +445,7 @@ def train_run(spec: RouterSpec, seed: int, settings: Settings, corpus: CharCorpu
     for step in range(settings.steps):
         t0 = time.perf_counter()
         for group in opt.param_groups:
-            group["lr"] = _lr_at(step, settings)
+            group["lr"] = lr_at(step, settings)
         w = corpus.windows(offsets[step], settings.seq).to(device)
         with diverged_on_error(model, step):
             logits = model(input_ids=w[:, :-1]).logits
