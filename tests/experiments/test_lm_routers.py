@@ -76,6 +76,9 @@ def test_settings_reject_what_cannot_run() -> None:
         TINY.with_(batch=3, seq=7).validate()
     with pytest.raises(ValueError, match="capacity_factor"):
         TINY.with_(capacity_factor=0.5).validate()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            TINY.with_(device="cuda").validate()
 
 
 def test_wide_experts_are_the_sum_of_their_unit_pairs(corpus: CharCorpus) -> None:

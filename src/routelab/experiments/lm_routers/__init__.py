@@ -37,8 +37,9 @@ from .model import ROUTER_SPECS, RouterSpec, Settings, train_run
 
 __all__ = ["EXPERIMENT", "FULL", "QUICK", "ROUTER_SPECS", "RouterSpec", "Settings", "run_sweep", "write_outputs"]
 
-#: The full run: 8 routers x 3 seeds, 1000 steps of 16 x 128 characters each (about 25 min on the
-#: 2-core machine when it is not shared; see the README).
+#: The full run: 9 routers (8 + the noisy top-2 ablation) x 3 seeds, 1000 steps of 16 x 128 characters each,
+#: one torch thread: measured at 0.55 s per step for all 9 routers together on the 2-core AMD EPYC with
+#: other jobs running, so about 29 minutes.
 FULL = Settings()
 #: The quick form run by ``make run``: every router, one seed, a tiny model (well under 2 minutes).
 QUICK = Settings(seeds=(0,), steps=60, batch=8, seq=64, d_model=32, layers=2, heads=2, experts=4, unit_hidden=32,

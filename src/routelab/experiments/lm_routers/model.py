@@ -119,7 +119,8 @@ class Settings:
         eval_every: steps between validation evaluations (also at step 0 and at the end).
         eval_windows, eval_batch: validation windows (of ``seq``) and the evaluation batch.
         test_windows: test windows for the final perplexity.
-        threads: torch CPU threads.
+        threads: torch CPU threads (1: on a shared 2-core machine two threads oversubscribe it and run
+            several times slower).
         device: ``"cpu"`` or ``"cuda"``.
         quick: the quick form (the report says so).
     """
@@ -142,8 +143,8 @@ class Settings:
     eval_every: int = 50
     eval_windows: int = 64
     eval_batch: int = 32
-    test_windows: int = 128
-    threads: int = 2
+    test_windows: int = 256
+    threads: int = 1
     device: str = "cpu"
     quick: bool = False
 
@@ -175,6 +176,9 @@ class Settings:
                              f"{self.capacity_factor!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA device (a CPU build of torch, or no GPU); "
+                             "use device='cpu'")
 
     def key(self) -> dict[str, Any]:
         """The settings a run's result depends on (records of other settings are not reused)."""
