@@ -37,9 +37,10 @@ from .model import ROUTER_SPECS, RouterSpec, Settings, train_run
 
 __all__ = ["EXPERIMENT", "FULL", "QUICK", "ROUTER_SPECS", "RouterSpec", "Settings", "run_sweep", "write_outputs"]
 
-#: The full run: 9 routers (8 + the noisy top-2 ablation) x 3 seeds, 1000 steps of 16 x 128 characters each,
-#: one torch thread: measured at 0.55 s per step for all 9 routers together on the 2-core AMD EPYC with
-#: other jobs running, so about 29 minutes.
+#: The full run: 9 routers (8 + the noisy top-2 ablation) x 3 seeds, 600 steps of 16 x 128 characters each,
+#: one torch thread. Measured on the 2-core AMD EPYC: 0.55 s per step for the 9 routers together when the
+#: other jobs left about one core free, 1.0 s when they took more (the report gives the load), so 17 to
+#: 30 minutes.
 FULL = Settings()
 #: The quick form run by ``make run``: every router, one seed, a tiny model (well under 2 minutes).
 QUICK = Settings(seeds=(0,), steps=60, batch=8, seq=64, d_model=32, layers=2, heads=2, experts=4, unit_hidden=32,

@@ -86,7 +86,8 @@ ROUTER_SPECS: tuple[RouterSpec, ...] = (
     RouterSpec("top2", "topk", 2, {"renormalize": True, "balance_coef": 0.01},
                note="top-2 over the units, weights renormalised over the two (Mixtral), Switch/GShard loss 0.01"),
     RouterSpec("noisy_top2", "noisy_topk", 2, {"importance_coef": 0.1, "load_coef": 0.1},
-               note="noisy top-2 (Shazeer et al. 2017 eq. 3-5), importance + load losses 0.1 each"),
+               note="noisy top-2 (Shazeer et al. 2017 eq. 3-5), importance + load losses 0.1 each; W_g is the model's "
+                    "router weight (shared by patch_moe), W_noise starts at 0"),
     RouterSpec("noisy_top2_noloss", "noisy_topk", 2, {"importance_coef": 0.0, "load_coef": 0.0},
                note="ablation: noisy top-2 without its losses (for the load-loss claim)"),
     RouterSpec("batchwise", "batchwise", 2, {"threshold_coef": 1.0},
@@ -127,7 +128,7 @@ class Settings:
 
     routers: tuple[str, ...] = tuple(s.name for s in ROUTER_SPECS)
     seeds: tuple[int, ...] = (0, 1, 2)
-    steps: int = 400
+    steps: int = 600
     batch: int = 16
     seq: int = 128
     d_model: int = 64
