@@ -190,8 +190,8 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
         out.append(Claim(id="base-matches-topk", text=text, paper=paper,
                          criterion="BASE's test loss (nats/char) is not above that of top-1+Switch loss and of top-2 "
                                    "by more than 2 s.e. of the paired difference (BASE has no aux loss: reported). "
-                                   "holds: both comparisons, qualified '(worse, within 2 s.e.)' when a difference is positive "
-                                   "but inside the spread; partly: one; does not hold: neither." + note,
+                                   "holds: both comparisons, qualified '(worse, within 2 s.e.)' when a difference is "
+                                   "positive but inside the spread; partly: one; does not hold: neither." + note,
                          measured="; ".join(parts) + f"; BASE aux loss {aux:g}", verdict=verdict))
     else:
         out.append(missing("base-matches-topk", text, paper, ("base", "top1_switch", "top2")))
