@@ -64,6 +64,7 @@ def test_registered_and_book_split() -> None:
     assert exp is lm.EXPERIMENT and exp.full is lm.FULL and exp.quick_settings is lm.QUICK
     lm.FULL.validate()
     lm.QUICK.validate()
+    lm.LARGE.with_(device="cpu").validate()
     assert set(lm.QUICK.routers) == set(ALL) and len(lm.FULL.seeds) >= 3
     splits = [split_of_book(i) for i in range(66)]
     assert splits.count("val") == 8 and splits.count("test") == 9 and splits[0] == "test" and splits[4] == "val"

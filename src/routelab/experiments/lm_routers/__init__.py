@@ -35,13 +35,19 @@ from ..kit.provenance import load_average
 from ..kit.store import append_jsonl_atomic, atomic_write_text, is_failed, missing_keys, read_jsonl, split_failed
 from .model import ROUTER_SPECS, RouterSpec, Settings, train_run
 
-__all__ = ["EXPERIMENT", "FULL", "QUICK", "ROUTER_SPECS", "RouterSpec", "Settings", "run_sweep", "write_outputs"]
+__all__ = ["EXPERIMENT", "FULL", "LARGE", "QUICK", "ROUTER_SPECS", "RouterSpec", "Settings", "run_sweep",
+           "write_outputs"]
 
 #: The full run: 9 routers (8 + the noisy top-2 ablation) x 3 seeds, 600 steps of 16 x 128 characters each,
 #: one torch thread. Measured on the 2-core AMD EPYC: 0.55 s per step for the 9 routers together when the
 #: other jobs left about one core free, 1.0 s when they took more (the report gives the load), so 17 to
 #: 30 minutes.
 FULL = Settings()
+#: The larger form for a GPU (issue item 6; ``python -m routelab.experiments.lm_routers --large --device cuda``):
+#: 4 layers, d_model 256, 16 wide experts (32 units), 64 x 256 characters per step. Not run by this project
+#: (no GPU was available to it).
+LARGE = FULL.with_(d_model=256, layers=4, heads=8, experts=16, unit_hidden=256, batch=64, seq=256, steps=2000,
+                   eval_every=100, eval_batch=64, lr=1e-3, warmup=100)
 #: The quick form run by ``make run``: every router, one seed, a tiny model (well under 2 minutes).
 QUICK = Settings(seeds=(0,), steps=60, batch=8, seq=64, d_model=32, layers=2, heads=2, experts=4, unit_hidden=32,
                  warmup=6, eval_every=20, eval_windows=16, eval_batch=16, test_windows=32, threads=1, quick=True)
