@@ -199,7 +199,8 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
     # 2. batchwise / expert-choice converges faster than top-2 at equal compute.
     text = ("Balanced batchwise (expert-choice style) routing converges faster than top-2 token choice at equal "
             "compute.")
-    paper = "Shazeer et al. 2017 App. F; Zhou et al. 2022 (expert choice), Sec. 4"
+    paper = ("Shazeer et al. 2017 App. F (strictly balanced gating); the convergence claim is Zhou et al. 2022's for "
+             "expert-choice routing (later work, not cited by the four papers)")
     if {"batchwise", "top2"} <= have:
         checks = _checkpoints(records, (0.25, 0.5))
         parts, oks, signs = [], [], []
