@@ -13,6 +13,7 @@ from routelab.experiments.lm_routers.data import CharCorpus  # noqa: E402
 from routelab.experiments.lm_routers.model import Settings, build_model  # noqa: E402
 from routelab.experiments.lm_routers.parallel import (  # noqa: E402
     build_routelab_model,
+    clip_grad_norm,
     expert_parallel,
     train_steps,
 )
@@ -23,7 +24,7 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
                                  reason="torch.distributed with gloo is needed")]
 
 TINY = Settings(seeds=(0,), steps=4, batch=4, seq=16, d_model=16, layers=2, heads=2, experts=4, unit_hidden=8,
-                warmup=2, threads=1)
+                warmup=2, clip=0.2, threads=1)  # clip: small enough that the global-norm clipping acts
 STEPS = 4
 #: deterministic k=2, global balanced assignment (k=1, wide experts), stochastic with importance weights, dense
 ROUTERS = ("top2", "base", "gm_iw", "dense")
@@ -74,7 +75,9 @@ def _grads(model: torch.nn.Module, corpus: CharCorpus, rank: int = 0, world: int
     logits = model(input_ids=w[:, :-1]).logits
     ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
     (ce + aux_loss(module)).backward()
-    return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+    grads["global norm"] = torch.tensor(clip_grad_norm(model, float("inf")))  # the norm clipping sees
+    return grads
 
 
 def _grad_worker(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -99,6 +102,7 @@ def test_two_gloo_ranks_give_the_single_process_gradients() -> None:
                     n = ref.shape[0] // 2
                     ref = ref[rank * n:(rank + 1) * n]
                 torch.testing.assert_close(g, ref, atol=1e-6, rtol=1e-4, msg=f"{name} rank {rank} {param}")
+            assert float(got["global norm"]) > TINY.clip  # so the loss-curve test exercises the clipping
 
 
 @pytest.mark.parametrize("name", ["top2", "base", "gm_iw", "batchwise", "dense"])
