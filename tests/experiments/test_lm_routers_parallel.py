@@ -26,8 +26,8 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
 TINY = Settings(seeds=(0,), steps=4, batch=4, seq=16, d_model=16, layers=2, heads=2, experts=4, unit_hidden=8,
                 warmup=2, clip=0.2, threads=1)  # clip: small enough that the global-norm clipping acts
 STEPS = 4
-#: deterministic k=2, global balanced assignment (k=1, wide experts), stochastic with importance weights, dense
-ROUTERS = ("top2", "base", "gm_iw", "dense")
+#: every router of the experiment (the no-loss ablation is noisy top-2 again)
+ROUTERS = ("top1_switch", "top2", "noisy_top2", "batchwise", "base", "sinkhorn", "gm_iw", "dense")
 
 
 def _corpus() -> CharCorpus:
