@@ -25,7 +25,7 @@ from routelab.experiments.kit.tables import md_table
 def test_builtin_experiments_are_registered_in_listing_order() -> None:
     assert list(experiment_registry.REGISTRY) == [
         "kool-toy", "dselect-recovery", "dselect-synthetic", "dselect-movielens", "dselect-multimnist", "mae",
-        "moe-routers",
+        "moe-routers", "lm-routers",
     ]
     assert all(isinstance(e, Experiment) for e in experiment_registry.REGISTRY.values())
 

@@ -183,8 +183,8 @@ def _constructor_worker(rank: int, world: int) -> dict:
         ExpertParallelMoE(D, H, 3, router="topk")
     with pytest.raises(ValueError, match="k and router_kwargs only with a router name"):
         ExpertParallelMoE(D, H, 4, router=ep.router, k=2)
-    with pytest.raises(ValueError, match="gated=True"):
-        ExpertParallelMoE(D, H, 4, activation="swiglu")
+    gated = ExpertParallelMoE(D, H, 4, activation="swiglu", bias=False, seed=7)  # gated experts shard too
+    assert gated.experts.gated and gated.experts.w3.shape == (4 // world, D, H)
     with pytest.raises(ValueError, match="experts="):
         ExpertParallelMoE.from_moe(MoE(D, H, 4, experts=torch.nn.Identity()))
     return {"offset": ep.expert_offset, "w1": ep.experts.w1.detach().clone()}

@@ -19,6 +19,7 @@ from .dselect.recovery import EXPERIMENT as DSELECT_RECOVERY
 from .dselect.synthetic import EXPERIMENT as DSELECT_SYNTHETIC
 from .kit.experiment import Experiment
 from .kool_toy import EXPERIMENT as KOOL_TOY
+from .lm_routers import EXPERIMENT as LM_ROUTERS
 from .mae import EXPERIMENT as MAE
 from .moe_routers import EXPERIMENT as MOE_ROUTERS
 
@@ -26,6 +27,7 @@ __all__ = ["BUILTIN", "REGISTRY", "register"]
 
 BUILTIN: tuple[Experiment, ...] = (
     KOOL_TOY, DSELECT_RECOVERY, DSELECT_SYNTHETIC, DSELECT_MOVIELENS, DSELECT_MULTIMNIST, MAE, MOE_ROUTERS,
+    LM_ROUTERS,
 )
 """routelab's own experiments, in listing order."""
 

@@ -60,10 +60,10 @@ def _require_initialized() -> None:
 
 
 def _check_shardable(config: MoEConfig) -> None:
-    """ValueError for layer options :class:`ExpertParallelMoE` cannot shard (gated or the user's experts)."""
-    if config.experts is not None or config.gated:
-        raise ValueError("ExpertParallelMoE shards plain StackedExperts: it does not take gated=True (or a gated "
-                         "activation) or experts=; use the single-process MoE for those")
+    """ValueError for layer options :class:`ExpertParallelMoE` cannot shard (the user's own experts)."""
+    if config.experts is not None:
+        raise ValueError("ExpertParallelMoE shards routelab's StackedExperts (plain or gated, e.g. "
+                         "activation='swiglu'): it does not take experts=; use the single-process MoE for those")
 
 
 class ExpertParallelMoE(MoE):
@@ -107,8 +107,8 @@ class ExpertParallelMoE(MoE):
         router, capacity_factor, k, router_kwargs, drop_policy, importance_weighting,
             activation, bias, generator, device, dtype, eval_capacity_factor, check_finite: as
             :class:`~routelab.layers.MoE`.
-        gated, experts: not supported (the layer shards plain stacked experts): a ValueError unless
-            ``False`` / ``None``.
+        gated: gated (GLU, e.g. ``activation="swiglu"``) experts, sharded like plain ones.
+        experts: not supported (the layer shards routelab's stacked experts): a ValueError unless ``None``.
         seed: base seed of the experts' initialisation; expert ``e`` is initialised from
             ``seed + e``, so the weights do not depend on the world size. ``None``: drawn on
             rank 0 from torch's global generator and broadcast.
@@ -180,7 +180,7 @@ class ExpertParallelMoE(MoE):
         self.local_experts = num_experts // world
         self.expert_offset = rank * self.local_experts
         self.experts = StackedExperts(d_model, d_hidden, self.local_experts, activation=config.activation,
-                                      bias=config.bias, device=device, dtype=dtype)
+                                      bias=config.bias, gated=config.gated, device=device, dtype=dtype)
         if _sync:
             if seed is None:
                 drawn = torch.randint(0, 2**62, (1,), dtype=torch.long)
@@ -215,7 +215,7 @@ class ExpertParallelMoE(MoE):
                   _sync=False)
         lo, hi = out.expert_offset, out.expert_offset + out.local_experts
         with torch.no_grad():
-            for name in ("w1", "w2", "b1", "b2"):
+            for name in ("w1", "w2", "w3", "b1", "b2", "b3"):
                 src = getattr(ex, name)
                 if src is not None:
                     getattr(out.experts, name).copy_(src[lo:hi])
@@ -240,7 +240,10 @@ class ExpertParallelMoE(MoE):
         with torch.no_grad():
             for i in range(self.local_experts):
                 g = torch.Generator(device=ex.w1.device).manual_seed(int(seed) + self.expert_offset + i)
-                for w, b, fan_in in ((ex.w1, ex.b1, ex.d_model), (ex.w2, ex.b2, ex.d_hidden)):
+                layers = [(ex.w1, ex.b1, ex.d_model), (ex.w2, ex.b2, ex.d_hidden)]
+                if ex.w3 is not None:
+                    layers.append((ex.w3, ex.b3, ex.d_model))
+                for w, b, fan_in in layers:
                     bound = fan_in ** -0.5
                     w[i].uniform_(-bound, bound, generator=g)
                     if b is not None:

@@ -1,0 +1,44 @@
+"""``python -m routelab.experiments.lm_routers [--quick] [--device cuda] [--out DIR]``.
+
+The same sweep as ``routelab reproduce lm-routers``, with the options ``reproduce`` does not have: the
+device (``cuda`` runs every model, its routing included, on the GPU; the hooks that time the routing
+then synchronise the device), the seeds, the number of steps, and ``--large``: 4 layers, d_model 256,
+16 wide experts (for a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from . import FULL, LARGE, QUICK, run_sweep
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m routelab.experiments.lm_routers", description=__doc__.split("\n")[2])
+    form = p.add_mutually_exclusive_group()
+    form.add_argument("--quick", action="store_true", help="the quick form (one seed, a tiny model)")
+    form.add_argument("--large", action="store_true", help="the larger form meant for a GPU (see LARGE)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--out", type=Path, default=Path("results/lm-routers"))
+    p.add_argument("--seeds", type=int, nargs="+", help="seeds (default: the form's)")
+    p.add_argument("--steps", type=int, help="training steps (default: the form's)")
+    p.add_argument("--routers", nargs="+", help="routers (default: all)")
+    args = p.parse_args(argv)
+    settings = QUICK if args.quick else (LARGE if args.large else FULL)
+    changes: dict = {"device": args.device}
+    if args.seeds:
+        changes["seeds"] = tuple(args.seeds)
+    if args.steps:
+        changes["steps"] = args.steps
+    if args.routers:
+        changes["routers"] = tuple(args.routers)
+    report = run_sweep(args.out, settings.with_(**changes))
+    print(f"report: {report}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

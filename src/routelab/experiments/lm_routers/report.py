@@ -1,0 +1,600 @@
+"""results.csv, the figures, the claims and report.md of the lm-routers experiment, from the run records.
+
+Every comparison of two routers is *paired by seed* (the same seed gives both the same initial
+weights and the same batches): the difference ``d_s`` per seed, its mean and standard error. A claim
+that one router is better holds when the mean difference exceeds two standard errors; "as well as"
+holds when the difference is within two standard errors or in its favour. With one seed (the quick
+form) there is no spread, the sign alone decides and the verdict says it is indicative.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ...machine import cpu_model
+from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown
+from ..kit.provenance import software_line
+from ..kit.stats import Stat, mean_se
+from ..kit.tables import csv_cell, md_table
+from .model import ROUTER_SPECS, Settings
+
+__all__ = ["FIGURES", "claims", "draw_figures", "observations", "paired", "render_report", "results_csv",
+           "summary"]
+
+Record = Mapping[str, Any]
+
+
+# ----------------------------------------------------------------------------- per-run summaries
+
+
+def _mean(xs: Sequence[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def summary(record: Record) -> dict[str, Any]:
+    """The scalar results of one run: final perplexities, the last logging window's balance (mean over
+    layers), the time shares and the throughput."""
+    last = record["curve"][-1]
+    layers = last["layers"]
+    return {
+        "router": record["router"], "seed": record["seed"],
+        "test_ppl": record["test_ppl"], "test_loss": math.log(record["test_ppl"]),
+        "val_ppl": record["final_val_ppl"], "val_loss": math.log(record["final_val_ppl"]),
+        "proposed_cv": _mean([layer["proposed_cv"] for layer in layers]),
+        "kept_cv": _mean([layer["load_cv"] for layer in layers]),
+        "dropped": _mean([layer["dropped"] for layer in layers]),
+        "tokens_dropped": _mean([layer["tokens_dropped"] for layer in layers]),
+        "aux": sum(last["aux"].values()) if last["aux"] else 0.0,
+        "routing_of_moe": record["time_share"]["routing_of_moe"],
+        "routing_of_layer": record["time_share"]["routing_of_layer"],
+        "tokens_per_s": record["tokens_per_s"], "train_s": record["train_s"],
+        "val_ppl_batchwise_mask": record.get("val_ppl_batchwise_mask"),
+    }
+
+
+def _stat(records: Sequence[Record], router: str, field: str) -> Stat:
+    return mean_se([summary(r)[field] for r in records if r["router"] == router])
+
+
+def _routers(records: Sequence[Record], settings: Settings) -> list[str]:
+    return [r for r in settings.routers if any(rec["router"] == r for rec in records)]
+
+
+# ----------------------------------------------------------------------------- csv
+
+
+CSV_FIELDS: tuple[str, ...] = (
+    "router", "seed", "test_ppl", "val_ppl", "proposed_cv", "kept_cv", "dropped", "tokens_dropped", "aux",
+    "routing_of_moe", "routing_of_layer", "tokens_per_s", "train_s", "val_ppl_batchwise_mask",
+)
+
+
+def results_csv(records: Sequence[Record], settings: Settings) -> str:
+    """One row per run (the curves stay in runs.jsonl); balance columns are the last logging window's,
+    means over the layers, then one column per layer."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    per_layer = [f"layer{i}.{f}" for i in range(settings.layers) for f in ("proposed_cv", "load_cv", "dropped")]
+    w.writerow([*CSV_FIELDS, *per_layer])
+    for r in records:
+        s = summary(r)
+        layers = r["curve"][-1]["layers"]
+        w.writerow([csv_cell(s[f]) for f in CSV_FIELDS]
+                   + [csv_cell(layers[i][f]) for i in range(settings.layers) for f in ("proposed_cv", "load_cv",
+                                                                                        "dropped")])
+    return buf.getvalue()
+
+
+# ----------------------------------------------------------------------------- paired comparisons
+
+
+def paired(records: Sequence[Record], a: str, b: str, value: Callable[[Record], float | None]) -> Stat:
+    """Mean ± s.e. over the seeds both ``a`` and ``b`` ran of ``value(run of a) - value(run of b)``."""
+    by = {(r["router"], r["seed"]): r for r in records}
+    seeds = sorted({s for (name, s) in by if name == a} & {s for (name, s) in by if name == b})
+    diffs = []
+    for s in seeds:
+        va, vb = value(by[(a, s)]), value(by[(b, s)])
+        if va is not None and vb is not None:
+            diffs.append(va - vb)
+    return mean_se(diffs)
+
+
+def _bound(stat: Stat) -> float:
+    """Two standard errors (0 with one seed: the sign decides)."""
+    return 2 * stat.se if stat.se is not None else 0.0
+
+
+def _diff(stat: Stat, digits: int = 4) -> str:
+    two = f" (2 s.e. {_bound(stat):.{digits}f}, {stat.n} seeds)" if stat.se is not None else " (one seed)"
+    return f"{stat.mean:+.{digits}f}{two}"
+
+
+def _as_good(d: Stat) -> str:
+    """Verdict of "A is as good as B" from the paired difference ``d`` of A's loss minus B's."""
+    if d.mean <= 0:
+        return HOLDS
+    if d.mean <= _bound(d):
+        return f"{HOLDS} (worse, within 2 s.e.)"
+    return NOT_HOLD
+
+
+def _checkpoints(records: Sequence[Record], fractions: Sequence[float]) -> list[int]:
+    """The logged steps closest to ``fractions`` of training (distinct, in order)."""
+    steps = [p["step"] for p in records[0]["curve"]] if records else []
+    out: list[int] = []
+    for f in fractions:
+        target = f * steps[-1]
+        best = min(steps[1:], key=lambda s: abs(s - target))
+        if best not in out:
+            out.append(best)
+    return out
+
+
+def _val_loss_at(record: Record, step: int) -> float | None:
+    """Validation loss at the logged step closest to ``step``."""
+    curve = record["curve"]
+    best = min(curve, key=lambda p: abs(p["step"] - step))
+    return best["val_loss"]
+
+
+def _val_loss_at_time(record: Record, seconds: float) -> float | None:
+    """Validation loss at ``seconds`` of training, linearly interpolated between logged points
+    (``None`` beyond the run's end)."""
+    curve = record["curve"]
+    for p, q in zip(curve, curve[1:]):
+        if p["train_s"] <= seconds <= q["train_s"]:
+            f = (seconds - p["train_s"]) / max(q["train_s"] - p["train_s"], 1e-12)
+            return p["val_loss"] + f * (q["val_loss"] - p["val_loss"])
+    return None
+
+
+def _test_loss(r: Record) -> float:
+    return math.log(r["test_ppl"])
+
+
+def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
+    """The claims of the literature checked on ``records`` (criteria stated with each)."""
+    have = {r["router"] for r in records}
+    note = " One seed: indicative." if len(settings.seeds) < 2 else ""
+    rule_better = ("paired by seed (same initial weights and batches); 'lower' means the mean difference "
+                   "exceeds 2 standard errors of it")
+    out: list[Claim] = []
+
+    def missing(cid: str, text: str, paper: str, need: Sequence[str]) -> Claim:
+        return Claim(id=cid, text=text, paper=paper, criterion="—",
+                     measured=f"not run: {', '.join(n for n in need if n not in have)}", verdict=NOT_MEASURED)
+
+    # 1. BASE without aux loss matches top-k with its balance loss.
+    text = ("A balanced assignment (BASE) matches the perplexity of top-k routing trained with a balancing loss, "
+            "without any auxiliary loss.")
+    paper = "Lewis et al. 2021 (BASE layers), Sec. 5"
+    if {"base", "top1_switch", "top2"} <= have:
+        parts, oks, within = [], [], []
+        for other in ("top1_switch", "top2"):
+            d = paired(records, "base", other, _test_loss)
+            oks.append(d.mean <= _bound(d))
+            within.append(0 < d.mean <= _bound(d))
+            parts.append(f"test loss base − {other}: {_diff(d)}")
+        aux = _stat(records, "base", "aux").mean
+        verdict = HOLDS if all(oks) else (PARTLY if any(oks) else NOT_HOLD)
+        if verdict == HOLDS and any(within):
+            verdict += " (worse, within 2 s.e.)"
+        out.append(Claim(id="base-matches-topk", text=text, paper=paper,
+                         criterion="BASE's test loss (nats/char) is not above that of top-1+Switch loss and of top-2 "
+                                   "by more than 2 s.e. of the paired difference (BASE has no aux loss: reported). "
+                                   "holds: both comparisons, qualified '(worse, within 2 s.e.)' when a difference is "
+                                   "positive but inside the spread; partly: one; does not hold: neither." + note,
+                         measured="; ".join(parts) + f"; BASE aux loss {aux:g}", verdict=verdict))
+    else:
+        out.append(missing("base-matches-topk", text, paper, ("base", "top1_switch", "top2")))
+
+    # 2. batchwise / expert-choice converges faster than top-2 at equal compute.
+    text = ("Balanced batchwise (expert-choice style) routing converges faster than top-2 token choice at equal "
+            "compute.")
+    paper = ("Shazeer et al. 2017 App. F (strictly balanced gating); the convergence claim is Zhou et al. 2022's for "
+             "expert-choice routing (later work, not cited by the four papers)")
+    if {"batchwise", "top2"} <= have:
+        checks = _checkpoints(records, (0.25, 0.5))
+        parts, oks, signs = [], [], []
+        for step in checks:
+            d = paired(records, "top2", "batchwise", lambda r, s=step: _val_loss_at(r, s))
+            oks.append(d.mean > _bound(d))
+            signs.append(d.mean > 0)
+            parts.append(f"step {step}: val loss top2 − batchwise {_diff(d)}")
+        verdict = HOLDS if all(oks) else (PARTLY if any(oks) or all(signs) else NOT_HOLD)
+        out.append(Claim(id="batchwise-converges-faster", text=text, paper=paper,
+                         criterion="at the evaluations closest to a quarter and to half of training (steps "
+                                   f"{', '.join(map(str, checks))}), the validation loss of batchwise is lower than "
+                                   "top-2's, " + rule_better + ". holds: at each; partly: at some, or lower at each "
+                                   "within the spread; does not hold: otherwise." + note,
+                         measured="; ".join(parts), verdict=verdict))
+    else:
+        out.append(missing("batchwise-converges-faster", text, paper, ("batchwise", "top2")))
+
+    # 3. the noisy gate's load loss evens the load.
+    text = "The load (and importance) loss of noisy top-k gating evens the load over the experts."
+    paper = "Shazeer et al. 2017, Sec. 4 and App. A"
+    if {"noisy_top2", "noisy_top2_noloss"} <= have:
+        d = paired(records, "noisy_top2_noloss", "noisy_top2", lambda r: summary(r)["proposed_cv"])
+        dd = paired(records, "noisy_top2_noloss", "noisy_top2", lambda r: summary(r)["dropped"])
+        a, b = d.mean > _bound(d), dd.mean > _bound(dd)
+        cv_with = _stat(records, "noisy_top2", "proposed_cv")
+        cv_without = _stat(records, "noisy_top2_noloss", "proposed_cv")
+        out.append(Claim(id="noisy-load-loss-evens-load", text=text, paper=paper,
+                         criterion="against the same router with both loss coefficients 0, over the last logging "
+                                   "window: (a) a lower proposed-load CV, (b) a lower dropped fraction, each "
+                                   + rule_better + ". holds: both; partly: one; does not hold: neither." + note,
+                         measured=f"proposed-load CV with losses {cv_with.fmt(3)}, without {cv_without.fmt(3)}: "
+                                  f"difference {_diff(d, 3)}; dropped fraction difference {_diff(dd, 4)}",
+                         verdict=HOLDS if a and b else (PARTLY if a or b else NOT_HOLD)))
+    else:
+        out.append(missing("noisy-load-loss-evens-load", text, paper, ("noisy_top2", "noisy_top2_noloss")))
+
+    # 4. GM-IW trains as well as top-1 + Switch loss.
+    text = ("Gumbel-Matching with importance weights (differentiable gating) trains as well as top-1 routing "
+            "with the Switch balance loss.")
+    paper = "Kool et al. 2021, Sec. 3.1 and 4"
+    if {"gm_iw", "top1_switch"} <= have:
+        d = paired(records, "gm_iw", "top1_switch", _test_loss)
+        out.append(Claim(id="gm-iw-as-good-as-switch", text=text, paper=paper,
+                         criterion="GM-IW's test loss is not above top-1+Switch's by more than 2 s.e. of the paired "
+                                   "difference: holds; otherwise does not hold." + note,
+                         measured=f"test loss gm_iw − top1_switch: {_diff(d)}", verdict=_as_good(d)))
+    else:
+        out.append(missing("gm-iw-as-good-as-switch", text, paper, ("gm_iw", "top1_switch")))
+
+    # 5. Switch (top-1) matches top-2 at equal compute.
+    text = "Top-1 (Switch) routing preserves the quality of top-2 routing."
+    paper = "Fedus et al. 2022 (Switch Transformer), Sec. 2.1"
+    if {"top1_switch", "top2"} <= have:
+        d = paired(records, "top1_switch", "top2", _test_loss)
+        out.append(Claim(id="switch-matches-top2", text=text, paper=paper,
+                         criterion="at equal expert FLOPs per token (wide experts for top-1), top-1's test loss is not "
+                                   "above top-2's by more than 2 s.e. of the paired difference: holds; otherwise "
+                                   "does not hold." + note,
+                         measured=f"test loss top1_switch − top2: {_diff(d)}", verdict=_as_good(d)))
+    else:
+        out.append(missing("switch-matches-top2", text, paper, ("top1_switch", "top2")))
+
+    # 6. exact balance of the balanced routers in training.
+    text = "Balanced assignment routers give every expert the same number of tokens in every training batch."
+    paper = "Lewis et al. 2021; Shazeer et al. 2017 App. F eq. 18; Kool et al. 2021 eq. 4"
+    balanced = [r for r in ("base", "batchwise", "gm_iw") if r in have]
+    if balanced:
+        parts, oks = [], []
+        for name in balanced:
+            worst_cv = max(layer["load_cv"] for r in records if r["router"] == name for p in r["curve"][1:]
+                           for layer in p["layers"])
+            worst_drop = max(layer["dropped"] for r in records if r["router"] == name for p in r["curve"][1:]
+                             for layer in p["layers"])
+            oks.append(worst_cv <= 1e-9 and worst_drop <= 1e-9)
+            parts.append(f"{name}: largest kept-load CV {worst_cv:.2g}, largest dropped fraction {worst_drop:.2g}")
+        out.append(Claim(id="balanced-routers-exact", text=text, paper=paper,
+                         criterion="over every training step of every seed and layer (window means), kept-load CV 0 "
+                                   "and nothing dropped (an exact property, so no spread applies). holds: every "
+                                   "balanced router; partly: some; does not hold: none.",
+                         measured="; ".join(parts),
+                         verdict=HOLDS if all(oks) else (PARTLY if any(oks) else NOT_HOLD)))
+
+    # 7. learned thresholds replace the batchwise mask at inference.
+    text = "The learned per-expert thresholds approximate the batchwise mask at inference."
+    paper = "Shazeer et al. 2017, App. F eq. 19-20"
+    bw = [r for r in records if r["router"] == "batchwise" and r.get("val_ppl_batchwise_mask")]
+    if bw:
+        diffs = mean_se([math.log(r["final_val_ppl"]) - math.log(r["val_ppl_batchwise_mask"]) for r in bw])
+        out.append(Claim(id="thresholds-replace-batchwise-mask", text=text, paper=paper,
+                         criterion="validation loss with the threshold mask (causal, any batch) is not above that "
+                                   f"with the batchwise mask over evaluation batches of {settings.eval_batch} windows "
+                                   "by more than 2 s.e. (paired by seed): holds; otherwise does not hold." + note,
+                         measured=f"val loss threshold − batchwise mask: {_diff(diffs)}", verdict=_as_good(diffs)))
+
+    # 8. sparse beats dense at equal wall time.
+    text = "At equal training time a sparse MoE (top-2) reaches a lower perplexity than the dense MoE."
+    paper = "Shazeer et al. 2017, Sec. 1 and 5; Fedus et al. 2022, Sec. 2"
+    if {"dense", "top2"} <= have:
+        def at_top2_time(r: Record) -> float | None:
+            if r["router"] == "top2":
+                return r["curve"][-1]["val_loss"]
+            partner = next((x for x in records if x["router"] == "top2" and x["seed"] == r["seed"]), None)
+            return None if partner is None else _val_loss_at_time(r, partner["train_s"])
+
+        d = paired(records, "dense", "top2", at_top2_time)
+        steps_d = paired(records, "dense", "top2", lambda r: r["curve"][-1]["val_loss"])
+        if d.n == 0:
+            out.append(Claim(id="sparse-beats-dense-per-time", text=text, paper=paper, criterion="—",
+                             measured="dense finished sooner than top-2", verdict=NOT_MEASURED))
+        else:
+            out.append(Claim(id="sparse-beats-dense-per-time", text=text, paper=paper,
+                             criterion="dense's validation loss after top-2's training time (interpolated on its "
+                                       "curve) is above top-2's final one, " + rule_better.replace("lower", "above")
+                                       + ": holds; above within the spread: partly; otherwise does not hold." + note,
+                             measured=f"val loss dense@top-2 time − top-2: {_diff(d)}; at equal steps (dense has "
+                                      f"{settings.experts}x the expert FLOPs): {_diff(steps_d)}",
+                             verdict=HOLDS if d.mean > _bound(d) else (PARTLY if d.mean > 0 else NOT_HOLD)))
+    return out
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+FIGURES: dict[str, str] = {
+    "fig_ppl.png": "validation perplexity against training steps and against training seconds: seed mean (line) "
+                   "and min-max over seeds (band)",
+    "fig_load.png": "share of the (token, slot) pairs each router proposes to each expert of layer 0 over training "
+                    "(first seed); the dashed line is the even share",
+    "fig_balance.png": "proposed-load CV and dropped fraction over training, mean over layers and seeds",
+    "fig_final.png": "test perplexity, load CV, routing share of the MoE time and throughput: mean ± s.e. over seeds",
+}
+
+
+def _color(i: int) -> Any:
+    import matplotlib.pyplot as plt
+
+    return plt.get_cmap("tab10")(i % 10)
+
+
+def draw_figures(out_dir: Path, records: Sequence[Record], settings: Settings) -> list[str]:
+    """Draw the PNGs into ``out_dir``; returns the file names drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    routers = _routers(records, settings)
+    if not routers:
+        return []
+    drawn: list[str] = []
+
+    # 1. perplexity curves with the seed spread.
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
+    for i, name in enumerate(routers):
+        runs = [r for r in records if r["router"] == name]
+        steps = [p["step"] for p in runs[0]["curve"]]
+        ppl = np.array([[p["val_ppl"] for p in r["curve"]] for r in runs])
+        secs = np.array([[p["train_s"] for p in r["curve"]] for r in runs]).mean(0)
+        for ax, x in ((axes[0], steps), (axes[1], secs)):
+            ax.plot(x[1:], ppl.mean(0)[1:], color=_color(i), label=name, lw=1.3)
+            if len(runs) > 1:
+                ax.fill_between(x[1:], ppl.min(0)[1:], ppl.max(0)[1:], color=_color(i), alpha=0.18)
+    for ax, xl in ((axes[0], "training step"), (axes[1], "training seconds (mean over seeds)")):
+        ax.set_xlabel(xl)
+        ax.set_ylabel("validation perplexity (per character)")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Validation perplexity (held-out books, dropless, causal eval), {len(settings.seeds)} seed(s)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out_dir / "fig_ppl.png", dpi=90)
+    plt.close(fig)
+    drawn.append("fig_ppl.png")
+
+    # 2. proposed load per expert over training, layer 0, first seed.
+    cols = 3
+    rows = math.ceil(len(routers) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.3 * cols, 2.8 * rows), squeeze=False, sharex=True)
+    for ax, name in zip(axes.flat, routers):
+        rec = next(r for r in records if r["router"] == name)
+        pts = [p for p in rec["curve"] if p["layers"][0]["proposed_share"] is not None]
+        if pts:
+            share = np.array([p["layers"][0]["proposed_share"] for p in pts])
+            for e in range(share.shape[1]):
+                ax.plot([p["step"] for p in pts], share[:, e], lw=0.9)
+            ax.axhline(1.0 / share.shape[1], color="k", ls="--", lw=0.8)
+        ax.set_title(f"{name} ({share.shape[1] if pts else '?'} experts)", fontsize=9)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(routers):]:
+        ax.axis("off")
+    for ax in axes[-1]:
+        ax.set_xlabel("training step")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("share of pairs")
+    fig.suptitle("Load per expert over training (layer 0, first seed): share of the proposed (token, slot) pairs",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out_dir / "fig_load.png", dpi=90)
+    plt.close(fig)
+    drawn.append("fig_load.png")
+
+    # 3. balance over training.
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+    for i, name in enumerate(routers):
+        runs = [r for r in records if r["router"] == name]
+        steps = [p["step"] for p in runs[0]["curve"]][1:]
+        for ax, field in ((axes[0], "proposed_cv"), (axes[1], "dropped")):
+            vals = np.array([[_mean([layer[field] for layer in p["layers"]]) or 0.0 for p in r["curve"][1:]]
+                             for r in runs])
+            ax.plot(steps, vals.mean(0), color=_color(i), label=name, lw=1.3)
+    axes[0].set_ylabel("proposed-load CV")
+    axes[1].set_ylabel("fraction of pairs dropped by the capacity")
+    for ax in axes:
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "fig_balance.png", dpi=90)
+    plt.close(fig)
+    drawn.append("fig_balance.png")
+
+    # 4. final bars with error bars.
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
+    panels = (("test_ppl", "test perplexity"), ("proposed_cv", "proposed-load CV (last window)"),
+              ("routing_of_moe", "routing share of MoE forward time"), ("tokens_per_s", "training tokens / s"))
+    for ax, (field, title) in zip(axes, panels):
+        stats = [_stat(records, r, field) for r in routers]
+        ax.bar(range(len(routers)), [s.mean for s in stats], yerr=[s.se or 0.0 for s in stats],
+               color=[_color(i) for i in range(len(routers))], capsize=3, alpha=0.85)
+        if field == "test_ppl":
+            lo = min(s.mean for s in stats)
+            hi = max(s.mean for s in stats)
+            ax.set_ylim(lo - 0.3 * (hi - lo + 1e-3), hi + 0.3 * (hi - lo + 1e-3))
+        ax.set_xticks(range(len(routers)), routers, rotation=40, ha="right", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "fig_final.png", dpi=90)
+    plt.close(fig)
+    drawn.append("fig_final.png")
+    return drawn
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def observations(records: Sequence[Record], settings: Settings) -> list[str]:
+    """Sentences computed from the records (every number in them is measured)."""
+    routers = _routers(records, settings)
+    if not routers:
+        return []
+    ppl = {r: _stat(records, r, "test_ppl") for r in routers}
+    speed = {r: _stat(records, r, "tokens_per_s") for r in routers}
+    order = sorted(routers, key=lambda r: ppl[r].mean)
+    out = ["- Test perplexity, best to worst: " + ", ".join(f"{r} {ppl[r].mean:.3f}" for r in order) + "."]
+    fast = sorted(routers, key=lambda r: -speed[r].mean)
+    out.append("- Training throughput, fastest to slowest (tokens/s): "
+               + ", ".join(f"{r} {speed[r].mean:.0f}" for r in fast) + ".")
+    share = {r: _stat(records, r, "routing_of_moe").mean for r in routers if r != "dense"}
+    if share:
+        lo, hi = min(share, key=share.get), max(share, key=share.get)
+        out.append(f"- Routing takes {100 * share[lo]:.0f} % ({lo}) to {100 * share[hi]:.0f} % ({hi}) of the sparse "
+                   f"MoE blocks' forward time: the experts are small here (d_model {settings.d_model}, units of width "
+                   f"{settings.unit_hidden}), so this share would shrink as the experts grow.")
+    return out
+
+
+def render_report(settings: Settings, records: Sequence[Record], *, wall_s: float | None = None,
+                  figures: Sequence[str] = (), resumed: int = 0, invocations: Sequence[Mapping[str, Any]] = ()) -> str:
+    """The markdown report."""
+    routers = _routers(records, settings)
+    planned = len(settings.routers) * len(settings.seeds)
+    cl = claims(records, settings)
+    counts = {v: sum(c.outcome == v for c in cl) for v in (HOLDS, PARTLY, NOT_HOLD, NOT_MEASURED)}
+    train_total = sum(r["train_s"] for r in records)
+    threads = sorted({r.get("threads", settings.threads) for r in records})
+    E, width = settings.experts, settings.unit_hidden
+    L: list[str] = [
+        "# Every router in one language model (routelab lm-routers)" + (" — quick form" if settings.quick else ""),
+        "",
+        f"**Summary:** {len(cl)} claims checked: {counts[HOLDS]} hold, {counts[PARTLY]} hold partly, "
+        f"{counts[NOT_HOLD]} do not hold, {counts[NOT_MEASURED]} not measured (criteria below). Runs recorded: "
+        f"{len(records)} of {planned} planned.",
+        "",
+    ]
+    if settings.quick:
+        L += ["*This is the quick form (one seed, a tiny model, a few steps): its numbers only show that the "
+              "pipeline runs; the full run's report is docs/lm-routers/report.md.*", ""]
+    if wall_s is not None:
+        L.append(f"- Wall time of this invocation: {wall_s:.0f} s ({resumed} runs were already recorded); recorded "
+                 f"training time {train_total:.0f} s in all.")
+    trained = [i for i in invocations if i.get("trained")]
+    if trained:
+        L.append("- Invocations that trained runs: " + "; ".join(
+            f"{i['started']}: {i['trained']} runs in {i['wall_s']:.0f} s, 1-minute load average "
+            f"{i['load_start']} at start and {i['load_end']} at the end" for i in trained) + ".")
+    device = settings.device if settings.device == "cpu" else f"{settings.device} (GPU)"
+    L += [
+        f"- Hardware: {cpu_model()} ({os.cpu_count()} logical CPUs), device {device}, "
+        f"{', '.join(map(str, threads))} torch thread(s); other jobs may have shared the machine, so times and "
+        "tokens/s are indicative (every router ran under the same conditions, one after the other).",
+        f"- {software_line()}.",
+        "",
+        "## Setup",
+        "",
+        "- Data: the World English Bible (Debian `sword-text-web`), characters; each of the 66 books is a "
+        "document and goes whole to one split: book index mod 8 = 4 validation, = 0 test, else training. "
+        f"Validation: {settings.eval_windows} evenly spaced windows of {settings.seq} characters; test: "
+        f"{settings.test_windows} windows.",
+        f"- Model: transformers `MixtralForCausalLM`, {settings.layers} layers, d_model {settings.d_model}, "
+        f"{settings.heads} heads, RMSNorm, rotary attention, SwiGLU experts; every MoE block patched with "
+        "`routelab.integrations.hf.patch_moe(model, router, ...)`. Random init from the seed.",
+        f"- Equal expert FLOPs per token: the experts are {2 * E} SwiGLU units of width {width}. The k = 2 routers "
+        f"route two units per token; the k = 1 routers route one of {E} wide experts of width {2 * width}, wide expert "
+        "j being units 2j and 2j+1 side by side (a SwiGLU is a sum over its hidden units, so it computes exactly "
+        "their sum): the same parameters, the same initial values, the same expert multiply-adds per token. "
+        f"Training capacity factor {settings.capacity_factor:g} for every sparse router (C = ceil(factor · tokens "
+        "· k / experts): the same buffer FLOPs in both groups); the dense MoE runs every unit "
+        f"({E}x the expert FLOPs).",
+        f"- Training: AdamW (lr {settings.lr:g}, betas 0.9/0.95, weight decay {settings.weight_decay:g} on matrices), "
+        f"{settings.warmup} warm-up steps then cosine to 10 %, gradient clipping {settings.clip:g}, "
+        f"{settings.steps} steps of {settings.batch} windows x {settings.seq} characters "
+        f"({settings.steps * settings.batch * settings.seq:,} characters); loss = cross-entropy + "
+        "`routelab.aux_loss(model)` (each router's own weighted losses). A seed fixes the initial weights, the "
+        "batches and the router noise, the same for every router.",
+        f"- Evaluation: every {settings.eval_every} steps, `eval()`, dropless (`eval_capacity_factor=None`) and "
+        "causal (every router is token-local at eval; tested in tests/experiments/test_lm_routers.py). The batch-"
+        "level routers (batchwise, BASE, Sinkhorn, Gumbel-Matching) do see the whole batch, future characters "
+        "included, while training.",
+        "- Load: proposed load = (token, slot) pairs a router proposes to each expert before the capacity; CV = "
+        "std / mean over the experts; kept-load CV after the capacity; dropped = pairs the capacity removed. "
+        "Routing share = forward time of the patched gates (router, capacity, statistics) / forward time of the "
+        "MoE blocks (hooks; backward not included).",
+        "- Comparisons are paired by seed; mean ± standard error over seeds.",
+        "",
+        "Routers:",
+        "",
+    ]
+    L.append(md_table(["name", "routelab router", "experts per token", "what"],
+                      [[s.name, f"`{s.router}`", str(s.k) if s.k else f"all {2 * E}", s.note]
+                       for s in ROUTER_SPECS if s.name in routers]))
+    L += ["", "## Results", "",
+          "Perplexity per character (test: held-out books after training; validation: the last evaluation), "
+          "balance over the last logging window (mean over layers), speed:", ""]
+    rows = []
+    for r in routers:
+        rows.append([r, _stat(records, r, "test_ppl").fmt(3), _stat(records, r, "val_ppl").fmt(3),
+                     _stat(records, r, "proposed_cv").fmt(3), _stat(records, r, "kept_cv").fmt(3),
+                     _stat(records, r, "dropped").fmt(2, scale=100), _stat(records, r, "aux").fmt(4),
+                     _stat(records, r, "routing_of_moe").fmt(2, scale=100),
+                     _stat(records, r, "routing_of_layer").fmt(2, scale=100),
+                     _stat(records, r, "tokens_per_s").fmt(0), _stat(records, r, "train_s").fmt(0)])
+    L.append(md_table(["router", "test ppl", "val ppl", "proposed-load CV", "kept-load CV", "dropped %",
+                       "aux loss", "routing % of MoE time", "routing % of layer time", "tokens/s", "train s"],
+                      rows, "---|" + "---:|" * 10))
+    L += ["", "Per layer (last logging window, mean over seeds): proposed-load CV / dropped %:", ""]
+    rows = []
+    for r in routers:
+        runs = [x for x in records if x["router"] == r]
+        cells = []
+        for i in range(settings.layers):
+            cvs = mean_se([x["curve"][-1]["layers"][i]["proposed_cv"] for x in runs])
+            drop = mean_se([x["curve"][-1]["layers"][i]["dropped"] for x in runs])
+            cells.append(f"{cvs.mean:.3f} / {100 * drop.mean:.2f}")
+        rows.append([r, *cells])
+    L.append(md_table(["router", *(f"layer {i}" for i in range(settings.layers))], rows))
+    obs = observations(records, settings)
+    if obs:
+        L += ["", "Observations (computed from the records):", "", *obs]
+    bw = [x for x in records if x.get("val_ppl_batchwise_mask")]
+    if bw:
+        thr = mean_se([x["final_val_ppl"] for x in bw]).fmt(3)
+        mask = mean_se([x["val_ppl_batchwise_mask"] for x in bw]).fmt(3)
+        L += ["", f"Batchwise router at evaluation: validation perplexity with the learned thresholds (causal) {thr}, "
+                  f"with the batchwise mask over batches of {settings.eval_batch} windows (not causal) {mask}."]
+    L += ["", "## Claims", "",
+          "Each verdict follows its stated criterion, computed by the code from the run records; comparisons are "
+          "paired by seed and judged against two standard errors of the paired difference."
+          + (" With one seed (quick form) the sign decides: indicative only." if len(settings.seeds) < 2 else ""),
+          ""]
+    L.append(claims_markdown(cl))
+    if figures:
+        L += ["", "## Figures", ""]
+        for f in figures:
+            L += [f"![{FIGURES.get(f, f)}]({f})", "", f"*{FIGURES.get(f, f)}*", ""]
+    missing = [(r, s) for s in settings.seeds for r in settings.routers
+               if not any(rec["router"] == r and rec["seed"] == s for rec in records)]
+    if missing:
+        L += ["", "## Runs not in these results", "",
+              "Not yet run (a rerun of the command trains them and keeps the recorded ones): "
+              + ", ".join(f"{r} seed {s}" for r, s in missing) + "."]
+    L += ["", "Files: `runs.jsonl` (one JSON line per run, with its curves), `results.csv` (one row per run), "
+              "`claims.json`, `invocations.jsonl` (wall time and machine load of each invocation).", ""]
+    return "\n".join(L)

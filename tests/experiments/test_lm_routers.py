@@ -1,0 +1,194 @@
+"""The lm-routers experiment on tiny sizes: equal-compute construction, causal dropless evaluation,
+records, resume and report (seconds; a synthetic character corpus stands in for the Bible)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from routelab.experiments import lm_routers as lm  # noqa: E402
+from routelab.experiments.kit.claims import read_claims_json  # noqa: E402
+from routelab.experiments.lm_routers import data as lm_data  # noqa: E402
+from routelab.experiments.lm_routers.data import CharCorpus, split_of_book  # noqa: E402
+from routelab.experiments.lm_routers.model import ROUTER_SPECS, build_model, merge_unit_pairs, train_run  # noqa: E402
+from routelab.experiments.registry import REGISTRY  # noqa: E402
+from routelab.routing import aux_loss, routing_stats  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+TINY = lm.Settings(seeds=(0,), steps=6, batch=4, seq=16, d_model=16, layers=2, heads=2, experts=4, unit_hidden=8,
+                   warmup=2, eval_every=3, eval_windows=4, eval_batch=4, test_windows=4, threads=1)
+ALL = tuple(s.name for s in ROUTER_SPECS)
+
+
+@pytest.fixture(scope="module")
+def corpus() -> CharCorpus:
+    """A synthetic corpus: a repetitive 'language' of 12 characters with some noise, three splits."""
+    g = torch.Generator().manual_seed(0)
+    words = [torch.randint(1, 12, (int(n),), generator=g) for n in torch.randint(2, 6, (20,), generator=g)]
+
+    def stream(n_words: int) -> torch.Tensor:
+        pick = torch.randint(0, len(words), (n_words,), generator=g)
+        return torch.cat([torch.cat([words[i], torch.tensor([0])]) for i in pick.tolist()])
+
+    itos = ["\x00"] + [chr(ord("a") + i) for i in range(11)]
+    return CharCorpus(itos, {"train": stream(3000), "val": stream(300), "test": stream(300)},
+                      {"train": ["A"], "val": ["B"], "test": ["C"]})
+
+
+def _trained(name: str, corpus: CharCorpus, steps: int = 3) -> torch.nn.Module:
+    """The model of router ``name`` after a few training steps (so routers and thresholds have moved)."""
+    gen = torch.Generator().manual_seed(5)
+    model = build_model(TINY.spec(name), TINY, corpus.vocab, seed=0, generator=gen)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    offsets = corpus.train_batches(steps, TINY.batch, TINY.seq, torch.Generator().manual_seed(1))
+    for step in range(steps):
+        w = corpus.windows(offsets[step], TINY.seq)
+        logits = model(input_ids=w[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
+        opt.zero_grad()
+        (loss + aux_loss(model)).backward()
+        opt.step()
+    return model
+
+
+def test_registered_and_book_split() -> None:
+    exp = REGISTRY["lm-routers"]
+    assert exp is lm.EXPERIMENT and exp.full is lm.FULL and exp.quick_settings is lm.QUICK
+    lm.FULL.validate()
+    lm.QUICK.validate()
+    lm.LARGE.with_(device="cpu").validate()
+    assert set(lm.QUICK.routers) == set(ALL) and len(lm.FULL.seeds) >= 3
+    splits = [split_of_book(i) for i in range(66)]
+    assert splits.count("val") == 8 and splits.count("test") == 9 and splits[0] == "test" and splits[4] == "val"
+
+
+def test_settings_reject_what_cannot_run() -> None:
+    with pytest.raises(ValueError, match="unknown router"):
+        TINY.with_(routers=("nope",)).validate()
+    with pytest.raises(ValueError, match="divisible"):
+        TINY.with_(batch=3, seq=7).validate()
+    with pytest.raises(ValueError, match="capacity_factor"):
+        TINY.with_(capacity_factor=0.5).validate()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            TINY.with_(device="cuda").validate()
+
+
+def test_wide_experts_are_the_sum_of_their_unit_pairs(corpus: CharCorpus) -> None:
+    """Equal compute and equal initial weights: wide expert j == unit 2j + unit 2j+1, everything else copied."""
+    from transformers import MixtralForCausalLM
+
+    from routelab.experiments.lm_routers.model import mixtral_config
+
+    torch.manual_seed(0)
+    narrow = MixtralForCausalLM(mixtral_config(TINY, corpus.vocab, wide=False))
+    wide = MixtralForCausalLM(mixtral_config(TINY, corpus.vocab, wide=True))
+    merge_unit_pairs(narrow, wide)
+    x = torch.randn(7, TINY.d_model)
+    for ln, lw in zip(narrow.model.layers, wide.model.layers):
+        for j in range(TINY.experts):
+            pair = torch.tensor([[2 * j, 2 * j + 1]]).expand(7, 2)
+            want = ln.mlp.experts(x, pair, torch.ones(7, 2))
+            got = lw.mlp.experts(x, torch.full((7, 1), j), torch.ones(7, 1))
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(lw.mlp.gate.weight, ln.mlp.gate.weight.reshape(TINY.experts, 2, -1).mean(1))
+    n_params = dict(narrow.named_parameters())
+    for name, p in wide.named_parameters():
+        if ".mlp." not in name:
+            assert torch.equal(p, n_params[name]), name
+        elif "experts" in name:
+            assert p.numel() == n_params[name].numel()  # same expert parameters, regrouped
+
+
+def test_every_router_starts_from_the_same_weights(corpus: CharCorpus) -> None:
+    """Same seed -> the same narrow model for every k=2 / dense router; the k=1 models are its merge."""
+    models = {name: build_model(TINY.spec(name), TINY, corpus.vocab, seed=3) for name in ("top2", "batchwise", "base")}
+    a, b = dict(models["top2"].named_parameters()), dict(models["batchwise"].named_parameters())
+    for name, p in a.items():
+        if name in b:
+            assert torch.equal(p, b[name]), name
+    wide = dict(models["base"].named_parameters())
+    torch.testing.assert_close(wide["model.embed_tokens.weight"], a["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_eval_is_dropless_and_causal(name: str, corpus: CharCorpus) -> None:
+    """In eval() no token's logits depend on its batch-mates or on its future, and nothing is dropped."""
+    model = _trained(name, corpus)
+    model.eval()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randint(0, corpus.vocab, (4, TINY.seq), generator=g)
+    with torch.no_grad():
+        batch = model(input_ids=x).logits
+        assert all(float(s["dropped_fraction"]) == 0.0 for s in routing_stats(model).values())
+        for i in range(x.shape[0]):  # alone vs. with batch-mates
+            torch.testing.assert_close(model(input_ids=x[i:i + 1]).logits[0], batch[i], atol=1e-5, rtol=1e-4)
+        t = TINY.seq // 2
+        future = x.clone()
+        future[:, t:] = torch.randint(0, corpus.vocab, (4, TINY.seq - t), generator=g)
+        torch.testing.assert_close(model(input_ids=future).logits[:, :t], batch[:, :t], atol=1e-5, rtol=1e-4)
+
+
+def test_the_causality_check_detects_batch_dependence(corpus: CharCorpus) -> None:
+    """Negative control: in training, BASE's balanced assignment makes a token's output depend on its batch."""
+    model = _trained("base", corpus)
+    x = torch.randint(0, corpus.vocab, (4, TINY.seq), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        batch = model(input_ids=x).logits
+        alone = torch.cat([model(input_ids=x[i:i + 1]).logits for i in range(4)])
+    assert (batch - alone).abs().max() > 1e-4
+
+
+def test_train_run_is_deterministic_and_records_curves(corpus: CharCorpus) -> None:
+    a = train_run(TINY.spec("gm_iw"), 0, TINY, corpus)
+    b = train_run(TINY.spec("gm_iw"), 0, TINY, corpus)
+    assert [p["val_loss"] for p in a["curve"]] == [p["val_loss"] for p in b["curve"]]
+    assert [p["step"] for p in a["curve"]] == [0, 3, 6]
+    last = a["curve"][-1]
+    assert len(last["layers"]) == TINY.layers and all(p["val_dropped"] == 0.0 for p in a["curve"])
+    assert all(layer["dropped"] == 0.0 and layer["proposed_cv"] == pytest.approx(0.0, abs=1e-12)
+               for layer in last["layers"])  # a balanced matching at capacity n / E
+    assert math.isclose(sum(last["layers"][0]["proposed_share"]), 1.0)
+    assert 0.0 < a["time_share"]["routing_of_moe"] < 1.0 and a["tokens_per_s"] > 0
+    assert a["test_ppl"] == pytest.approx(math.exp(math.log(a["test_ppl"])))
+
+
+def test_sweep_records_resumes_and_reports(tmp_path: Path, corpus: CharCorpus, monkeypatch) -> None:
+    calls = []
+
+    def fake_corpus(cache_dir=None) -> CharCorpus:
+        calls.append(1)
+        return corpus
+
+    monkeypatch.setattr(lm_data, "build_corpus", fake_corpus)
+    settings = TINY.with_(seeds=(0, 1))
+    report = lm.run_sweep(tmp_path, settings, progress=False)
+    runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert sorted((r["router"], r["seed"]) for r in runs) == sorted((r, s) for r in ALL for s in (0, 1))
+    rows = list(csv.DictReader(io_lines(tmp_path / "results.csv")))
+    assert len(rows) == len(ALL) * 2 and {"test_ppl", "proposed_cv", "tokens_per_s"} <= set(rows[0])
+    text = report.read_text()
+    assert "## Claims" in text and "fig_ppl.png" in text and "quick form" not in text
+    for fig in ("fig_ppl.png", "fig_load.png", "fig_balance.png", "fig_final.png"):
+        assert (tmp_path / fig).stat().st_size > 1000
+    cf = read_claims_json(tmp_path / "claims.json")
+    assert cf.experiment == "lm-routers" and len(cf.claims) == 8
+    assert all("2 s.e." in c.measured or c.id == "balanced-routers-exact" for c in cf.claims)
+    exact = next(c for c in cf.claims if c.id == "balanced-routers-exact")
+    assert exact.verdict == "holds"
+    # a rerun trains nothing and reads no corpus
+    calls.clear()
+    lm.run_sweep(tmp_path, settings, progress=False, figures=False)
+    assert calls == [] and len((tmp_path / "runs.jsonl").read_text().splitlines()) == len(runs)
+
+
+def io_lines(path: Path) -> list[str]:
+    return path.read_text().splitlines()
