@@ -34,6 +34,9 @@ TINY = kt.Settings(
     marginal_ns=(2, 4),
     marginal_matrices=2,
     marginal_samples=50,
+    gradient_seeds=(0,),
+    gradient_taus=(1.0,),
+    gradient_copies=64,
     workers=1,
 )
 
@@ -185,8 +188,10 @@ def test_tiny_sweep_writes_everything_and_rerun_skips(tmp_path: Path, monkeypatc
         assert (tmp_path / fig).stat().st_size > 1000
     text = report.read_text()
     assert "Wall time" in text and "## Claims" in text and "Quick form" not in text
+    assert "## Router collapse" in text and "## Claim 2 re-checked" in text  # gradients.json: TINY's check
     rec = read_jsonl(tmp_path / "runs.jsonl")[0]
-    for field in ("mse", "argmax_mse", "success", "load", "tokens_per_expert", "chunk_wall_s", "iw_max"):
+    for field in ("mse", "argmax_mse", "success", "load", "argmax_load", "collapsed", "tokens_per_expert",
+                  "chunk_wall_s", "iw_max"):
         assert field in rec
 
     def boom(*a, **k):
@@ -198,11 +203,11 @@ def test_tiny_sweep_writes_everything_and_rerun_skips(tmp_path: Path, monkeypatc
     assert _keys(tmp_path / "runs.jsonl") == keys  # nothing appended, no duplicates
     quick = kt.render_report(replace(TINY, quick=True), read_jsonl(tmp_path / "runs.jsonl"), marginals=None,
                              errors=(), wall_s=1.0, n_planned=n)
-    assert "Quick form" in quick and "indicative only" in quick
+    assert "Quick form" in quick and "full-length training" in quick and "sampling noise" in quick
 
 
 def test_interrupted_sweep_resumes_bit_identically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    settings = replace(TINY, marginal_ns=())
+    settings = replace(TINY, marginal_ns=(), gradient_seeds=())
     real = kt.train_chunk
     calls = []
 
@@ -232,7 +237,7 @@ def test_interrupted_sweep_resumes_bit_identically(tmp_path: Path, monkeypatch: 
 
 def test_worker_processes_give_the_same_results_as_one_process(tmp_path: Path) -> None:
     """Chunks are seeded by name, so training them on 2 worker processes changes nothing."""
-    settings = replace(TINY, marginal_ns=())
+    settings = replace(TINY, marginal_ns=(), gradient_seeds=())
     kt.run_sweep(tmp_path / "one", settings, progress=False, figures=False)
     kt.run_sweep(tmp_path / "two", replace(settings, workers=2), progress=False, figures=False)
     key = lambda r: (r["config"], r["method"], r["tau"], r["seed"])  # noqa: E731
@@ -244,7 +249,7 @@ def test_worker_processes_give_the_same_results_as_one_process(tmp_path: Path) -
 
 
 def test_library_error_in_a_chunk_is_reported_not_fatal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    settings = replace(TINY, marginal_ns=())
+    settings = replace(TINY, marginal_ns=(), gradient_seeds=())
     real = kt.train_chunk
 
     def fail_sinkhorn(runs, *a, **k):
@@ -359,7 +364,7 @@ def test_claim_6_judged_on_the_measured_part() -> None:
 
 
 def test_skipped_chunks_are_listed(tmp_path: Path) -> None:
-    settings = replace(TINY, marginal_ns=())
+    settings = replace(TINY, marginal_ns=(), gradient_seeds=())
     with pytest.raises(ValueError, match="gating\\+sinkhorn"):
         kt.run_sweep(tmp_path, settings, progress=False, figures=False, skip_chunks=["nope"])
     text = kt.run_sweep(tmp_path, settings, progress=False, figures=False, skip_chunks=["gating+sinkhorn"],

@@ -154,7 +154,8 @@ def test_kool_toy_sweep_records_failed_runs_reports_them_and_does_not_retry(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     settings = kt.Settings(configs=("reinforce",), methods=("sample", "gumbel_matching_iw"), taus=(0.5, 2.0),
-                           seeds=(0, 1), steps=8, marginal_ns=(), workers=1)
+                           seeds=(0, 1), steps=8, marginal_ns=(), gradient_seeds=(),
+                           workers=1)
     victim = RunSpec("reinforce", "gumbel_matching_iw", 2.0, 1)
     _poison(monkeypatch, victim, at_call=3, how="param")
     report = kt.run_sweep(tmp_path, settings, progress=False, figures=False).read_text()
@@ -384,7 +385,7 @@ def _error_lines(err: str) -> list[str]:
 
 
 TINY_KT = kt.Settings(configs=("reinforce",), methods=("sample",), taus=(1.0,), seeds=(0, 1, 2), steps=3,
-                      marginal_ns=(), workers=1)
+                      marginal_ns=(), gradient_seeds=(), workers=1)
 
 
 def _tiny_kool_toy() -> Any:
