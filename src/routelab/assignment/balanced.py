@@ -38,7 +38,9 @@ import torch
 from torch import Tensor
 
 from .._checks import check_score_matrix, resolve_capacity
-from ._cycles import cancel_negative_cycles
+from ._compiled import available as compiled_available
+from ._compiled import solve_compiled
+from ._cycles import cancel_negative_cycles, cycle_tolerance
 from ._graph import expert_graph, release_weight
 from ._groups import slot_table
 from ._normalise import compute_dtype, normalise_scores
@@ -128,6 +130,10 @@ def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "
     if closed_form(k):
         z = two_expert_assignment(S, c)
         arc_cost, rounds = _graph_of(S, z, c, release_weight(S)), 0
+    elif compiled_available(S):
+        # The same outline (a priced start, then cycle cancelling) as one compiled CPU kernel.
+        tol = cycle_tolerance(scale, k).to(torch.float64).view(-1)
+        z, arc_cost, rounds = solve_compiled(S, c, tol, release_weight(S))
     else:
         # Inference mode skips autograd's bookkeeping on every one of the solver's many small
         # operations (~10% of the time); the results are cloned outside it into normal tensors,
