@@ -22,7 +22,7 @@ from routelab.assignment.balanced import _graph_of, _working_scores, solve_balan
 
 HYPOTHESIS = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
-pytestmark = pytest.mark.skipif(_compiled.numba is None, reason="numba is not installed")
+pytestmark = pytest.mark.skipif(not _compiled.HAVE_NUMBA, reason="numba is not installed")
 
 
 def _solve(scores: torch.Tensor, capacity: int | None, compiled: bool, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
@@ -36,13 +36,13 @@ def _objective(scores: torch.Tensor, z: torch.Tensor) -> np.ndarray:
 
 def test_the_compiled_path_is_taken_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    original = _compiled.solve_compiled
+    original = _compiled.solve_scores
 
     def spy(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr("routelab.assignment.balanced.solve_compiled", spy)
+    monkeypatch.setattr(_compiled, "solve_scores", spy)
     scores = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
     balanced_assignment(scores)
     assert calls == [1]

@@ -1,46 +1,46 @@
-"""The balanced-assignment solver as one compiled (numba) kernel on CPU: the speed machinery.
+"""The balanced-assignment solver as compiled (numba) CPU kernels: the speed machinery.
 
-The pure-PyTorch solver of :mod:`.balanced` (prices, start, cycle cancelling) runs several hundred
+The pure-PyTorch solver of :mod:`.balanced` (prices, start, cycle cancelling) runs a few hundred
 small tensor operations per call; on CPU each costs microseconds of dispatch, which is most of the
 time below ``n = 4096``. This module runs the same outline as straight loops, compiled by numba:
 
+0. **Normalise** (:mod:`._normalise`): ``2^-e (s - rowmax)``, bit for bit the PyTorch result (a
+   subtraction in the scores' dtype, then an exact power of two). Input with ``-inf``, NaN, +inf or
+   a spread beyond the dtype's range is handed back to the PyTorch pre-processing (which raises,
+   or replaces ``-inf`` by its penalty and calls :func:`solve_normalised`).
 1. **Start (prices and a feasible assignment at once):** the auction algorithm for a
    transportation problem (Bertsekas): expert ``j`` has ``c`` copies, each with a price; an
    unplaced token bids for the cheapest copy of its best expert (value ``s[i, j] - price``),
    raising that copy's price by its lead over the second-best expert plus ``eps`` and evicting
-   the copy's holder. ``eps`` shrinks phase by phase (``eps``-scaling); tokens that violate
-   ``eps``-complementary slackness at the new ``eps`` bid again. The end is a feasible
-   assignment in which every token is within ``eps`` of its best expert.
+   the copy's holder. The end is a feasible assignment in which every token is within ``eps`` of
+   its best expert under the prices.
 2. **Exact:** cycle cancelling on the expert graph (:mod:`._graph`, :mod:`._cycles`): Bellman-Ford
-   from the auction's prices finds a negative cycle (a cycle of the predecessor graph), its tokens
-   move, the touched experts' rows of the graph are refreshed; until Bellman-Ford converges,
-   which certifies optimality with the same rounding guard (:func:`._cycles.cycle_tolerance`)
-   as the PyTorch path.
+   from the auction's prices; a cycle of the predecessor graph is a negative cycle; its tokens
+   move and the touched experts' rows of the graph are refreshed; until Bellman-Ford converges,
+   which certifies optimality with the same rounding guard as the PyTorch path
+   (:func:`._cycles.cycle_tolerance`).
 
-The PyTorch path stays the reference (and the path on CUDA, for autograd-free tensors of other
-devices, and whenever numba is missing or :data:`ENABLED` is ``False``); the tests check that both
-reach the same optimum. Nothing here changes *what* the solver returns.
+The PyTorch path stays the reference: it runs on other devices, without numba, and whenever
+:data:`ENABLED` is ``False`` (environment: ``ROUTELAB_PURE_TORCH=1``); the tests check that both
+reach the same optimum. Nothing here changes *what* the solver returns. The kernels are compiled
+on first use (a few seconds) and cached on disk by numba.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import math
 import os
 
 import numpy as np
 import torch
 from torch import Tensor
 
-try:  # numba is a dependency; without it (an unusual install) the PyTorch path is used
-    import numba
-except ImportError:  # pragma: no cover - exercised only without numba
-    numba = None
+__all__ = ["ENABLED", "available", "solve_normalised", "solve_scores", "PHASES"]
 
-LAST_INFO = None
-__all__ = ["ENABLED", "available", "solve_compiled"]
-
-#: The switch of the compiled path (``False``: every call takes the PyTorch path). The environment
-#: variable ``ROUTELAB_PURE_TORCH=1`` turns it off at import.
+#: The switch of the compiled path (``False``: every call takes the PyTorch path).
 ENABLED = os.environ.get("ROUTELAB_PURE_TORCH", "") not in ("1", "true", "yes")
+HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 
 #: The auction's ``eps``, in units of the normalised scores (whose largest spread is in ``(1/2, 1]``).
 #: Measured (float32 ``randn``, one thread): one phase at ``1e-3`` takes ~1.2 bids per token and
@@ -49,17 +49,48 @@ ENABLED = os.environ.get("ROUTELAB_PURE_TORCH", "") not in ("1", "true", "yes")
 #: time), and ``1e-2`` leaves 2-5x more cycles.
 EPS = 1e-3
 
-#: Error codes of the kernel.
-_OK, _NO_CYCLE, _NO_END = 0, 1, 2
+#: ``stop_after`` values of :func:`solve_scores` (for the benchmark's per-phase breakdown).
+PHASES = {"normalise": 1, "auction": 2, "cycles": 3}
+
+#: Kernel results: 0 solved, otherwise why not.
+_OK, _NO_CYCLE, _NO_END, _GENERAL = 0, 1, 2, 3
 
 
 def available(S: Tensor) -> bool:
     """Whether the compiled path solves ``S`` (``[B, n, k]``): CPU, float32/float64, numba present."""
-    return ENABLED and numba is not None and S.device.type == "cpu" and S.dtype in (torch.float32, torch.float64)
+    return ENABLED and HAVE_NUMBA and S.device.type == "cpu" and S.dtype in (torch.float32, torch.float64)
 
 
-def solve_compiled(S: Tensor, c: int, tol: Tensor, big: Tensor) -> tuple[Tensor, Tensor, int]:
-    """Exact assignment of the finite normalised scores ``S`` by the compiled kernel.
+def solve_scores(scores: Tensor, c: int, stop_after: int = 3) -> tuple[Tensor, Tensor, Tensor, int] | None:
+    """Normalise and solve raw scores in one kernel call; ``None`` when they need the PyTorch path.
+
+    Args:
+        scores: ``[B, n, k]`` float32/float64 CPU scores (validated for shape, not for values).
+        c: capacity (``c * k >= n``).
+        stop_after: 3 (default) solves; 1 or 2 stop after normalising or the auction (timing only:
+            the results are then not an optimal assignment).
+
+    Returns:
+        ``(z, arc_cost, log2_scale, rounds)`` as in :class:`~.balanced.BalancedSolution`, or ``None``
+        for input with ``-inf``, NaN, +inf or a spread beyond the dtype's range.
+    """
+    B, n, k = scores.shape
+    s = scores.detach().contiguous().numpy()
+    z = np.empty((B, n), dtype=np.int64)
+    arc = np.empty((B, k, k), dtype=np.float64)
+    e = np.empty(B, dtype=np.int64)
+    info = np.zeros(2, dtype=np.int64)
+    eps32 = float(torch.finfo(scores.dtype).eps)
+    chunk = int(math.log2(torch.finfo(scores.dtype).max)) - 2
+    _kernel("solve_scores")(s, c, EPS, 4.0 * (k + 1) * eps32, chunk, stop_after, z, arc, e, info)
+    if info[0] == _GENERAL:
+        return None
+    _raise_on(info)
+    return torch.from_numpy(z), torch.from_numpy(arc), torch.from_numpy(e), int(info[1])
+
+
+def solve_normalised(S: Tensor, c: int, tol: Tensor, big: Tensor) -> tuple[Tensor, Tensor, int]:
+    """Exact assignment of finite, already normalised scores (steps 1-2).
 
     Args:
         S: ``[B, n, k]`` finite float32/float64 scores on CPU.
@@ -75,241 +106,307 @@ def solve_compiled(S: Tensor, c: int, tol: Tensor, big: Tensor) -> tuple[Tensor,
     s = S.detach().contiguous().numpy()
     z = np.empty((B, n), dtype=np.int64)
     arc = np.empty((B, k, k), dtype=np.float64)
-    info = np.zeros(4, dtype=np.int64)
-    _kernels()[0](s, c, tol.numpy(), big.numpy(), EPS, z, arc, info)
+    info = np.zeros(2, dtype=np.int64)
+    _kernel("solve_normalised")(s, c, tol.contiguous().numpy(), big.contiguous().numpy(), EPS, z, arc, info)
+    _raise_on(info)
+    return torch.from_numpy(z), torch.from_numpy(arc), int(info[1])
+
+
+def _raise_on(info: np.ndarray) -> None:
     if info[0] == _NO_CYCLE:
         raise RuntimeError("balanced_assignment: Bellman-Ford found neither convergence nor a cycle; please report")
     if info[0] == _NO_END:
         raise RuntimeError("balanced_assignment: cycle cancelling did not terminate; please report this input")
-    global LAST_INFO
-    LAST_INFO = info.copy()
-    return torch.from_numpy(z), torch.from_numpy(arc), int(info[1])
 
 
-_COMPILED: list = []
+_COMPILED: dict = {}
 
 
-def _kernels() -> list:
-    """The compiled kernels (compiled on first use, cached on disk by numba)."""
+def _kernel(name: str):
+    """The compiled kernel ``name`` (compiled on first use; numba caches it on disk)."""
     if not _COMPILED:
-        _COMPILED.append(numba.njit(cache=True, nogil=True)(_solve_batch_py))
-    return _COMPILED
+        import numba
+
+        jit = numba.njit(cache=True, nogil=True)
+        # The helpers first: the kernels refer to them as module globals at compile time.
+        for helper in ("_normalise", "_sift_down", "_heapify", "_solve_one"):
+            globals()[helper] = jit(globals()[helper + "_py"])
+        _COMPILED["solve_scores"] = jit(_solve_scores_py)
+        _COMPILED["solve_normalised"] = jit(_solve_normalised_py)
+    return _COMPILED[name]
 
 
 # --------------------------------------------------------------------------------------------
-# The kernel (plain Python, compiled by numba; also runnable as Python for debugging).
+# The kernels: plain Python compiled by numba (they also run, slowly, as Python).
 # --------------------------------------------------------------------------------------------
 
 
-def _solve_batch_py(S, c, tol, big, eps, z_out, arc_out, info):  # noqa: C901
+def _solve_scores_py(S, c, eps, tol_factor, chunk, stop_after, z_out, arc_out, e_out, info):
     B, n, k = S.shape
+    w = np.empty((n, k), dtype=S.dtype)
+    for b in range(B):
+        ok, e, spread = _normalise(S[b], chunk, w)
+        if not ok:
+            info[0] = _GENERAL
+            return
+        e_out[b] = e
+        if stop_after < 2:
+            continue
+        # the rounding guard and the release reward of the PyTorch path, from the normalised
+        # scores (row maxima 0, smallest entry -spread)
+        tol = tol_factor * spread
+        big = 4.0 * (k + 1) * spread + spread * 1e-3 + 2.2250738585072014e-308
+        r = _solve_one(w, c, tol, big, eps, stop_after, z_out[b], arc_out[b])
+        if r < 0:
+            info[0] = -r
+            return
+        if r > info[1]:
+            info[1] = r
+    info[0] = _OK
+
+
+def _solve_normalised_py(S, c, tol, big, eps, z_out, arc_out, info):
+    B = S.shape[0]
+    for b in range(B):
+        r = _solve_one(S[b], c, tol[b], big[b], eps, 3, z_out[b], arc_out[b])
+        if r < 0:
+            info[0] = -r
+            return
+        if r > info[1]:
+            info[1] = r
+    info[0] = _OK
+
+
+def _normalise_py(s, chunk, w):
+    """``w = 2^-e (s - rowmax)`` as :func:`._normalise.normalise_scores` computes it; returns
+    ``(ok, e, spread)`` with ``spread`` the normalised spread (float64); ``ok`` False for input
+    that the PyTorch path must handle (-inf, NaN, +inf, an overflowing shift or exponent)."""
+    n, k = s.shape
+    lo = 0.0
+    for i in range(n):
+        m = s[i, 0]
+        for j in range(k):
+            x = s[i, j]
+            if not (x > -np.inf and x < np.inf):  # -inf, +inf or NaN
+                return False, 0, 0.0
+            if x > m:
+                m = x
+        for j in range(k):
+            d = s[i, j] - m  # in the scores' dtype
+            w[i, j] = d
+            if d < lo:
+                lo = d
+    spread = -lo
+    if not spread < np.inf:
+        return False, 0, 0.0
+    e = 0
+    if spread > 0:
+        e = math.frexp(spread)[1]
+    if e > chunk or -e > chunk:
+        return False, 0, 0.0
+    f = 2.0**-e  # exact: the product, rounded once to the scores' dtype, is PyTorch's
+    if e != 0:
+        for i in range(n):
+            for j in range(k):
+                w[i, j] = w[i, j] * f
+    return True, e, -lo * f
+
+
+def _sift_down_py(price, holder, slot_of, base, pos, p, token):
+    """Put ``(p, token)`` at heap position ``pos`` of one expert's copies and sift it down."""
+    c = price.shape[0]
+    while True:
+        child = 2 * pos + 1
+        if child >= c:
+            break
+        right = child + 1
+        if right < c:
+            child = right if price[right] < price[child] else child  # a select, not a branch
+        if price[child] >= p:
+            break
+        price[pos] = price[child]
+        h = holder[child]
+        holder[pos] = h
+        slot_of[h] = base + pos
+        pos = child
+    price[pos] = p
+    holder[pos] = token
+    slot_of[token] = base + pos
+
+
+def _heapify_py(price, holder, slot_of, base):
+    """Make one expert's (full) copies a min-heap by price."""
+    c = price.shape[0]
+    for pos in range(c // 2 - 1, -1, -1):
+        _sift_down(price, holder, slot_of, base, pos, price[pos], holder[pos])
+
+
+def _solve_one_py(s, c, tol, big, eps, stop_after, z, arc_out):  # noqa: C901
+    """One instance (steps 1-2); returns the number of cancelled cycles, or ``-code`` on failure."""
+    n, k = s.shape
     inf = np.inf
-    price = np.empty((k, c), dtype=np.float64)  # copy prices, a min-heap per expert
-    holder = np.empty((k, c), dtype=np.int64)  # token per copy, -1 if free
-    slot_of = np.empty(n, dtype=np.int64)  # heap position (j * c + slot) of every token, -1 if unplaced
-    bid_of = np.empty(n, dtype=np.float64)  # the price each placed token pays
-    stack = np.empty(n, dtype=np.int64)
-    count = np.empty(k, dtype=np.int64)
-    move = np.empty((k, k), dtype=np.float64)
-    who = np.empty((k, k), dtype=np.int64)
-    arc = np.empty((k, k), dtype=np.float64)
-    dist = np.empty(k, dtype=np.float64)
+    if k == 1:
+        for i in range(n):
+            z[i] = 0
+        arc_out[0, 0] = inf
+        return 0
+    price = np.zeros((k, c), dtype=np.float64)  # copy prices, a min-heap per expert
+    holder = np.full((k, c), -1, dtype=np.int64)  # token per copy, -1 while free
+    slot_of = np.full(n, -1, dtype=np.int64)  # heap position (j * c + slot) of a placed token
+    stack = np.empty(n, dtype=np.int64)  # tokens waiting to bid
+    cheapest = np.zeros(k)  # price[:, 0] of a full expert, 0 before: contiguous for the bids
+    filled = np.zeros(k, dtype=np.int64)  # copies taken so far (until full)
+    # ---- 1. start: the auction ------------------------------------------------------------------
+    top = 0
+    for i in range(n):
+        stack[top] = n - 1 - i
+        top += 1
+    while top > 0:
+        top -= 1
+        i = stack[top]
+        best = -inf
+        second = -inf
+        jb = 0
+        for j in range(k):  # best and second-best value, without branches (3-4x faster)
+            v = s[i, j] - cheapest[j]
+            second = max(second, min(best, v))
+            jb = j if v > best else jb
+            best = max(best, v)
+        new_price = cheapest[jb] + (best - second) + eps
+        if filled[jb] < c:  # a free copy (price 0): no heap until the expert is full
+            pos = filled[jb]
+            filled[jb] += 1
+            price[jb, pos] = new_price
+            holder[jb, pos] = i
+            slot_of[i] = jb * c + pos
+            if filled[jb] == c:
+                _heapify(price[jb], holder[jb], slot_of, jb * c)
+                cheapest[jb] = price[jb, 0]
+            continue
+        old = holder[jb, 0]  # evicted: bids again
+        slot_of[old] = -1
+        stack[top] = old
+        top += 1
+        _sift_down(price[jb], holder[jb], slot_of, jb * c, 0, new_price, i)
+        cheapest[jb] = price[jb, 0]
+    count = np.zeros(k, dtype=np.int64)
+    for i in range(n):
+        j = slot_of[i] // c
+        z[i] = j
+        count[j] += 1
+    if stop_after < 3:
+        return 0
+    # ---- 2. cycle cancelling on the expert graph ---------------------------------------------------
+    move = np.full((k, k), inf)  # cheapest move a -> b ...
+    who = np.full((k, k), -1, dtype=np.int64)  # ... and the token that makes it
+    arc = np.empty((k, k))
+    dist = np.empty(k)
     pred = np.empty(k, dtype=np.int64)
     mark = np.empty(k, dtype=np.int64)
-    cyc = np.empty(k + 1, dtype=np.int64)
+    cyc = np.empty(k, dtype=np.int64)
     mv_tok = np.empty(k, dtype=np.int64)
     mv_to = np.empty(k, dtype=np.int64)
-    touched = np.zeros(k, dtype=np.bool_)
-    max_rounds = 0
-    for b in range(B):
-        s = S[b]
-        z = z_out[b]
-        if k == 1:
-            for i in range(n):
-                z[i] = 0
-            arc_out[b, 0, 0] = inf
-            continue
-        # ---- 1. auction with eps-scaling ------------------------------------------------------
-        for j in range(k):
-            for t in range(c):
-                price[j, t] = 0.0
-                holder[j, t] = -1
-        for i in range(n):
-            slot_of[i] = -1
-        top = 0
-        for i in range(n):
-            stack[top] = n - 1 - i
-            top += 1
-        while True:  # one phase (a loop, so that phases of eps-scaling could be added)
-            while top > 0:
-                top -= 1
-                i = stack[top]
-                info[2] += 1
-                best = -inf
-                second = -inf
-                jb = 0
-                for j in range(k):
-                    v = s[i, j] - price[j, 0]
-                    if v > best:
-                        second = best
-                        best = v
-                        jb = j
-                    elif v > second:
-                        second = v
-                new_price = price[jb, 0] + (best - second) + eps
-                old = holder[jb, 0]
-                if old >= 0:
-                    slot_of[old] = -1
-                    stack[top] = old
-                    top += 1
-                # replace the heap top by (new_price, i) and sift it down
-                pos = 0
-                while True:
-                    child = 2 * pos + 1
-                    if child >= c:
-                        break
-                    if child + 1 < c and price[jb, child + 1] < price[jb, child]:
-                        child += 1
-                    if price[jb, child] >= new_price:
-                        break
-                    price[jb, pos] = price[jb, child]
-                    h = holder[jb, child]
-                    holder[jb, pos] = h
-                    if h >= 0:
-                        slot_of[h] = jb * c + pos
-                    pos = child
-                price[jb, pos] = new_price
-                holder[jb, pos] = i
-                slot_of[i] = jb * c + pos
-                bid_of[i] = new_price
-            break
-        for j in range(k):
-            count[j] = 0
-        for i in range(n):
-            j0 = slot_of[i] // c
-            z[i] = j0
-            count[j0] += 1
-        # ---- 2. cycle cancelling on the expert graph --------------------------------------------
+    touched = np.ones(k, dtype=np.bool_)
+    for a in range(k):
+        dist[a] = price[a, 0]  # labels near the optimal potentials
+    rounds = 0
+    while True:
+        if rounds > 10 * n * k + 100:  # each round strictly improves; this only guards against bugs
+            return -_NO_END
+        # refresh the move rows of the touched experts (all of them at first)
         for a in range(k):
-            for j in range(k):
-                move[a, j] = inf
-                who[a, j] = -1
-        for i in range(n):
-            a = z[i]
-            sa = s[i, a]
-            for j in range(k):
-                d = sa - s[i, j]
-                if d < move[a, j]:
-                    move[a, j] = d
-                    who[a, j] = i
-        for a in range(k):
-            move[a, a] = inf
-            dist[a] = price[a, 0]
-        rounds = 0
-        tol_b = tol[b]
-        big_b = big[b]
-        while True:
-            # the graph: the cheaper of the move and the release arc
-            for a in range(k):
-                for j in range(k):
-                    r = inf
-                    if a != j and count[a] < c and count[j] > 0:
-                        r = -big_b if count[j] > c else 0.0
-                    arc[a, j] = move[a, j] if move[a, j] <= r else r
-            # Bellman-Ford from a virtual source with labels dist; a cycle of the predecessor
-            # graph is a negative cycle
-            for a in range(k):
-                pred[a] = -1
-            found = -1
-            converged = False
-            for _sweep in range(2 * k + 8):
-                changed = False
-                for a in range(k):
-                    da = dist[a]
-                    for j in range(k):
-                        cand = da + arc[a, j]
-                        if cand < dist[j] - tol_b:
-                            dist[j] = cand
-                            pred[j] = a
-                            changed = True
-                if not changed:
-                    converged = True
-                    break
-                # look for a cycle in the predecessor graph
-                for a in range(k):
-                    mark[a] = -1
-                for a0 in range(k):
-                    if mark[a0] != -1:
-                        continue
-                    a = a0
-                    while a >= 0 and mark[a] == -1:
-                        mark[a] = a0
-                        a = pred[a]
-                    if a >= 0 and mark[a] == a0:
-                        found = a
-                        break
-                if found >= 0:
-                    break
-            if converged:
-                break
-            if found < 0:
-                info[0] = _NO_CYCLE
-                return
-            rounds += 1
-            info[3] += 1
-            if rounds > 10 * n * k + 100:
-                info[0] = _NO_END
-                return
-            # the cycle's nodes, following pred backwards from `found`
-            m = 0
-            a = found
-            while True:
-                cyc[m] = a
-                m += 1
-                a = pred[a]
-                if a == found:
-                    break
-            # every node v whose in-arc u -> v is a move arc receives u's cheapest token
-            nm = 0
-            for t in range(m):
-                v = cyc[t]
-                u = pred[v]
-                touched[u] = True
-                touched[v] = True
-                if move[u, v] <= arc[u, v]:
-                    mv_tok[nm] = who[u, v]
-                    mv_to[nm] = v
-                    nm += 1
-            for t in range(nm):
-                i = mv_tok[t]
-                count[z[i]] -= 1
-                z[i] = mv_to[t]
-                count[mv_to[t]] += 1
-            # refresh the touched experts' rows
-            for a in range(k):
-                if not touched[a]:
-                    continue
+            if touched[a]:
                 for j in range(k):
                     move[a, j] = inf
                     who[a, j] = -1
-            for i in range(n):
-                a = z[i]
-                if not touched[a]:
-                    continue
+        for i in range(n):
+            a = z[i]
+            if touched[a]:
                 sa = s[i, a]
                 for j in range(k):
-                    d = sa - s[i, j]
+                    d = sa - s[i, j]  # in the scores' dtype, as the PyTorch graph
                     if d < move[a, j]:
                         move[a, j] = d
                         who[a, j] = i
-            for a in range(k):
-                if touched[a]:
-                    move[a, a] = inf
-                    touched[a] = False
+        for a in range(k):
+            if touched[a]:
+                move[a, a] = inf
+                touched[a] = False
+        # the graph: the cheaper of the move and the release arc
         for a in range(k):
             for j in range(k):
-                arc_out[b, a, j] = arc[a, j]
-        if rounds > max_rounds:
-            max_rounds = rounds
-    info[0] = _OK
-    info[1] = max_rounds
+                r = inf
+                if a != j and count[a] < c and count[j] > 0:
+                    r = -big if count[j] > c else 0.0
+                arc[a, j] = move[a, j] if move[a, j] <= r else r
+        # Bellman-Ford from a virtual source with labels dist; a cycle of the predecessor graph
+        # is a negative cycle
+        for a in range(k):
+            pred[a] = -1
+        found = -1
+        converged = False
+        for _sweep in range(2 * k + 8):
+            changed = False
+            for a in range(k):
+                da = dist[a]
+                for j in range(k):
+                    cand = da + arc[a, j]
+                    if cand < dist[j] - tol:
+                        dist[j] = cand
+                        pred[j] = a
+                        changed = True
+            if not changed:
+                converged = True
+                break
+            for a in range(k):
+                mark[a] = -1
+            for a0 in range(k):
+                if mark[a0] != -1:
+                    continue
+                a = a0
+                while a >= 0 and mark[a] == -1:
+                    mark[a] = a0
+                    a = pred[a]
+                if a >= 0 and mark[a] == a0:
+                    found = a
+                    break
+            if found >= 0:
+                break
+        if converged:
+            break
+        if found < 0:
+            return -_NO_CYCLE
+        rounds += 1
+        m = 0
+        a = found
+        while True:
+            cyc[m] = a
+            m += 1
+            a = pred[a]
+            if a == found:
+                break
+        # every node v whose in-arc u -> v is a move arc receives u's cheapest token (each node
+        # has one out-arc on the cycle, so no token moves twice); a release arc moves nothing
+        nm = 0
+        for t in range(m):
+            v = cyc[t]
+            u = pred[v]
+            touched[u] = True
+            touched[v] = True
+            if move[u, v] <= arc[u, v]:
+                mv_tok[nm] = who[u, v]
+                mv_to[nm] = v
+                nm += 1
+        for t in range(nm):
+            i = mv_tok[t]
+            count[z[i]] -= 1
+            z[i] = mv_to[t]
+            count[mv_to[t]] += 1
+    for a in range(k):
+        for j in range(k):
+            arc_out[a, j] = arc[a, j]
+    return rounds
+
+
+# The names the kernels call (plain Python until :func:`_kernel` rebinds them to compiled versions).
+_normalise, _sift_down, _heapify, _solve_one = _normalise_py, _sift_down_py, _heapify_py, _solve_one_py
