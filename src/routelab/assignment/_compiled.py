@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["ENABLED", "available", "solve_normalised", "solve_scores", "PHASES"]
+__all__ = ["ENABLED", "PHASES", "available", "compiled_phases", "solve_normalised", "solve_scores"]
 
 #: The switch of the compiled path (``False``: every call takes the PyTorch path).
 ENABLED = os.environ.get("ROUTELAB_PURE_TORCH", "") not in ("1", "true", "yes")
@@ -87,6 +87,18 @@ def solve_scores(scores: Tensor, c: int, stop_after: int = 3) -> tuple[Tensor, T
         return None
     _raise_on(info)
     return torch.from_numpy(z), torch.from_numpy(arc), torch.from_numpy(e), int(info[1])
+
+
+def compiled_phases(scores: Tensor, phase: str) -> bool:
+    """Run the compiled solver on ``[B, n, k]`` CPU scores (capacity ``n / k``) up to ``phase``
+    (``"normalise"``, ``"auction"`` or ``"cycles"``), for timing the phases; False when the
+    compiled path is not in use (numba missing, switched off, or input it hands back).
+
+    Exported as :func:`routelab.assignment.compiled_phases` (the benchmark's per-phase breakdown).
+    """
+    if not available(scores):
+        return False
+    return solve_scores(scores, scores.shape[-2] // scores.shape[-1], PHASES[phase]) is not None
 
 
 def solve_normalised(S: Tensor, c: int, tol: Tensor, big: Tensor) -> tuple[Tensor, Tensor, int]:
