@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["ENABLED", "PHASES", "available", "compiled_phases", "solve_normalised", "solve_scores"]
+__all__ = ["ENABLED", "PHASES", "available", "compiled_phases", "scaling_sinkhorn", "solve_normalised", "solve_scores"]
 
 #: The switch of the compiled path (``False``: every call takes the PyTorch path).
 ENABLED = os.environ.get("ROUTELAB_PURE_TORCH", "") not in ("1", "true", "yes")
@@ -124,6 +124,33 @@ def solve_normalised(S: Tensor, c: int, tol: Tensor, big: Tensor) -> tuple[Tenso
     return torch.from_numpy(z), torch.from_numpy(arc), int(info[1])
 
 
+def scaling_sinkhorn(K: Tensor, target: Tensor, tol: float, max_iter: int) -> tuple[Tensor, Tensor, float] | None:
+    """Sinkhorn's sweeps in the scaling domain, one fused pass over ``K`` per sweep.
+
+    Each sweep computes the row scalings ``a = 1 / (K b)`` and the column sums ``b * (K^T a)`` of
+    ``diag(a) K diag(b)`` in the same pass (accumulated in float64); every instance stops once its
+    largest column error is within ``tol`` (or after ``max_iter`` sweeps).
+
+    Args:
+        K: ``[B, n, k]`` float32/float64 CPU kernel ``exp(log_p - rowmax)`` (zeros allowed).
+        target: ``[B, k]`` positive column targets.
+
+    Returns:
+        ``(a [B, n], b [B, k], err)`` in float64 with ``err`` the largest column error of any
+        instance; ``None`` when a scaling left the floating range (the caller's log domain takes over).
+    """
+    B, n, k = K.shape
+    a = np.empty((B, n))
+    b = np.empty((B, k))
+    err = np.empty(B)
+    t = target.detach().to(torch.float64).expand(B, k).contiguous().numpy()
+    _kernel("sinkhorn")(K.detach().contiguous().numpy(), t, tol, max_iter, a, b, err)
+    worst = float(err.max()) if B else 0.0
+    if not worst == worst or not np.isfinite(a).all() or not np.isfinite(b).all():
+        return None
+    return torch.from_numpy(a), torch.from_numpy(b), worst
+
+
 def _raise_on(info: np.ndarray) -> None:
     if info[0] == _NO_CYCLE:
         raise RuntimeError("balanced_assignment: Bellman-Ford found neither convergence nor a cycle; please report")
@@ -145,6 +172,9 @@ def _kernel(name: str):
             globals()[helper] = jit(globals()[helper + "_py"])
         _COMPILED["solve_scores"] = jit(_solve_scores_py)
         _COMPILED["solve_normalised"] = jit(_solve_normalised_py)
+        # Reassociated sums vectorise (the row sums of K b were one serial chain of adds); no
+        # flag that assumes finite values: the NaN test of a scaling that left the range stays.
+        _COMPILED["sinkhorn"] = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})(_sinkhorn_py)
     return _COMPILED[name]
 
 
@@ -187,6 +217,39 @@ def _solve_normalised_py(S, c, tol, big, eps, z_out, arc_out, info):
         if r > info[1]:
             info[1] = r
     info[0] = _OK
+
+
+def _sinkhorn_py(K, t, tol, max_iter, a_out, b_out, err_out):
+    B, n, k = K.shape
+    col = np.empty(k)
+    for bi in range(B):
+        Kb = K[bi]
+        a = a_out[bi]
+        b = b_out[bi]
+        for j in range(k):
+            b[j] = 1.0
+        err = np.inf
+        for sweep in range(max_iter + 1):
+            # one pass: row scalings a = 1 / (K b), then column sums b * (K^T a)
+            for j in range(k):
+                col[j] = 0.0
+            for i in range(n):
+                r = 0.0
+                for j in range(k):
+                    r += Kb[i, j] * b[j]
+                ai = 1.0 / r
+                a[i] = ai
+                for j in range(k):
+                    col[j] += Kb[i, j] * ai
+            err = 0.0
+            for j in range(k):
+                col[j] *= b[j]
+                err = max(err, abs(col[j] - t[bi, j]))
+            if not err == err or err <= tol or sweep == max_iter:
+                break
+            for j in range(k):
+                b[j] *= t[bi, j] / col[j]
+        err_out[bi] = err
 
 
 def _normalise_py(s, chunk, w):

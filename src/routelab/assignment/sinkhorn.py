@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from .._checks import check_positive_int, check_score_matrix
+from . import _compiled
 from ._ops import SMALL_K, logsumexp
 from ._two_experts import closed_form, two_expert_sinkhorn
 
@@ -64,6 +65,10 @@ def sinkhorn(
         log_p = log_p.float()
     target = _target_columns(col_sum, log_p, n, k)
 
+    if log_p.numel() == 0 or bool(log_p.amin() > float("-inf")):
+        # Every entry finite (the usual case, one reduction): no row or column can be dead or
+        # stranded (the targets add up to n > 0), so the checks below have nothing to find.
+        return _balanced_or_raise(log_p, target, tol, max_iter, out_dtype)
     finite = torch.isfinite(log_p)
     dead_row = ~finite.any(-1)
     dead_col = (~finite.any(-2)) & (target > 0)
@@ -84,6 +89,12 @@ def sinkhorn(
             f"col_sum > 0"
         )
 
+    return _balanced_or_raise(log_p, target, tol, max_iter, out_dtype)
+
+
+def _balanced_or_raise(log_p: Tensor, target: Tensor, tol: float, max_iter: int, out_dtype: torch.dtype) -> Tensor:
+    """:func:`balance` at the floored tolerance; the result in ``out_dtype``, or ValueError."""
+    n = log_p.shape[-2]
     # Below a few rounding errors of a sum of n terms of size up to max(1, target) the output
     # dtype cannot resolve column errors, so the tolerance is floored there.
     top = float(target.detach().max()) if target.numel() else 0.0
@@ -123,6 +134,10 @@ def balance(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) -> tupl
         return log_p.clone(), 0.0
     if k == 2 and closed_form(k):
         fast = two_expert_sinkhorn(log_p, target, tol=tol, max_iter=max_iter)
+        if fast is not None:
+            return fast
+    if k > 2 and not (torch.is_grad_enabled() and log_p.requires_grad):
+        fast = _balance_scaling(log_p, target, tol=tol, max_iter=max_iter)
         if fast is not None:
             return fast
     # Dead columns: a target of 0 (the column is -inf in the result) or no finite entry. They are
@@ -170,10 +185,67 @@ def balance(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) -> tupl
     return (x.transpose(-1, -2) if transpose else x), err
 
 
+#: The scaling domain is used when every finite entry lies within this many nats of its row's
+#: maximum (per dtype): ``exp`` of the shifted entries then stays a normal number with room to
+#: spare for the column scalings (float32: ``e^-30 ~ 1e-13``, its normal range ends at ``1e-38``).
+SCALING_RANGE = {torch.float32: 30.0, torch.float64: 300.0}
+
+
+def _balance_scaling(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) -> tuple[Tensor, float] | None:
+    """The same iteration as :func:`balance` in the scaling domain (``q = diag(a) K diag(b)``).
+
+    With ``K = exp(log_p - rowmax)`` every sweep is two matrix-vector products (``K^T a`` for the
+    column sums, ``K b`` for the row normalisation) instead of two ``logsumexp`` passes over
+    ``n x k`` entries: the iterates are the log-domain ones up to rounding, so it stops after the
+    same sweeps. ``-inf`` entries are exact zeros of ``K`` (and ``-inf`` in the result).
+
+    Used without autograd only, and ``None`` is returned (the log domain takes over, the
+    stabilised path) when a finite entry lies more than :data:`SCALING_RANGE` nats below its
+    row's maximum (low temperatures), when a column has target 0 or no finite entry, or when the
+    scalings leave the floating range during the sweeps.
+
+    Returns:
+        ``(log_q, err)`` as :func:`balance`, or ``None``.
+    """
+    top = log_p.amax(-1, keepdim=True)
+    x = log_p - top  # rows are finite (validated): every row maximum is finite
+    low = x.amin()
+    if bool(torch.isneginf(low)):  # -inf entries: the range of the finite ones
+        low = torch.where(torch.isneginf(x), torch.zeros((), dtype=x.dtype, device=x.device), x).amin()
+    if not bool(low >= -SCALING_RANGE.get(x.dtype, 30.0)) or not bool((target > 0).all()):
+        return None
+    K = x.exp()  # [..., n, k], 0 at the -inf entries
+    if _compiled.available(K):  # the same sweeps, compiled: one fused pass over K per sweep
+        flat = K.reshape(-1, K.shape[-2], K.shape[-1])
+        targets = target.expand(K.shape[:-2] + target.shape[-1:]).reshape(-1, K.shape[-1])
+        fast = _compiled.scaling_sinkhorn(flat, targets, tol, max_iter)
+        if fast is None:
+            return None
+        a, b, err = fast
+        a = a.to(x.dtype).view(K.shape[:-1] + (1,))
+        b = b.to(x.dtype).view(K.shape[:-2] + (1, K.shape[-1]))
+        return x + a.log() + b.log(), err
+    Kt = K.transpose(-1, -2)
+    t = target.expand(K.shape[:-2] + target.shape[-1:]).unsqueeze(-1).to(K.dtype)  # [..., k, 1]
+    a = 1.0 / K.sum(-1, keepdim=True)  # [..., n, 1]: rows sum to 1
+    b = torch.ones_like(t)  # [..., k, 1]
+    err = float("inf")
+    for sweep in range(max_iter + 1):
+        col = b * (Kt @ a)  # [..., k, 1] column sums of diag(a) K diag(b)
+        err = float((col - t).abs().amax())
+        if not err == err or err <= tol or sweep == max_iter:  # (NaN: a scaling left the range)
+            break
+        b = b * (t / col)
+        a = 1.0 / (K @ b)
+    if not (err == err and bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+        return None
+    return x + a.log() + b.log().transpose(-1, -2), err
+
+
 def _target_columns(col_sum: float | Tensor | None, log_p: Tensor, n: int, k: int) -> Tensor:
     """Column targets as a ``[..., k]`` tensor (broadcastable to the batch), validated."""
-    if col_sum is None:
-        target = torch.full((k,), n / k, dtype=log_p.dtype, device=log_p.device)
+    if col_sum is None:  # valid by construction
+        return torch.full((k,), n / k, dtype=log_p.dtype, device=log_p.device)
     else:
         bad = f"col_sum must be a number or a [..., k] tensor, got {type(col_sum).__name__}"
         if isinstance(col_sum, (bool, str, bytes)):
