@@ -36,6 +36,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ._workspace import NORMALISED, scratch
+
 __all__ = ["ENABLED", "PHASES", "available", "compiled_phases", "scaling_sinkhorn", "solve_normalised", "solve_scores"]
 
 #: The switch of the compiled path (``False``: every call takes the PyTorch path).
@@ -82,7 +84,9 @@ def solve_scores(scores: Tensor, c: int, stop_after: int = 3) -> tuple[Tensor, T
     info = np.zeros(2, dtype=np.int64)
     eps32 = float(torch.finfo(scores.dtype).eps)
     chunk = int(math.log2(torch.finfo(scores.dtype).max)) - 2
-    _kernel("solve_scores")(s, c, EPS, 4.0 * (k + 1) * eps32, chunk, stop_after, z, arc, e, info)
+    # the normalised scores of one instance, in memory kept between calls (no page faults)
+    w = scratch(NORMALISED, (n, k), scores.dtype, scores.device).numpy()
+    _kernel("solve_scores")(s, c, EPS, 4.0 * (k + 1) * eps32, chunk, stop_after, w, z, arc, e, info)
     if info[0] == _GENERAL:
         return None
     _raise_on(info)
@@ -124,31 +128,30 @@ def solve_normalised(S: Tensor, c: int, tol: Tensor, big: Tensor) -> tuple[Tenso
     return torch.from_numpy(z), torch.from_numpy(arc), int(info[1])
 
 
-def scaling_sinkhorn(K: Tensor, target: Tensor, tol: float, max_iter: int) -> tuple[Tensor, Tensor, float] | None:
+def scaling_sinkhorn(K: Tensor, target: Tensor, tol: float, max_iter: int, x: Tensor, out: Tensor) -> float | None:
     """Sinkhorn's sweeps in the scaling domain, one fused pass over ``K`` per sweep.
 
     Each sweep computes the row scalings ``a = 1 / (K b)`` and the column sums ``b * (K^T a)`` of
     ``diag(a) K diag(b)`` in the same pass (accumulated in float64); every instance stops once its
-    largest column error is within ``tol`` (or after ``max_iter`` sweeps).
+    largest column error is within ``tol`` (or after ``max_iter`` sweeps). The result,
+    ``log q = x + log a + log b``, is written to ``out``.
 
     Args:
-        K: ``[B, n, k]`` float32/float64 CPU kernel ``exp(log_p - rowmax)`` (zeros allowed).
+        K: ``[B, n, k]`` float32/float64 CPU kernel ``exp(x)`` (zeros allowed).
         target: ``[B, k]`` positive column targets.
+        x: ``[B, n, k]`` the row-shifted ``log_p`` (``K = exp(x)``).
+        out: ``[B, n, k]`` receives ``log q``.
 
     Returns:
-        ``(a [B, n], b [B, k], err)`` in float64 with ``err`` the largest column error of any
-        instance; ``None`` when a scaling left the floating range (the caller's log domain takes over).
+        The largest column error of any instance; ``None`` when a scaling left the floating range
+        (``out`` is then garbage and the caller's log domain takes over).
     """
     B, n, k = K.shape
-    a = np.empty((B, n))
-    b = np.empty((B, k))
     err = np.empty(B)
     t = target.detach().to(torch.float64).expand(B, k).contiguous().numpy()
-    _kernel("sinkhorn")(K.detach().contiguous().numpy(), t, tol, max_iter, a, b, err)
+    ok = _kernel("sinkhorn")(K.detach().numpy(), t, tol, max_iter, x.detach().numpy(), out.detach().numpy(), err)
     worst = float(err.max()) if B else 0.0
-    if not worst == worst or not np.isfinite(a).all() or not np.isfinite(b).all():
-        return None
-    return torch.from_numpy(a), torch.from_numpy(b), worst
+    return worst if ok and worst == worst else None
 
 
 def _raise_on(info: np.ndarray) -> None:
@@ -183,9 +186,8 @@ def _kernel(name: str):
 # --------------------------------------------------------------------------------------------
 
 
-def _solve_scores_py(S, c, eps, tol_factor, chunk, stop_after, z_out, arc_out, e_out, info):
+def _solve_scores_py(S, c, eps, tol_factor, chunk, stop_after, w, z_out, arc_out, e_out, info):
     B, n, k = S.shape
-    w = np.empty((n, k), dtype=S.dtype)
     for b in range(B):
         ok, e, spread = _normalise(S[b], chunk, w)
         if not ok:
@@ -219,13 +221,13 @@ def _solve_normalised_py(S, c, tol, big, eps, z_out, arc_out, info):
     info[0] = _OK
 
 
-def _sinkhorn_py(K, t, tol, max_iter, a_out, b_out, err_out):
+def _sinkhorn_py(K, t, tol, max_iter, x, out, err_out):
     B, n, k = K.shape
     col = np.empty(k)
+    a = np.empty(n)
+    b = np.empty(k)
     for bi in range(B):
         Kb = K[bi]
-        a = a_out[bi]
-        b = b_out[bi]
         for j in range(k):
             b[j] = 1.0
         err = np.inf
@@ -250,6 +252,17 @@ def _sinkhorn_py(K, t, tol, max_iter, a_out, b_out, err_out):
             for j in range(k):
                 b[j] *= t[bi, j] / col[j]
         err_out[bi] = err
+        for j in range(k):
+            if not (b[j] > 0.0 and b[j] < np.inf):
+                return False
+            b[j] = np.log(b[j])
+        for i in range(n):
+            if not (a[i] > 0.0 and a[i] < np.inf):
+                return False
+            la = np.log(a[i])
+            for j in range(k):
+                out[bi, i, j] = x[bi, i, j] + (la + b[j])
+    return True
 
 
 def _normalise_py(s, chunk, w):

@@ -11,6 +11,7 @@ from .._checks import check_positive_int, check_score_matrix
 from . import _compiled
 from ._ops import SMALL_K, logsumexp
 from ._two_experts import closed_form, two_expert_sinkhorn
+from ._workspace import scratch
 
 __all__ = ["balance", "sinkhorn"]
 
@@ -189,6 +190,9 @@ def balance(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) -> tupl
 #: maximum (per dtype): ``exp`` of the shifted entries then stays a normal number with room to
 #: spare for the column scalings (float32: ``e^-30 ~ 1e-13``, its normal range ends at ``1e-38``).
 SCALING_RANGE = {torch.float32: 30.0, torch.float64: 300.0}
+#: The same for the compiled sweeps, which keep the scalings and sums in float64: only ``K`` itself
+#: must stay normal (float32: ``e^-80 ~ 2e-35``).
+COMPILED_SCALING_RANGE = {torch.float32: 80.0, torch.float64: 600.0}
 
 
 def _balance_scaling(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) -> tuple[Tensor, float] | None:
@@ -200,7 +204,8 @@ def _balance_scaling(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int
     same sweeps. ``-inf`` entries are exact zeros of ``K`` (and ``-inf`` in the result).
 
     Used without autograd only, and ``None`` is returned (the log domain takes over, the
-    stabilised path) when a finite entry lies more than :data:`SCALING_RANGE` nats below its
+    stabilised path) when a finite entry lies more than :data:`SCALING_RANGE` (compiled:
+    :data:`COMPILED_SCALING_RANGE`) nats below its
     row's maximum (low temperatures), when a column has target 0 or no finite entry, or when the
     scalings leave the floating range during the sweeps.
 
@@ -208,23 +213,25 @@ def _balance_scaling(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int
         ``(log_q, err)`` as :func:`balance`, or ``None``.
     """
     top = log_p.amax(-1, keepdim=True)
-    x = log_p - top  # rows are finite (validated): every row maximum is finite
-    low = x.amin()
-    if bool(torch.isneginf(low)):  # -inf entries: the range of the finite ones
-        low = torch.where(torch.isneginf(x), torch.zeros((), dtype=x.dtype, device=x.device), x).amin()
-    if not bool(low >= -SCALING_RANGE.get(x.dtype, 30.0)) or not bool((target > 0).all()):
+    compiled = _compiled.available(log_p)
+    # (On CPU the two n x k temporaries live in memory kept between calls: fresh pages of a few
+    # MiB cost more in page faults than the sweeps themselves, see _workspace.)
+    x = torch.sub(log_p, top, out=scratch("sinkhorn.x", log_p.shape, log_p.dtype, log_p.device)) if compiled else (
+        log_p - top)  # rows are finite (validated): every row maximum is finite
+    low, positive = torch.stack([x.amin().to(target.dtype), target.amin()]).tolist()  # one synchronisation
+    if low == float("-inf"):  # -inf entries: the range of the finite ones
+        low = float(torch.where(torch.isneginf(x), torch.zeros((), dtype=x.dtype, device=x.device), x).amin())
+    limit = (COMPILED_SCALING_RANGE if compiled else SCALING_RANGE).get(x.dtype, 30.0)
+    if not low >= -limit or not positive > 0:
         return None
-    K = x.exp()  # [..., n, k], 0 at the -inf entries
-    if _compiled.available(K):  # the same sweeps, compiled: one fused pass over K per sweep
+    if compiled:  # the same sweeps, compiled: one fused pass over K per sweep
+        K = torch.exp(x, out=scratch("sinkhorn.K", x.shape, x.dtype, x.device))  # 0 at the -inf entries
         flat = K.reshape(-1, K.shape[-2], K.shape[-1])
         targets = target.expand(K.shape[:-2] + target.shape[-1:]).reshape(-1, K.shape[-1])
-        fast = _compiled.scaling_sinkhorn(flat, targets, tol, max_iter)
-        if fast is None:
-            return None
-        a, b, err = fast
-        a = a.to(x.dtype).view(K.shape[:-1] + (1,))
-        b = b.to(x.dtype).view(K.shape[:-2] + (1, K.shape[-1]))
-        return x + a.log() + b.log(), err
+        out = torch.empty_like(x)
+        err = _compiled.scaling_sinkhorn(flat, targets, tol, max_iter, x.view(flat.shape), out.view(flat.shape))
+        return None if err is None else (out, err)
+    K = x.exp()  # [..., n, k], 0 at the -inf entries
     Kt = K.transpose(-1, -2)
     t = target.expand(K.shape[:-2] + target.shape[-1:]).unsqueeze(-1).to(K.dtype)  # [..., k, 1]
     a = 1.0 / K.sum(-1, keepdim=True)  # [..., n, 1]: rows sum to 1
