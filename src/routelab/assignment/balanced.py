@@ -26,6 +26,11 @@ Algorithm (App. D.2, generalised to slack capacity and to an infeasible start):
 
 Forbidden pairs (``-inf`` scores) are replaced by a large finite penalty: if the optimum still
 uses one, no feasible assignment exists and a ``ValueError`` is raised.
+
+On CPU (float32/float64, numba installed) the same outline runs as compiled loops
+(:mod:`._compiled`, the speed machinery): an auction start (steps 1-2 in one: bids raise expert
+prices until every token is within ``eps`` of its best expert), then the cycle cancelling of
+step 3 with the same certificate. The PyTorch code below is the reference and the path on CUDA.
 Everything is batched over the leading dimensions; the only Python loops are over rounds of the
 algorithm (never over tokens).
 """

@@ -212,17 +212,20 @@ def _balance_scaling(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int
     Returns:
         ``(log_q, err)`` as :func:`balance`, or ``None``.
     """
-    top = log_p.amax(-1, keepdim=True)
-    compiled = _compiled.available(log_p)
-    # (On CPU the two n x k temporaries live in memory kept between calls: fresh pages of a few
-    # MiB cost more in page faults than the sweeps themselves, see _workspace.)
-    x = torch.sub(log_p, top, out=scratch("sinkhorn.x", log_p.shape, log_p.dtype, log_p.device)) if compiled else (
-        log_p - top)  # rows are finite (validated): every row maximum is finite
-    low, positive = torch.stack([x.amin().to(target.dtype), target.amin()]).tolist()  # one synchronisation
-    if low == float("-inf"):  # -inf entries: the range of the finite ones
-        low = float(torch.where(torch.isneginf(x), torch.zeros((), dtype=x.dtype, device=x.device), x).amin())
+    compiled = _compiled.available(log_p) and log_p.is_contiguous()
+    positive = float(target.amin()) > 0
+    if compiled:
+        # (On CPU the two n x k temporaries live in memory kept between calls: fresh pages of a
+        # few MiB cost more in page faults than the sweeps themselves, see _workspace.)
+        x = scratch("sinkhorn.x", log_p.shape, log_p.dtype, log_p.device)
+        low = _compiled.shift_rows(log_p.view(-1, *log_p.shape[-2:]), x.view(-1, *x.shape[-2:]))
+    else:
+        x = log_p - log_p.amax(-1, keepdim=True)  # rows are finite (validated): their maxima too
+        low = float(x.amin())
+        if low == float("-inf"):  # -inf entries: the range of the finite ones
+            low = float(torch.where(torch.isneginf(x), torch.zeros((), dtype=x.dtype, device=x.device), x).amin())
     limit = (COMPILED_SCALING_RANGE if compiled else SCALING_RANGE).get(x.dtype, 30.0)
-    if not low >= -limit or not positive > 0:
+    if not low >= -limit or not positive:
         return None
     if compiled:  # the same sweeps, compiled: one fused pass over K per sweep
         K = torch.exp(x, out=scratch("sinkhorn.K", x.shape, x.dtype, x.device))  # 0 at the -inf entries
