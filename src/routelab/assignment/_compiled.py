@@ -185,10 +185,11 @@ def _kernel(name: str):
             globals()[helper] = jit(globals()[helper + "_py"])
         _COMPILED["solve_scores"] = jit(_solve_scores_py)
         _COMPILED["solve_normalised"] = jit(_solve_normalised_py)
+        # shift_rows' input is validated (no NaN): its row maxima may be reassociated.
+        fast = numba.njit(cache=True, nogil=True, fastmath={"nnan", "nsz", "reassoc"})
+        _COMPILED["shift_rows"] = fast(_shift_rows_py)
         # Reassociated sums vectorise (the row sums of K b were one serial chain of adds); no
         # flag that assumes finite values: the NaN test of a scaling that left the range stays.
-        # Its input is validated (no NaN): the row maxima may be reassociated and vectorised.
-        _COMPILED["shift_rows"] = numba.njit(cache=True, nogil=True, fastmath={"nnan", "nsz", "reassoc"})(_shift_rows_py)
         _COMPILED["sinkhorn"] = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})(_sinkhorn_py)
     return _COMPILED[name]
 
