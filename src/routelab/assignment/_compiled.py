@@ -54,6 +54,11 @@ HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 #: time), and ``1e-2`` leaves 2-5x more cycles.
 EPS = 1e-3
 
+#: Up to this many copies per expert (capacity) the auction scans for the cheapest copy instead
+#: of keeping a heap (measured at n=256, k=16, c=16: 18 against 24 us per instance; at c=64 the
+#: heap is 20% faster).
+SMALL_HEAP = 32
+
 #: ``stop_after`` values of :func:`solve_scores` (for the benchmark's per-phase breakdown).
 PHASES = {"normalise": 1, "auction": 2, "cycles": 3}
 
@@ -80,7 +85,11 @@ def solve_scores(scores: Tensor, c: int, stop_after: int = 3) -> tuple[Tensor, T
         for input with ``-inf``, NaN, +inf or a spread beyond the dtype's range.
     """
     B, n, k = scores.shape
-    s = scores.detach().contiguous().numpy()
+    s = scores.detach().contiguous()
+    lo, hi = torch.stack(torch.aminmax(s)).tolist()  # one pass, one synchronisation
+    if not (-math.inf < lo and hi < math.inf):  # -inf, NaN or +inf: the PyTorch path validates
+        return None
+    s = s.numpy()
     z = np.empty((B, n), dtype=np.int64)
     arc = np.empty((B, k, k), dtype=np.float64)
     e = np.empty(B, dtype=np.int64)
@@ -181,8 +190,12 @@ def _kernel(name: str):
 
         jit = numba.njit(cache=True, nogil=True)
         # The helpers first: the kernels refer to them as module globals at compile time.
-        for helper in ("_normalise", "_sift_down", "_heapify", "_solve_one"):
+        for helper in ("_sift_down", "_heapify", "_cheapest_copy", "_solve_one"):
             globals()[helper] = jit(globals()[helper + "_py"])
+        # Finite input only (solve_scores checks): no NaN/inf semantics, reassociated max/min
+        # (exact); no contraction, so every subtraction and scaling rounds as in PyTorch.
+        globals()["_normalise"] = numba.njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz", "reassoc"})(
+            _normalise_py)
         _COMPILED["solve_scores"] = jit(_solve_scores_py)
         _COMPILED["solve_normalised"] = jit(_solve_normalised_py)
         # shift_rows' input is validated (no NaN): its row maxima may be reassociated.
@@ -294,24 +307,20 @@ def _sinkhorn_py(K, t, tol, max_iter, x, out, err_out):
 
 
 def _normalise_py(s, chunk, w):
-    """``w = 2^-e (s - rowmax)`` as :func:`._normalise.normalise_scores` computes it; returns
-    ``(ok, e, spread)`` with ``spread`` the normalised spread (float64); ``ok`` False for input
-    that the PyTorch path must handle (-inf, NaN, +inf, an overflowing shift or exponent)."""
+    """``w = 2^-e (s - rowmax)`` as :func:`._normalise.normalise_scores` computes it, for finite
+    ``s`` (checked by the caller: compiled without NaN/inf semantics, so that the row maxima
+    vectorise); returns ``(ok, e, spread)`` with ``spread`` the normalised spread (float64);
+    ``ok`` False where the PyTorch path must take over (an overflowing shift or exponent)."""
     n, k = s.shape
-    lo = 0.0
+    lo = s[0, 0] - s[0, 0]  # 0 in the scores' dtype (no conversion per entry)
     for i in range(n):
         m = s[i, 0]
         for j in range(k):
-            x = s[i, j]
-            if not (x > -np.inf and x < np.inf):  # -inf, +inf or NaN
-                return False, 0, 0.0
-            if x > m:
-                m = x
+            m = max(m, s[i, j])
         for j in range(k):
             d = s[i, j] - m  # in the scores' dtype
             w[i, j] = d
-            if d < lo:
-                lo = d
+            lo = min(lo, d)
     spread = -lo
     if not spread < np.inf:
         return False, 0, 0.0
@@ -320,12 +329,14 @@ def _normalise_py(s, chunk, w):
         e = math.frexp(spread)[1]
     if e > chunk or -e > chunk:
         return False, 0, 0.0
-    f = 2.0**-e  # exact: the product, rounded once to the scores' dtype, is PyTorch's
+    factor = np.empty(1, dtype=w.dtype)
+    factor[0] = 2.0**-e  # exact, in the scores' dtype: every product rounds as PyTorch's
+    f = factor[0]
     if e != 0:
         for i in range(n):
             for j in range(k):
                 w[i, j] = w[i, j] * f
-    return True, e, -lo * f
+    return True, e, -lo * 2.0**-e
 
 
 def _sift_down_py(price, holder, slot_of, base, pos, p, token):
@@ -350,6 +361,17 @@ def _sift_down_py(price, holder, slot_of, base, pos, p, token):
     slot_of[token] = base + pos
 
 
+def _cheapest_copy_py(price):
+    """``(min, argmin)`` of one expert's copy prices, branch-free (the first on ties)."""
+    m = price[0]
+    at = 0
+    for t in range(1, price.shape[0]):
+        v = price[t]
+        at = t if v < m else at
+        m = min(m, v)
+    return m, at
+
+
 def _heapify_py(price, holder, slot_of, base):
     """Make one expert's (full) copies a min-heap by price."""
     c = price.shape[0]
@@ -372,6 +394,9 @@ def _solve_one_py(s, c, tol, big, eps, stop_after, z, arc_out):  # noqa: C901
     stack = np.empty(n, dtype=np.int64)  # tokens waiting to bid
     cheapest = np.zeros(k)  # price[:, 0] of a full expert, 0 before: contiguous for the bids
     filled = np.zeros(k, dtype=np.int64)  # copies taken so far (until full)
+    # Up to SMALL_HEAP copies per expert a branch-free scan for the cheapest beats a heap's sift.
+    small = c <= SMALL_HEAP
+    cheapest_at = np.zeros(k, dtype=np.int64)  # where the cheapest copy is (small only)
     # ---- 1. start: the auction ------------------------------------------------------------------
     top = 0
     for i in range(n):
@@ -396,15 +421,25 @@ def _solve_one_py(s, c, tol, big, eps, stop_after, z, arc_out):  # noqa: C901
             holder[jb, pos] = i
             slot_of[i] = jb * c + pos
             if filled[jb] == c:
-                _heapify(price[jb], holder[jb], slot_of, jb * c)
-                cheapest[jb] = price[jb, 0]
+                if small:
+                    cheapest[jb], cheapest_at[jb] = _cheapest_copy(price[jb])
+                else:
+                    _heapify(price[jb], holder[jb], slot_of, jb * c)
+                    cheapest[jb] = price[jb, 0]
             continue
-        old = holder[jb, 0]  # evicted: bids again
+        pos = cheapest_at[jb] if small else 0
+        old = holder[jb, pos]  # evicted: bids again
         slot_of[old] = -1
         stack[top] = old
         top += 1
-        _sift_down(price[jb], holder[jb], slot_of, jb * c, 0, new_price, i)
-        cheapest[jb] = price[jb, 0]
+        if small:  # a few copies: replace the cheapest and scan for the next (no heap)
+            price[jb, pos] = new_price
+            holder[jb, pos] = i
+            slot_of[i] = jb * c + pos
+            cheapest[jb], cheapest_at[jb] = _cheapest_copy(price[jb])
+        else:
+            _sift_down(price[jb], holder[jb], slot_of, jb * c, 0, new_price, i)
+            cheapest[jb] = price[jb, 0]
     count = np.zeros(k, dtype=np.int64)
     for i in range(n):
         j = slot_of[i] // c
@@ -526,3 +561,4 @@ def _solve_one_py(s, c, tol, big, eps, stop_after, z, arc_out):  # noqa: C901
 
 # The names the kernels call (plain Python until :func:`_kernel` rebinds them to compiled versions).
 _normalise, _sift_down, _heapify, _solve_one = _normalise_py, _sift_down_py, _heapify_py, _solve_one_py
+_cheapest_copy = _cheapest_copy_py
