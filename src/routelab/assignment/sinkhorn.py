@@ -56,7 +56,7 @@ def sinkhorn(
             0, a column that is all ``-inf`` with a positive target), or no convergence within
             ``max_iter`` (the message gives the error).
     """
-    check_score_matrix(log_p, "log_p")
+    check_score_matrix(log_p, "log_p", values=False)
     n, k = log_p.shape[-2], log_p.shape[-1]
     check_positive_int("max_iter", max_iter)
     if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not tol > 0:
@@ -64,12 +64,17 @@ def sinkhorn(
     out_dtype = log_p.dtype
     if out_dtype not in (torch.float32, torch.float64):  # half precision: balance in float32
         log_p = log_p.float()
+    # The values in one pass and one synchronisation: NaN/+inf (an error) and -inf (the checks below).
+    lo, hi = torch.stack(torch.aminmax(log_p.detach())).tolist() if log_p.numel() else (0.0, 0.0)
+    if not hi < float("inf"):
+        check_score_matrix(log_p, "log_p")  # raises, naming the problem
     target = _target_columns(col_sum, log_p, n, k)
+    top = n / k if col_sum is None else None
 
-    if log_p.numel() == 0 or bool(log_p.amin() > float("-inf")):
-        # Every entry finite (the usual case, one reduction): no row or column can be dead or
-        # stranded (the targets add up to n > 0), so the checks below have nothing to find.
-        return _balanced_or_raise(log_p, target, tol, max_iter, out_dtype)
+    if lo > float("-inf"):
+        # Every entry finite (the usual case): no row or column can be dead or stranded (the
+        # targets add up to n > 0), so the checks below have nothing to find.
+        return _balanced_or_raise(log_p, target, tol, max_iter, out_dtype, top)
     finite = torch.isfinite(log_p)
     dead_row = ~finite.any(-1)
     dead_col = (~finite.any(-2)) & (target > 0)
@@ -90,15 +95,19 @@ def sinkhorn(
             f"col_sum > 0"
         )
 
-    return _balanced_or_raise(log_p, target, tol, max_iter, out_dtype)
+    return _balanced_or_raise(log_p, target, tol, max_iter, out_dtype, top)
 
 
-def _balanced_or_raise(log_p: Tensor, target: Tensor, tol: float, max_iter: int, out_dtype: torch.dtype) -> Tensor:
-    """:func:`balance` at the floored tolerance; the result in ``out_dtype``, or ValueError."""
+def _balanced_or_raise(
+    log_p: Tensor, target: Tensor, tol: float, max_iter: int, out_dtype: torch.dtype, top: float | None = None
+) -> Tensor:
+    """:func:`balance` at the floored tolerance; the result in ``out_dtype``, or ValueError.
+    ``top``: the largest target when the caller knows it (else read from ``target``)."""
     n = log_p.shape[-2]
     # Below a few rounding errors of a sum of n terms of size up to max(1, target) the output
     # dtype cannot resolve column errors, so the tolerance is floored there.
-    top = float(target.detach().max()) if target.numel() else 0.0
+    if top is None:
+        top = float(target.detach().max()) if target.numel() else 0.0
     # (in the dtype of the computation: half precision is balanced, and judged, in float32)
     resolution = 4 * torch.finfo(log_p.dtype).eps * n**0.5 * max(1.0, top)
     eff_tol = max(tol, resolution)
