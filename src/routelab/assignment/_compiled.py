@@ -1,4 +1,5 @@
-"""The balanced-assignment solver as compiled (numba) CPU kernels: the speed machinery.
+"""The balanced-assignment solver and Sinkhorn's sweeps as compiled (numba) CPU kernels: the
+speed machinery of :mod:`routelab.assignment`.
 
 The pure-PyTorch solver of :mod:`.balanced` (prices, start, cycle cancelling) runs a few hundred
 small tensor operations per call; on CPU each costs microseconds of dispatch, which is most of the
@@ -20,6 +21,9 @@ time below ``n = 4096``. This module runs the same outline as straight loops, co
    which certifies optimality with the same rounding guard as the PyTorch path
    (:func:`._cycles.cycle_tolerance`).
 
+Sinkhorn (:mod:`.sinkhorn`) uses :func:`shift_rows` and :func:`scaling_sinkhorn`: the sweeps in the
+scaling domain, one fused pass over ``K = exp(log_p - rowmax)`` per sweep with float64 sums.
+
 The PyTorch path stays the reference: it runs on other devices, without numba, and whenever
 :data:`ENABLED` is ``False`` (environment: ``ROUTELAB_PURE_TORCH=1``); the tests check that both
 reach the same optimum. Nothing here changes *what* the solver returns. The kernels are compiled
@@ -36,6 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ._normalise import _chunk
 from ._workspace import NORMALISED, scratch
 
 __all__ = [
@@ -85,6 +90,8 @@ def solve_scores(scores: Tensor, c: int, stop_after: int = 3) -> tuple[Tensor, T
         for input with ``-inf``, NaN, +inf or a spread beyond the dtype's range.
     """
     B, n, k = scores.shape
+    if scores.numel() == 0:
+        return None
     s = scores.detach().contiguous()
     lo, hi = torch.stack(torch.aminmax(s)).tolist()  # one pass, one synchronisation
     if not (-math.inf < lo and hi < math.inf):  # -inf, NaN or +inf: the PyTorch path validates
@@ -95,7 +102,7 @@ def solve_scores(scores: Tensor, c: int, stop_after: int = 3) -> tuple[Tensor, T
     e = np.empty(B, dtype=np.int64)
     info = np.zeros(2, dtype=np.int64)
     eps32 = float(torch.finfo(scores.dtype).eps)
-    chunk = int(math.log2(torch.finfo(scores.dtype).max)) - 2
+    chunk = _chunk(scores.dtype)  # the largest power-of-two exponent normalise_scores applies at once
     # the normalised scores of one instance, in memory kept between calls (no page faults)
     w = scratch(NORMALISED, (n, k), scores.dtype, scores.device).numpy()
     _kernel("solve_scores")(s, c, EPS, 4.0 * (k + 1) * eps32, chunk, stop_after, w, z, arc, e, info)

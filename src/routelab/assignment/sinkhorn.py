@@ -222,7 +222,7 @@ def _balance_scaling(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int
         ``(log_q, err)`` as :func:`balance`, or ``None``.
     """
     compiled = _compiled.available(log_p) and log_p.is_contiguous()
-    positive = float(target.amin()) > 0
+    positive = float(target.detach().amin()) > 0
     if compiled:
         # (On CPU the two n x k temporaries live in memory kept between calls: fresh pages of a
         # few MiB cost more in page faults than the sweeps themselves, see _workspace.)
