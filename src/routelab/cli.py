@@ -5,6 +5,8 @@ Subcommands::
     routelab reproduce [NAME ...] [--quick] [--out DIR] [--fresh] [--allow-missing-data]
                                                           run experiments, write DIR/report.md
     routelab bench assignment [--quick] [--threads N] [--device cpu|cuda] [--out FILE]
+    routelab bench assignment --peers [--quick] [--threads N] [--out FILE]   vs POT, OR-Tools, scipy, auction
+    routelab bench sinkhorn --peers [--quick] [--threads N] [--out FILE]     vs POT ot.sinkhorn (plain, log)
     routelab bench moe [--quick] [--threads N] [--device cpu|cuda] [--out FILE]
     routelab bench moe --world-size N [N ...] [--quick] [--out FILE]   expert parallel, gloo workers
     routelab list                                         list the registered experiments
@@ -41,7 +43,7 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # as a shell reports a process ended by Ctrl-C (128 + SIGINT)
 
-BENCHMARKS: tuple[str, ...] = ("assignment", "moe")
+BENCHMARKS: tuple[str, ...] = ("assignment", "moe", "sinkhorn")
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -260,6 +262,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             return _error("--device cuda was requested but torch.cuda.is_available() is False.")
     if args.world_size is not None and args.benchmark != "moe":
         return _error("--world-size applies to `routelab bench moe` only.")
+    if args.peers and args.benchmark == "moe":
+        return _error("--peers applies to `routelab bench assignment` and `routelab bench sinkhorn`.")
+    if args.benchmark == "sinkhorn" and not args.peers:
+        return _error("`routelab bench sinkhorn` compares with POT: run it with --peers.")
+    if args.peers and args.device == "cuda":
+        return _error("--peers runs on CPU (the peers are CPU solvers).")
     if args.benchmark == "moe" and args.world_size is not None:
         from routelab.bench.moe_parallel import run_benchmark as run_moe_parallel  # lazy: starts workers
 
@@ -270,6 +278,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from routelab.bench.moe import run_benchmark as run_moe  # lazy: heavy
 
         text = run_moe(quick=args.quick, threads=args.threads or 1, device=args.device, out=sys.stdout)
+    elif args.peers:
+        from routelab.bench.peers import run_assignment_peers, run_sinkhorn_peers  # lazy: imports the peers
+
+        run = run_sinkhorn_peers if args.benchmark == "sinkhorn" else run_assignment_peers
+        text = run(quick=args.quick, threads=args.threads or 1, out=sys.stdout)
     else:
         text = _run_assignment_benchmark(quick=args.quick, threads=args.threads, device=args.device)
     if args.out is not None:
@@ -339,6 +352,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--out", type=Path, default=None, metavar="FILE",
         help="also write the markdown table to FILE",
+    )
+    bench.add_argument(
+        "--peers", action="store_true",
+        help="assignment/sinkhorn: time routelab against POT, OR-Tools, scipy and the fairseq auction in the same "
+        "run (install them with the `bench` extra; a missing one is reported)",
     )
     bench.add_argument(
         "--world-size", type=_positive_int, nargs="+", default=None, metavar="N",

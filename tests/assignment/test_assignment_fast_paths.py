@@ -18,12 +18,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_balanced_assignment import check_optimal, family
 
-from routelab.assignment import _graph, _ops, _prices, _start, _workspace, balanced_assignment
+from routelab.assignment import _compiled, _graph, _ops, _prices, _start, _workspace, balanced_assignment
 from routelab.assignment._groups import rank_within_groups, slot_table
 from routelab.assignment._tuning import TUNING
 
 HYPOTHESIS = settings(max_examples=60, deadline=None, derandomize=True,
                       suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(autouse=True)
+def pure_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These are the PyTorch path's speed-ups: every test here runs without the compiled kernel
+    (tests/assignment/test_compiled_solver.py checks that one)."""
+    monkeypatch.setattr(_compiled, "ENABLED", False)
 
 
 # ----------------------------------------------------------------------------- exactness where

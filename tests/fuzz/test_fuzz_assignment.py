@@ -53,13 +53,35 @@ from oracles import b_matching_lp
 from test_fuzz_helpers import COVERED_ASSIGNMENT
 
 COVERED = {"GumbelMatching", "balanced_assignment", "balanced_b_matching", "base_assignment", "clear_scratch",
-           "gumbel_matching", "sample_gumbel", "sinkhorn"} | COVERED_ASSIGNMENT
+           "compiled_phases", "gumbel_matching", "sample_gumbel", "sinkhorn"} | COVERED_ASSIGNMENT
 
 
 def test_public_api_is_covered() -> None:
     """A new public function needs a fuzz test here."""
     public = {n for n in A.__all__ if callable(getattr(A, n))}
     assert public <= COVERED, f"routelab.assignment has callables without a fuzz test: {sorted(public - COVERED)}"
+
+
+@fuzz(40)
+@given(case=score_cases(), phase=st.sampled_from(("normalise", "auction", "cycles")))
+def test_compiled_phases(case: ScoreCase, phase: str) -> None:
+    """Any input: a bool, never an exception, the input untouched; True only for finite float32/64
+    CPU scores of a batch (the compiled path in use), and then the full solve is optimal."""
+    x = case.x
+    if x.ndim < 2 or x.shape[-1] == 0 or x.shape[-2] == 0 or x.shape[-2] % x.shape[-1]:
+        return
+    flat = x.reshape(-1, x.shape[-2], x.shape[-1])
+    before = flat.clone()
+    ok = A.compiled_phases(flat, phase)
+    assert isinstance(ok, bool)
+    assert same_bits(flat, before)
+    finite = bool(torch.isfinite(flat).all()) if flat.numel() else True
+    if ok:
+        assert flat.dtype in (torch.float32, torch.float64) and finite
+    if ok and phase == "cycles":
+        z = A.balanced_assignment(flat).numpy()
+        for b, S in enumerate(np64(flat)):
+            check_assignment(S, z[b], flat.shape[-2] // flat.shape[-1], flat.dtype, "compiled_phases")
 
 
 def _instances(x: torch.Tensor) -> np.ndarray:

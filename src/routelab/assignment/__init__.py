@@ -9,7 +9,8 @@
 
 Helpers for the layers above (public so that no package reaches into this one's private modules):
 :func:`sinkhorn_balance` (the Sinkhorn iteration without validation, under a fixed budget),
-:func:`rank_within_groups`, :func:`uses_closed_form` (the one switch of the two-expert closed
+:func:`rank_within_groups`, :func:`compiled_phases` (the compiled solver stopped after a phase, for
+the benchmark's breakdown), :func:`uses_closed_form` (the one switch of the two-expert closed
 forms), and the last-dimension reductions :func:`amax`, :func:`argmax` and
 :func:`log_softmax` (torch's, computed slice by slice when there are few experts: faster on CPU).
 
@@ -21,6 +22,7 @@ scratch tensors per thread between calls (page faults on fresh memory would othe
 than the arithmetic); :func:`clear_scratch` frees them.
 """
 
+from ._compiled import compiled_phases
 from ._groups import rank_within_groups
 from ._ops import amax, argmax, log_softmax
 from ._two_experts import closed_form as uses_closed_form
@@ -39,6 +41,7 @@ __all__ = [
     "balanced_b_matching",
     "base_assignment",
     "clear_scratch",
+    "compiled_phases",
     "gumbel_matching",
     "log_softmax",
     "rank_within_groups",

@@ -46,7 +46,7 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     numel = 1
     for size in shape:
         numel *= size
-    if device.type != "cpu" or numel * torch.empty((), dtype=dtype).element_size() > MAX_CACHED_BYTES:
+    if device.type != "cpu" or numel * dtype.itemsize > MAX_CACHED_BYTES:
         return torch.empty(shape, dtype=dtype, device=device)
     slots: dict = getattr(_local, "slots", None) or {}
     _local.slots = slots

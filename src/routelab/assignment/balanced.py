@@ -26,6 +26,11 @@ Algorithm (App. D.2, generalised to slack capacity and to an infeasible start):
 
 Forbidden pairs (``-inf`` scores) are replaced by a large finite penalty: if the optimum still
 uses one, no feasible assignment exists and a ``ValueError`` is raised.
+
+On CPU (float32/float64, numba installed) the same outline runs as compiled loops
+(:mod:`._compiled`, the speed machinery): an auction start (steps 1-2 in one: bids raise expert
+prices until every token is within ``eps`` of its best expert), then the cycle cancelling of
+step 3 with the same certificate. The PyTorch code below is the reference and the path on CUDA.
 Everything is batched over the leading dimensions; the only Python loops are over rounds of the
 algorithm (never over tokens).
 """
@@ -38,7 +43,8 @@ import torch
 from torch import Tensor
 
 from .._checks import check_score_matrix, resolve_capacity
-from ._cycles import cancel_negative_cycles
+from . import _compiled
+from ._cycles import cancel_negative_cycles, cycle_tolerance
 from ._graph import expert_graph, release_weight
 from ._groups import slot_table
 from ._normalise import compute_dtype, normalise_scores
@@ -109,11 +115,19 @@ def balanced_assignment(scores: Tensor, capacity: int | None = None, *, k: int =
 
 def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "scores") -> BalancedSolution:
     """Validate, normalise, solve and certify; returns the flattened :class:`BalancedSolution`."""
-    check_score_matrix(scores, name)
+    check_score_matrix(scores, name, values=False)
     n, k = scores.shape[-2], scores.shape[-1]
     c = min(resolve_capacity(n, k, capacity), n)
     flat = scores.detach().reshape(-1, n, k)
     B, dev = flat.shape[0], scores.device
+    if B and not closed_form(k) and _compiled.available(flat):
+        # Steps 0-3 below in one compiled call (the speed machinery, :mod:`._compiled`); None for
+        # input with -inf, NaN or +inf entries, which the steps below validate and handle.
+        fast = _compiled.solve_scores(flat, c)
+        if fast is not None:
+            z, arc_cost, log2_scale, rounds = fast
+            return BalancedSolution(expert=z, arc_cost=arc_cost, log2_scale=log2_scale, capacity=c, rounds=rounds)
+    check_score_matrix(scores, name)
     if B == 0:
         return BalancedSolution(
             expert=torch.zeros((0, n), dtype=torch.long, device=dev),
@@ -128,6 +142,10 @@ def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "
     if closed_form(k):
         z = two_expert_assignment(S, c)
         arc_cost, rounds = _graph_of(S, z, c, release_weight(S)), 0
+    elif _compiled.available(S):
+        # The same outline (a priced start, then cycle cancelling) as one compiled CPU kernel.
+        tol = cycle_tolerance(scale, k).to(torch.float64).view(-1)
+        z, arc_cost, rounds = _compiled.solve_normalised(S, c, tol, release_weight(S))
     else:
         # Inference mode skips autograd's bookkeeping on every one of the solver's many small
         # operations (~10% of the time); the results are cloned outside it into normal tensors,

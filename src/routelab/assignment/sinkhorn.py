@@ -8,8 +8,10 @@ import torch
 from torch import Tensor
 
 from .._checks import check_positive_int, check_score_matrix
+from . import _compiled
 from ._ops import SMALL_K, logsumexp
 from ._two_experts import closed_form, two_expert_sinkhorn
+from ._workspace import scratch
 
 __all__ = ["balance", "sinkhorn"]
 
@@ -54,7 +56,7 @@ def sinkhorn(
             0, a column that is all ``-inf`` with a positive target), or no convergence within
             ``max_iter`` (the message gives the error).
     """
-    check_score_matrix(log_p, "log_p")
+    check_score_matrix(log_p, "log_p", values=False)
     n, k = log_p.shape[-2], log_p.shape[-1]
     check_positive_int("max_iter", max_iter)
     if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not tol > 0:
@@ -62,8 +64,17 @@ def sinkhorn(
     out_dtype = log_p.dtype
     if out_dtype not in (torch.float32, torch.float64):  # half precision: balance in float32
         log_p = log_p.float()
+    # The values in one pass and one synchronisation: NaN/+inf (an error) and -inf (the checks below).
+    lo, hi = torch.stack(torch.aminmax(log_p.detach())).tolist() if log_p.numel() else (0.0, 0.0)
+    if not hi < float("inf"):
+        check_score_matrix(log_p, "log_p")  # raises, naming the problem
     target = _target_columns(col_sum, log_p, n, k)
+    top = n / k if col_sum is None else None
 
+    if lo > float("-inf"):
+        # Every entry finite (the usual case): no row or column can be dead or stranded (the
+        # targets add up to n > 0), so the checks below have nothing to find.
+        return _balanced_or_raise(log_p, target, tol, max_iter, out_dtype, top)
     finite = torch.isfinite(log_p)
     dead_row = ~finite.any(-1)
     dead_col = (~finite.any(-2)) & (target > 0)
@@ -84,9 +95,19 @@ def sinkhorn(
             f"col_sum > 0"
         )
 
+    return _balanced_or_raise(log_p, target, tol, max_iter, out_dtype, top)
+
+
+def _balanced_or_raise(
+    log_p: Tensor, target: Tensor, tol: float, max_iter: int, out_dtype: torch.dtype, top: float | None = None
+) -> Tensor:
+    """:func:`balance` at the floored tolerance; the result in ``out_dtype``, or ValueError.
+    ``top``: the largest target when the caller knows it (else read from ``target``)."""
+    n = log_p.shape[-2]
     # Below a few rounding errors of a sum of n terms of size up to max(1, target) the output
     # dtype cannot resolve column errors, so the tolerance is floored there.
-    top = float(target.detach().max()) if target.numel() else 0.0
+    if top is None:
+        top = float(target.detach().max()) if target.numel() else 0.0
     # (in the dtype of the computation: half precision is balanced, and judged, in float32)
     resolution = 4 * torch.finfo(log_p.dtype).eps * n**0.5 * max(1.0, top)
     eff_tol = max(tol, resolution)
@@ -123,6 +144,10 @@ def balance(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) -> tupl
         return log_p.clone(), 0.0
     if k == 2 and closed_form(k):
         fast = two_expert_sinkhorn(log_p, target, tol=tol, max_iter=max_iter)
+        if fast is not None:
+            return fast
+    if k > 2 and not (torch.is_grad_enabled() and log_p.requires_grad):
+        fast = _balance_scaling(log_p, target, tol=tol, max_iter=max_iter)
         if fast is not None:
             return fast
     # Dead columns: a target of 0 (the column is -inf in the result) or no finite entry. They are
@@ -170,10 +195,76 @@ def balance(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) -> tupl
     return (x.transpose(-1, -2) if transpose else x), err
 
 
+#: The scaling domain is used when every finite entry lies within this many nats of its row's
+#: maximum (per dtype): ``exp`` of the shifted entries then stays a normal number with room to
+#: spare for the column scalings (float32: ``e^-30 ~ 1e-13``, its normal range ends at ``1e-38``).
+SCALING_RANGE = {torch.float32: 30.0, torch.float64: 300.0}
+#: The same for the compiled sweeps, which keep the scalings and sums in float64: only ``K`` itself
+#: must stay normal (float32: ``e^-80 ~ 2e-35``).
+COMPILED_SCALING_RANGE = {torch.float32: 80.0, torch.float64: 600.0}
+
+
+def _balance_scaling(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) -> tuple[Tensor, float] | None:
+    """The same iteration as :func:`balance` in the scaling domain (``q = diag(a) K diag(b)``).
+
+    With ``K = exp(log_p - rowmax)`` every sweep is two matrix-vector products (``K^T a`` for the
+    column sums, ``K b`` for the row normalisation) instead of two ``logsumexp`` passes over
+    ``n x k`` entries: the iterates are the log-domain ones up to rounding, so it stops after the
+    same sweeps. ``-inf`` entries are exact zeros of ``K`` (and ``-inf`` in the result).
+
+    Used without autograd only, and ``None`` is returned (the log domain takes over, the
+    stabilised path) when a finite entry lies more than :data:`SCALING_RANGE` (compiled:
+    :data:`COMPILED_SCALING_RANGE`) nats below its
+    row's maximum (low temperatures), when a column has target 0 or no finite entry, or when the
+    scalings leave the floating range during the sweeps.
+
+    Returns:
+        ``(log_q, err)`` as :func:`balance`, or ``None``.
+    """
+    compiled = _compiled.available(log_p) and log_p.is_contiguous()
+    positive = float(target.detach().amin()) > 0
+    if compiled:
+        # (On CPU the two n x k temporaries live in memory kept between calls: fresh pages of a
+        # few MiB cost more in page faults than the sweeps themselves, see _workspace.)
+        x = scratch("sinkhorn.x", log_p.shape, log_p.dtype, log_p.device)
+        low = _compiled.shift_rows(log_p.view(-1, *log_p.shape[-2:]), x.view(-1, *x.shape[-2:]))
+    else:
+        x = log_p - log_p.amax(-1, keepdim=True)  # rows are finite (validated): their maxima too
+        low = float(x.amin())
+        if low == float("-inf"):  # -inf entries: the range of the finite ones
+            low = float(torch.where(torch.isneginf(x), torch.zeros((), dtype=x.dtype, device=x.device), x).amin())
+    limit = (COMPILED_SCALING_RANGE if compiled else SCALING_RANGE).get(x.dtype, 30.0)
+    if not low >= -limit or not positive:
+        return None
+    if compiled:  # the same sweeps, compiled: one fused pass over K per sweep
+        K = torch.exp(x, out=scratch("sinkhorn.K", x.shape, x.dtype, x.device))  # 0 at the -inf entries
+        flat = K.reshape(-1, K.shape[-2], K.shape[-1])
+        targets = target.expand(K.shape[:-2] + target.shape[-1:]).reshape(-1, K.shape[-1])
+        out = torch.empty_like(x)
+        err = _compiled.scaling_sinkhorn(flat, targets, tol, max_iter, x.view(flat.shape), out.view(flat.shape))
+        return None if err is None else (out, err)
+    K = x.exp()  # [..., n, k], 0 at the -inf entries
+    Kt = K.transpose(-1, -2)
+    t = target.expand(K.shape[:-2] + target.shape[-1:]).unsqueeze(-1).to(K.dtype)  # [..., k, 1]
+    a = 1.0 / K.sum(-1, keepdim=True)  # [..., n, 1]: rows sum to 1
+    b = torch.ones_like(t)  # [..., k, 1]
+    err = float("inf")
+    for sweep in range(max_iter + 1):
+        col = b * (Kt @ a)  # [..., k, 1] column sums of diag(a) K diag(b)
+        err = float((col - t).abs().amax())
+        if not err == err or err <= tol or sweep == max_iter:  # (NaN: a scaling left the range)
+            break
+        b = b * (t / col)
+        a = 1.0 / (K @ b)
+    if not (err == err and bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+        return None
+    return x + a.log() + b.log().transpose(-1, -2), err
+
+
 def _target_columns(col_sum: float | Tensor | None, log_p: Tensor, n: int, k: int) -> Tensor:
     """Column targets as a ``[..., k]`` tensor (broadcastable to the batch), validated."""
-    if col_sum is None:
-        target = torch.full((k,), n / k, dtype=log_p.dtype, device=log_p.device)
+    if col_sum is None:  # valid by construction
+        return torch.full((k,), n / k, dtype=log_p.dtype, device=log_p.device)
     else:
         bad = f"col_sum must be a number or a [..., k] tensor, got {type(col_sum).__name__}"
         if isinstance(col_sum, (bool, str, bytes)):

@@ -1,0 +1,96 @@
+"""Sinkhorn's three ways to the same sweeps: the compiled scaling-domain kernel, the PyTorch
+scaling domain and the log domain (the stabilised path for low temperatures and autograd).
+
+Each must meet the marginals and the scaling form (tests/assignment/test_sinkhorn.py's checks),
+and they must agree with one another to the tolerance; the log domain must take over where the
+scaling domain would lose entries (a finite entry far below its row's maximum).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_sinkhorn import check_marginals, check_scaling_form
+
+from routelab.assignment import _compiled, sinkhorn
+
+sinkhorn_module = __import__("routelab.assignment.sinkhorn", fromlist=["SCALING_RANGE"])
+
+PATHS = ["compiled", "pytorch-scaling", "log"]
+
+
+def _use(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if path == "compiled" and not _compiled.HAVE_NUMBA:
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(_compiled, "ENABLED", path == "compiled")
+    if path == "log":
+        for name in ("SCALING_RANGE", "COMPILED_SCALING_RANGE"):
+            monkeypatch.setattr(sinkhorn_module, name, {torch.float32: -1.0, torch.float64: -1.0})
+
+
+def _instances(dtype: torch.dtype) -> list[tuple[torch.Tensor, object]]:
+    gen = torch.Generator().manual_seed(3)
+    plain = torch.log_softmax(torch.randn(64, 8, generator=gen, dtype=dtype), -1)
+    batched = torch.log_softmax(torch.randn(3, 40, 5, generator=gen, dtype=dtype) * 2, -1)
+    holes = torch.randn(48, 6, generator=gen, dtype=dtype)
+    holes[torch.rand(48, 6, generator=gen) < 0.3] = float("-inf")
+    holes[:, 0] = 0.0  # every row keeps a finite entry
+    custom = torch.randn(30, 4, generator=gen, dtype=dtype)
+    return [(plain, None), (batched, None), (holes, None), (custom, torch.tensor([3.0, 7.0, 10.0, 10.0], dtype=dtype))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("path", PATHS)
+def test_every_path_meets_the_marginals(path: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    _use(path, monkeypatch)
+    tol, atol = (1e-10, 1e-8) if dtype == torch.float64 else (1e-4, 1e-4)
+    for log_p, col in _instances(dtype):
+        q = sinkhorn(log_p, col_sum=col, tol=tol, max_iter=100_000)
+        check_marginals(q, col, atol)
+        check_scaling_form(q, log_p, 1e-6 if dtype == torch.float64 else 1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_the_paths_agree(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    results = {}
+    for path in PATHS:
+        if path == "compiled" and not _compiled.HAVE_NUMBA:
+            continue
+        with monkeypatch.context() as m:
+            _use(path, m)
+            results[path] = [sinkhorn(x, col_sum=c, tol=tol, max_iter=100_000) for x, c in _instances(dtype)]
+    reference = results.pop("log")
+    for path, qs in results.items():
+        for q, r in zip(qs, reference):
+            assert torch.equal(torch.isneginf(q), torch.isneginf(r)), path
+            finite = torch.isfinite(r)
+            diff = (q.double().exp() - r.double().exp()).abs()[finite].max()
+            assert diff <= (1e-8 if dtype == torch.float64 else 1e-3), (path, float(diff))
+
+
+def test_low_temperature_takes_the_log_domain_and_stays_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entries hundreds of nats apart underflow in the scaling domain; the log domain balances them."""
+    calls = []
+    original = sinkhorn_module._balance_scaling
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        calls.append(out is None)
+        return out
+
+    monkeypatch.setattr(sinkhorn_module, "_balance_scaling", spy)
+    gen = torch.Generator().manual_seed(5)
+    log_p = torch.randn(32, 4, generator=gen, dtype=torch.float64)
+    log_p[::2, 3] = -1000.0  # far below its row's maximum: exp underflows relative to the row
+    q = sinkhorn(log_p, tol=1e-9, max_iter=100_000)
+    assert calls == [True]  # the scaling domain declined
+    check_marginals(q, None, 1e-7)
+    check_scaling_form(q, log_p, 1e-6)
+
+
+def test_autograd_uses_the_log_domain() -> None:
+    log_p = torch.log_softmax(torch.randn(16, 4, dtype=torch.float64), -1).requires_grad_()
+    q = sinkhorn(log_p, tol=1e-10)
+    q.exp()[:, 0].sum().backward()
+    assert log_p.grad is not None and torch.isfinite(log_p.grad).all()
