@@ -20,19 +20,13 @@ the registered ``EXPERIMENT`` and :func:`run_sweep` (one JSON line per finished 
 
 from __future__ import annotations
 
-import sys
-import time
-from datetime import UTC, datetime
 from pathlib import Path
 
-import torch
-
 from ..kit.claims import write_claims_json
-from ..kit.divergence import train_or_fail
 from ..kit.experiment import Experiment
 from ..kit.failed_runs import with_failures_section
-from ..kit.provenance import load_average
-from ..kit.store import append_jsonl_atomic, atomic_write_text, is_failed, missing_keys, read_jsonl, split_failed
+from ..kit.router_sweep import train_router_seeds
+from ..kit.store import atomic_write_text, read_jsonl, split_failed
 from .model import ROUTER_SPECS, RouterSpec, Settings, train_run
 
 __all__ = ["EXPERIMENT", "FULL", "LARGE", "QUICK", "ROUTER_SPECS", "RouterSpec", "Settings", "run_sweep",
@@ -70,47 +64,17 @@ def run_sweep(out_dir: Path, settings: Settings, *, figures: bool = True, progre
     """
     from .data import build_corpus
 
+
     settings.validate()
-    t_start = time.perf_counter()
-    started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    load_start = load_average()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    runs_path = out_dir / "runs.jsonl"
-    key = settings.key()
-    plan = [(r, s) for s in settings.seeds for r in settings.routers]
-    pending = [(r, s) for r, s, _ in missing_keys([(r, s, key) for r, s in plan], runs_path,
-                                                  ("router", "seed", "settings"))]
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(settings.threads)
-    try:
-        corpus = build_corpus() if pending else None
-        for i, (router, seed) in enumerate(pending, 1):
-            spec = settings.spec(router)
-            t_run = time.perf_counter()
-
-            def say(msg: str, router: str = router, seed: int = seed, i: int = i, t_run: float = t_run) -> None:
-                if progress:
-                    print(f"lm-routers [{i}/{len(pending)}] {router} seed {seed} "
-                          f"({time.perf_counter() - t_start:.0f} s): {msg}", file=sys.stderr, flush=True)
-
-            record = train_or_fail(lambda: train_run(spec, seed, settings, corpus, progress=say),
-                                   {"router": router, "seed": seed}, on_fail=lambda why: say(f"FAILED, {why}"))
-            record["settings"] = key
-            record["threads"] = torch.get_num_threads()
-            record["run_s"] = round(time.perf_counter() - t_run, 1)
-            append_jsonl_atomic(runs_path, record)
-            if not is_failed(record):
-                say(f"done: val ppl {record['final_val_ppl']:.3f}, test ppl {record['test_ppl']:.3f}, "
-                    f"{record['tokens_per_s']:.0f} tokens/s, {record['run_s']:.0f} s")
-    finally:
-        torch.set_num_threads(old_threads)
-    wall_s = time.perf_counter() - t_start
-    if pending:
-        append_jsonl_atomic(out_dir / "invocations.jsonl", {
-            "started": started, "wall_s": round(wall_s, 1), "trained": len(pending), "settings": key,
-            "load_start": load_start, "load_end": load_average(), "threads": settings.threads})
-    return write_outputs(out_dir, settings, wall_s=wall_s, figures=figures, resumed=len(plan) - len(pending))
+    done = train_router_seeds(
+        "lm-routers", out_dir, key=settings.key(), routers=settings.routers, seeds=settings.seeds,
+        threads=settings.threads, load_data=build_corpus,
+        train=lambda router, seed, corpus, say: train_run(settings.spec(router), seed, settings, corpus,
+                                                          progress=say),
+        summary=lambda r: (f"done: val ppl {r['final_val_ppl']:.3f}, test ppl {r['test_ppl']:.3f}, "
+                           f"{r['tokens_per_s']:.0f} tokens/s, {r['run_s']:.0f} s"),
+        progress=progress)
+    return write_outputs(out_dir, settings, wall_s=done.wall_s, figures=figures, resumed=done.resumed)
 
 
 def write_outputs(out_dir: Path, settings: Settings, *, wall_s: float | None = None, figures: bool = True,

@@ -16,19 +16,13 @@ finished (router, seed) run in ``DIR/runs.jsonl``; a rerun skips recorded runs).
 
 from __future__ import annotations
 
-import sys
-import time
-from datetime import UTC, datetime
 from pathlib import Path
 
-import torch
-
 from ..kit.claims import write_claims_json
-from ..kit.divergence import train_or_fail
 from ..kit.experiment import Experiment
 from ..kit.failed_runs import with_failures_section
-from ..kit.provenance import load_average
-from ..kit.store import append_jsonl_atomic, atomic_write_text, is_failed, missing_keys, read_jsonl, split_failed
+from ..kit.router_sweep import train_router_seeds
+from ..kit.store import atomic_write_text, read_jsonl, split_failed
 from .model import ROUTER_SPECS, MnistMoE, RouterSpec, Settings, evaluate, prepare_data, train_run
 from .report import claims, draw_figures, render_report, results_csv
 
@@ -66,43 +60,14 @@ def run_sweep(out_dir: Path, settings: Settings, *, figures: bool = True, progre
         ``out_dir / "report.md"``.
     """
     settings.validate()
-    t_start = time.perf_counter()
-    started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    load_start = load_average()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    runs_path = out_dir / "runs.jsonl"
-    key = _settings_key(settings)
-    plan = [(r, s) for s in settings.seeds for r in settings.routers]
-    pending = [(r, s) for r, s, _ in missing_keys([(r, s, key) for r, s in plan], runs_path,
-                                                  ("router", "seed", "settings"))]
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(settings.threads)
-    try:
-        data = prepare_data(settings) if pending else None
-        for i, (router, seed) in enumerate(pending, 1):
-            spec = settings.spec(router)
-
-            def say(msg: str, router: str = router, seed: int = seed, i: int = i) -> None:
-                if progress:
-                    print(f"moe-routers [{i}/{len(pending)}] {router} seed {seed}: {msg}", file=sys.stderr, flush=True)
-
-            record = train_or_fail(lambda: train_run(spec, seed, settings, data, progress=say),
-                                   {"router": router, "seed": seed}, on_fail=lambda why: say(f"FAILED, {why}"))
-            record["settings"] = key
-            record["threads"] = torch.get_num_threads()
-            append_jsonl_atomic(runs_path, record)
-            if not is_failed(record):
-                say(f"test acc {record['test']['acc']:.4f}, train load CV {record['train']['load_cv']:.3f}, "
-                    f"{record['train_s']:.0f} s train + {record['eval_s']:.0f} s eval")
-    finally:
-        torch.set_num_threads(old_threads)
-    wall_s = time.perf_counter() - t_start
-    if pending:
-        append_jsonl_atomic(out_dir / "invocations.jsonl", {
-            "started": started, "wall_s": round(wall_s, 1), "trained": len(pending), "settings": key,
-            "load_start": load_start, "load_end": load_average(), "threads": settings.threads})
-    return write_outputs(out_dir, settings, wall_s=wall_s, figures=figures, resumed=len(plan) - len(pending))
+    done = train_router_seeds(
+        "moe-routers", out_dir, key=_settings_key(settings), routers=settings.routers, seeds=settings.seeds,
+        threads=settings.threads, load_data=lambda: prepare_data(settings),
+        train=lambda router, seed, data, say: train_run(settings.spec(router), seed, settings, data, progress=say),
+        summary=lambda r: (f"test acc {r['test']['acc']:.4f}, train load CV {r['train']['load_cv']:.3f}, "
+                           f"{r['train_s']:.0f} s train + {r['eval_s']:.0f} s eval"),
+        progress=progress)
+    return write_outputs(out_dir, settings, wall_s=done.wall_s, figures=figures, resumed=done.resumed)
 
 
 def write_outputs(out_dir: Path, settings: Settings, *, wall_s: float | None = None, figures: bool = True,

@@ -1,0 +1,106 @@
+"""The (router, seed) training loop shared by the experiments that compare routers run by run.
+
+:func:`train_router_seeds` trains every ``(router, seed)`` run of a sweep that ``runs.jsonl`` does
+not hold yet under the same settings key, one after the other, appending each finished run's record
+atomically (a rerun resumes after the last finished run), recording a diverged run as failed
+(:func:`.divergence.train_or_fail`) and each invocation that trained something in
+``invocations.jsonl`` (start time, wall time, machine load).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .divergence import train_or_fail
+from .provenance import load_average
+from .store import append_jsonl_atomic, is_failed, missing_keys
+
+__all__ = ["SweepResult", "train_router_seeds"]
+
+#: ``train(router, seed, data, say)``: one run's record; ``say(msg)`` prints a progress line.
+TrainRun = Callable[[str, int, Any, Callable[[str], None]], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """What :func:`train_router_seeds` did: the invocation's wall time and how many planned runs were
+    already recorded (so not trained again)."""
+
+    wall_s: float
+    resumed: int
+
+
+def train_router_seeds(
+    name: str,
+    out_dir: Path,
+    *,
+    key: Any,
+    routers: Sequence[str],
+    seeds: Sequence[int],
+    threads: int,
+    load_data: Callable[[], Any],
+    train: TrainRun,
+    summary: Callable[[dict[str, Any]], str],
+    progress: bool = True,
+) -> SweepResult:
+    """Train the ``(router, seed)`` runs missing from ``out_dir/runs.jsonl`` (seed-major order).
+
+    Args:
+        name: the experiment's name (progress lines).
+        out_dir: holds ``runs.jsonl`` and ``invocations.jsonl`` (created if needed).
+        key: the settings key stored with every record; a record with another key is not reused.
+        routers, seeds: the sweep.
+        threads: torch threads while training (restored afterwards).
+        load_data: called once, only when something is trained; its result is passed to ``train``.
+        train: trains one run and returns its record.
+        summary: the progress line of a finished run, from its record.
+        progress: print progress lines on stderr.
+
+    Returns:
+        :class:`SweepResult`. Every record gets ``settings`` (the key), ``threads`` and ``run_s``.
+    """
+    t_start = time.perf_counter()
+    started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    load_start = load_average()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs_path = out_dir / "runs.jsonl"
+    plan = [(r, s) for s in seeds for r in routers]
+    pending = [(r, s) for r, s, _ in missing_keys([(r, s, key) for r, s in plan], runs_path,
+                                                  ("router", "seed", "settings"))]
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        data = load_data() if pending else None
+        for i, (router, seed) in enumerate(pending, 1):
+            t_run = time.perf_counter()
+
+            def say(msg: str, router: str = router, seed: int = seed, i: int = i) -> None:
+                if progress:
+                    print(f"{name} [{i}/{len(pending)}] {router} seed {seed} "
+                          f"({time.perf_counter() - t_start:.0f} s): {msg}", file=sys.stderr, flush=True)
+
+            record = train_or_fail(lambda: train(router, seed, data, say), {"router": router, "seed": seed},
+                                   on_fail=lambda why: say(f"FAILED, {why}"))
+            record["settings"] = key
+            record["threads"] = torch.get_num_threads()
+            record["run_s"] = round(time.perf_counter() - t_run, 1)
+            append_jsonl_atomic(runs_path, record)
+            if not is_failed(record):
+                say(summary(record))
+    finally:
+        torch.set_num_threads(old_threads)
+    wall_s = time.perf_counter() - t_start
+    if pending:
+        append_jsonl_atomic(out_dir / "invocations.jsonl", {
+            "started": started, "wall_s": round(wall_s, 1), "trained": len(pending), "settings": key,
+            "load_start": load_start, "load_end": load_average(), "threads": threads})
+    return SweepResult(wall_s=wall_s, resumed=len(plan) - len(pending))
