@@ -23,7 +23,7 @@ from .divergence import train_or_fail
 from .provenance import load_average
 from .store import append_jsonl_atomic, is_failed, missing_keys
 
-__all__ = ["SweepResult", "train_router_seeds"]
+__all__ = ["SweepResult", "figures_markdown", "missing_runs_markdown", "train_router_seeds"]
 
 #: ``train(router, seed, data, say)``: one run's record; ``say(msg)`` prints a progress line.
 TrainRun = Callable[[str, int, Any, Callable[[str], None]], dict[str, Any]]
@@ -104,3 +104,24 @@ def train_router_seeds(
             "started": started, "wall_s": round(wall_s, 1), "trained": len(pending), "settings": key,
             "load_start": load_start, "load_end": load_average(), "threads": threads})
     return SweepResult(wall_s=wall_s, resumed=len(plan) - len(pending))
+
+
+def figures_markdown(figures: Sequence[str], captions: dict[str, str]) -> list[str]:
+    """Report lines: a ``## Figures`` section, each figure file with its caption (none: no lines)."""
+    if not figures:
+        return []
+    lines = ["", "## Figures", ""]
+    for f in figures:
+        lines += [f"![{captions.get(f, f)}]({f})", "", f"*{captions.get(f, f)}*", ""]
+    return lines
+
+
+def missing_runs_markdown(routers: Sequence[str], seeds: Sequence[int], records: Sequence[dict[str, Any]]) -> list[str]:
+    """Report lines naming the planned ``(router, seed)`` runs without a record (none: no lines)."""
+    have = {(rec["router"], rec["seed"]) for rec in records}
+    missing = [(r, s) for s in seeds for r in routers if (r, s) not in have]
+    if not missing:
+        return []
+    return ["", "## Runs not in these results", "",
+            "Not yet run (a rerun of the command trains them and keeps the recorded ones): "
+            + ", ".join(f"{r} seed {s}" for r, s in missing) + "."]

@@ -64,7 +64,6 @@ def run_sweep(out_dir: Path, settings: Settings, *, figures: bool = True, progre
     """
     from .data import build_corpus
 
-
     settings.validate()
     done = train_router_seeds(
         "lm-routers", out_dir, key=settings.key(), routers=settings.routers, seeds=settings.seeds,

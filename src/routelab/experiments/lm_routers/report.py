@@ -20,6 +20,7 @@ from typing import Any
 from ...machine import cpu_model
 from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown
 from ..kit.provenance import software_line
+from ..kit.router_sweep import figures_markdown, missing_runs_markdown
 from ..kit.stats import Stat, mean_se
 from ..kit.tables import csv_cell, md_table
 from .model import ROUTER_SPECS, Settings
@@ -585,16 +586,8 @@ def render_report(settings: Settings, records: Sequence[Record], *, wall_s: floa
           + (" With one seed (quick form) the sign decides: indicative only." if len(settings.seeds) < 2 else ""),
           ""]
     L.append(claims_markdown(cl))
-    if figures:
-        L += ["", "## Figures", ""]
-        for f in figures:
-            L += [f"![{FIGURES.get(f, f)}]({f})", "", f"*{FIGURES.get(f, f)}*", ""]
-    missing = [(r, s) for s in settings.seeds for r in settings.routers
-               if not any(rec["router"] == r and rec["seed"] == s for rec in records)]
-    if missing:
-        L += ["", "## Runs not in these results", "",
-              "Not yet run (a rerun of the command trains them and keeps the recorded ones): "
-              + ", ".join(f"{r} seed {s}" for r, s in missing) + "."]
+    L += figures_markdown(figures, FIGURES)
+    L += missing_runs_markdown(settings.routers, settings.seeds, records)
     L += ["", "Files: `runs.jsonl` (one JSON line per run, with its curves), `results.csv` (one row per run), "
               "`claims.json`, `invocations.jsonl` (wall time and machine load of each invocation).", ""]
     return "\n".join(L)
