@@ -195,3 +195,22 @@ def test_sweep_records_resumes_and_reports(tmp_path: Path, corpus: CharCorpus, m
 
 def io_lines(path: Path) -> list[str]:
     return path.read_text().splitlines()
+
+
+def test_committed_records_give_the_committed_claims_and_one_seed_judges_no_comparison() -> None:
+    """The report step on the committed full run's records gives its committed claims; restricted to one
+    seed there is no spread, so every comparison is *not measured* (its sign shown) and only the exact
+    balance claim is judged."""
+    from routelab.experiments.lm_routers.report import claims
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "lm-routers"
+    records = [json.loads(line) for line in (docs / "runs.jsonl").read_text().splitlines()]
+    committed = read_claims_json(docs / "claims.json").claims
+    full = claims(records, lm.FULL)
+    assert [(c.text, c.measured, c.verdict) for c in full] == [(c.text, c.measured, c.verdict) for c in committed]
+    one = claims([r for r in records if r["seed"] == 0], lm.FULL.with_(seeds=(0,)))
+    for c in one:
+        if c.id == "balanced-routers-exact":
+            assert c.verdict == "holds"
+        else:
+            assert c.verdict == "not measured" and "[the sign alone would say: " in c.measured

@@ -4,7 +4,8 @@ Every comparison of two routers is *paired by seed* (the same seed gives both th
 weights and the same batches): the difference ``d_s`` per seed, its mean and standard error. A claim
 that one router is better holds when the mean difference exceeds two standard errors; "as well as"
 holds when the difference is within two standard errors or in its favour. With one seed (the quick
-form) there is no spread, the sign alone decides and the verdict says it is indicative.
+form) there is no spread to judge against: those claims are *not measured* (the measured text says what
+the sign alone would say); the exact-balance claim needs no spread and is judged.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import io
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -320,6 +322,10 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
                              measured=f"val loss dense@top-2 time − top-2: {_diff(d)}; at equal steps (dense has "
                                       f"{settings.experts}x the expert FLOPs): {_diff(steps_d)}",
                              verdict=HOLDS if d.mean > _bound(d) else (PARTLY if d.mean > 0 else NOT_HOLD)))
+    if len(settings.seeds) < 2:  # every comparison is judged against the seed spread: none with one seed
+        out = [c if c.id == "balanced-routers-exact" or c.verdict == NOT_MEASURED else
+               replace(c, measured=f"{c.measured} [the sign alone would say: {c.verdict}]", verdict=NOT_MEASURED)
+               for c in out]
     return out
 
 
@@ -491,8 +497,9 @@ def render_report(settings: Settings, records: Sequence[Record], *, wall_s: floa
         "",
     ]
     if settings.quick:
-        L += ["*This is the quick form (one seed, a tiny model, a few steps): its numbers only show that the "
-              "pipeline runs; the full run's report is docs/lm-routers/report.md.*", ""]
+        L += [f"*This is the quick form ({len(settings.seeds)} seed(s), a tiny model, {settings.steps} steps): its "
+              "verdicts are judged against its own seed spread but describe a model far smaller and shorter-trained "
+              "than the full run's, so some differ; the full run's report is docs/lm-routers/report.md.*", ""]
     if wall_s is not None:
         L.append(f"- Wall time of this invocation: {wall_s:.0f} s ({resumed} runs were already recorded); recorded "
                  f"training time {train_total:.0f} s in all.")
@@ -583,7 +590,8 @@ def render_report(settings: Settings, records: Sequence[Record], *, wall_s: floa
     L += ["", "## Claims", "",
           "Each verdict follows its stated criterion, computed by the code from the run records; comparisons are "
           "paired by seed and judged against two standard errors of the paired difference."
-          + (" With one seed (quick form) the sign decides: indicative only." if len(settings.seeds) < 2 else ""),
+          + (" With one seed (quick form) a comparison has no spread to be judged against: it is not measured "
+             "(its sign is shown)." if len(settings.seeds) < 2 else ""),
           ""]
     L.append(claims_markdown(cl))
     L += figures_markdown(figures, FIGURES)
