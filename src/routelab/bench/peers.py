@@ -35,7 +35,8 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TextIO
@@ -405,21 +406,40 @@ def _batched(peer_list: list[Peer], fastest: str, runs: int) -> list[str]:
             f"| {fastest}, {b} calls | {_ms(_median_ms(times[fastest]))} | {_x(ratio)} | {'yes' if same else 'no'} |",
             "", f"Target (>= 10x): {'met' if ratio >= 10 else 'NOT met'} ({_x(ratio)})."]
 
+class _Lines:
+    """The markdown lines of a report, each also printed to ``out`` as it is added (a long benchmark
+    shows its table row by row)."""
+
+    def __init__(self, out: TextIO | None) -> None:
+        self.lines: list[str] = []
+        self.out = out
+
+    def __call__(self, *new: str) -> None:
+        for line in new:
+            self.lines.append(line)
+            if self.out is not None:
+                print(line, file=self.out, flush=True)
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+@contextmanager
+def _torch_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` inside the block, restored after it."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
 
 def run_assignment_peers(*, quick: bool = False, threads: int = 1, out: TextIO | None = None) -> str:
     """The assignment peer table (markdown), streamed to ``out`` line by line."""
     check_device_and_threads("cpu", threads)
-    lines: list[str] = []
-
-    def emit(*new: str) -> None:
-        for line in new:
-            lines.append(line)
-            if out is not None:
-                print(line, file=out, flush=True)
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    emit = _Lines(out)
+    with _torch_threads(threads):
         peer_list, missing = peers()
         ns = QUICK_NS if quick else FULL_NS
         repeats = QUICK_REPEATS if quick else FULL_REPEATS
@@ -457,9 +477,7 @@ def run_assignment_peers(*, quick: bool = False, threads: int = 1, out: TextIO |
         n, k = PHASE_SIZE
         emit(*_phase_breakdown(n, k, 3 if quick else 9))
         emit("", f"1-minute load average at the end: {load_average()}.")
-        return "\n".join(lines) + "\n"
-    finally:
-        torch.set_num_threads(previous)
+        return emit.text()
 
 
 def _fastest_exact(results: list[SizeResult], peer_list: list[Peer], n: int, k: int) -> str | None:
@@ -510,17 +528,8 @@ def _verdicts(results: list[SizeResult], peer_list: list[Peer]) -> list[str]:
 def run_sinkhorn_peers(*, quick: bool = False, threads: int = 1, out: TextIO | None = None) -> str:
     """routelab's sinkhorn against POT's ``ot.sinkhorn`` (plain and log), markdown."""
     check_device_and_threads("cpu", threads)
-    lines: list[str] = []
-
-    def emit(*new: str) -> None:
-        for line in new:
-            lines.append(line)
-            if out is not None:
-                print(line, file=out, flush=True)
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    emit = _Lines(out)
+    with _torch_threads(threads):
         ot = _module("ot")
         runs = 3 if quick else 7
         emit(*_header(f"routelab sinkhorn vs POT ({'quick' if quick else 'full'})", threads))
@@ -551,9 +560,7 @@ def run_sinkhorn_peers(*, quick: bool = False, threads: int = 1, out: TextIO | N
                  "float32 scaling domain, so some instances take the log domain there): "
                  + f"{'met' if low[0] >= 1 else 'NOT met'} (smallest ratio {_x(low[0])} at {low[1]}).")
         emit("", f"1-minute load average at the end: {load_average()}.")
-        return "\n".join(lines) + "\n"
-    finally:
-        torch.set_num_threads(previous)
+        return emit.text()
 
 
 def _col_error(q: np.ndarray, n: int, k: int) -> float:

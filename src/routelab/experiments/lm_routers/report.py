@@ -175,6 +175,15 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
         return Claim(id=cid, text=text, paper=paper, criterion="—",
                      measured=f"not run: {', '.join(n for n in need if n not in have)}", verdict=NOT_MEASURED)
 
+    def as_good_as(cid: str, text: str, paper: str, a: str, b: str, criterion: str) -> None:
+        """A claim that router ``a``'s test loss is not above ``b``'s beyond the paired spread."""
+        if {a, b} <= have:
+            d = paired(records, a, b, _test_loss)
+            out.append(Claim(id=cid, text=text, paper=paper, criterion=criterion + note,
+                             measured=f"test loss {a} − {b}: {_diff(d)}", verdict=_as_good(d)))
+        else:
+            out.append(missing(cid, text, paper, (a, b)))
+
     # 1. BASE without aux loss matches top-k with its balance loss.
     text = ("A balanced assignment (BASE) matches the perplexity of top-k routing trained with a balancing loss, "
             "without any auxiliary loss.")
@@ -242,30 +251,17 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
         out.append(missing("noisy-load-loss-evens-load", text, paper, ("noisy_top2", "noisy_top2_noloss")))
 
     # 4. GM-IW trains as well as top-1 + Switch loss.
-    text = ("Gumbel-Matching with importance weights (differentiable gating) trains as well as top-1 routing "
-            "with the Switch balance loss.")
-    paper = "Kool et al. 2021, Sec. 3.1 and 4"
-    if {"gm_iw", "top1_switch"} <= have:
-        d = paired(records, "gm_iw", "top1_switch", _test_loss)
-        out.append(Claim(id="gm-iw-as-good-as-switch", text=text, paper=paper,
-                         criterion="GM-IW's test loss is not above top-1+Switch's by more than 2 s.e. of the paired "
-                                   "difference: holds; otherwise does not hold." + note,
-                         measured=f"test loss gm_iw − top1_switch: {_diff(d)}", verdict=_as_good(d)))
-    else:
-        out.append(missing("gm-iw-as-good-as-switch", text, paper, ("gm_iw", "top1_switch")))
+    as_good_as("gm-iw-as-good-as-switch",
+               "Gumbel-Matching with importance weights (differentiable gating) trains as well as top-1 routing "
+               "with the Switch balance loss.", "Kool et al. 2021, Sec. 3.1 and 4", "gm_iw", "top1_switch",
+               "GM-IW's test loss is not above top-1+Switch's by more than 2 s.e. of the paired difference: holds; "
+               "otherwise does not hold.")
 
     # 5. Switch (top-1) matches top-2 at equal compute.
-    text = "Top-1 (Switch) routing preserves the quality of top-2 routing."
-    paper = "Fedus et al. 2022 (Switch Transformer), Sec. 2.1"
-    if {"top1_switch", "top2"} <= have:
-        d = paired(records, "top1_switch", "top2", _test_loss)
-        out.append(Claim(id="switch-matches-top2", text=text, paper=paper,
-                         criterion="at equal expert FLOPs per token (wide experts for top-1), top-1's test loss is not "
-                                   "above top-2's by more than 2 s.e. of the paired difference: holds; otherwise "
-                                   "does not hold." + note,
-                         measured=f"test loss top1_switch − top2: {_diff(d)}", verdict=_as_good(d)))
-    else:
-        out.append(missing("switch-matches-top2", text, paper, ("top1_switch", "top2")))
+    as_good_as("switch-matches-top2", "Top-1 (Switch) routing preserves the quality of top-2 routing.",
+               "Fedus et al. 2022 (Switch Transformer), Sec. 2.1", "top1_switch", "top2",
+               "at equal expert FLOPs per token (wide experts for top-1), top-1's test loss is not above top-2's by "
+               "more than 2 s.e. of the paired difference: holds; otherwise does not hold.")
 
     # 6. exact balance of the balanced routers in training.
     text = "Balanced assignment routers give every expert the same number of tokens in every training batch."
