@@ -1,6 +1,6 @@
 # routelab: one-command setup, main job and tests.
 #
-#   make run    create .venv, install routelab, run `routelab reproduce --quick`
+#   make run    create .venv, install routelab, run `routelab reproduce --quick` (one experiment per core)
 #   make test   create .venv, install routelab, lint (ruff), run the test suite (the fuzz suite
 #               included, derandomized, bounded to about a minute)
 #   make fuzz   run the fuzz suite (tests/fuzz) 50x longer with a fresh random seed, printed;
@@ -22,6 +22,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DATA_STAMP := $(VENV)/.data-installed
 OUT ?= results
+# Experiments run side by side, one per core (most train on one torch thread).
+JOBS ?= $(shell nproc 2>/dev/null || echo 1)
 
 .PHONY: all venv data run test fuzz bench clean
 
@@ -61,7 +63,7 @@ data: $(DATA_STAMP)
 # A data set that could not be installed skips its experiments (listed, with the fix, at the top
 # of the combined report) instead of failing the whole run.
 run: $(DATA_STAMP)
-	$(BIN)/routelab reproduce --quick --allow-missing-data --out $(OUT)
+	$(BIN)/routelab reproduce --quick --allow-missing-data --jobs $(JOBS) --out $(OUT)
 
 # Lint first (ruff: pycodestyle, pyflakes, import order, 120-character lines; pyproject.toml), then
 # the suite, whose tests/test_import_layers.py fails on an upward import between routelab's layers.

@@ -2,7 +2,7 @@
 
 Subcommands::
 
-    routelab reproduce [NAME ...] [--quick] [--out DIR] [--fresh] [--allow-missing-data]
+    routelab reproduce [NAME ...] [--quick] [--out DIR] [--fresh] [--allow-missing-data] [--jobs N]
                                                           run experiments, write DIR/report.md
     routelab bench assignment [--quick] [--threads N] [--device cpu|cuda] [--out FILE]
     routelab bench assignment --peers [--quick] [--threads N] [--out FILE]   vs POT, OR-Tools, scipy, auction
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import re
 import sys
 import traceback
@@ -163,6 +164,52 @@ def _run_experiment(exp: Experiment, exp_dir: Path, quick: bool) -> tuple[Path |
         return None, "failed", _one_line(f"{type(err).__name__}: {first}{where}")
 
 
+def _run_experiments(exps: Sequence[Experiment], out_dir: Path, quick: bool,
+                     jobs: int) -> list[tuple[Path | None, str, str]]:
+    """:func:`_run_experiment` for each of ``exps`` (in ``out_dir / name``), ``jobs`` at a time.
+
+    With ``jobs > 1`` each experiment runs in its own worker process and its output lines carry
+    the prefix ``[name]``; an experiment whose run function cannot be sent to a worker (defined
+    inside a function or in ``__main__``) runs in this process after the others.
+    """
+    def announce(exp: Experiment) -> None:
+        print(f"== {exp.name}: {exp.description}", flush=True)
+
+    outcomes: dict[str, tuple[Path | None, str, str]] = {}
+    in_workers = [e for e in exps if jobs > 1 and _picklable(e)]
+    if in_workers:
+        from routelab.experiments.kit.jobs import JobFailed, run_side_by_side  # lazy: multiprocessing
+
+        calls = [(e.name, _run_experiment, (e, out_dir / e.name, quick)) for e in in_workers]
+        print(f"== {len(in_workers)} experiments on {min(jobs, len(in_workers))} worker processes side by side "
+              "(--jobs); each line starts with its experiment's name", flush=True)
+        answers = run_side_by_side(calls, jobs, on_start=lambda i: announce(in_workers[i]))
+        for exp, answer in zip(in_workers, answers, strict=True):
+            if isinstance(answer, JobFailed):
+                log = out_dir / exp.name / "error.txt"
+                atomic_write_text(log, answer.error)
+                lines = answer.error.strip().splitlines() or [""]
+                answer = (None, "failed", _one_line(f"{lines[-1]}; traceback in {log}"))
+            outcomes[exp.name] = answer
+    for exp in exps:
+        if exp.name not in outcomes:
+            if jobs > 1:
+                print(f"== {exp.name}: runs in this process (its run function cannot be sent to a worker)",
+                      flush=True)
+            announce(exp)
+            outcomes[exp.name] = _run_experiment(exp, out_dir / exp.name, quick)
+    return [outcomes[e.name] for e in exps]
+
+
+def _picklable(exp: Experiment) -> bool:
+    """Whether ``exp`` can be sent to a worker process (its run function importable by name)."""
+    try:
+        pickle.dumps(exp)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        return False
+    return True
+
+
 def _report_header(quick: bool) -> list[str]:
     """The first lines of the aggregated report: what ran, where and when."""
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -194,16 +241,16 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     lines = _report_header(args.quick)
     not_run: list[tuple[str, str, str]] = []  # (name, "skipped" | "failed", reason)
     names = list(dict.fromkeys(args.names or experiments))  # de-duplicate, keep order
-    sections: list[str] = []
     for name in names:
-        exp = experiments[name]
         exp_dir = out_dir / name
         if args.fresh and (old := _move_aside(exp_dir)) is not None:
             print(f"== {name}: --fresh: moved the earlier results aside to {old}", flush=True)
         exp_dir.mkdir(parents=True, exist_ok=True)
-        print(f"== {name}: {exp.description}", flush=True)
         (exp_dir / CLAIMS_FILE).unlink(missing_ok=True)  # an earlier invocation's: the scoreboard reads this run's
-        report_path, kind, reason = _run_experiment(exp, exp_dir, args.quick)
+    outcomes = _run_experiments([experiments[name] for name in names], out_dir, args.quick, args.jobs)
+    sections: list[str] = []
+    for name, (report_path, kind, reason) in zip(names, outcomes, strict=True):
+        exp = experiments[name]
         if report_path is None:
             not_run.append((name, kind, reason))
             print(f"== {name}: {kind}: {reason}", file=sys.stderr, flush=True)
@@ -336,6 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-missing-data", action="store_true",
         help="an experiment whose data is not installed is skipped with a warning and does not make "
         "the exit status nonzero (it is still listed in the report)",
+    )
+    rep.add_argument(
+        "--jobs", type=_positive_int, default=1, metavar="N",
+        help="run up to N experiments at once, each in its own process (default: 1; `make run` uses the number "
+        "of CPU cores); their output lines start with the experiment's name",
     )
     rep.set_defaults(func=_cmd_reproduce)
 

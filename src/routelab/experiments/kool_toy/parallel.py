@@ -10,19 +10,16 @@ parent even when it is killed with SIGKILL (:func:`die_with_parent`).
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import signal
-import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from ..kit.workers import die_with_parent
 from .model import RunSpec, train_chunk
 from .sweep import Chunk
 
@@ -49,64 +46,6 @@ def _init_worker(progress_queue, threads: int | None, main_pid: int | None = Non
         torch.set_num_threads(threads)
     if main_pid is not None:
         die_with_parent(main_pid)
-
-
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-WATCH_INTERVAL_S = 0.25
-"""How often a worker's watchdog checks that the process that started the sweep is alive."""
-
-
-def die_with_parent(main_pid: int) -> None:
-    """Make this worker process exit as soon as its parent or ``main_pid`` is gone.
-
-    Pool workers otherwise outlive a killed sweep: a worker in the middle of a chunk keeps
-    computing until the chunk ends (tens of seconds), since nothing tells it that nobody will
-    read its result. Two mechanisms, both armed here (in the worker initializer):
-
-    * everywhere: a daemon watchdog thread that calls ``os._exit`` within
-      :data:`WATCH_INTERVAL_S` once ``main_pid`` (the process running the sweep) no longer
-      exists or has become a zombie, or the worker's parent changed (it was re-parented). With
-      ``forkserver`` the worker's parent is the fork server, which stays up as long as any
-      worker does, so it is this check of ``main_pid`` that catches a killed sweep.
-    * Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, so the kernel kills the worker at once if
-      its parent (the fork server) is killed.
-
-    A worker holds no state worth saving: the main process alone writes ``runs.jsonl``.
-    """
-    parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):  # no libc / prctl: the watchdog alone
-            pass
-    if not (_alive(main_pid) and _alive(parent)):  # died before the guard was armed
-        os._exit(1)
-
-    def watch() -> None:
-        while True:
-            time.sleep(WATCH_INTERVAL_S)
-            if os.getppid() != parent or not _alive(main_pid):
-                os._exit(1)
-
-    threading.Thread(target=watch, name="routelab-die-with-parent", daemon=True).start()
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (a zombie counts as gone on Linux)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    if sys.platform.startswith("linux"):
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-        except (OSError, IndexError):
-            return False
-    return True
 
 
 def _report(k: int) -> None:
