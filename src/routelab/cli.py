@@ -169,7 +169,8 @@ def _run_experiments(exps: Sequence[Experiment], out_dir: Path, quick: bool,
     """:func:`_run_experiment` for each of ``exps`` (in ``out_dir / name``), ``jobs`` at a time.
 
     With ``jobs > 1`` each experiment runs in its own worker process and its output lines carry
-    the prefix ``[name]``; an experiment whose run function cannot be sent to a worker (defined
+    the prefix ``[name]``; quick forms start in the order of their ``Experiment.quick_seconds``,
+    the costliest first. An experiment whose run function cannot be sent to a worker (defined
     inside a function or in ``__main__``) runs in this process after the others.
     """
     def announce(exp: Experiment) -> None:
@@ -177,6 +178,8 @@ def _run_experiments(exps: Sequence[Experiment], out_dir: Path, quick: bool,
 
     outcomes: dict[str, tuple[Path | None, str, str]] = {}
     in_workers = [e for e in exps if jobs > 1 and _picklable(e)]
+    if quick:  # the costliest first (a stable sort: unknown costs keep their order, last)
+        in_workers.sort(key=lambda e: -e.quick_seconds)
     if in_workers:
         from routelab.experiments.kit.jobs import JobFailed, run_side_by_side  # lazy: multiprocessing
 

@@ -119,8 +119,9 @@ def _failing_sweep(out_dir: Path, quick: bool) -> Path:
 def test_reproduce_jobs_runs_experiments_in_workers_and_keeps_the_report_order(
     registry: dict[str, Any], tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    for name in ("first", "second", "third"):
+    for name in ("first", "second"):
         register(Experiment(name, f"Toy {name}.", _toy_sweep, False, True))
+    register(Experiment("third", "Toy third.", _toy_sweep, False, True, quick_seconds=60.0))  # the costliest
     register(Experiment("broken", "Always fails.", _failing_sweep, False, True))
 
     def local(out_dir: Path, quick: bool) -> Path:  # not picklable: runs in this process
@@ -137,4 +138,7 @@ def test_reproduce_jobs_runs_experiments_in_workers_and_keeps_the_report_order(
     assert "ValueError: this sweep always fails" in (tmp_path / "broken" / "error.txt").read_text(encoding="utf-8")
     captured = capfd.readouterr()
     assert "[first] training first" in captured.out
+    started = [line.split(":")[0][3:] for line in captured.out.splitlines() if line.startswith("== ") and ":" in line]
+    assert started[:4] == ["third", "first", "second", "broken"]  # the costliest first, then in order
+    assert started[-1] == "local"
     assert "broken failed" in captured.err and "this sweep always fails" in captured.err

@@ -32,6 +32,9 @@ class Experiment:
         full: the settings of the full reproduction.
         quick_settings: the settings of the quick form (``--quick``): fewer seeds, smaller sizes,
             minutes on a 2-core CPU; the report must say it is the quick form.
+        quick_seconds: about how many CPU seconds the quick form takes on this project's 2-core
+            machine (0: not known). ``routelab reproduce --quick --jobs N`` starts the costliest
+            first, so that no long experiment is left running alone at the end.
     """
 
     name: str
@@ -39,6 +42,7 @@ class Experiment:
     sweep: Callable[[Path, Any], Path]
     full: Any
     quick_settings: Any
+    quick_seconds: float = 0.0
 
     def run(self, out_dir: Path, quick: bool) -> Path:
         """``sweep(out_dir, quick_settings if quick else full)``; returns the report's path."""
