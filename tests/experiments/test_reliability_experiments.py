@@ -266,7 +266,7 @@ def test_mae_diverged_variant_is_recorded_and_the_others_still_train(
         return real(self, batch, epoch)
 
     monkeypatch.setattr(BCDTrainer, "train_step", train_step)
-    s = replace(mae_exp.QUICK, vocab=20, dim=8, heads=4, ffn=8, seq=6, gate_hidden=4, gate_context=2,
+    s = replace(mae_exp.QUICK, seeds=(0,), vocab=20, dim=8, heads=4, ffn=8, seq=6, gate_hidden=4, gate_context=2,
                 schedule=Schedule(epochs=1, batches_per_epoch=2, batch=2, warmup=1, g_every=1), train_limit=40,
                 variants=("BASE", "MAE-7", "MAE-6", "UNI-MAE-7", "NOBCD"), gate_lrs=(1.0,))
     text = mae_exp.run(tmp_path, s).read_text()
