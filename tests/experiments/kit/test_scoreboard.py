@@ -101,3 +101,21 @@ def test_experiment_that_did_not_run_keeps_its_committed_rows(tmp_path: Path) ->
     assert row.run_verdict == f"{DASH} (not run: skipped: data)"
     (row,) = scoreboard_rows(["new"], out, docs_dir=docs, not_run={"new": "failed: boom"})
     assert row.claim == DASH and "failed: boom" in row.run_verdict and "not found" in row.full_verdict
+
+
+def test_agreement_counts_claims_both_runs_judged_by_outcome(tmp_path: Path) -> None:
+    from routelab.experiments.kit.claims import NOT_MEASURED
+    from routelab.experiments.kit.scoreboard import agreement
+
+    out, docs = tmp_path / "out", tmp_path / "docs"
+    mk = lambda text, verdict: Claim(text=text, measured="1", verdict=verdict)  # noqa: E731
+    _write(out / "e1", [mk("c1", f"{PARTLY} (within 2 s.e.)"), mk("c2", HOLDS), mk("c3", NOT_MEASURED),
+                        mk("c4", f"{NOT_MEASURED} (quick form: 4 of 124 steps)")], quick=True)
+    _write(docs / "e1", [mk("c1", PARTLY), mk("c2", NOT_HOLD), mk("c3", HOLDS), mk("c4", HOLDS), mk("c5", HOLDS)])
+    _write(out / "e2", [mk("d1", NOT_HOLD)], quick=True)
+    rows = scoreboard_rows(["e1", "e2"], out, docs_dir=docs)
+    # e1: c1 same outcome (qualifier ignored), c2 differs, c3/c4 not measured, c5 not in this run;
+    # e2: d1 is not in the (missing) committed run
+    assert agreement(rows) == {"e1": (1, 2), "e2": (0, 0)}
+    text = scoreboard_markdown(["e1", "e2"], out, quick=True, docs_dir=docs)
+    assert "**Same outcome as the committed full run on 1 of the 2 claims both judged** (e1 1/2, e2 0/0)" in text

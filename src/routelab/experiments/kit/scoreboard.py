@@ -15,10 +15,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .claims import CLAIMS_FILE, Claim, ClaimsFile, read_claims_json
+from .claims import CLAIMS_FILE, NOT_MEASURED, Claim, ClaimsFile, read_claims_json
 from .tables import md_table
 
-__all__ = ["ScoreRow", "committed_dir", "scoreboard_markdown", "scoreboard_rows"]
+__all__ = ["ScoreRow", "agreement", "committed_dir", "scoreboard_markdown", "scoreboard_rows"]
 
 DASH = "—"
 CLAIM_CHARS = 72
@@ -112,6 +112,26 @@ def scoreboard_rows(names: Sequence[str], out_dir: Path, *, docs_dir: Path | Non
     return rows
 
 
+def _outcome(verdict: str) -> str | None:
+    """A verdict's outcome (its qualifier dropped), or ``None`` when it judges nothing ("—", not measured)."""
+    outcome = verdict.split(" (")[0].strip()
+    return None if outcome.startswith(DASH) or outcome == NOT_MEASURED else outcome
+
+
+def agreement(rows: Sequence[ScoreRow]) -> dict[str, tuple[int, int]]:
+    """Per experiment (in row order): ``(same, both)``, the claims that this run and the committed full
+    run both judged (a verdict other than "—" or not measured), and how many of them have the same
+    outcome (``"partly (within 2 s.e.)"`` and ``"partly"`` are the same)."""
+    counts: dict[str, tuple[int, int]] = {}
+    for r in rows:
+        same, both = counts.get(r.experiment, (0, 0))
+        a, b = _outcome(r.run_verdict), _outcome(r.full_verdict)
+        if a is not None and b is not None:
+            same, both = same + (a == b), both + 1
+        counts[r.experiment] = (same, both)
+    return counts
+
+
 def _short(text: str, limit: int = CLAIM_CHARS) -> str:
     """``text`` on one line, cut at a word to at most ``limit`` characters (with "…")."""
     line = " ".join(text.split())
@@ -147,5 +167,11 @@ def scoreboard_markdown(names: Sequence[str], out_dir: Path, *, quick: bool, doc
             "run's; the committed full run's verdicts are read from docs/<experiment>/claims.json. "
             if quick else
             "This run's verdicts beside the committed full run's (docs/<experiment>/claims.json). ")
+    counts = agreement(rows)
+    same, both = (sum(v[i] for v in counts.values()) for i in (0, 1))
+    agree = (f"**Same outcome as the committed full run on {same} of the {both} claims both judged** ("
+             + ", ".join(f"{name} {a}/{b}" for name, (a, b) in counts.items()) + "); a claim one side does not "
+             "judge (\"—\", not measured) is not counted.") if both else ""
     return "\n".join(["## Scoreboard", "", note + f"{len(rows)} claims; each experiment's details below, and "
-                      "each verdict's criterion and evidence in its report's Claims section.", "", table, ""])
+                      "each verdict's criterion and evidence in its report's Claims section.", "", agree, "",
+                      table, ""])
