@@ -199,8 +199,13 @@ def test_tiny_sweep_writes_everything_and_rerun_skips(tmp_path: Path, monkeypatc
 
     monkeypatch.setattr(kt, "train_chunk", boom)
     monkeypatch.setattr(kt, "draw_figures", lambda *a: None)  # already checked above
+    (inv,) = read_jsonl(tmp_path / "invocations.jsonl")  # the invocation that trained
+    assert sorted(inv["chunks"]) == sorted(c.name for c in kt.plan_chunks(TINY)) and inv["wall_s"] >= 0
+    assert f"Invocations that trained chunks: {inv['started']}: " in text
     exp.run(tmp_path, quick=False)
     assert _keys(tmp_path / "runs.jsonl") == keys  # nothing appended, no duplicates
+    assert len(read_jsonl(tmp_path / "invocations.jsonl")) == 1  # a rerun that trains nothing adds no record
+    assert f"Invocations that trained chunks: {inv['started']}: " in (tmp_path / "report.md").read_text()
     quick = kt.render_report(replace(TINY, quick=True), read_jsonl(tmp_path / "runs.jsonl"), marginals=None,
                              errors=(), wall_s=1.0, n_planned=n)
     assert "Quick form" in quick and "full-length training" in quick and "sampling noise" in quick

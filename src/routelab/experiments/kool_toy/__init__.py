@@ -24,13 +24,14 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 from ..kit.claims import write_claims_json
 from ..kit.experiment import Experiment
-from ..kit.provenance import routelab_version
+from ..kit.provenance import load_average, routelab_version
 from ..kit.store import append_jsonl_atomic, atomic_write_text, is_failed, read_jsonl, split_failed
 from .claims import evaluate_claims
 from .figures import FIGURES, draw_figures
@@ -93,6 +94,7 @@ def run_sweep(
         ``out_dir / "report.md"``.
     """
     t_start = time.perf_counter()
+    started, load_start = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), load_average()
     out_dir.mkdir(parents=True, exist_ok=True)
     runs_path = out_dir / "runs.jsonl"
     chunks = plan_chunks(settings)
@@ -145,6 +147,11 @@ def run_sweep(
                          on_progress=bar.update, on_done=record, train=train_chunk)
         finally:
             bar.close()
+        if pending:  # the invocations that trained: what the report gives as the training's wall time
+            append_jsonl_atomic(out_dir / "invocations.jsonl", {
+                "started": started, "wall_s": round(time.perf_counter() - t_start, 1), "steps": settings.steps,
+                "chunks": [c.name for c in pending], "workers": workers, "load_start": load_start,
+                "load_end": load_average(), "routelab": routelab_version()})
         marginals = _marginals(out_dir, settings)
         gradients = _gradients(out_dir, settings)
     finally:
@@ -231,6 +238,8 @@ def write_outputs(
     chunks = [
         c for c in read_jsonl(out_dir / "chunks.jsonl") if c.get("chunk") in names and c.get("steps") == settings.steps
     ]
+    invocations = [i for i in read_jsonl(out_dir / "invocations.jsonl")
+                   if i.get("steps") == settings.steps and set(i.get("chunks", ())) <= names]
     atomic_write_text(out_dir / "results.csv", results_csv(records))
 
     if figures:
@@ -238,7 +247,7 @@ def write_outputs(
     if gradients is None and (out_dir / "gradients.json").exists():  # re-rendered from the records
         gradients = json.loads((out_dir / "gradients.json").read_text(encoding="utf-8"))["rows"]
     text = render_report(settings, records, marginals=marginals, gradients=gradients, errors=errors, wall_s=wall_s,
-                         n_planned=len(planned), skipped=skipped or {}, chunks=chunks)
+                         n_planned=len(planned), skipped=skipped or {}, chunks=chunks, invocations=invocations)
     write_claims_json(out_dir, evaluate_claims(records, marginals, gradients), experiment="kool-toy",
                       paper="Kool et al. 2021", quick=settings.quick)
     return atomic_write_text(out_dir / "report.md", text)

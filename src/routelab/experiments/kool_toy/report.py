@@ -222,8 +222,10 @@ def render_report(
     n_planned: int,
     skipped: dict[str, str] | None = None,
     chunks: Sequence[Mapping] | None = None,
+    invocations: Sequence[Mapping] = (),
 ) -> str:
-    """The markdown report (setup, wall time, success tables, claims, figures).
+    """The markdown report (setup, wall time, success tables, claims, figures); ``invocations`` are the
+    records of the invocations that trained chunks (``invocations.jsonl``).
 
     ``records`` may hold failed runs (diverged): they count as unsuccessful seeds in the success
     tables and claims, are left out of every median and figure, and are listed with their
@@ -269,6 +271,10 @@ def render_report(
         f"- **Wall time of this invocation: {wall_txt}** (training recorded in runs.jsonl: "
         f"{train_s:.1f} s over {len(walls)} chunks; marginals check {marg_s:.1f} s; chunks already "
         "recorded by an earlier invocation are not re-run).",
+        *(["- Invocations that trained chunks: " + "; ".join(
+            f"{i['started']}: {', '.join(f'`{c}`' for c in i['chunks'])} in {i['wall_s']:.0f} s on "
+            f"{i['workers']} worker(s), 1-minute load average {i['load_start']} at the start and {i['load_end']} "
+            f"at the end (routelab {i['routelab']})" for i in invocations) + "."] if invocations else []),
         f"- {software_line(settings.threads if settings.threads is not None else torch.get_num_threads())}"
         + (f" per worker, chunks trained on {max(c.get('workers', 1) for c in chunks)} worker process(es) side by side."
            if chunks else "."),
