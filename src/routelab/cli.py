@@ -177,7 +177,7 @@ def _run_experiments(exps: Sequence[Experiment], out_dir: Path, quick: bool,
         print(f"== {exp.name}: {exp.description}", flush=True)
 
     outcomes: dict[str, tuple[Path | None, str, str]] = {}
-    in_workers = [e for e in exps if jobs > 1 and _picklable(e)]
+    in_workers = [e for e in exps if jobs > 1 and len(exps) > 1 and _picklable(e)]  # one: no worker needed
     if quick:  # the costliest first (a stable sort: unknown costs keep their order, last)
         in_workers.sort(key=lambda e: -e.quick_seconds)
     if in_workers:
