@@ -124,3 +124,11 @@ def test_bench_peers_options_are_checked(capsys: pytest.CaptureFixture[str]) -> 
     assert "--peers" in capsys.readouterr().err
     assert cli.main(["bench", "moe", "--peers"]) == 2
     assert "--peers applies to" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cost", [-1.0, float("nan"), float("inf"), "10", True])
+def test_register_rejects_a_bad_quick_cost(registry: dict[str, Any], cost: Any) -> None:
+    exp = Experiment("costly", "Toy.", lambda out_dir, quick: out_dir / "report.md", False, True, quick_seconds=cost)
+    with pytest.raises(ValueError, match="quick_seconds of 'costly' must be a finite number >= 0"):
+        register(exp)
+    assert "costly" not in registry

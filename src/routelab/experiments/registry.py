@@ -40,7 +40,8 @@ def register(exp: Experiment) -> Experiment:
 
     Raises:
         TypeError: if ``exp`` is not an :class:`~routelab.experiments.kit.experiment.Experiment`.
-        ValueError: if the name is empty, contains whitespace, or is already registered.
+        ValueError: if the name is empty, contains whitespace, or is already registered, or
+            ``quick_seconds`` is not a finite number >= 0.
     """
     if not isinstance(exp, Experiment):
         raise TypeError(
@@ -50,6 +51,10 @@ def register(exp: Experiment) -> Experiment:
     name = exp.name
     if not isinstance(name, str) or not name or any(c.isspace() for c in name):
         raise ValueError(f"experiment name must be a non-empty string without whitespace, got {name!r}.")
+    cost = exp.quick_seconds
+    if isinstance(cost, bool) or not isinstance(cost, int | float) or not cost >= 0 or cost == float("inf"):
+        raise ValueError(f"quick_seconds of {name!r} must be a finite number >= 0 (CPU seconds of its quick form; "
+                         f"0 if not known), got {cost!r}.")
     if name in REGISTRY:
         raise ValueError(f"an experiment named {name!r} is already registered; pick another name.")
     REGISTRY[name] = exp
