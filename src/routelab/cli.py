@@ -177,7 +177,8 @@ def _run_experiments(exps: Sequence[Experiment], out_dir: Path, quick: bool,
         print(f"== {exp.name}: {exp.description}", flush=True)
 
     outcomes: dict[str, tuple[Path | None, str, str]] = {}
-    in_workers = [e for e in exps if jobs > 1 and len(exps) > 1 and _picklable(e)]  # one: no worker needed
+    side_by_side = jobs > 1 and len(exps) > 1  # a single experiment needs no worker
+    in_workers = [e for e in exps if side_by_side and _picklable(e)]
     if quick:  # the costliest first (a stable sort: unknown costs keep their order, last)
         in_workers.sort(key=lambda e: -e.quick_seconds)
     if in_workers:
@@ -196,7 +197,7 @@ def _run_experiments(exps: Sequence[Experiment], out_dir: Path, quick: bool,
             outcomes[exp.name] = answer
     for exp in exps:
         if exp.name not in outcomes:
-            if jobs > 1:
+            if side_by_side:
                 print(f"== {exp.name}: runs in this process (its run function cannot be sent to a worker)",
                       flush=True)
             announce(exp)
