@@ -151,3 +151,15 @@ def test_quick_settings_fit_the_docs() -> None:
     text = render_report(mr.QUICK, [], wall_s=1.0)
     assert "quick form" in text
     assert mr_model.Settings().batch_size % mr_model.Settings().num_experts == 0
+
+
+def test_committed_full_run_regenerates_its_committed_claims_and_csv(tmp_path: Path) -> None:
+    """The report step on the committed full run's records (through kit.router_sweep.recorded_runs) writes
+    the committed claims.json and results.csv byte for byte: the committed files are not stale."""
+    import shutil
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "moe-routers"
+    shutil.copy(docs / "runs.jsonl", tmp_path / "runs.jsonl")
+    mr.write_outputs(tmp_path, mr.FULL, figures=False)
+    for name in ("claims.json", "results.csv"):
+        assert (tmp_path / name).read_bytes() == (docs / name).read_bytes(), name

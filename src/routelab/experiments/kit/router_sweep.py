@@ -21,9 +21,10 @@ import torch
 
 from .divergence import train_or_fail
 from .provenance import load_average
-from .store import append_jsonl_atomic, is_failed, missing_keys
+from .store import append_jsonl_atomic, is_failed, missing_keys, read_jsonl, split_failed
 
-__all__ = ["SweepResult", "figures_markdown", "missing_runs_markdown", "train_router_seeds"]
+__all__ = ["RecordedRuns", "SweepResult", "figures_markdown", "missing_runs_markdown", "recorded_runs",
+           "train_router_seeds"]
 
 #: ``train(router, seed, data, say)``: one run's record; ``say(msg)`` prints a progress line.
 TrainRun = Callable[[str, int, Any, Callable[[str], None]], dict[str, Any]]
@@ -104,6 +105,39 @@ def train_router_seeds(
             "started": started, "wall_s": round(wall_s, 1), "trained": len(pending), "settings": key,
             "load_start": load_start, "load_end": load_average(), "threads": threads})
     return SweepResult(wall_s=wall_s, resumed=len(plan) - len(pending))
+
+
+@dataclass(frozen=True)
+class RecordedRuns:
+    """What ``out_dir`` records of one sweep's settings (see :func:`recorded_runs`).
+
+    Attributes:
+        ok: the finished runs, ordered router by router, then seed by seed.
+        failed: the failed (diverged) runs, in the same order.
+        invocations: the ``invocations.jsonl`` records of the invocations that trained these settings.
+    """
+
+    ok: list[dict[str, Any]]
+    failed: list[dict[str, Any]]
+    invocations: list[dict[str, Any]]
+
+    @property
+    def total(self) -> int:
+        """All recorded runs of the settings, finished or failed."""
+        return len(self.ok) + len(self.failed)
+
+
+def recorded_runs(out_dir: Path, *, key: Any, routers: Sequence[str], seeds: Sequence[int]) -> RecordedRuns:
+    """The runs of ``routers`` x ``seeds`` recorded in ``out_dir/runs.jsonl`` under settings ``key`` (the
+    ``key`` :func:`train_router_seeds` stored), and the invocations that trained them."""
+    out_dir = Path(out_dir)
+    order = {(r, s): i for i, (r, s) in enumerate((r, s) for r in routers for s in seeds)}
+    records = [r for r in read_jsonl(out_dir / "runs.jsonl")
+               if (r.get("router"), r.get("seed")) in order and r.get("settings") == key]
+    records.sort(key=lambda r: order[(r["router"], r["seed"])])
+    ok, failed = split_failed(records)
+    invocations = [i for i in read_jsonl(out_dir / "invocations.jsonl") if i.get("settings") == key]
+    return RecordedRuns(ok, failed, invocations)
 
 
 def figures_markdown(figures: Sequence[str], captions: dict[str, str]) -> list[str]:

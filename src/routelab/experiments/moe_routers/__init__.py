@@ -21,8 +21,8 @@ from pathlib import Path
 from ..kit.claims import write_claims_json
 from ..kit.experiment import Experiment
 from ..kit.failed_runs import with_failures_section
-from ..kit.router_sweep import train_router_seeds
-from ..kit.store import atomic_write_text, read_jsonl, split_failed
+from ..kit.router_sweep import recorded_runs, train_router_seeds
+from ..kit.store import atomic_write_text
 from .model import ROUTER_SPECS, MnistMoE, RouterSpec, Settings, evaluate, prepare_data, train_run
 from .report import claims, draw_figures, render_report, results_csv
 
@@ -77,16 +77,10 @@ def write_outputs(out_dir: Path, settings: Settings, *, wall_s: float | None = N
     Failed runs (diverged) are left out of the CSV, the figures and the statistics, and listed
     with their reasons in the report."""
     key = _settings_key(settings)
-    wanted = {(r, s) for s in settings.seeds for r in settings.routers}
-    records = [r for r in read_jsonl(out_dir / "runs.jsonl")
-               if (r.get("router"), r.get("seed")) in wanted and r.get("settings") == key]
-    order = {(r, s): i for i, (r, s) in enumerate((r, s) for r in settings.routers for s in settings.seeds)}
-    records.sort(key=lambda r: order[(r["router"], r["seed"])])
-    total = len(records)
-    records, failed = split_failed(records)
+    runs = recorded_runs(out_dir, key=key, routers=settings.routers, seeds=settings.seeds)
+    records, failed, total, invocations = runs.ok, runs.failed, runs.total, runs.invocations
     atomic_write_text(out_dir / "results.csv", results_csv(records))
     figure_files = draw_figures(out_dir, records, settings) if figures else []
-    invocations = [i for i in read_jsonl(out_dir / "invocations.jsonl") if i.get("settings") == key]
     text = render_report(settings, records, wall_s=wall_s, figures=figure_files, resumed=resumed,
                          invocations=invocations)
     text = with_failures_section(text, failed, total, ("router", "seed"))
