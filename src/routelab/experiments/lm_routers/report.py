@@ -21,6 +21,7 @@ from typing import Any
 
 from ...machine import cpu_model
 from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown
+from ..kit.plots import pyplot, router_bars, save_figure
 from ..kit.provenance import software_line
 from ..kit.router_sweep import figures_markdown, missing_runs_markdown
 from ..kit.stats import Stat, mean_se
@@ -339,18 +340,14 @@ FIGURES: dict[str, str] = {
 
 
 def _color(i: int) -> Any:
-    import matplotlib.pyplot as plt
-
-    return plt.get_cmap("tab10")(i % 10)
+    return pyplot().get_cmap("tab10")(i % 10)
 
 
 def draw_figures(out_dir: Path, records: Sequence[Record], settings: Settings) -> list[str]:
     """Draw the PNGs into ``out_dir``; returns the file names drawn."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    plt = pyplot()
 
     routers = _routers(records, settings)
     if not routers:
@@ -376,10 +373,7 @@ def draw_figures(out_dir: Path, records: Sequence[Record], settings: Settings) -
     axes[0].legend(fontsize=8)
     fig.suptitle(f"Validation perplexity (held-out books, dropless, causal eval), {len(settings.seeds)} seed(s)",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out_dir / "fig_ppl.png", dpi=90)
-    plt.close(fig)
-    drawn.append("fig_ppl.png")
+    save_figure(fig, out_dir, "fig_ppl.png", drawn)
 
     # 2. proposed load per expert over training, layer 0, first seed.
     cols = 3
@@ -403,10 +397,7 @@ def draw_figures(out_dir: Path, records: Sequence[Record], settings: Settings) -
         ax.set_ylabel("share of pairs")
     fig.suptitle("Load per expert over training (layer 0, first seed): share of the proposed (token, slot) pairs",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out_dir / "fig_load.png", dpi=90)
-    plt.close(fig)
-    drawn.append("fig_load.png")
+    save_figure(fig, out_dir, "fig_load.png", drawn)
 
     # 3. balance over training.
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
@@ -423,10 +414,7 @@ def draw_figures(out_dir: Path, records: Sequence[Record], settings: Settings) -
         ax.set_xlabel("training step")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "fig_balance.png", dpi=90)
-    plt.close(fig)
-    drawn.append("fig_balance.png")
+    save_figure(fig, out_dir, "fig_balance.png", drawn)
 
     # 4. final bars with error bars.
     fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
@@ -434,19 +422,13 @@ def draw_figures(out_dir: Path, records: Sequence[Record], settings: Settings) -
               ("routing_of_moe", "routing share of MoE forward time"), ("tokens_per_s", "training tokens / s"))
     for ax, (field, title) in zip(axes, panels):
         stats = [_stat(records, r, field) for r in routers]
-        ax.bar(range(len(routers)), [s.mean for s in stats], yerr=[s.se or 0.0 for s in stats],
-               color=[_color(i) for i in range(len(routers))], capsize=3, alpha=0.85)
+        router_bars(ax, routers, [s.mean for s in stats], [s.se or 0.0 for s in stats], title,
+                    color=[_color(i) for i in range(len(routers))], alpha=0.85, rotation=40)
         if field == "test_ppl":
             lo = min(s.mean for s in stats)
             hi = max(s.mean for s in stats)
             ax.set_ylim(lo - 0.3 * (hi - lo + 1e-3), hi + 0.3 * (hi - lo + 1e-3))
-        ax.set_xticks(range(len(routers)), routers, rotation=40, ha="right", fontsize=8)
-        ax.set_title(title, fontsize=10)
-        ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_dir / "fig_final.png", dpi=90)
-    plt.close(fig)
-    drawn.append("fig_final.png")
+    save_figure(fig, out_dir, "fig_final.png", drawn)
     return drawn
 
 

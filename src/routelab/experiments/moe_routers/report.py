@@ -12,6 +12,7 @@ from typing import Any
 
 from ...machine import cpu_model as _cpu_model
 from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown, verdict_of
+from ..kit.plots import pyplot, router_bars, save_figure
 from ..kit.provenance import software_line
 from ..kit.router_sweep import figures_markdown, missing_runs_markdown
 from ..kit.stats import Stat, mean_se
@@ -81,11 +82,7 @@ FIGURES: dict[str, str] = {
 
 def draw_figures(out_dir: Path, records: Sequence[Mapping[str, Any]], settings: Settings) -> list[str]:
     """Draw the PNGs into ``out_dir``; returns the file names drawn."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     drawn: list[str] = []
     routers = [r for r in settings.routers if any(rec["router"] == r for rec in records)]
     if not routers:
@@ -117,10 +114,7 @@ def draw_figures(out_dir: Path, records: Sequence[Mapping[str, Any]], settings: 
     fig.suptitle("Expert load over training: (token, slot) pairs each expert is proposed, per image "
                  f"(mean over {settings.log_every} steps); above the dashed line the capacity drops the excess",
                  fontsize=10)
-    fig.tight_layout(rect=(0, 0.05, 1, 0.95))
-    fig.savefig(out_dir / "fig_load.png", dpi=90)
-    plt.close(fig)
-    drawn.append("fig_load.png")
+    save_figure(fig, out_dir, "fig_load.png", drawn, rect=(0, 0.05, 1, 0.95))
 
     # 2. summary bars.
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.6))
@@ -130,17 +124,11 @@ def draw_figures(out_dir: Path, records: Sequence[Mapping[str, Any]], settings: 
         stats = [aggregate(records, r, path) for r in routers]
         means = [s.mean * scale for s in stats]
         errs = [(s.se or 0.0) * scale for s in stats]
-        ax.bar(range(len(routers)), means, yerr=errs, color="tab:blue", alpha=0.8, capsize=3)
+        router_bars(ax, routers, means, errs, title)
         if path == "test.acc":
             lo = min(means) - 1.0
             ax.set_ylim(max(lo, 0), min(max(means) + 0.5, 100))
-        ax.set_xticks(range(len(routers)), routers, rotation=35, ha="right", fontsize=8)
-        ax.set_title(title, fontsize=10)
-        ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_dir / "fig_summary.png", dpi=90)
-    plt.close(fig)
-    drawn.append("fig_summary.png")
+    save_figure(fig, out_dir, "fig_summary.png", drawn)
 
     # 3. batchwise at inference.
     bw = [r for r in records if r.get("batchwise")]
@@ -162,10 +150,7 @@ def draw_figures(out_dir: Path, records: Sequence[Mapping[str, Any]], settings: 
         ax.set_title("Batchwise gating (App. F) at inference", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out_dir / "fig_batchwise.png", dpi=90)
-        plt.close(fig)
-        drawn.append("fig_batchwise.png")
+        save_figure(fig, out_dir, "fig_batchwise.png", drawn)
     return drawn
 
 
