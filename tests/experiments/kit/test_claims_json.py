@@ -130,3 +130,12 @@ def test_report_step_regenerates_the_committed_claims_without_training(name: str
     assert read_claims_json(work / CLAIMS_FILE) == read_claims_json(DOCS / name / CLAIMS_FILE)
     assert [(c.text, c.verdict) for c in read_claims_json(work / CLAIMS_FILE).claims] == [
         (c.text, c.verdict) for c in claims_from_markdown((work / "report.md").read_text(encoding="utf-8"))]
+
+
+def test_count_verdicts_counts_outcomes() -> None:
+    from routelab.experiments.kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, count_verdicts
+
+    verdicts = [HOLDS, f"{HOLDS} (one seed)", f"{PARTLY} (within 2 s.e.)", NOT_HOLD, f"{NOT_MEASURED} (quick form)",
+                "inconclusive (|d| < 2 s.e.)"]
+    claims = [Claim(text=f"c{i}", measured="1", verdict=v) for i, v in enumerate(verdicts)]
+    assert count_verdicts(claims) == "6 claims checked: 2 hold, 1 hold partly, 1 do not hold, 1 not measured"

@@ -31,6 +31,7 @@ __all__ = [
     "ClaimsFile",
     "claims_from_markdown",
     "claims_markdown",
+    "count_verdicts",
     "read_claims_json",
     "verdict_of",
     "write_claims_json",
@@ -130,6 +131,14 @@ def verdict_of(parts: Sequence[bool]) -> str:
     if any(parts):
         return PARTLY
     return NOT_HOLD
+
+
+def count_verdicts(claims: Sequence[Claim]) -> str:
+    """``"N claims checked: a hold, b hold partly, c do not hold, d not measured"`` (by outcome; another
+    outcome, such as inconclusive, is counted in N only)."""
+    n = {v: sum(c.outcome == v for c in claims) for v in (HOLDS, PARTLY, NOT_HOLD, NOT_MEASURED)}
+    return (f"{len(claims)} claims checked: {n[HOLDS]} hold, {n[PARTLY]} hold partly, {n[NOT_HOLD]} do not hold, "
+            f"{n[NOT_MEASURED]} not measured")
 
 
 def claims_markdown(claims: Sequence[Claim]) -> str:

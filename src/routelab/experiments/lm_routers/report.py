@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ...machine import cpu_model
-from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown
+from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown, count_verdicts
 from ..kit.plots import pyplot, router_bars, save_figure
 from ..kit.provenance import software_line
 from ..kit.router_sweep import figures_markdown, missing_runs_markdown
@@ -462,16 +462,13 @@ def render_report(settings: Settings, records: Sequence[Record], *, wall_s: floa
     routers = _routers(records, settings)
     planned = len(settings.routers) * len(settings.seeds)
     cl = claims(records, settings)
-    counts = {v: sum(c.outcome == v for c in cl) for v in (HOLDS, PARTLY, NOT_HOLD, NOT_MEASURED)}
     train_total = sum(r["train_s"] for r in records)
     threads = sorted({r.get("threads", settings.threads) for r in records})
     E, width = settings.experts, settings.unit_hidden
     L: list[str] = [
         "# Every router in one language model (routelab lm-routers)" + (" — quick form" if settings.quick else ""),
         "",
-        f"**Summary:** {len(cl)} claims checked: {counts[HOLDS]} hold, {counts[PARTLY]} hold partly, "
-        f"{counts[NOT_HOLD]} do not hold, {counts[NOT_MEASURED]} not measured (criteria below). Runs recorded: "
-        f"{len(records)} of {planned} planned.",
+        f"**Summary:** {count_verdicts(cl)} (criteria below). Runs recorded: {len(records)} of {planned} planned.",
         "",
     ]
     if settings.quick:

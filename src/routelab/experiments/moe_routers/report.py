@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ...machine import cpu_model as _cpu_model
-from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown, verdict_of
+from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, Claim, claims_markdown, count_verdicts, verdict_of
 from ..kit.plots import pyplot, router_bars, save_figure
 from ..kit.provenance import software_line
 from ..kit.router_sweep import figures_markdown, missing_runs_markdown
@@ -323,16 +323,14 @@ def render_report(settings: Settings, records: Sequence[Mapping[str, Any]], *, w
     routers = [r for r in settings.routers if any(rec["router"] == r for rec in records)]
     planned = len(settings.routers) * len(settings.seeds)
     cl = claims(records, settings)
-    counts = {v: sum(c.outcome == v for c in cl) for v in (HOLDS, PARTLY, NOT_HOLD)}
     train_total = sum(r["train_s"] for r in records)
     eval_total = sum(r["eval_s"] for r in records)
     threads = sorted({r.get("threads", settings.threads) for r in records})
     L: list[str] = [
         "# MoE routers on MNIST (routelab)" + (" — quick form" if settings.quick else ""),
         "",
-        f"**Summary:** {len(cl)} claims checked: {counts[HOLDS]} hold, {counts[PARTLY]} hold partly, "
-        f"{counts[NOT_HOLD]} do not hold (criteria with each claim below). Runs recorded: "
-        f"{len(records)} of {planned} planned.",
+        f"**Summary:** {count_verdicts(cl)} (criteria with each claim below). Runs recorded: {len(records)} of "
+        f"{planned} planned.",
         "",
     ]
     if settings.quick:
