@@ -23,8 +23,8 @@ from .divergence import train_or_fail
 from .provenance import load_average
 from .store import append_jsonl_atomic, is_failed, missing_keys, read_jsonl, split_failed
 
-__all__ = ["RecordedRuns", "SweepResult", "figures_markdown", "missing_runs_markdown", "recorded_runs",
-           "train_router_seeds"]
+__all__ = ["RecordedRuns", "SweepResult", "figures_markdown", "invocations_markdown", "missing_runs_markdown",
+           "recorded_runs", "train_router_seeds"]
 
 #: ``train(router, seed, data, say)``: one run's record; ``say(msg)`` prints a progress line.
 TrainRun = Callable[[str, int, Any, Callable[[str], None]], dict[str, Any]]
@@ -138,6 +138,16 @@ def recorded_runs(out_dir: Path, *, key: Any, routers: Sequence[str], seeds: Seq
     ok, failed = split_failed(records)
     invocations = [i for i in read_jsonl(out_dir / "invocations.jsonl") if i.get("settings") == key]
     return RecordedRuns(ok, failed, invocations)
+
+
+def invocations_markdown(invocations: Sequence[dict[str, Any]]) -> list[str]:
+    """A report line listing the invocations that trained runs (``invocations.jsonl``); none: no line."""
+    trained = [i for i in invocations if i.get("trained")]
+    if not trained:
+        return []
+    return ["- Invocations that trained runs: " + "; ".join(
+        f"{i['started']}: {i['trained']} runs in {i['wall_s']:.0f} s, 1-minute load average "
+        f"{i['load_start']} at start and {i['load_end']} at the end" for i in trained) + "."]
 
 
 def figures_markdown(figures: Sequence[str], captions: dict[str, str]) -> list[str]:

@@ -23,7 +23,7 @@ from ...machine import cpu_model
 from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown, count_verdicts
 from ..kit.plots import pyplot, router_bars, save_figure
 from ..kit.provenance import software_line
-from ..kit.router_sweep import figures_markdown, missing_runs_markdown
+from ..kit.router_sweep import figures_markdown, invocations_markdown, missing_runs_markdown
 from ..kit.stats import Stat, mean_se
 from ..kit.tables import csv_cell, md_table
 from .model import ROUTER_SPECS, Settings
@@ -478,11 +478,7 @@ def render_report(settings: Settings, records: Sequence[Record], *, wall_s: floa
     if wall_s is not None:
         L.append(f"- Wall time of this invocation: {wall_s:.0f} s ({resumed} runs were already recorded); recorded "
                  f"training time {train_total:.0f} s in all.")
-    trained = [i for i in invocations if i.get("trained")]
-    if trained:
-        L.append("- Invocations that trained runs: " + "; ".join(
-            f"{i['started']}: {i['trained']} runs in {i['wall_s']:.0f} s, 1-minute load average "
-            f"{i['load_start']} at start and {i['load_end']} at the end" for i in trained) + ".")
+    L += invocations_markdown(invocations)
     device = settings.device if settings.device == "cpu" else f"{settings.device} (GPU)"
     L += [
         f"- Hardware: {cpu_model()} ({os.cpu_count()} logical CPUs), device {device}, "

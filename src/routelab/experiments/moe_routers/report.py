@@ -14,7 +14,7 @@ from ...machine import cpu_model as _cpu_model
 from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, Claim, claims_markdown, count_verdicts, verdict_of
 from ..kit.plots import pyplot, router_bars, save_figure
 from ..kit.provenance import software_line
-from ..kit.router_sweep import figures_markdown, missing_runs_markdown
+from ..kit.router_sweep import figures_markdown, invocations_markdown, missing_runs_markdown
 from ..kit.stats import Stat, mean_se
 from ..kit.tables import csv_cell, md_table
 from .model import MNIST_MEAN, MNIST_STD, ROUTER_SPECS, Settings
@@ -345,11 +345,7 @@ def render_report(settings: Settings, records: Sequence[Mapping[str, Any]], *, w
         L.append(f"- **Wall time of this invocation: {wall_s:.0f} s** ({resumed} runs were already recorded "
                  f"and not re-run); recorded per-run time: training {train_total:.0f} s, evaluation "
                  f"{eval_total:.0f} s in all.")
-    trained = [i for i in invocations if i.get("trained")]
-    if trained:
-        L.append("- Invocations that trained runs: " + "; ".join(
-            f"{i['started']}: {i['trained']} runs in {i['wall_s']:.0f} s, 1-minute load average "
-            f"{i['load_start']} at start and {i['load_end']} at the end" for i in trained) + ".")
+    L += invocations_markdown(invocations)
     L += [
         f"- Hardware: {_cpu_model()} ({os.cpu_count()} logical CPUs), CPU only, {', '.join(map(str, threads))} "
         "torch thread(s); other jobs shared the machine, so times are indicative.",
