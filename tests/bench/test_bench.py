@@ -49,11 +49,135 @@ def test_scipy_is_skipped_with_an_estimate() -> None:
     assert body[1][3].startswith("skipped (est. ") and body[1][5] == "—"
 
 
-def test_batched_timing_on_cpu() -> None:
-    text = bench._batched_timing(3, 16, 4, repeats=1, budget_s=1.0, device="cpu")
-    _, body = table_rows(text)
-    assert [r[0] for r in body] == ["1", "3"]
-    assert all(r[-1] == "yes" for r in body)
+def _tables(markdown: str) -> list[tuple[list[str], list[list[str]]]]:
+    """Every markdown table in ``markdown``: (header cells, body rows as cells)."""
+    tables: list[list[str]] = []
+    previous_was_table = False
+    for line in markdown.splitlines():
+        is_table = line.startswith("|")
+        if is_table and not previous_was_table:
+            tables.append([])
+        if is_table:
+            tables[-1].append(line)
+        previous_was_table = is_table
+    return [table_rows("\n".join(t)) for t in tables]
+
+
+BATCHED_COLUMNS = ["method", "ms per call", "ms per instance", "ratio to batched", "host syncs per call", "feasible",
+                   "objective"]
+
+
+def test_batched_section_on_cpu() -> None:
+    """The section the GPU run prints, on CPU with tiny sizes: one table per size, four rows, every
+    solver's result feasible, the exact rows equal in objective, the host row skipped on CPU."""
+    out = io.StringIO()
+    sizes = [(3, 32, 4), (2, 16, 2)]
+    text = bench._batched_section(sizes, repeats=2, budget_s=5.0, device="cpu", out=out)
+    assert out.getvalue() == text
+    tables = _tables(text)
+    assert len(tables) == len(sizes)
+    for (b, n, k), (header, body) in zip(sizes, tables):
+        assert f"{b} instances of n={n}, k={k}" in text
+        assert header == BATCHED_COLUMNS
+        assert len(body) == 4 and all(len(row) == len(header) for row in body)
+        batched, loop, auction, host = body
+        assert "one call" in batched[0] and "per instance" in loop[0] and "fairseq_auction" in auction[0]
+        for row in (batched, loop, auction):
+            assert float(row[1]) > 0 and float(row[2]) > 0
+            assert row[3].endswith("x") and float(row[3][:-1]) > 0
+            assert row[4] == "n/a (CPU)"
+            assert row[5] == "yes"
+        assert batched[3] == "1.0x" and batched[6].startswith("reference")
+        assert loop[6] == "same"
+        mean, largest = (float(x) for x in auction[6].removeprefix("gap mean ").split(", max "))
+        assert 0 <= mean <= largest
+        assert host[0].startswith("host") and host[1].startswith("skipped (device is cpu")
+    assert "only counted on CUDA" in text
+
+
+def test_measure_batched_checks_feasibility_and_objectives() -> None:
+    size = bench._measure_batched(4, 32, 4, repeats=2, budget_s=5.0, device="cpu", seed=3)
+    assert (size.b, size.n, size.k) == (4, 32, 4)
+    assert set(size.methods) == {"batched", "loop", "auction", "host"}
+    runs = size.methods["batched"].timing.runs
+    assert size.instances == 4 * runs
+    assert size.same_optimum and size.auction_above == 0
+    assert 0 <= size.auction_gap_mean <= size.auction_gap_max < 1
+    for key in ("batched", "loop", "auction"):
+        m = size.methods[key]
+        assert m.feasible is True and m.host_syncs is None and m.timing.runs == runs
+    assert size.methods["host"].timing is None and size.methods["host"].skipped
+
+
+def test_measure_batched_rejects_bad_sizes() -> None:
+    with pytest.raises(ValueError, match="k must divide n"):
+        bench._measure_batched(2, 10, 4, repeats=1, budget_s=1.0, device="cpu")
+    with pytest.raises(ValueError, match="positive"):
+        bench._measure_batched(0, 8, 4, repeats=1, budget_s=1.0, device="cpu")
+
+
+def test_batch_feasible_and_objectives() -> None:
+    ok = torch.tensor([[0, 1, 0, 1], [1, 1, 0, 0]])
+    assert bench._batch_feasible(ok, 2, 4, 2)
+    assert not bench._batch_feasible(torch.tensor([[0, 0, 0, 1], [1, 1, 0, 0]]), 2, 4, 2)  # over capacity
+    assert not bench._batch_feasible(torch.tensor([[0, 1, 0, 2], [1, 1, 0, 0]]), 2, 4, 2)  # no expert 2
+    assert not bench._batch_feasible(ok[:1], 2, 4, 2)  # wrong shape
+    assert not bench._batch_feasible(ok.float(), 2, 4, 2)
+    scores = torch.arange(16, dtype=torch.float32).reshape(2, 4, 2)
+    assert bench._batch_objectives(scores, ok).tolist() == [0 + 3 + 4 + 7, 9 + 11 + 12 + 14]
+
+
+def test_count_host_syncs_is_none_off_cuda() -> None:
+    called: list[int] = []
+    assert bench.count_host_syncs(lambda: called.append(1), device="cpu") is None
+    assert bench.count_host_syncs(lambda: called.append(1), device=torch.device("cpu")) is None
+    assert called == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_count_host_syncs_needs_cuda_for_cuda() -> None:
+    with pytest.raises(ValueError, match="CUDA"):
+        bench.count_host_syncs(lambda: None, device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_count_host_syncs_on_cuda() -> None:
+    before = torch.cuda.get_sync_debug_mode()
+    assert bench.count_host_syncs(lambda: torch.zeros(1, device="cuda").item(), device="cuda") >= 1
+    x = torch.ones(8, device="cuda")
+    assert bench.count_host_syncs(lambda: x * 2 + 1, device="cuda") == 0
+    assert torch.cuda.get_sync_debug_mode() == before
+
+    def fails() -> None:
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        bench.count_host_syncs(fails, device="cuda")
+    assert torch.cuda.get_sync_debug_mode() == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_batched_section_on_cuda() -> None:
+    text = bench._batched_section([(3, 32, 4)], repeats=2, budget_s=5.0, device="cuda")
+    [(header, body)] = _tables(text)
+    assert header == BATCHED_COLUMNS and len(body) == 4
+    for row in body:
+        assert row[5] == "yes"
+        assert int(row[4].split()[0]) >= 0
+    assert int(body[2][4].split()[0]) >= 1  # the auction syncs every round
+    assert body[1][6] == body[3][6] == "same"
+    assert "torch.cuda.synchronize()" in text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_run_benchmark_on_cuda_has_the_batched_section(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench, "QUICK_NS", (16,))
+    monkeypatch.setattr(bench, "KS", (4,))
+    monkeypatch.setattr(bench, "QUICK_REPEATS", {16: 1})
+    monkeypatch.setattr(bench, "BATCH_SIZES", ((2, 32, 4), (2, 16, 2)))
+    text = bench.run_benchmark(quick=True, device="cuda")
+    assert len(_tables(text)) == 3
+    assert "Batched on cuda: 2 instances of n=32, k=4" in text
 
 
 def test_run_benchmark_header_and_threads_restored(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,6 +194,7 @@ def test_run_benchmark_header_and_threads_restored(monkeypatch: pytest.MonkeyPat
         assert fact in text
     _, body = table_rows(text)
     assert len(body) == 2
+    assert "Batched on" not in text  # the batched section runs on CUDA only
 
 
 @pytest.mark.parametrize("module", [bench, moe_bench], ids=["assignment", "moe"])

@@ -15,8 +15,31 @@ Every reported time is the median over the timed calls (one per instance) after 
 warm-up call, all taken in the same run. The report is markdown; it is written to ``out`` line by line while it is
 being measured, and returned whole.
 
+**Batched section** (``--device cuda``; :func:`_batched_section`, which runs on any device). For each
+``(b, n, k)`` of :data:`BATCH_SIZES` (``64 x 4096 x 64`` and ``64 x 256 x 16``), on batches of float32
+``torch.randn(b, n, k)`` (batch ``r`` from seed ``r``, made on the CPU and moved to the device untimed),
+one table with a row per method, each timed call solving a whole batch:
+
+* routelab :func:`~routelab.assignment.balanced_assignment` on the ``[b, n, k]`` batch in one call;
+* routelab on one ``[n, k]`` instance at a time (a Python loop over the batch), on the device;
+* the BASE-layers auction :func:`routelab.bench.peers.fairseq_auction` instance by instance on the
+  device (it is single-instance; one host sync per round);
+* "host": the batch copied to the CPU, solved there in one batched call, the result copied back,
+  all inside the timed call (not run on device cpu, where it would be the first row).
+
+The methods alternate batch by batch after one untimed warm-up each (:func:`_time_paired`; on CUDA
+``torch.cuda.synchronize()`` before and after every timed call), at most :data:`BATCH_REPEATS`
+batches (:data:`QUICK_BATCH_REPEATS` in quick mode) and fewer when the warm-ups show that they would
+exceed the time budget. Columns: median ms per call (per batch), ms per instance, the ratio of the
+row's median to routelab batched's, the host syncs of one call (:func:`count_host_syncs`, untimed:
+of the whole batch for the batched and host rows, of instance 0 for the per-instance rows; "n/a
+(CPU)" off CUDA), whether every result respects the capacity, and the objective: the routelab rows
+must equal the batched call's float64 objective on every instance to relative :data:`OPTIMUM_RTOL`;
+the auction's row gives its mean and largest relative gap ``(routelab - auction) / |routelab|``.
+
 Entry point: :func:`run_benchmark`. The measuring itself is :func:`_benchmark`, which takes the
-grid and the number of repeats as parameters (the tests run it on a tiny grid).
+grid and the number of repeats as parameters (the tests run it on a tiny grid), and
+:func:`_batched_section`, which takes the batch sizes (the tests run it on tiny sizes on CPU).
 """
 
 from __future__ import annotations
@@ -27,8 +50,9 @@ import platform
 import re
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
@@ -43,8 +67,9 @@ from routelab.assignment import balanced_assignment, gumbel_matching, sinkhorn
 from ..machine import cpu_model as _cpu_model
 from ..machine import load_average
 from ._checks import check_device_and_threads
+from .peers import fairseq_auction
 
-__all__ = ["run_benchmark"]
+__all__ = ["count_host_syncs", "run_benchmark"]
 
 #: The grid of the full benchmark: every n with every k.
 FULL_NS: tuple[int, ...] = (256, 1024, 4096, 16384)
@@ -72,8 +97,11 @@ SINKHORN_TOL = 1e-4
 SINKHORN_MAX_ITER = 1000
 GUMBEL_TAU = 1.0
 
-#: The batched CUDA timing: this many instances of size (n, k) in one call.
-CUDA_BATCH: tuple[int, int, int] = (64, 4096, 64)
+#: The batched section (on CUDA): ``(instances, n, k)`` of each of its tables.
+BATCH_SIZES: tuple[tuple[int, int, int], ...] = ((64, 4096, 64), (64, 256, 16))
+#: Timed batches per size of the batched section (after one warm-up), full and quick.
+BATCH_REPEATS = 5
+QUICK_BATCH_REPEATS = 3
 
 DTYPE = torch.float32
 
@@ -498,36 +526,314 @@ def _benchmark(
     return report.text()
 
 
-def _batched_timing(
-    batch: int, n: int, k: int, *, repeats: int, budget_s: float, device: str, seed: int = 0,
-    out: TextIO | None = None,
-) -> str:
-    """Time ``balanced_assignment`` on ``batch`` instances in one call against one instance.
+# ---------------------------------------------------------------------------- batched section
+
+
+#: Host syncs are counted from the warnings of ``torch.cuda.set_sync_debug_mode("warn")``, whose
+#: text is "called a synchronizing CUDA operation".
+_SYNC_WARNING = "synchronizing CUDA operation"
+
+
+def count_host_syncs(fn: Callable[[], Any], *, device: str | torch.device) -> int | None:
+    """How many times one call of ``fn()`` makes the host wait for the GPU.
+
+    On CUDA, ``fn`` runs once under ``torch.cuda.set_sync_debug_mode("warn")``; torch then warns
+    at every synchronizing operation (``.item()``, ``bool()`` of a CUDA tensor, a copy to the
+    host, a blocking copy from pageable host memory, ``nonzero`` and the like), and the warnings
+    are caught (``warnings.catch_warnings(record=True)``, ``simplefilter("always")``) and counted.
+    The previous debug mode is restored afterwards, also when ``fn`` raises. Pending GPU work is
+    finished before counting (outside the count). Only syncs raised on the calling thread are seen.
+
+    Args:
+        fn: the call to count, without arguments; its result is discarded.
+        device: where ``fn`` runs: ``"cuda"`` (or a CUDA ``torch.device``) counts; for any other
+            device ``fn`` is not called and the result is ``None``.
 
     Returns:
-        A markdown table with a row for 1 instance and one for ``batch`` instances.
+        The number of synchronizing operations, or ``None`` when ``device`` is not CUDA.
+
+    Raises:
+        ValueError: ``device`` is CUDA but CUDA is not available.
+    """
+    if torch.device(device).type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        raise ValueError("count_host_syncs: device is CUDA but torch.cuda.is_available() is False")
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    syncs = [w for w in caught if _SYNC_WARNING in str(w.message)]
+    for w in caught:  # other warnings of fn are passed on, not swallowed
+        if _SYNC_WARNING not in str(w.message):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return len(syncs)
+
+
+@dataclass
+class BatchedMethod:
+    """One method of the batched section at one size.
+
+    Attributes:
+        name: the row's label (markdown).
+        timing: median over the timed batches of one call that solves the whole batch; ``None``
+            when not run (the host row on device cpu).
+        host_syncs: synchronizing operations in one call (see :func:`count_host_syncs`): of the
+            whole batch for the batched rows, of instance 0 alone for the per-instance rows;
+            ``None`` off CUDA or when not run.
+        per_instance_calls: whether the method is called once per instance (a Python loop).
+        feasible: every returned assignment has shape ``[b, n]``, experts in ``[0, k)`` and at
+            most ``n / k`` tokens per expert; ``None`` when not run.
+        skipped: why the method was not run, else ``None``.
+    """
+
+    name: str
+    timing: Timing | None = None
+    host_syncs: int | None = None
+    per_instance_calls: bool = False
+    feasible: bool | None = None
+    skipped: str | None = None
+
+
+@dataclass
+class BatchedSize:
+    """Everything the batched section measured at one size ``(b, n, k)``.
+
+    Attributes:
+        b, n, k: instances per batch, tokens, experts (capacity ``n / k``).
+        methods: by key ``"batched"``, ``"loop"``, ``"auction"``, ``"host"``.
+        same_optimum: every exact routelab row (batched, loop, host when run) has, on every
+            instance, the batched call's objective to relative :data:`OPTIMUM_RTOL`.
+        auction_gap_mean: mean over instances of ``(opt - auction) / |opt|`` (``opt``: routelab
+            batched's objective, float64).
+        auction_gap_max: the largest such gap.
+        auction_above: instances where the auction's objective exceeds routelab's by more than
+            relative :data:`OPTIMUM_RTOL` (0 unless routelab is not exact there).
+        instances: instances checked (``b`` times the timed batches).
+        requested: timed batches asked for (fewer are timed when over the time budget).
+    """
+
+    b: int
+    n: int
+    k: int
+    methods: dict[str, BatchedMethod] = field(default_factory=dict)
+    same_optimum: bool = True
+    auction_gap_mean: float = 0.0
+    auction_gap_max: float = 0.0
+    auction_above: int = 0
+    instances: int = 0
+    requested: int = 0
+
+
+def _batch_objectives(scores: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    """``[b]`` float64 objectives ``sum_i scores[j, i, expert[j, i]]`` of ``[b, n, k]`` CPU scores
+    and ``[b, n]`` experts (the gathered float32 values are exact in float64)."""
+    return scores.gather(-1, expert.long().unsqueeze(-1)).squeeze(-1).double().sum(-1)
+
+
+def _batch_feasible(expert: torch.Tensor, b: int, n: int, k: int) -> bool:
+    """``expert`` is ``[b, n]`` integer, in ``[0, k)``, and no expert holds more than ``n / k``
+    tokens in any instance."""
+    if tuple(expert.shape) != (b, n) or expert.dtype.is_floating_point or expert.dtype == torch.bool:
+        return False
+    expert = expert.long()
+    if b * n == 0:
+        return True
+    if int(expert.min()) < 0 or int(expert.max()) >= k:
+        return False
+    counts = torch.zeros(b, k, dtype=torch.long).scatter_add_(1, expert, torch.ones_like(expert))
+    return bool((counts <= n // k).all())
+
+
+def _per_instance(solve: Callable[[torch.Tensor], torch.Tensor], scores: torch.Tensor) -> torch.Tensor:
+    """``solve`` on every ``[n, k]`` instance of ``[b, n, k]`` ``scores`` in turn; ``[b, n]``."""
+    return torch.stack([solve(scores[j]) for j in range(scores.shape[0])])
+
+
+def _on_host(scores: torch.Tensor) -> torch.Tensor:
+    """``[b, n, k]`` device scores copied to the CPU, solved there in one batched
+    :func:`balanced_assignment` call, the ``[b, n]`` experts copied back to ``scores.device``."""
+    return balanced_assignment(scores.cpu()).to(scores.device)
+
+
+def _measure_batched(
+    b: int, n: int, k: int, *, repeats: int, budget_s: float, device: str, seed: int = 0
+) -> BatchedSize:
+    """Time and check the batched section's methods on ``repeats`` batches ``[b, n, k]``.
+
+    Batch ``r`` is float32 ``torch.randn(b, n, k)`` from seed ``seed + r``, made on the CPU and
+    moved to ``device`` before timing. Every method solves every batch, alternating batch by batch
+    (:func:`_time_paired`: one untimed warm-up each, synchronised timing, at most ``repeats``
+    batches and fewer when the warm-ups show that they exceed ``budget_s``). The host syncs of
+    one call are counted afterwards, untimed.
+
+    Raises:
+        ValueError: ``k`` does not divide ``n``, or a size is not positive.
+    """
+    if min(b, n, k) < 1 or n % k:
+        raise ValueError(f"batched size (b={b}, n={n}, k={k}): all must be positive and k must divide n")
+    cpu_batches = [
+        torch.randn(b, n, k, generator=torch.Generator().manual_seed(seed + r), dtype=DTYPE) for r in range(repeats)
+    ]
+    batches = [x.to(device) for x in cpu_batches]
+    size = BatchedSize(b=b, n=n, k=k, requested=repeats)
+    methods = {
+        "batched": BatchedMethod("routelab `balanced_assignment`, the batch in one call"),
+        "loop": BatchedMethod("routelab `balanced_assignment`, one call per instance", per_instance_calls=True),
+        "auction": BatchedMethod("BASE-layers auction (`fairseq_auction`), one call per instance",
+                                 per_instance_calls=True),
+        "host": BatchedMethod("host: copy to CPU, `balanced_assignment` batched there, copy back"),
+    }
+    fns: dict[str, Callable[[int], Any]] = {
+        "batched": lambda r: balanced_assignment(batches[r]),
+        "loop": lambda r: _per_instance(balanced_assignment, batches[r]),
+        "auction": lambda r: _per_instance(fairseq_auction, batches[r]),
+    }
+    if device == "cpu":
+        methods["host"].skipped = "device is cpu: the same as the first row"
+    else:
+        fns["host"] = lambda r: _on_host(batches[r])
+    timings, results = _time_paired(fns, repeats=repeats, budget_s=budget_s, device=device)
+    one = batches[0]
+    counted: dict[str, Callable[[], Any]] = {
+        "batched": lambda: balanced_assignment(one),
+        "loop": lambda: balanced_assignment(one[0]),
+        "auction": lambda: fairseq_auction(one[0]),
+        "host": lambda: _on_host(one),
+    }
+    for key in fns:
+        methods[key].timing = timings[key]
+        methods[key].host_syncs = count_host_syncs(counted[key], device=device)
+        methods[key].feasible = all(_batch_feasible(z.cpu(), b, n, k) for z in results[key])
+    size.methods = methods
+
+    gaps: list[float] = []
+    for r, z_opt in enumerate(results["batched"]):
+        opt = _batch_objectives(cpu_batches[r], z_opt.cpu())
+        scale = opt.abs().clamp(min=1e-30)
+        for key in ("loop", "host"):
+            if key in results:
+                other = _batch_objectives(cpu_batches[r], results[key][r].cpu())
+                size.same_optimum &= bool(((other - opt).abs() <= OPTIMUM_RTOL * scale + 1e-12).all())
+        auction = _batch_objectives(cpu_batches[r], results["auction"][r].cpu())
+        gap = (opt - auction) / scale
+        gaps += gap.tolist()
+        size.auction_above += int((gap < -OPTIMUM_RTOL).sum())
+    size.instances = len(gaps)
+    size.auction_gap_mean = statistics.fmean(gaps)
+    size.auction_gap_max = max(gaps)
+    return size
+
+
+BATCHED_HEADER = (
+    "| method | ms per call | ms per instance | ratio to batched | host syncs per call | feasible | objective |",
+    "|---|---:|---:|---:|---:|:---:|---|",
+)
+
+
+def _ms_small(value: float) -> str:
+    """Like :func:`_ms`, with three significant digits below 1 ms (per-instance GPU times)."""
+    return f"{value:.3g}" if value < 1 else _ms(value)
+
+
+def _render_batched(size: BatchedSize) -> list[str]:
+    """The batched section's markdown table at one size (one row per method)."""
+    base = size.methods["batched"].timing
+    lines = list(BATCHED_HEADER)
+    for key, m in size.methods.items():
+        if m.timing is None or base is None:
+            lines.append(f"| {m.name} | skipped ({m.skipped}) | — | — | — | — | — |")
+            continue
+        if m.host_syncs is None:
+            syncs = "n/a (CPU)"
+        else:
+            syncs = f"{m.host_syncs} (instance 0 alone)" if m.per_instance_calls else str(m.host_syncs)
+        if key == "batched":
+            objective = "reference (exact)"
+        elif key == "auction":
+            objective = f"gap mean {size.auction_gap_mean:.2e}, max {size.auction_gap_max:.2e}"
+        else:
+            objective = "same" if size.same_optimum else "DIFFERS"
+        cells = [m.name, _ms(m.timing.median_ms), _ms_small(m.timing.median_ms / size.b),
+                 _speedup(m.timing.median_ms / base.median_ms), syncs, "yes" if m.feasible else "NO", objective]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _batched_notes(sizes: Sequence[BatchedSize], *, device: str) -> list[str]:
+    """The notes under the batched section's tables, derived from the measurements."""
+    lines = [
+        "",
+        "Notes:",
+        "",
+        "- ms per call: median over the timed batches of one call that solves the whole batch (the per-instance rows "
+        "loop over its instances inside the call), wall clock"
+        + (", with `torch.cuda.synchronize()` before and after every timed call" if device == "cuda" else "")
+        + "; one untimed warm-up call each; the methods alternate batch by batch. ms per instance = ms per call / "
+        "instances. ratio to batched = ms per call / routelab batched's ms per call (> 1: slower than it).",
+        "- host syncs per call: synchronizing operations counted with `torch.cuda.set_sync_debug_mode(\"warn\")` "
+        "over one untimed call: of the whole batch for the batched and host rows, of instance 0 alone for the "
+        "per-instance rows (a batch makes that many calls; the auction's count is its number of rounds on that "
+        "instance, as it tests `bool(have_bids.all())` every round)."
+        if device == "cuda" else "- host syncs per call: only counted on CUDA (n/a on CPU).",
+        f"- objective: float64 sums of the float32 scores at the chosen experts. The routelab rows must equal "
+        f"the batched call's objective on every instance to relative {_sci(OPTIMUM_RTOL)} (ties may pick other "
+        "experts); the auction's gap is (routelab - auction) / |routelab| over all checked instances.",
+        "- host: includes both copies and the CPU solve with the torch threads of the header."
+        if device != "cpu" else "- host: not run, as on device cpu it is the first row.",
+    ]
+    for s in sizes:
+        if not s.same_optimum:
+            lines.append(f"- b={s.b}, n={s.n}, k={s.k}: the routelab rows' objectives DIFFER (an exactness bug).")
+        if s.auction_above:
+            lines.append(f"- b={s.b}, n={s.n}, k={s.k}: the auction beat routelab's objective on {s.auction_above} "
+                         "instance(s) (routelab should be exact: a bug).")
+        reduced = [key for key, m in s.methods.items() if m.timing is not None and m.timing.runs < s.requested]
+        if reduced:
+            runs = s.methods["batched"].timing.runs if s.methods["batched"].timing else 0
+            lines.append(f"- b={s.b}, n={s.n}, k={s.k}: {runs} timed batch(es) instead of {s.requested} (time budget).")
+    return lines
+
+
+def _batched_section(
+    sizes: Iterable[tuple[int, int, int]],
+    *,
+    repeats: int,
+    budget_s: float,
+    device: str,
+    seed: int = 0,
+    out: TextIO | None = None,
+) -> str:
+    """The batched section: for every ``(b, n, k)`` a table of routelab batched, one instance at a
+    time, the BASE auction instance by instance and (off CPU) solving on the host.
+
+    Args:
+        sizes: ``(instances, n, k)`` per table, ``k`` dividing ``n``; measured in the given order.
+        repeats: timed batches per size after the warm-up (fewer when over ``budget_s``).
+        budget_s: time budget of one size (see :func:`_time_paired`).
+        device: ``"cpu"`` or ``"cuda"``: where the scores live and the solvers run.
+        seed: batch ``r`` of a size is drawn from ``seed + r``.
+        out: where to stream the markdown as it is measured.
+
+    Returns:
+        The markdown: a heading line and a table per size, then the notes.
     """
     report = _Report(out)
-    report.emit(
-        "| instances | shape | median ms | ms per instance | feasible |",
-        "|---:|---|---:|---:|:---:|",
-    )
-    cpu_scores = torch.randn(batch, n, k, generator=torch.Generator().manual_seed(seed), dtype=DTYPE)
-    scores = cpu_scores.to(device)
-    capacity = n // k
-    for b in (1, batch):
-        x = scores[:b].contiguous()
-        timing, experts = _time_calls(lambda i: balanced_assignment(x), repeats=repeats,
-                                      budget_s=budget_s, device=device)
-        expert = experts[-1]
-        counts = torch.zeros(b, k, dtype=torch.long, device=expert.device)
-        counts.scatter_add_(1, expert, torch.ones_like(expert))
-        feasible = "yes" if bool((counts <= capacity).all()) else "no"
-        report.emit(f"| {b} | {b} x {n} x {k} | {_ms(timing.median_ms)} | "
-                    f"{_ms(timing.median_ms / b)} | {feasible} |")
+    measured: list[BatchedSize] = []
+    for b, n, k in sizes:
+        size = _measure_batched(b, n, k, repeats=repeats, budget_s=budget_s, device=device, seed=seed)
+        measured.append(size)
+        runs = size.methods["batched"].timing.runs if size.methods["batched"].timing else 0
+        report.emit("", f"Batched on {device}: {b} instances of n={n}, k={k} (capacity {n // k}), float32 "
+                    f"`torch.randn({b}, {n}, {k})`, {runs} timed batch(es), {size.instances} instances checked:", "")
+        report.emit(*_render_batched(size))
+    report.emit(*_batched_notes(measured, device=device))
     return report.text()
-
-
 
 
 def _header(*, quick: bool, device: str) -> list[str]:
@@ -558,12 +864,13 @@ def run_benchmark(
     Args:
         quick: the smaller grid (n up to 4096) with fewer repeats.
         threads: torch intra-op threads for the run (restored afterwards).
-        device: ``"cpu"`` or ``"cuda"``; on CUDA a batched timing is added (scipy stays on CPU).
+        device: ``"cpu"`` or ``"cuda"``; on CUDA the batched section (:func:`_batched_section` at
+            :data:`BATCH_SIZES`) is added (scipy stays on CPU).
         out: stream to write the report to as it is measured (each line flushed).
 
     Returns:
         The markdown report: machine facts, the results table, notes, and on CUDA the batched
-        timing.
+        section's tables and notes.
 
     Raises:
         ValueError: an unknown device, ``device="cuda"`` without CUDA, or ``threads < 1``.
@@ -587,14 +894,8 @@ def run_benchmark(
         text += _benchmark([(n, k) for n in ns for k in KS], repeats, device=device,
                            budget_s=budget_s, out=out)
         if device == "cuda":
-            b, n, k = CUDA_BATCH
-            cuda = _Report(out)
-            cuda.emit("", f"Batched on {device}: {b} instances of n={n}, k={k} in one call of "
-                      "`balanced_assignment` against one instance (torch.cuda.synchronize "
-                      "around every timed call).", "")
-            text += cuda.text()
-            text += _batched_timing(b, n, k, repeats=3 if quick else 5, budget_s=budget_s,
-                                    device=device, out=out)
+            text += _batched_section(BATCH_SIZES, repeats=QUICK_BATCH_REPEATS if quick else BATCH_REPEATS,
+                                     budget_s=budget_s, device=device, out=out)
         return text
     finally:
         torch.set_num_threads(previous_threads)
