@@ -233,3 +233,31 @@ def test_paired_timing_respects_the_budget() -> None:
     timings, _ = bench._time_paired({"slow": lambda i: _time.sleep(0.02), "fast": lambda i: None},
                                     repeats=50, budget_s=0.1, device="cpu")
     assert 1 <= timings["slow"].runs <= 6
+
+
+def test_render_batched_with_counted_syncs_and_a_host_row() -> None:
+    """The CUDA-only cells (sync counts, the host row) rendered from a hand-made measurement."""
+    timing = bench.Timing(median_ms=2.0, runs=3)
+    size = bench.BatchedSize(b=4, n=8, k=2, requested=3, instances=12, auction_gap_mean=1e-3, auction_gap_max=4e-3)
+    size.methods = {
+        "batched": bench.BatchedMethod("batched", timing=timing, host_syncs=5, feasible=True),
+        "loop": bench.BatchedMethod("loop", timing=bench.Timing(8.0, 3), host_syncs=5, per_instance_calls=True,
+                                    feasible=True),
+        "auction": bench.BatchedMethod("auction", timing=bench.Timing(40.0, 3), host_syncs=13,
+                                       per_instance_calls=True, feasible=True),
+        "host": bench.BatchedMethod("host", timing=bench.Timing(3.0, 3), host_syncs=2, feasible=False),
+    }
+    header, body = table_rows("\n".join(bench._render_batched(size)))
+    assert header == BATCHED_COLUMNS
+    assert [row[4] for row in body] == ["5", "5 (instance 0 alone)", "13 (instance 0 alone)", "2"]
+    assert [row[3] for row in body] == ["1.0x", "4.0x", "20x", "1.5x"]
+    assert [row[2] for row in body] == ["0.5", "2.00", "10.0", "0.75"]
+    assert body[3][5] == "NO" and body[3][6] == "same"
+    assert body[2][6] == "gap mean 1.00e-03, max 4.00e-03"
+
+
+def test_on_host_matches_the_device_solve() -> None:
+    x = torch.randn(3, 16, 4, generator=torch.Generator().manual_seed(5))
+    ours, host = bench.balanced_assignment(x), bench._on_host(x)
+    assert bench._batch_feasible(host, 3, 16, 4)
+    assert torch.allclose(bench._batch_objectives(x, host), bench._batch_objectives(x, ours), rtol=1e-6)
