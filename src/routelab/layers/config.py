@@ -15,7 +15,10 @@ from ..routers import Router, make_router, router_name
 from ..routing import DROP_POLICIES
 from .experts import resolve_activation
 
-__all__ = ["MoEConfig"]
+__all__ = ["DISPATCH_MODES", "MoEConfig"]
+
+#: How the layer lays out the tokens for its experts (see :class:`~routelab.layers.MoE`).
+DISPATCH_MODES: tuple[str, ...] = ("auto", "grouped", "buffers")
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,17 @@ class MoEConfig:
             does not depend on its batch-mates through capacity.
         check_finite: whether the router checks its scores for NaN/inf (one host sync per call,
             skipped while ``torch.compile`` traces); ``None`` (the default) keeps the router's
-            own setting (``True`` for a router built by name).
+            own setting (``True`` for a router built by name). ``False`` also skips the
+            capacity step's check of the router's expert indices (its host sync), so that a
+            layer with ``False`` and grouped dispatch (or a set capacity factor) runs its forward
+            without a host synchronisation.
+        dispatch: one of :data:`DISPATCH_MODES`: ``"grouped"`` sorts the kept pairs by expert and
+            runs grouped matmuls (``torch._grouped_mm``; no padding, no host sync even dropless;
+            the stacked experts only, where grouped matmuls run on the device and dtype),
+            ``"buffers"`` gathers them into ``[E, C, d_model]`` buffers (any experts module),
+            ``"auto"`` (the default) picks grouped where it can run and the router proposes
+            exactly ``k`` experts per token (top-k, Switch, BASE, Sinkhorn, Gumbel-Matching),
+            buffers otherwise (batchwise gating's ``E`` masked slots).
 
     Raises:
         ValueError: naming the field, for a non-positive width or expert count, an unknown
@@ -74,6 +87,7 @@ class MoEConfig:
     experts: nn.Module | None = None
     eval_capacity_factor: float | None = None
     check_finite: bool | None = None
+    dispatch: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("d_model", "d_hidden", "num_experts"):
@@ -103,6 +117,12 @@ class MoEConfig:
             raise ValueError(str(err).replace("capacity_factor", "eval_capacity_factor", 1)) from None
         if self.check_finite is not None and not isinstance(self.check_finite, bool):
             raise ValueError(f"check_finite must be True, False or None, got {self.check_finite!r}")
+        if self.dispatch not in DISPATCH_MODES:
+            raise ValueError(f"dispatch must be one of {', '.join(DISPATCH_MODES)}, got {self.dispatch!r}")
+        if self.dispatch == "grouped" and self.experts is not None and not _groups(self.experts):
+            raise ValueError(f"dispatch='grouped' needs experts with the grouped form (experts(rows, offsets=, "
+                             f"expert_of_row=) and grouped_supported(device), as routelab's StackedExperts); "
+                             f"{type(self.experts).__name__} runs on buffers: use dispatch='buffers' or 'auto'")
         if self.drop_policy not in DROP_POLICIES:
             raise ValueError(f"drop_policy must be one of {', '.join(DROP_POLICIES)}, got {self.drop_policy!r}")
         object.__setattr__(self, "importance_weighting", bool(self.importance_weighting))
@@ -128,3 +148,9 @@ class MoEConfig:
     def replace(self, **changes: Any) -> MoEConfig:
         """A copy with ``changes`` (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def _groups(experts: nn.Module) -> bool:
+    """Whether an experts module has the grouped form of the experts protocol (it says where it
+    can run it: ``grouped_supported(device)``)."""
+    return callable(getattr(experts, "grouped_supported", None))

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._checks import check_positive_int, floating_input
+from ._grouped import grouped_mm, grouped_mm_supported
 
 __all__ = ["ACTIVATIONS", "GATED_ACTIVATIONS", "StackedExperts"]
 
@@ -61,7 +62,9 @@ class StackedExperts(nn.Module):
     of Mixtral, Qwen-MoE and OLMoE). :meth:`from_hf_fused` loads transformers' fused layout.
 
     This module follows the experts protocol of :class:`~routelab.layers.MoE`: buffers
-    ``[E, C, d_model] -> [E, C, d_model]``.
+    ``[E, C, d_model] -> [E, C, d_model]``; and its grouped form, ``experts(rows, offsets=...,
+    expert_of_row=...)`` on rows sorted by expert (:meth:`forward_grouped`: ``torch._grouped_mm``,
+    no padding), where :meth:`grouped_supported` says the device and dtype allow it.
 
     Args:
         d_model: input and output width.
@@ -154,19 +157,27 @@ class StackedExperts(nn.Module):
             out.w2.copy_(down_proj.transpose(1, 2).to(out.w2.dtype))
         return out
 
-    def forward(self, buffers: Tensor) -> Tensor:
-        """Run expert ``e`` on ``buffers[e]``.
+    def forward(self, buffers: Tensor, offsets: Tensor | None = None, expert_of_row: Tensor | None = None) -> Tensor:
+        """Run expert ``e`` on ``buffers[e]``, or on its rows of an expert-sorted matrix.
 
         Args:
             buffers: ``[E, C, d_model]``, any floating dtype: computed in the parameters' dtype
                 and returned in ``buffers``' dtype (the dtype policy of routelab's modules).
+                With ``offsets``: rows ``[R, d_model]`` sorted by expert (:meth:`forward_grouped`).
+            offsets, expert_of_row: the grouped layout (see :meth:`forward_grouped`); ``None``:
+                buffers.
 
         Returns:
-            ``[E, C, d_model]``.
+            ``[E, C, d_model]`` (``[R, d_model]`` grouped).
 
         Raises:
-            TypeError, ValueError: ``buffers`` is not a floating ``[E, C, d_model]`` tensor.
+            TypeError, ValueError: ``buffers`` is not a floating ``[E, C, d_model]`` tensor (rows
+                ``[R, d_model]`` grouped), or only one of ``offsets`` and ``expert_of_row`` given.
         """
+        if offsets is not None or expert_of_row is not None:
+            if offsets is None or expert_of_row is None:
+                raise ValueError("pass offsets and expert_of_row together (the grouped layout), or neither")
+            return self.forward_grouped(buffers, offsets, expert_of_row)
         x = floating_input(buffers, "buffers", self.w1.dtype)
         if x.dim() != 3 or x.shape[0] != self.num_experts or x.shape[2] != self.d_model:
             raise ValueError(f"buffers must have shape [num_experts={self.num_experts}, capacity, "
@@ -185,6 +196,45 @@ class StackedExperts(nn.Module):
         if self.b2 is not None:
             return torch.baddbmm(self.b2, h, self.w2)
         return torch.bmm(h, self.w2)
+
+    def grouped_supported(self, device: torch.device) -> bool:
+        """Whether :meth:`forward_grouped` can run on ``device`` in the parameters' dtype (grouped
+        matmuls exist there, accept the dtype, and ``d_model`` and ``d_hidden`` are multiples of
+        16 bytes; see :func:`routelab.layers._grouped.grouped_mm_supported`)."""
+        return grouped_mm_supported(torch.device(device), self.w1.dtype, (self.d_model, self.d_hidden))
+
+    def forward_grouped(self, rows: Tensor, offsets: Tensor, expert_of_row: Tensor) -> Tensor:
+        """Run expert ``e`` on its rows of an expert-sorted matrix (grouped matmuls).
+
+        Args:
+            rows: ``[R, d_model]``; expert ``e``'s rows are ``offsets[e-1] <= r < offsets[e]``
+                (:class:`routelab.routing.GroupedPlan` lays them out), rows from ``offsets[-1]``
+                on belong to no expert. Computed in the parameters' dtype, returned in ``rows``'.
+            offsets: ``IntTensor [E]`` (int32), cumulative rows per expert.
+            expert_of_row: ``LongTensor [R]``, the expert of each row, ``E`` past ``offsets[-1]``
+                (indexes the biases).
+
+        Returns:
+            ``[R, d_model]``; the rows of no expert are unspecified (never read by the layer;
+            their gradients go nowhere).
+        """
+        x = floating_input(rows, "rows", self.w1.dtype)
+        if x.dim() != 2 or x.shape[1] != self.d_model:
+            raise ValueError(f"rows must have shape [R, d_model={self.d_model}], got {tuple(x.shape)}")
+
+        def linear(inputs: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+            out = grouped_mm(inputs, w, offsets)
+            if b is None:
+                return out
+            # One extra zero bias row for the rows of no expert: what they read, and where their
+            # (unspecified) gradients go, is a row that is thrown away.
+            return out + torch.cat([b[:, 0], b.new_zeros(1, b.shape[-1])])[expert_of_row]
+
+        h = self.activation(linear(x, self.w1, self.b1))
+        if self.w3 is not None:
+            h = h * linear(x, self.w3, self.b3)
+        y = linear(h, self.w2, self.b2)
+        return y if y.dtype == rows.dtype else y.to(rows.dtype)
 
     def expert(self, e: int, x: Tensor) -> Tensor:
         """Expert ``e`` alone on ``x [tokens, d_model]`` (for references and tests)."""

@@ -11,11 +11,11 @@ from torch import Tensor, nn
 from .._checks import check_generator, checks_run, floating_input, token_mask
 from ..routers import Router
 from ..routes import Routes
-from ..routing import DispatchPlan, apply_capacity, expert_capacity, load_stats
+from ..routing import DispatchPlan, GroupedPlan, apply_capacity, expert_capacity, load_stats
 from ..routing.masks import real_tokens, scatter_routes
 from ..routing.record import RoutingRecord
 from ..routing.replay import NoiseReplay
-from .config import MoEConfig
+from .config import MoEConfig, _groups
 from .experts import StackedExperts
 
 __all__ = ["MoE"]
@@ -34,9 +34,14 @@ class MoE(RoutingRecord, nn.Module):
     2. :func:`routelab.routing.apply_capacity` keeps at most ``C = ceil(capacity_factor *
        tokens * k / E)`` pairs per expert (``drop_policy`` decides who stays) and multiplies
        ``weight`` by the skip correction ``n_z / min(n_z, C)`` of Kool et al. eq. 3;
-    3. tokens are gathered into a ``[E, C, d_model]`` buffer, the experts run as two batched
-       matmuls on stacked weights, and outputs are gathered back and summed with the combine
-       weights.
+    3. the kept pairs are dispatched to the experts, either sorted by expert into ``[tokens *
+       slots, d_model]`` rows for grouped matmuls (``dispatch="grouped"``,
+       :class:`~routelab.routing.GroupedPlan`: no padding, static sizes) or gathered into
+       ``[E, C, d_model]`` buffers for batched matmuls (``dispatch="buffers"``,
+       :class:`~routelab.routing.DispatchPlan`); the outputs are gathered back and summed with
+       the combine weights. Both compute the same function; ``dispatch="auto"`` picks grouped
+       where grouped matmuls run on the device and dtype and the router proposes exactly ``k``
+       experts per token.
 
     Dropped pairs contribute nothing: a token whose every slot is dropped gets a zero output,
     so put the layer in a residual branch (``x + moe(x)[0]``) to carry it.
@@ -48,7 +53,16 @@ class MoE(RoutingRecord, nn.Module):
     row). The default is :class:`~routelab.layers.StackedExperts` (``gated=True`` or
     ``activation="swiglu"`` for SwiGLU experts; :meth:`~routelab.layers.StackedExperts.from_hf_fused`
     loads transformers' fused expert weights). A module that returns another shape is a ValueError
-    at the call that returns it.
+    at the call that returns it. The grouped form of the protocol, for ``dispatch="grouped"``:
+    ``experts(rows [R, d_model], offsets=[E] int32, expert_of_row=[R]) -> [R, d_model]`` (expert
+    ``e`` on rows ``offsets[e-1]:offsets[e]``, see
+    :meth:`~routelab.layers.StackedExperts.forward_grouped`) and ``experts.grouped_supported(device)
+    -> bool``.
+
+    Host synchronisations: with ``check_finite=False`` and grouped dispatch (or a set capacity
+    factor), the forward of the ``topk``, ``switch``, ``noisy_topk`` and ``softmax`` routers runs
+    without one; each check costs one, as do a ``mask`` (the number of real tokens) and dropless
+    buffers (the largest load).
 
     Every forward records its weighted auxiliary losses and statistics
     (:class:`routelab.routing.RoutingRecord`): ``routelab.aux_loss(model)`` sums those of every
@@ -104,7 +118,10 @@ class MoE(RoutingRecord, nn.Module):
         generator: randomness of stochastic routers and of ``drop_policy="random"`` (a
             :class:`torch.Generator` or ``None``; anything else is a TypeError).
         check_finite: the router's NaN/inf check of its scores (``None``: the router's setting,
-            ``True`` unless changed; ``False`` saves its host sync).
+            ``True`` unless changed; ``False`` saves its host sync and that of the capacity
+            step's index check).
+        dispatch: ``"auto"`` (default), ``"grouped"`` or ``"buffers"``: how the tokens are laid
+            out for the experts (step 3 above; :data:`routelab.layers.config.DISPATCH_MODES`).
 
     Dtypes:
         ``x`` may be any floating dtype (float16, bfloat16, float32, float64): the router scores
@@ -150,12 +167,14 @@ class MoE(RoutingRecord, nn.Module):
         dtype: torch.dtype | None = None,
         eval_capacity_factor: float | None = None,
         check_finite: bool | None = None,
+        dispatch: str = "auto",
     ) -> None:
         super().__init__()
         config = MoEConfig(d_model, d_hidden, num_experts, router=router, capacity_factor=capacity_factor, k=k,
                            router_kwargs=router_kwargs, drop_policy=drop_policy,
                            importance_weighting=importance_weighting, activation=activation, bias=bias, gated=gated,
-                           experts=experts, eval_capacity_factor=eval_capacity_factor, check_finite=check_finite)
+                           experts=experts, eval_capacity_factor=eval_capacity_factor, check_finite=check_finite,
+                           dispatch=dispatch)
         self._build(config, generator=generator, device=device, dtype=dtype)
 
     def _build(self, config: MoEConfig, *, generator: torch.Generator | None,
@@ -170,6 +189,7 @@ class MoE(RoutingRecord, nn.Module):
                                           activation=config.activation, bias=config.bias, gated=config.gated,
                                           device=device, dtype=dtype)
         self._custom_experts = config.experts is not None
+        self.dispatch = config.dispatch
         self._d_hidden = config.d_hidden
         self.router = config.build_router(device if router_device is _SAME else router_device)
         self.d_model, self.num_experts = config.d_model, config.num_experts
@@ -202,12 +222,13 @@ class MoE(RoutingRecord, nn.Module):
                              capacity_factor=self.capacity_factor, drop_policy=self.drop_policy,
                              importance_weighting=self.importance_weighting, activation=self._activation,
                              experts=self.experts, eval_capacity_factor=self.eval_capacity_factor,
-                             check_finite=self.router.check_finite)
+                             check_finite=self.router.check_finite, dispatch=self.dispatch)
         return MoEConfig(self.d_model, self.experts.d_hidden, self.num_experts, router=self.router,
                          capacity_factor=self.capacity_factor, drop_policy=self.drop_policy,
                          importance_weighting=self.importance_weighting, activation=self._activation,
                          bias=self.experts.b1 is not None, gated=self.experts.gated,
-                         eval_capacity_factor=self.eval_capacity_factor, check_finite=self.router.check_finite)
+                         eval_capacity_factor=self.eval_capacity_factor, check_finite=self.router.check_finite,
+                         dispatch=self.dispatch)
 
     @property
     def active_capacity_factor(self) -> float | None:
@@ -245,16 +266,22 @@ class MoE(RoutingRecord, nn.Module):
             tokens, flat = tokens.index_select(0, index), flat.index_select(0, index)
         capacity = self.capacity(flat.shape[0])
         proposed = self.router(tokens, capacity)
-        routes, plan = self.plan(proposed, capacity)
+        grouped = self.uses_grouped(proposed.expert.shape[-1], flat.device)
+        routes, plan = self.plan(proposed, capacity, grouped=grouped)
         combine = routes.gate * routes.weight if self.importance_weighting else routes.gate
         # Also when nothing is kept (capacity 0): the experts then run on empty buffers, and the
         # zero output stays part of the graph (its gradients are zeros, not an autograd error).
-        buffers = plan.dispatch(flat)
-        out = self.experts(buffers)
-        if not isinstance(out, Tensor) or out.shape != buffers.shape:
+        inputs = plan.dispatch(flat)
+        if grouped:
+            # Through the module call (not forward_grouped directly): its hooks fire as on buffers.
+            out = self.experts(inputs, offsets=plan.offsets, expert_of_row=plan.expert_of_row)
+        else:
+            out = self.experts(inputs)
+        if not isinstance(out, Tensor) or out.shape != inputs.shape:
             got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
-            raise ValueError(f"experts ({type(self.experts).__name__}) must map buffers [E, C, d_model] = "
-                             f"{tuple(buffers.shape)} to the same shape, got {got}")
+            layout = "rows [R, d_model]" if grouped else "buffers [E, C, d_model]"
+            raise ValueError(f"experts ({type(self.experts).__name__}) must map {layout} = "
+                             f"{tuple(inputs.shape)} to the same shape, got {got}")
         y = plan.combine(out, combine).to(x.dtype)
         self.record_routing(routes.aux, routes.stats)
         if index is not None:
@@ -269,8 +296,33 @@ class MoE(RoutingRecord, nn.Module):
                 return p.dtype
         return x.dtype if isinstance(x, Tensor) and x.is_floating_point() else torch.float32
 
-    def plan(self, proposed: Routes, capacity: int) -> tuple[Routes, DispatchPlan]:
+    def uses_grouped(self, slots: int, device: torch.device) -> bool:
+        """Whether a forward whose routes have ``slots`` columns dispatches grouped (see ``dispatch``).
+
+        Raises:
+            ValueError: ``dispatch="grouped"`` where the experts cannot run grouped on ``device``.
+        """
+        if self.dispatch == "buffers":
+            return False
+        supported = _groups(self.experts) and self.experts.grouped_supported(device)
+        if self.dispatch == "grouped":
+            if not supported:
+                raise ValueError(
+                    f"dispatch='grouped': grouped matmuls (torch._grouped_mm) do not run here for these experts "
+                    f"(device {device}, dtype {self._experts_dtype(None)}, torch {torch.__version__}; d_model and "
+                    "d_hidden must be multiples of 16 bytes); use dispatch='auto' or 'buffers'")
+            return True
+        return supported and slots == self.router.slots
+
+    def plan(self, proposed: Routes, capacity: int, *, grouped: bool = False
+             ) -> tuple[Routes, DispatchPlan | GroupedPlan]:
         """Enforce capacity on a router's proposal and plan the dispatch.
+
+        Args:
+            proposed: the router's routes ``[tokens, slots]``.
+            capacity: ``C``, pairs per expert.
+            grouped: plan expert-sorted rows (:class:`~routelab.routing.GroupedPlan`) instead of
+                ``[E, C, d_model]`` buffers (:class:`~routelab.routing.DispatchPlan`).
 
         Returns:
             ``(routes, plan)``: ``routes`` with ``keep`` after capacity, ``weight`` times the
@@ -280,13 +332,20 @@ class MoE(RoutingRecord, nn.Module):
         random = self.drop_policy == "random"
         with self._replay.draw(self.generator if random else None):
             decision = apply_capacity(proposed.expert, proposed.keep, capacity, E, policy=self.drop_policy,
-                                      score=proposed.gate, generator=self.generator)
+                                      score=proposed.gate, generator=self.generator, check=self.router.check_finite)
+        keep = decision.keep
+        weight = proposed.weight * decision.skip_weight.to(proposed.weight.dtype)
+        if grouped:
+            plan = GroupedPlan.build(proposed.expert, keep, decision.position, decision.kept, E)
+            # Dropless: the capacity statistic is the largest load, kept on the device (no sync).
+            stat_capacity = decision.kept.max() if self.active_capacity_factor is None else capacity
+            stats = {**proposed.stats, **load_stats(proposed.keep, decision, stat_capacity)}
+            return Routes(expert=proposed.expert, gate=proposed.gate, keep=keep, weight=weight,
+                          log_prob=proposed.log_prob, aux=dict(proposed.aux), stats=stats), plan
         if self.active_capacity_factor is None and checks_run():
             # Dropless: the buffer only needs the largest load (one host sync). While
             # torch.compile traces, the buffer keeps the worst case C = tokens (no sync).
             capacity = int(decision.load.max()) if decision.load.numel() else 0
-        keep = decision.keep
-        weight = proposed.weight * decision.skip_weight.to(proposed.weight.dtype)
         # apply_capacity's positions are valid by construction: no second host sync to check them.
         plan = DispatchPlan.build(proposed.expert, keep, decision.position, E, capacity, check=False)
         # The router's own diagnostics (e.g. weights_clamped), then the layer's.

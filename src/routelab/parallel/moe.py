@@ -60,10 +60,14 @@ def _require_initialized() -> None:
 
 
 def _check_shardable(config: MoEConfig) -> None:
-    """ValueError for layer options :class:`ExpertParallelMoE` cannot shard (the user's own experts)."""
+    """ValueError for layer options :class:`ExpertParallelMoE` cannot shard (the user's own experts,
+    grouped dispatch)."""
     if config.experts is not None:
         raise ValueError("ExpertParallelMoE shards routelab's StackedExperts (plain or gated, e.g. "
                          "activation='swiglu'): it does not take experts=; use the single-process MoE for those")
+    if config.dispatch == "grouped":
+        raise ValueError("ExpertParallelMoE runs each rank's experts on the buffers its all-to-all fills: "
+                         "dispatch='grouped' is for the single-process MoE; use dispatch='auto' or 'buffers'")
 
 
 class ExpertParallelMoE(MoE):
@@ -107,6 +111,8 @@ class ExpertParallelMoE(MoE):
         router, capacity_factor, k, router_kwargs, drop_policy, importance_weighting,
             activation, bias, generator, device, dtype, eval_capacity_factor, check_finite: as
             :class:`~routelab.layers.MoE`.
+        dispatch: ``"auto"`` or ``"buffers"``: each rank runs its experts on the ``[E / W, C,
+            d_model]`` buffers the all-to-all fills (``"grouped"`` is a ValueError here).
         gated: gated (GLU, e.g. ``activation="swiglu"``) experts, sharded like plain ones.
         experts: not supported (the layer shards routelab's stacked experts): a ValueError unless ``None``.
         seed: base seed of the experts' initialisation; expert ``e`` is initialised from
@@ -153,6 +159,7 @@ class ExpertParallelMoE(MoE):
         check_decisions: bool = True,
         eval_capacity_factor: float | None = None,
         check_finite: bool | None = None,
+        dispatch: str = "auto",
         _sync: bool = True,
     ) -> None:
         _require_initialized()
@@ -167,7 +174,8 @@ class ExpertParallelMoE(MoE):
         config = MoEConfig(d_model, d_hidden, num_experts, router=router, capacity_factor=capacity_factor, k=k,
                            router_kwargs=router_kwargs, drop_policy=drop_policy,
                            importance_weighting=importance_weighting, activation=activation, bias=bias, gated=gated,
-                           experts=experts, eval_capacity_factor=eval_capacity_factor, check_finite=check_finite)
+                           experts=experts, eval_capacity_factor=eval_capacity_factor, check_finite=check_finite,
+                           dispatch=dispatch)
         _check_shardable(config)
         # The full expert stack is built on the meta device (no memory) and replaced by this
         # rank's slice: only E / world experts are ever materialised. A router built by name is

@@ -17,7 +17,7 @@ from routelab.routing.capacity import (
     random_skip,
     skip_correction,
 )
-from routelab.routing.dispatch import DispatchPlan
+from routelab.routing.dispatch import DispatchPlan, GroupedPlan
 from routelab.routing.eager import eager
 from routelab.routing.losses import switch_balance
 from routelab.routing.masks import masked_rule, real_tokens, scatter_routes
@@ -37,6 +37,7 @@ __all__ = [
     "DROP_POLICIES",
     "CapacityDecision",
     "DispatchPlan",
+    "GroupedPlan",
     "NoiseReplay",
     "RoutingRecord",
     "apply_capacity",

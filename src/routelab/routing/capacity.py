@@ -148,6 +148,7 @@ def apply_capacity(
     policy: str = "position",
     score: Tensor | None = None,
     generator: torch.Generator | None = None,
+    check: bool = True,
 ) -> CapacityDecision:
     """Keep at most ``capacity`` candidate pairs per expert.
 
@@ -161,6 +162,10 @@ def apply_capacity(
         policy: one of :data:`DROP_POLICIES`.
         score: ``[tokens, slots]`` priority for ``policy="score"`` (larger kept first; no NaN).
         generator: randomness for ``policy="random"``.
+        check: check the values (expert range, NaN scores; one host synchronisation). ``False``
+            is for callers whose experts are valid by construction (the MoE layer with a router
+            whose ``check_finite`` is off); an expert outside the range then fails inside an
+            index operation instead of with this function's message.
 
     Returns:
         A :class:`CapacityDecision`; ties in priority go to the earlier (slot, token).
@@ -188,7 +193,7 @@ def apply_capacity(
         if score.shape != expert.shape or score.is_complex():
             raise ValueError(f"score must be a real tensor of the shape of expert [tokens, slots] = "
                              f"{tuple(expert.shape)}, got {score.dtype} of shape {tuple(score.shape)}")
-    if expert.numel() and checks_run():
+    if check and expert.numel() and checks_run():
         # One host sync for every value check: min and max of expert, and whether a score is NaN.
         flags = [expert.amin(), expert.amax()]
         if policy == "score" and score.is_floating_point():

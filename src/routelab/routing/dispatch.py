@@ -1,8 +1,17 @@
-"""Dispatch tokens into per-expert buffers and combine expert outputs back, by index.
+"""Dispatch tokens to the experts and combine expert outputs back, by index.
 
-No Python loop over tokens or experts: dispatch is one gather into a ``[experts, capacity, d]``
-buffer, combine one gather plus a weighted sum over slots. Both are differentiable (their
-backward passes are the matching scatter-adds).
+Two layouts, one per plan:
+
+* :class:`DispatchPlan`: per-expert buffers ``[experts, capacity, d]``, rows past an expert's
+  load padded with zeros (for batched matmuls over stacked weights and for any experts module);
+* :class:`GroupedPlan`: the kept pairs sorted by expert into ``[tokens * slots, d]`` rows, expert
+  ``e``'s rows contiguous and no padding between experts (for grouped matmuls,
+  ``torch._grouped_mm``); its sizes are static, so it needs no host synchronisation even when
+  routing is dropless.
+
+No Python loop over tokens or experts: dispatch is one gather, combine one gather plus a
+weighted sum over slots. Both are differentiable (their backward passes are the matching
+scatter-adds).
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ from torch import Tensor
 
 from .._checks import check_capacity, check_positive_int, checks_run, index_tensor, mask_tensor
 
-__all__ = ["DispatchPlan"]
+__all__ = ["DispatchPlan", "GroupedPlan"]
 
 
 @dataclass(frozen=True)
@@ -171,11 +180,166 @@ class DispatchPlan:
         if weight.shape != self.row_of_slot.shape:
             raise ValueError(f"weight must have shape [tokens, slots] = {tuple(self.row_of_slot.shape)}, "
                              f"got {tuple(weight.shape)}")
-        d = expert_out.shape[-1]
-        flat = expert_out.reshape(-1, d)
-        padded = torch.cat([flat, flat.new_zeros(1, d)])
-        picked = padded[self.row_of_slot]  # [tokens, slots, d]
-        # Dropped pairs read the zero row; their weight is zeroed too, so 0 * inf never enters the sum.
-        dropped = self.row_of_slot == flat.shape[0]
-        weight = weight.to(picked.dtype).masked_fill(dropped, 0.0)
-        return torch.einsum("ts,tsd->td", weight, picked)
+        return _weighted_rows(expert_out.reshape(-1, expert_out.shape[-1]), self.row_of_slot, weight)
+
+
+def _weighted_rows(rows: Tensor, row_of_slot: Tensor, weight: Tensor) -> Tensor:
+    """``y_t = sum_s weight[t, s] * rows[row_of_slot[t, s]]``, a pair whose row is ``len(rows)``
+    contributing exactly zero (its weight is ignored, inf and NaN included).
+
+    Args:
+        rows: ``[R, d]`` expert outputs.
+        row_of_slot: ``LongTensor [tokens, slots]`` with values in ``[0, R]``.
+        weight: ``[tokens, slots]``.
+
+    Returns:
+        ``[tokens, d]`` in ``rows``' dtype.
+    """
+    d = rows.shape[-1]
+    padded = torch.cat([rows, rows.new_zeros(1, d)])
+    picked = padded[row_of_slot]  # [tokens, slots, d]
+    # Dropped pairs read the zero row; their weight is zeroed too, so 0 * inf never enters the sum.
+    dropped = row_of_slot == rows.shape[0]
+    weight = weight.to(picked.dtype).masked_fill(dropped, 0.0)
+    return torch.einsum("ts,tsd->td", weight, picked)
+
+
+@dataclass(frozen=True)
+class GroupedPlan:
+    """The kept (token, slot) pairs sorted by expert, for grouped matmuls.
+
+    There is one row per pair, ``R = tokens * slots`` rows in all. The kept pairs come first,
+    expert by expert: expert ``e`` owns rows ``offsets[e-1] <= row < offsets[e]`` (``offsets[-1]``
+    for ``e = 0`` read as 0), in the order of their positions in the expert (the order of
+    :func:`~routelab.routing.apply_capacity`). Rows from ``offsets[-1]`` on belong to no expert:
+    they are the dropped pairs, their input is a zero row and their output is never read, so an
+    experts module may leave it uninitialised (``torch._grouped_mm`` does).
+
+    The sizes depend on ``tokens`` and ``slots`` only, never on the routing, so building,
+    dispatching and combining need no host synchronisation (the buffers of a dropless
+    :class:`DispatchPlan` need the largest load on the host).
+
+    Attributes:
+        num_experts: ``E``.
+        offsets: ``IntTensor [E]`` (int32, as ``torch._grouped_mm`` takes it): the cumulative
+            number of kept pairs of experts ``0..e``.
+        token_of_row: ``LongTensor [R]`` — the token of each row; ``tokens`` (a zero row) for the
+            rows of no expert.
+        expert_of_row: ``LongTensor [R]`` — the expert of each row; ``E`` for the rows of no expert
+            (e.g. to index per-expert biases padded with one extra row).
+        row_of_slot: ``LongTensor [tokens, slots]`` — the row of each pair; ``R`` (a zero row)
+            where the pair is dropped.
+    """
+
+    num_experts: int
+    offsets: Tensor
+    token_of_row: Tensor
+    expert_of_row: Tensor
+    row_of_slot: Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        """The number of tokens the plan was built for (``dispatch`` takes exactly that many)."""
+        return self.row_of_slot.shape[0]
+
+    @property
+    def num_rows(self) -> int:
+        """``R = tokens * slots``."""
+        return self.token_of_row.shape[0]
+
+    @classmethod
+    def build(cls, expert: Tensor, keep: Tensor, position: Tensor, kept: Tensor, num_experts: int) -> GroupedPlan:
+        """Plan from a capacity decision.
+
+        Args:
+            expert: ``LongTensor [tokens, slots]``.
+            keep: ``BoolTensor [tokens, slots]``.
+            position: ``LongTensor [tokens, slots]``; the kept pairs of expert ``e`` must hold the
+                positions ``0 .. kept[e] - 1``, each once (as
+                :func:`~routelab.routing.apply_capacity` returns them: ``decision.position``).
+            kept: ``LongTensor [E]``, kept pairs per expert (``decision.kept``).
+            num_experts: ``E >= 1``.
+
+        Not value-checked (that would need a host synchronisation): the arguments must come from
+        one :class:`~routelab.routing.CapacityDecision`, which guarantees the conditions above.
+
+        Raises:
+            TypeError, ValueError: naming the argument, for a wrong type, dtype or shape.
+        """
+        expert = index_tensor(expert, "expert")
+        keep = mask_tensor(keep, "keep", expert.shape)
+        position = index_tensor(position, "position")
+        if position.shape != expert.shape:
+            raise ValueError(f"position must have the shape of expert [tokens, slots] = {tuple(expert.shape)}, "
+                             f"got {tuple(position.shape)}")
+        check_positive_int("num_experts", num_experts)
+        if not isinstance(kept, Tensor) or kept.is_floating_point() or kept.dtype == torch.bool:
+            raise TypeError(f"kept must be a LongTensor [num_experts] (decision.kept), got "
+                            f"{kept.dtype if isinstance(kept, Tensor) else type(kept).__name__}")
+        if tuple(kept.shape) != (num_experts,):
+            raise ValueError(f"kept must have shape [num_experts={num_experts}], got {tuple(kept.shape)}")
+        kept = kept.long()
+        n, s = expert.shape
+        device = expert.device
+        rows = n * s
+        ends = kept.cumsum(0)
+        starts = ends - kept
+        total = ends[-1]
+        # The dropped pairs fill the rows after the kept ones, in (token, slot) order.
+        flat_keep = keep.reshape(-1)
+        dropped_rank = (~flat_keep).long().cumsum(0) - 1
+        safe_expert = expert.reshape(-1).clamp(0, num_experts - 1)
+        row = torch.where(flat_keep, starts[safe_expert] + position.reshape(-1), total + dropped_rank)
+        token_ids = torch.arange(n, device=device).repeat_interleave(s)
+        token_of_row = torch.full((rows,), n, dtype=torch.long, device=device)
+        token_of_row.scatter_(0, row, torch.where(flat_keep, token_ids, torch.full_like(token_ids, n)))
+        expert_of_row = torch.full((rows,), num_experts, dtype=torch.long, device=device)
+        expert_of_row.scatter_(0, row, torch.where(flat_keep, safe_expert, torch.full_like(safe_expert, num_experts)))
+        row_of_slot = torch.where(flat_keep, row, torch.full_like(row, rows)).view(n, s)
+        return cls(num_experts, ends.to(torch.int32), token_of_row, expert_of_row, row_of_slot)
+
+    def dispatch(self, x: Tensor) -> Tensor:
+        """Gather tokens into expert-sorted rows.
+
+        Args:
+            x: ``[tokens, d]``, the ``tokens`` the plan was built for.
+
+        Returns:
+            ``[R, d]``: row ``r`` is ``x[token_of_row[r]]``; the rows of no expert are zero.
+
+        Raises:
+            TypeError, ValueError: ``x`` is not a ``[tokens, d]`` tensor with the plan's token count.
+        """
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x must be a tensor [tokens, d], got {type(x).__name__}")
+        if x.dim() != 2 or x.shape[0] != self.num_tokens:
+            raise ValueError(f"x must have shape [tokens={self.num_tokens}, d] (the plan was built for "
+                             f"{self.num_tokens} tokens), got {tuple(x.shape)}")
+        padded = torch.cat([x, x.new_zeros(1, x.shape[-1])])
+        return padded[self.token_of_row]
+
+    def combine(self, expert_out: Tensor, weight: Tensor) -> Tensor:
+        """Weighted sum of every token's expert outputs.
+
+        Args:
+            expert_out: ``[R, d]`` expert output per row; the rows of no expert are never read
+                (they may hold anything, NaN included).
+            weight: ``[tokens, slots]`` combine weight of every pair; a dropped pair's weight is
+                ignored, whatever its value (inf and NaN included).
+
+        Returns:
+            ``[tokens, d]``: ``y_t = sum_s weight[t, s] * expert_out[row_of_slot[t, s]]``.
+
+        Raises:
+            TypeError, ValueError: ``expert_out`` is not ``[R, d]`` or ``weight`` not
+                ``[tokens, slots]`` of the plan.
+        """
+        for name, t in (("expert_out", expert_out), ("weight", weight)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        if expert_out.dim() != 2 or expert_out.shape[0] != self.num_rows:
+            raise ValueError(f"expert_out must have shape [R={self.num_rows}, d], got {tuple(expert_out.shape)}")
+        if weight.shape != self.row_of_slot.shape:
+            raise ValueError(f"weight must have shape [tokens, slots] = {tuple(self.row_of_slot.shape)}, "
+                             f"got {tuple(weight.shape)}")
+        return _weighted_rows(expert_out, self.row_of_slot, weight)

@@ -10,13 +10,14 @@ from .capacity import CapacityDecision
 __all__ = ["load_stats"]
 
 
-def load_stats(proposed: Tensor, decision: CapacityDecision, capacity: int) -> dict[str, Tensor]:
+def load_stats(proposed: Tensor, decision: CapacityDecision, capacity: int | Tensor) -> dict[str, Tensor]:
     """The statistics of a routing decision after :func:`~routelab.routing.apply_capacity`.
 
     Args:
         proposed: ``BoolTensor [tokens, slots]``, the pairs the router proposed (its ``keep``).
         decision: the capacity decision on those pairs.
-        capacity: the capacity it was taken under (the buffer rows per expert).
+        capacity: the capacity it was taken under (the buffer rows per expert); an int, or a
+            0-dimensional tensor (a dropless layer's largest load, left on the device).
 
     Returns:
         ``tokens_per_expert [E]`` (kept pairs per expert), ``load_cv`` (their coefficient of
@@ -34,5 +35,5 @@ def load_stats(proposed: Tensor, decision: CapacityDecision, capacity: int) -> d
         "load_cv": kept.new_zeros(()) if single else kept.std(unbiased=False) / kept.mean().clamp(min=1e-12),
         "dropped_fraction": (proposed_pairs - keep.sum()) / proposed_pairs.clamp(min=1),
         "tokens_dropped": (~keep.any(-1)).float().mean() if n else kept.new_zeros(()),
-        "capacity": torch.tensor(capacity),
+        "capacity": capacity if isinstance(capacity, Tensor) else torch.tensor(capacity),
     }

@@ -1,0 +1,102 @@
+"""Grouped matmuls for the stacked experts: speed machinery, fenced off from the layer.
+
+``torch._grouped_mm(rows, weight, offs=offsets)`` multiplies the rows of group ``e`` (rows
+``offsets[e-1]:offsets[e]`` of ``rows [R, a]``) by ``weight[e] [a, b]`` in one call, without
+padding the groups to a common size. Which dtypes, devices and layouts it accepts differs between
+torch versions and GPUs (and ``torch.compile`` accepts bfloat16 only), so :func:`grouped_mm_supported`
+probes it once per device and dtype on a tiny problem against a per-group reference, forward and
+backward, and the stacked experts fall back to batched matmuls over padded buffers where it
+says no.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+__all__ = ["grouped_mm", "grouped_mm_supported"]
+
+#: Row strides of every operand must be multiples of this many bytes.
+_ALIGNMENT_BYTES = 16
+
+#: The probe's verdict per (device type, device index, dtype).
+_PROBED: dict[tuple[str, int | None, torch.dtype], bool] = {}
+
+
+def grouped_mm(rows: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
+    """``out[r] = rows[r] @ weight[e]`` for the rows ``r`` of group ``e``.
+
+    Args:
+        rows: ``[R, a]``, grouped: group ``e`` is rows ``offsets[e-1] <= r < offsets[e]``.
+        weight: ``[E, a, b]``.
+        offsets: ``IntTensor [E]`` (int32), non-decreasing, ``offsets[-1] <= R``.
+
+    Returns:
+        ``[R, b]``; rows from ``offsets[-1]`` on are unspecified (uninitialised memory), as are
+        their input gradients.
+    """
+    return torch._grouped_mm(rows, weight, offs=offsets)
+
+
+def _aligned(dtype: torch.dtype, widths: Iterable[int]) -> bool:
+    size = dtype.itemsize
+    return all((w * size) % _ALIGNMENT_BYTES == 0 for w in widths)
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype, widths: Iterable[int]) -> bool:
+    """Whether :func:`grouped_mm` runs here, on contiguous operands whose row widths are ``widths``.
+
+    Eagerly, a tiny grouped product (three groups, one of them empty, and rows past the last
+    group) is computed once per device and dtype and compared, with its gradients, with the
+    per-group matmuls; any error or mismatch is a no, for the rest of the process. While
+    ``torch.compile`` traces, only bfloat16 is accepted (the operator's meta function refuses
+    the others), from the probe's earlier verdict when there is one.
+
+    Args:
+        device: where the operands are.
+        dtype: their dtype.
+        widths: the last dimension of every operand (e.g. ``d_model`` and ``d_hidden``), each of
+            which must be a multiple of 16 bytes.
+    """
+    if not hasattr(torch, "_grouped_mm") or device.type not in ("cpu", "cuda"):
+        return False
+    if not _aligned(dtype, widths):
+        return False
+    key = (device.type, device.index, dtype)
+    if torch.compiler.is_compiling():
+        return dtype == torch.bfloat16 and _PROBED.get(key, True)
+    if key not in _PROBED:
+        _PROBED[key] = _probe(device, dtype)
+    return _PROBED[key]
+
+
+def _probe(device: torch.device, dtype: torch.dtype) -> bool:
+    """Run a tiny grouped product forward and backward against per-group matmuls."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = 16, 8
+    sizes = (3, 0, 5)
+    offsets = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
+    total = int(offsets[-1])
+    rows_ref = torch.randn(total + 2, a, generator=gen)
+    weight_ref = torch.randn(len(sizes), a, b, generator=gen)
+    grad_ref = torch.randn(total, b, generator=gen)
+    try:
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
+            rows = rows_ref.to(device, dtype).requires_grad_(True)
+            weight = weight_ref.to(device, dtype).requires_grad_(True)
+            out = grouped_mm(rows, weight, offsets.to(device))
+            out[:total].backward(grad_ref.to(device, dtype))
+            starts = (0, *offsets[:-1].tolist())
+            expected = torch.cat([rows_ref[s:s + n] @ weight_ref[e] for e, (s, n) in enumerate(zip(starts, sizes))])
+            weight_grad = torch.stack([rows_ref[s:s + n].T @ grad_ref[s:s + n] for s, n in zip(starts, sizes)])
+            rows_grad = torch.cat([grad_ref[s:s + n] @ weight_ref[e].T for e, (s, n) in enumerate(zip(starts, sizes))])
+            tol = 1e-4 if dtype in (torch.float32, torch.float64) else 5e-2
+            return bool(
+                torch.allclose(out[:total].float().cpu(), expected, rtol=tol, atol=tol * 10)
+                and torch.allclose(weight.grad.float().cpu(), weight_grad, rtol=tol, atol=tol * 10)
+                and torch.allclose(rows.grad[:total].float().cpu(), rows_grad, rtol=tol, atol=tol * 10)
+            )
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False

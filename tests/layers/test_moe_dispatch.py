@@ -1,0 +1,203 @@
+"""The MoE layer's two dispatch layouts compute the same function (``dispatch="grouped"`` vs ``"buffers"``).
+
+Oracle: the buffer layout (batched matmuls over ``[E, C, d]``, itself tested against per-token
+loops in tests/routing) on the same weights, generator state and inputs: outputs, input
+gradients, every parameter's gradient and the statistics must agree, for every router, capacity
+(dropping and dropless), experts variant (biases, gated), dtype, padding mask, activation
+checkpointing and ``torch.compile``. Plus which layout ``"auto"`` picks, and the errors of
+``"grouped"`` where it cannot run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from routelab.layers import MoE, MoEConfig
+from routelab.layers._grouped import grouped_mm_supported
+
+D, H, E = 16, 32, 8
+ROUTER_K = {"softmax": None, "topk": 2, "switch": 1, "noisy_topk": 2, "batchwise": 2, "base": 1, "sinkhorn": 2,
+            "gumbel_matching": 1}
+#: Routers that assign every token (they need capacity >= the balanced quota).
+BALANCED = {"base", "sinkhorn", "gumbel_matching"}
+
+needs_grouped = pytest.mark.skipif(not grouped_mm_supported(torch.device("cpu"), torch.float32, (D, H)),
+                                   reason="torch._grouped_mm does not run on this CPU build")
+
+
+def pair(router: str, *, seed: int = 0, **kw) -> tuple[MoE, MoE]:
+    """The same layer twice (same weights), grouped and on buffers, each with its own generator of the same seed."""
+    torch.manual_seed(seed)
+    grouped = MoE(D, H, E, router=router, k=ROUTER_K[router], dispatch="grouped",
+                  generator=torch.Generator().manual_seed(seed), **kw)
+    with torch.no_grad():
+        grouped.router.proj.weight.normal_(0, 1.0)
+    buffers = MoE(D, H, E, router=router, k=ROUTER_K[router], dispatch="buffers",
+                  generator=torch.Generator().manual_seed(seed), **kw)
+    buffers.load_state_dict(grouped.state_dict())
+    return grouped, buffers
+
+
+def run(moe: MoE, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """Output, input gradient and every parameter gradient of one forward + backward."""
+    x = x.detach().clone().requires_grad_(True)
+    y, routes = moe(x, mask=mask)
+    loss = (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum() + sum(routes.aux.values())
+    params = [p for p in moe.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, [x, *params], allow_unused=True)
+    grads = tuple(torch.zeros_like(p) if g is None else g for g, p in zip(grads, [x, *params]))
+    return (y, *grads, routes.stats["capacity"], routes.stats["tokens_per_expert"], routes.stats["dropped_fraction"])
+
+
+def assert_same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...], tol: float = 1e-5) -> None:
+    for u, v in zip(a, b, strict=True):
+        torch.testing.assert_close(u.float(), v.float(), rtol=tol, atol=tol)
+
+
+#: Every router but batchwise gating (its E masked slots: test_grouped_with_masked_slots) at every
+#: capacity it accepts (the balanced routers assign every token: capacity >= the balanced quota).
+ROUTER_CAPACITIES = [(router, cf) for router in sorted(ROUTER_K) if router != "batchwise"
+                     for cf in (1.0, None, 0.5) if not (router in BALANCED and cf == 0.5)]
+
+
+@needs_grouped
+@pytest.mark.parametrize(("router", "capacity_factor"), ROUTER_CAPACITIES)
+def test_grouped_equals_buffers_for_every_router(router: str, capacity_factor: float | None) -> None:
+    grouped, buffers = pair(router, capacity_factor=capacity_factor)
+    x = torch.randn(3, 21, D, generator=torch.Generator().manual_seed(1))
+    assert_same(run(grouped, x), run(buffers, x))
+
+
+@needs_grouped
+def test_grouped_with_masked_slots() -> None:
+    """Batchwise gating's E slots with a mask: grouped still computes the buffers' function."""
+    grouped, buffers = pair("batchwise", capacity_factor=1.0)
+    x = torch.randn(40, D, generator=torch.Generator().manual_seed(2))
+    assert_same(run(grouped, x), run(buffers, x))
+
+
+@needs_grouped
+@pytest.mark.parametrize("options", [{"bias": False}, {"activation": "swiglu"}, {"activation": "swiglu", "bias": False},
+                                     {"importance_weighting": True, "drop_policy": "random", "capacity_factor": 0.5},
+                                     {"drop_policy": "score", "capacity_factor": 0.75}])
+def test_grouped_equals_buffers_for_every_experts_variant(options: dict) -> None:
+    grouped, buffers = pair("topk", **options)
+    x = torch.randn(50, D, generator=torch.Generator().manual_seed(3))
+    assert_same(run(grouped, x), run(buffers, x))
+
+
+@needs_grouped
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grouped_equals_buffers_in_half_precision(dtype: torch.dtype) -> None:
+    if not grouped_mm_supported(torch.device("cpu"), dtype, (D, H)):
+        pytest.skip(f"torch._grouped_mm does not run in {dtype} on this CPU build")
+    grouped, buffers = pair("topk", capacity_factor=None)
+    grouped, buffers = grouped.to(dtype), buffers.to(dtype)
+    x = torch.randn(64, D, generator=torch.Generator().manual_seed(4)).to(dtype)
+    # The same routes (the router scores in float32 in both); the experts' sums differ in order only.
+    assert_same(run(grouped, x), run(buffers, x), tol=3e-2)
+
+
+@needs_grouped
+def test_grouped_with_a_padding_mask_and_in_eval() -> None:
+    grouped, buffers = pair("noisy_topk", capacity_factor=1.25)
+    x = torch.randn(4, 9, D, generator=torch.Generator().manual_seed(5))
+    mask = torch.rand(4, 9, generator=torch.Generator().manual_seed(6)) < 0.7
+    assert_same(run(grouped, x, mask), run(buffers, x, mask))
+    grouped.eval(), buffers.eval()
+    assert_same(run(grouped, x, mask), run(buffers, x, mask))
+
+
+@needs_grouped
+def test_grouped_under_activation_checkpointing() -> None:
+    """The noise is replayed in the recomputation: the same gradients as without checkpointing."""
+    grouped, _ = pair("noisy_topk", capacity_factor=1.0, drop_policy="random")
+    x = torch.randn(30, D, generator=torch.Generator().manual_seed(7), requires_grad=True)
+    state = grouped.generator.get_state()
+    y, _ = grouped(x)
+    plain = torch.autograd.grad(y.pow(2).sum(), [x, grouped.experts.w1])
+    grouped.generator.set_state(state)
+    y2 = checkpoint(lambda t: grouped(t)[0], x, use_reentrant=False)
+    again = torch.autograd.grad(y2.pow(2).sum(), [x, grouped.experts.w1])
+    torch.testing.assert_close(y2, y)
+    for a, b in zip(plain, again):
+        torch.testing.assert_close(a, b)
+
+
+@needs_grouped
+def test_compiled_grouped_layer_equals_eager() -> None:
+    """bfloat16 compiles grouped without a graph break; other dtypes compile on buffers."""
+    if not grouped_mm_supported(torch.device("cpu"), torch.bfloat16, (D, H)):
+        pytest.skip("torch._grouped_mm does not run in bfloat16 on this CPU build")
+    torch._dynamo.reset()
+    grouped, _ = pair("topk", capacity_factor=1.0, check_finite=False)
+    grouped = grouped.to(torch.bfloat16)
+    x = torch.randn(48, D, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    eager, _ = grouped(x)
+    compiled = torch.compile(grouped, fullgraph=True)
+    y, _ = compiled(x)
+    torch.testing.assert_close(y.float(), eager.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_auto_picks_grouped_only_where_it_runs_and_the_router_proposes_k() -> None:
+    cpu = torch.device("cpu")
+    topk = MoE(D, H, E, router="topk", k=2)
+    assert topk.uses_grouped(2, cpu) == grouped_mm_supported(cpu, torch.float32, (D, H))
+    assert not MoE(D, H, E, router="batchwise", k=2).uses_grouped(E, cpu)  # E masked slots: buffers
+    assert not MoE(D, H, E, router="topk", k=2, dispatch="buffers").uses_grouped(2, cpu)
+    # 6 float32 columns are 24 bytes, not a multiple of 16: grouped matmuls refuse them.
+    assert not MoE(6, H, E, router="topk", k=2).uses_grouped(2, cpu)
+    assert not MoE(D, H, E, router="topk", k=2, dtype=torch.float64).uses_grouped(2, cpu) or \
+        grouped_mm_supported(cpu, torch.float64, (D, H))
+
+
+def test_grouped_where_it_cannot_run_is_a_clear_error() -> None:
+    moe = MoE(6, H, E, router="topk", k=2, dispatch="grouped")
+    with pytest.raises(ValueError, match="dispatch='grouped'.*16 bytes.*dispatch='auto' or 'buffers'"):
+        moe(torch.randn(5, 6))
+    # The same layer on auto runs (on buffers).
+    moe.dispatch = "auto"
+    assert moe(torch.randn(5, 6))[0].shape == (5, 6)
+
+
+class Doubling(nn.Module):
+    """A custom experts module with the buffer protocol only."""
+
+    def forward(self, buffers: torch.Tensor) -> torch.Tensor:
+        return 2 * buffers
+
+
+def test_custom_experts_without_the_grouped_form() -> None:
+    with pytest.raises(ValueError, match="grouped form"):
+        MoEConfig(D, H, E, experts=Doubling(), dispatch="grouped")
+    with pytest.raises(ValueError, match="dispatch must be one of auto, grouped, buffers"):
+        MoEConfig(D, H, E, dispatch="sorted")
+    moe = MoE(D, H, E, router="topk", k=1, experts=Doubling(), capacity_factor=None)
+    x = torch.randn(7, D)
+    y, routes = moe(x)  # auto: buffers
+    torch.testing.assert_close(y, 2 * x * routes.gate)
+    assert moe.config.dispatch == "auto"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_forward_has_no_host_sync_on_cuda(dtype: torch.dtype) -> None:
+    """With check_finite=False the top-k forward, dropless included, never waits for the GPU."""
+    if not grouped_mm_supported(torch.device("cuda"), dtype, (64, 128)):
+        pytest.skip(f"torch._grouped_mm does not run in {dtype} on this GPU")
+    for capacity_factor in (1.0, None):
+        moe = MoE(64, 128, E, router="topk", k=2, capacity_factor=capacity_factor, check_finite=False,
+                  dispatch="grouped", device="cuda", dtype=dtype)
+        moe.router.cuda()
+        x = torch.randn(256, 64, device="cuda", dtype=dtype)
+        moe(x)  # warm-up (the probe of grouped_mm_supported synchronises once)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            y, routes = moe(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.isfinite(y).all()
