@@ -7,7 +7,7 @@ Subcommands::
     routelab bench assignment [--quick] [--threads N] [--device cpu|cuda] [--out FILE]
     routelab bench assignment --peers [--quick] [--threads N] [--out FILE]   vs POT, OR-Tools, scipy, auction
     routelab bench sinkhorn --peers [--quick] [--threads N] [--out FILE]     vs POT ot.sinkhorn (plain, log)
-    routelab bench moe [--quick] [--threads N] [--device cpu|cuda] [--out FILE]
+    routelab bench moe [--quick] [--threads N] [--device cpu|cuda] [--dtype float32|bfloat16] [--out FILE]
     routelab bench moe --world-size N [N ...] [--quick] [--out FILE]   expert parallel, gloo workers
     routelab list                                         list the registered experiments
 
@@ -319,6 +319,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _error("`routelab bench sinkhorn` compares with POT: run it with --peers.")
     if args.peers and args.device == "cuda":
         return _error("--peers runs on CPU (the peers are CPU solvers).")
+    if args.dtype is not None and (args.benchmark != "moe" or args.world_size is not None):
+        return _error("--dtype applies to `routelab bench moe` (single process) only.")
     if args.benchmark == "moe" and args.world_size is not None:
         from routelab.bench.moe_parallel import run_benchmark as run_moe_parallel  # lazy: starts workers
 
@@ -328,7 +330,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     elif args.benchmark == "moe":
         from routelab.bench.moe import run_benchmark as run_moe  # lazy: heavy
 
-        text = run_moe(quick=args.quick, threads=args.threads or 1, device=args.device, out=sys.stdout)
+        text = run_moe(quick=args.quick, threads=args.threads or 1, device=args.device, out=sys.stdout,
+                       dtype=args.dtype or "float32")
     elif args.peers:
         from routelab.bench.peers import run_assignment_peers, run_sinkhorn_peers  # lazy: imports the peers
 
@@ -404,6 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="device (default: cpu)"
+    )
+    bench.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default=None,
+        help="moe only: dtype of weights, inputs and gradients (default: float32)",
     )
     bench.add_argument(
         "--out", type=Path, default=None, metavar="FILE",

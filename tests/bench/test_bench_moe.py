@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import sys
 from pathlib import Path
@@ -71,8 +72,57 @@ def test_benchmark_tiny_grid() -> None:
         assert all(v > 0 for v in row.ms.values())
         assert row.expert_share is not None and 0 < row.expert_share < 1 and row.overhead is not None
         assert row.capacity == -(-TINY.tokens * row.k // row.experts)
-        assert r[col["moe / naive"]].endswith("x")
+        assert r[col["moe / naive"]].endswith("x") and r[col["moe / buffers"]].endswith("x")
+        assert r[col["moe layout"]] == row.layout == ("grouped" if MoE(16, 32, 4).uses_grouped(1, torch.device("cpu"))
+                                                     else "buffers")
     assert "Targets:" in text and "not measured" in text  # the GPU target is not claimed on CPU
+
+
+def test_buffers_reference_is_the_layer_on_buffers() -> None:
+    """The "buffers" implementation is the same layer with dispatch="buffers", the setting restored."""
+    torch.manual_seed(2)
+    moe = MoE(16, 32, 4, router="topk", k=2, capacity_factor=None)
+    x = torch.randn(40, 16)
+    y = bench.FORWARDS["buffers"](moe, x)
+    assert moe.dispatch == "auto"
+    moe.dispatch = "buffers"
+    torch.testing.assert_close(y, moe(x)[0])
+
+
+def test_bfloat16_tiny_grid() -> None:
+    cfg = dataclasses.replace(TINY, experts=(4,), ks=(2,), dtype=torch.bfloat16, hf_peer=False)
+    text, rows = bench._benchmark(cfg)
+    _, body = table_rows(text)
+    assert body[0][-1].startswith("yes") and set(rows[0].ms) == set(bench.IMPLEMENTATIONS)
+    assert "bfloat16" in text and f"at most {bench.SAME_RTOL[torch.bfloat16]:g}" in text
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16"):
+        bench.BenchConfig(dtype=torch.float16)
+
+
+def test_a_size_that_does_not_fit_is_reported_and_the_run_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def fitting(E, k, cfg, device):
+        calls.append((E, k))
+        if E == 8:
+            raise MemoryError("CUDA out of memory. Tried to allocate 12 GiB")
+        return real(E, k, cfg, device)
+
+    real = bench._measure_fitting
+    monkeypatch.setattr(bench, "_measure_fitting", fitting)
+    monkeypatch.setattr(bench, "_out_of_memory", lambda device: (MemoryError,))
+    text, rows = bench._benchmark(dataclasses.replace(TINY, hf_peer=False))
+    assert calls == [(4, 1), (4, 2), (8, 1), (8, 2)]
+    assert [r.failed is None for r in rows] == [True, True, False, False]
+    assert "not measured: out of memory (CUDA out of memory. Tried to allocate 12 GiB)" in text
+    assert "- not measured at E=8 k=1 (out of memory" in text
+
+
+def test_default_configs() -> None:
+    assert bench.default_configs(quick=True, device="cpu") == (bench.QUICK,)
+    gpu = bench.default_configs(quick=False, device="cuda", dtype=torch.bfloat16)
+    assert [(c.d_model, c.tokens) for c in gpu] == [(1024, 8192), (2048, 32768), (4096, 65536)]
+    assert all(c.dtype == torch.bfloat16 and c.dense_limit_gib >= 16 for c in gpu)
 
 
 def test_dense_is_skipped_over_its_memory_limit() -> None:
@@ -102,6 +152,10 @@ def test_cli_bench_moe(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: 
     if not torch.cuda.is_available():
         assert cli.main(["bench", "moe", "--device", "cuda"]) == 2
         assert "cuda" in capsys.readouterr().err
+    assert cli.main(["bench", "moe", "--quick", "--dtype", "bfloat16"]) == 0
+    assert "dtype bfloat16" in capsys.readouterr().out
+    assert cli.main(["bench", "assignment", "--dtype", "bfloat16"]) == 2
+    assert "--dtype applies to `routelab bench moe`" in capsys.readouterr().err
 
 
 def test_expert_timer_spans_forward_and_backward() -> None:
@@ -138,10 +192,16 @@ def test_transformers_mixtral_block_is_a_peer_at_the_same_sizes(monkeypatch: pyt
     text, rows = bench._benchmark_hf(cfg)
     assert [(r.experts, r.k) for r in rows] == [(4, 1), (4, 2)]
     for row in rows:
-        assert row.max_rel_diff <= bench.SAME_RTOL  # the layer computes the block's function
-        assert set(row.ms) == {"moe", "hf"} and all(v > 0 for v in row.ms.values())
-        assert row.implementation in {"eager", "grouped_mm", "batched_mm"}
-    assert "| 4 | 2 |" in text and "Mixtral sparse MoE block" in text
+        # The layer computes the block's function under every experts implementation.
+        assert row.implementations[0] == row.default and {"grouped_mm", "eager"} <= set(row.implementations)
+        assert set(row.max_rel_diff) == set(row.implementations)
+        assert max(row.max_rel_diff.values()) <= bench.SAME_RTOL[torch.float32]
+        assert set(row.ms) == {"moe", *row.implementations} and all(v > 0 for v in row.ms.values())
+        assert row.peer_ratio() == pytest.approx(row.ms["moe"] / row.ms["grouped_mm"])
+    header, body = table_rows(text)
+    assert len(header) == len(body[0]) and body[1][:2] == ["4", "2"]
+    assert "block `grouped_mm`" in " ".join(header) and "Mixtral sparse MoE block" in text
+    assert "Target: the layer within 1.2x of the best grouped-GEMM peer" in text
     monkeypatch.setitem(sys.modules, "transformers", None)  # not installed: said, not measured
     text, rows = bench._benchmark_hf(cfg)
     assert rows == [] and "not measured: transformers is not installed" in text

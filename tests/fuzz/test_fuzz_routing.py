@@ -1,6 +1,6 @@
 """Fuzz tests of routelab.routing: expert_capacity, check_capacity_factor, check_capacity (when
-public), apply_capacity (every drop policy) with CapacityDecision, and DispatchPlan (build,
-dispatch, combine) against loop references.
+public), apply_capacity (every drop policy) with CapacityDecision, and DispatchPlan and GroupedPlan
+(build, dispatch, combine) against loop references.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from test_fuzz_masks import COVERED_MASKS
 from test_fuzz_record import COVERED_ROUTING_RECORD
 from test_fuzz_rules import COVERED_ROUTING_RULES
 
-COVERED = {"CapacityDecision", "DispatchPlan", "apply_capacity", "check_capacity", "check_capacity_factor",
-           "expert_capacity"} | COVERED_ROUTING | COVERED_ROUTING_RULES | COVERED_ROUTING_RECORD | COVERED_MASKS
+COVERED = {"CapacityDecision", "DispatchPlan", "GroupedPlan", "apply_capacity", "check_capacity",
+           "check_capacity_factor", "expert_capacity"} | COVERED_ROUTING | COVERED_ROUTING_RULES \
+    | COVERED_ROUTING_RECORD | COVERED_MASKS
 
 
 def test_public_api_is_covered() -> None:
@@ -230,6 +231,66 @@ def test_dispatch_plan(n, s, E, d_model, capacity, dtype, scale, seed) -> None:
                 assert_finite(leaf.grad, f"gradient w.r.t. {name}")
 
 
+@fuzz(80)
+@given(
+    n=st.integers(0, 10),
+    s=st.integers(1, 3),
+    E=st.integers(1, 5),
+    d_model=st.integers(1, 4),
+    capacity=st.integers(0, 8),
+    policy=st.sampled_from(("position", "score", "random")),
+    dtype=st.sampled_from(FLOAT_DTYPES),
+    scale=st.sampled_from((1.0, 1e-30, 1e30)),
+    seed=seeds,
+)
+def test_grouped_plan(n, s, E, d_model, capacity, policy, dtype, scale, seed) -> None:
+    """Expert e's rows (offsets[e-1]:offsets[e]) hold its kept tokens in position order, the rest
+    are zero rows; combine returns sum_s weight * out[row] over kept pairs whatever the rows of no
+    expert hold (NaN here); both differentiable with finite grads."""
+    g = fresh(seed)
+    scale = min(scale, torch.finfo(dtype).max / 1e3)
+    expert = torch.randint(0, E, (n, s), generator=g)
+    candidate = torch.rand(n, s, generator=g) < 0.8
+    dec = R.apply_capacity(expert, candidate, capacity, E, policy=policy, score=torch.rand(n, s, generator=g),
+                           generator=fresh(seed + 1))
+    ok, plan = call(R.GroupedPlan.build, expert, dec.keep, dec.position, dec.kept, E,
+                    names=("expert", "keep", "position", "kept"), valid=True, what="GroupedPlan.build")
+    x = (torch.randn(n, d_model, generator=g, dtype=torch.float64) * scale).to(dtype).requires_grad_(True)
+    before = clone_inputs(x)
+    ok, rows = call(plan.dispatch, x, names=("x",), valid=True, what="GroupedPlan.dispatch")
+    assert_not_mutated(before, [x])
+    assert tuple(rows.shape) == (n * s, d_model) and rows.dtype == dtype, f"rows {tuple(rows.shape)} {rows.dtype}"
+    ends = plan.offsets.tolist()
+    ref = torch.zeros(n * s, d_model, dtype=dtype)
+    for e in range(E):
+        start = ends[e - 1] if e else 0
+        mine = sorted((int(dec.position[t, j]), t) for t in range(n) for j in range(s)
+                      if dec.keep[t, j] and expert[t, j] == e)
+        assert ends[e] - start == len(mine), f"expert {e} owns {ends[e] - start} rows for {len(mine)} kept pairs"
+        for i, (_, t) in enumerate(mine):
+            ref[start + i] = x[t].detach()
+    assert same_bits(rows.detach(), ref), "grouped rows != loop reference"
+    out = (torch.randn(n * s, d_model, generator=g, dtype=torch.float64) * scale).to(dtype)
+    out[ends[-1]:] = float("nan")  # rows of no expert: never read
+    out.requires_grad_(True)
+    w = torch.rand(n, s, generator=g, dtype=torch.float64).to(dtype).requires_grad_(True)
+    ok, y = call(plan.combine, out, w, names=("expert_out", "weight"), valid=True, what="GroupedPlan.combine")
+    assert tuple(y.shape) == (n, d_model), f"combine output {tuple(y.shape)}"
+    yref = torch.zeros(n, d_model, dtype=torch.float64)
+    for t in range(n):
+        for j in range(s):
+            if dec.keep[t, j]:
+                yref[t] += f64(w[t, j]) * f64(out[plan.row_of_slot[t, j]])
+    kept_out = out[:ends[-1]]
+    tol = 8 * s * eps(dtype) * (yref.abs() + f64(kept_out).abs().max() if kept_out.numel() else yref.abs()) + 1e-300
+    assert bool(((f64(y) - yref).abs() <= tol).all()), "combine != sum_s weight * out[row] over kept pairs"
+    if n and scale <= 1:
+        guarded(lambda: (rows.sum() + y.sum()).backward(), what="grouped dispatch/combine backward")
+        for name, leaf in (("x", x), ("expert_out", out), ("weight", w)):
+            if leaf.grad is not None:
+                assert_finite(leaf.grad, f"gradient w.r.t. {name}")
+
+
 E3 = torch.tensor([[0], [1], [2]])
 K3 = torch.ones(3, 1, dtype=torch.bool)
 
@@ -249,6 +310,14 @@ BAD_CALLS = [
         "DispatchPlan.dispatch",
         lambda: R.DispatchPlan.build(E3, K3, torch.zeros(3, 1, dtype=torch.long), 3, 1).dispatch(torch.ones(4, 2)),
         ("x",),
+    ),
+    ("GroupedPlan.build", lambda: R.GroupedPlan.build(E3, K3, torch.zeros(3, 1, dtype=torch.long),
+                                                      torch.ones(2, dtype=torch.long), 3), ("kept",)),
+    (
+        "GroupedPlan.combine",
+        lambda: R.GroupedPlan.build(E3, K3, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, dtype=torch.long),
+                                    3).combine(torch.ones(2, 2), torch.ones(3, 1)),
+        ("expert_out",),
     ),
 ]
 

@@ -5,8 +5,11 @@ For every ``(E, k)`` of a grid (``d_model``, ``d_hidden`` and the number of toke
 policy) is compared with two references that use **the same router and the same stacked
 weights**, so that all three compute the same outputs (checked in the run):
 
-* ``moe`` — the layer itself: route, capacity, gather into ``[E, C, d]`` buffers, two batched
-  matmuls, gather back and combine.
+* ``moe`` — the layer itself as configured (``dispatch="auto"``): route, capacity, the kept pairs
+  sorted by expert and two grouped matmuls (``torch._grouped_mm``) where grouped matmuls run on
+  the device and dtype (else the buffers below), gather back and combine;
+* ``buffers`` — the same layer with ``dispatch="buffers"``: the pairs gathered into ``[E, C, d]``
+  buffers and two batched matmuls;
 * ``naive`` — the loop of common reference implementations (e.g. the Mixtral sparse MoE block
   of ``transformers``): the same routes and capacity decision, then ``for e in range(E)``: the
   tokens of expert ``e`` by ``nonzero`` of a boolean mask, the expert as two ``addmm`` calls on
@@ -36,12 +39,19 @@ Measured per size and implementation, all in the same run:
   and the layer.
 
 A second table, when transformers is installed, compares the layer with **transformers' own
-Mixtral sparse MoE block** (``MixtralSparseMoeBlock`` with the experts implementation transformers
-picks by default) at the same sizes, timed round-robin in the same run: the block with SwiGLU
-experts (``intermediate_size = d_hidden``), dropless, renormalised top-k, and the routelab layer
-computing the same function (``router="topk"`` with ``renormalize=True``, ``capacity_factor=None``,
-experts ``StackedExperts.from_hf_fused`` of the block's weights, the router weight copied); outputs
-and input gradients are checked equal (:func:`_benchmark_hf`).
+Mixtral sparse MoE block** (``MixtralSparseMoeBlock``) under each of its experts implementations
+(the one transformers picks by default, ``grouped_mm`` and ``eager``; one block, its
+implementation switched between calls) at the same sizes, timed round-robin in the same run: the
+block with SwiGLU experts (``intermediate_size = d_hidden``), dropless, renormalised top-k, and the
+routelab layer computing the same function (``router="topk"`` with ``renormalize=True``,
+``capacity_factor=None``, experts ``StackedExperts.from_hf_fused`` of the block's weights, the
+router weight copied, ``check_finite=False`` as the block checks nothing); outputs and input
+gradients are checked equal (:func:`_benchmark_hf`).
+
+Every size runs in float32 or bfloat16 (``BenchConfig.dtype``: weights, inputs and gradients; the
+routers score in float32 in both). On CUDA the full run measures the grid :data:`GPU_FULL`
+(``d_model`` 1024 to 4096, 8k to 64k tokens); a size that does not fit in the GPU's memory is
+reported as such and the run goes on.
 
 Entry point: :func:`run_benchmark`; the measuring is :func:`_benchmark`, parameterised by a
 :class:`BenchConfig` (the tests run it on tiny sizes).
@@ -72,10 +82,17 @@ from ._checks import check_device_and_threads
 __all__ = ["FULL", "QUICK", "BenchConfig", "IMPLEMENTATIONS", "dense_forward", "naive_forward", "run_benchmark"]
 
 #: The compared implementations, in timing order.
-IMPLEMENTATIONS: tuple[str, ...] = ("moe", "naive", "dense")
+IMPLEMENTATIONS: tuple[str, ...] = ("moe", "buffers", "naive", "dense")
 
-#: Relative tolerance of the "same outputs" check (float32, different summation orders).
-SAME_RTOL = 1e-4
+#: Relative tolerance of the "same outputs" check by dtype (different summation orders; bfloat16
+#: keeps 8 bits of mantissa).
+SAME_RTOL: dict[torch.dtype, float] = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+#: The dtypes the benchmark runs in, by name (``--dtype``).
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+#: Target of the issue: the layer within this factor of the time of the best grouped-GEMM peer.
+PEER_TARGET = 1.2
 
 #: Target of the issue: routing + dispatch + combine below this share of the layer's time.
 OVERHEAD_TARGET = 0.15
@@ -100,6 +117,7 @@ class BenchConfig:
             activations (pre-activation and activation, float32) would exceed this many GiB.
         seed: seed of the inputs and of the weights.
         hf_peer: also compare with transformers' Mixtral sparse block (when transformers is installed).
+        dtype: the dtype of weights, inputs and gradients (float32 or bfloat16).
     """
 
     d_model: int = 512
@@ -113,6 +131,16 @@ class BenchConfig:
     dense_limit_gib: float = 4.0
     seed: int = 0
     hf_peer: bool = True
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SAME_RTOL:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype}")
+
+    @property
+    def same_rtol(self) -> float:
+        """The tolerance of the "same outputs" check in this config's dtype."""
+        return SAME_RTOL[self.dtype]
 
     def layer(self, num_experts: int, k: int) -> MoEConfig:
         """The measured layer at one size: ``topk`` router, position drop policy, GELU experts with biases."""
@@ -124,6 +152,15 @@ class BenchConfig:
 FULL = BenchConfig()
 #: Small sizes for a smoke run (seconds).
 QUICK = BenchConfig(d_model=64, d_hidden=256, tokens=1024, experts=(8, 64), ks=(1, 2), repeats=3, budget_s=5.0)
+#: The GPU grid of the issue: d_model 1024 to 4096, 8k to 64k tokens, E in {8, 64}, top-1 and top-2
+#: (fp32 weights of the E = 64 SwiGLU block at d_model 4096: 13 GiB, as many for their gradients).
+GPU_FULL: tuple[BenchConfig, ...] = (
+    BenchConfig(d_model=1024, d_hidden=4096, tokens=8192, repeats=10, budget_s=20.0),
+    BenchConfig(d_model=2048, d_hidden=4096, tokens=32768, repeats=10, budget_s=20.0),
+    BenchConfig(d_model=4096, d_hidden=4096, tokens=65536, repeats=5, budget_s=20.0),
+)
+#: One GPU size for a smoke run.
+GPU_QUICK = BenchConfig(d_model=1024, d_hidden=4096, tokens=8192, repeats=5, budget_s=5.0)
 
 
 # ---------------------------------------------------------------------------- references
@@ -201,8 +238,18 @@ def _moe_forward(moe: MoE, x: Tensor) -> Tensor:
     return moe(x)[0]
 
 
+def _buffers_forward(moe: MoE, x: Tensor) -> Tensor:
+    """The layer with ``dispatch="buffers"`` (its setting restored after the call)."""
+    dispatch, moe.dispatch = moe.dispatch, "buffers"
+    try:
+        return moe(x)[0]
+    finally:
+        moe.dispatch = dispatch
+
+
 FORWARDS: dict[str, Callable[[MoE, Tensor], Tensor]] = {
     "moe": _moe_forward,
+    "buffers": _buffers_forward,
     "naive": naive_forward,
     "dense": dense_forward,
 }
@@ -345,10 +392,14 @@ class Row:
         peak_bytes: peak memory above the start, by implementation (``None``: not measurable).
         max_rel_diff: by reference, ``max(rel. diff of y, rel. diff of dL/dx)`` against the layer.
         skipped: why an implementation was not run, by implementation.
+        layout: the layer's dispatch under ``"auto"`` (``"grouped"`` or ``"buffers"``).
+        failed: why the size was not measured at all (e.g. out of GPU memory), else ``None``.
     """
 
     experts: int
     k: int
+    layout: str = ""
+    failed: str | None = None
     capacity: int = 0
     dropped: float = 0.0
     ms: dict[str, float] = field(default_factory=dict)
@@ -375,18 +426,39 @@ def _rel_diff(a: Tensor, b: Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
 
+def _out_of_memory(device: str) -> tuple[type[BaseException], ...]:
+    """The exceptions that mean a size does not fit (caught per size, so the run goes on)."""
+    return (torch.cuda.OutOfMemoryError,) if device == "cuda" else ()
+
+
 def _measure(E: int, k: int, cfg: BenchConfig, device: str) -> Row:
-    """Measure every implementation at one size."""
+    """Measure every implementation at one size (a :class:`Row` with ``failed`` set when it does
+    not fit in the device's memory)."""
+    try:
+        return _measure_fitting(E, k, cfg, device)
+    except _out_of_memory(device) as err:
+        return Row(experts=E, k=k, failed=f"out of memory ({str(err).splitlines()[0][:120]})")
+    finally:
+        _free(device)  # the size's tensors died with its frame
+
+
+def _free(device: str) -> None:
+    """Return the cached blocks of a finished size to the device."""
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _measure_fitting(E: int, k: int, cfg: BenchConfig, device: str) -> Row:
     gen = torch.Generator().manual_seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # the layer's initialisation
-    moe = MoE.from_config(cfg.layer(E, k)).to(device)
+    moe = MoE.from_config(cfg.layer(E, k)).to(device, cfg.dtype)
     moe.train()
-    x = torch.randn(cfg.tokens, cfg.d_model, generator=gen).to(device).requires_grad_(True)
-    grad_out = torch.randn(cfg.tokens, cfg.d_model, generator=gen).to(device)
+    x = torch.randn(cfg.tokens, cfg.d_model, generator=gen).to(device, cfg.dtype).requires_grad_(True)
+    grad_out = torch.randn(cfg.tokens, cfg.d_model, generator=gen).to(device, cfg.dtype)
     params = list(moe.parameters())
-    row = Row(experts=E, k=k)
+    row = Row(experts=E, k=k, layout="grouped" if moe.uses_grouped(k, x.device) else "buffers")
 
-    dense_gib = 2 * E * cfg.tokens * cfg.d_hidden * 4 / 2**30
+    dense_gib = 2 * E * cfg.tokens * cfg.d_hidden * cfg.dtype.itemsize / 2**30
     impls = list(IMPLEMENTATIONS)
     if dense_gib > cfg.dense_limit_gib:
         impls.remove("dense")
@@ -469,9 +541,10 @@ def _measure(E: int, k: int, cfg: BenchConfig, device: str) -> Row:
 
 
 TABLE_HEADER = (
-    "| E | k | C | dropped | moe tok/s | naive tok/s | dense tok/s | moe / naive | moe / dense "
-    "| non-expert share of moe | moe peak MiB | naive peak MiB | dense peak MiB | same outputs |",
-    "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+    "| E | k | C | dropped | moe layout | moe tok/s | buffers tok/s | naive tok/s | dense tok/s | moe / buffers "
+    "| moe / naive | moe / dense | non-expert share of moe | moe peak MiB | buffers peak MiB | naive peak MiB "
+    "| dense peak MiB | same outputs |",
+    "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
 )
 
 
@@ -493,18 +566,21 @@ def _mib(b: int | None) -> str:
     return "—" if b is None else f"{b / 2**20:.0f}"
 
 
-def render_row(row: Row, tokens: int) -> str:
-    """One markdown table row."""
-    same = all(d <= SAME_RTOL for d in row.max_rel_diff.values())
+def render_row(row: Row, tokens: int, rtol: float = SAME_RTOL[torch.float32]) -> str:
+    """One markdown table row (``rtol``: the tolerance of the "same outputs" check)."""
+    if row.failed is not None:
+        return f"| {row.experts} | {row.k} | " + " | ".join(["—"] * 15) + f" | not measured: {row.failed} |"
+    same = all(d <= rtol for d in row.max_rel_diff.values())
     diffs = ", ".join(f"{n} {d:.1e}" for n, d in row.max_rel_diff.items())
     overhead = row.overhead
     cells = [
-        str(row.experts), str(row.k), str(row.capacity), f"{row.dropped:.1%}",
-        _tok_s(tokens, row.ms.get("moe")), _tok_s(tokens, row.ms.get("naive")),
+        str(row.experts), str(row.k), str(row.capacity), f"{row.dropped:.1%}", row.layout or "—",
+        _tok_s(tokens, row.ms.get("moe")), _tok_s(tokens, row.ms.get("buffers")), _tok_s(tokens, row.ms.get("naive")),
         _tok_s(tokens, row.ms.get("dense")) if "dense" in row.ms else "skipped",
+        _ratio(row.ms.get("moe"), row.ms.get("buffers")),
         _ratio(row.ms.get("moe"), row.ms.get("naive")), _ratio(row.ms.get("moe"), row.ms.get("dense")),
         "—" if overhead is None else f"{overhead:.1%}",
-        _mib(row.peak_bytes.get("moe")), _mib(row.peak_bytes.get("naive")),
+        _mib(row.peak_bytes.get("moe")), _mib(row.peak_bytes.get("buffers")), _mib(row.peak_bytes.get("naive")),
         _mib(row.peak_bytes.get("dense")) if "dense" in row.peak_bytes else "skipped",
         ("yes" if same else "**no**") + f" ({diffs})",
     ]
@@ -527,6 +603,9 @@ def _verdicts(rows: Sequence[Row], device: str) -> list[str]:
     else:
         lines.append(f"- at least {SPEEDUP_TARGET:g}x the naive loop at E = 64 on GPU: E = 64 not in this grid.")
     shares = [(r, r.overhead) for r in rows if r.overhead is not None]
+    failed = [r for r in rows if r.failed is not None]
+    if failed:
+        lines.append("- not measured at " + ", ".join(f"E={r.experts} k={r.k} ({r.failed})" for r in failed) + ".")
     if shares:
         ok = all(s < OVERHEAD_TARGET for _, s in shares)
         lines.append(f"- routing + capacity + dispatch + combine below {OVERHEAD_TARGET:.0%} of the layer's time "
@@ -542,16 +621,20 @@ def _notes(rows: Sequence[Row], cfg: BenchConfig, device: str) -> list[str]:
               "torch's CPU allocator during the call, recorded by `torch.profiler` with `profile_memory=True`: "
               "the bytes of tensors allocated above those alive before the call (the weights and inputs), like "
               "`torch.cuda.max_memory_allocated`; it includes the weight gradients "
-              f"({2 * cfg.d_model * cfg.d_hidden * 4 / 2**20:.1f} MiB per expert without biases)")
+              f"({2 * cfg.d_model * cfg.d_hidden * cfg.dtype.itemsize / 2**20:.1f} MiB per expert without biases)")
     lines = [
         "",
         "Notes:",
         "",
         f"- One forward + backward (`y.backward(g)`, `g` fixed random) of {cfg.tokens} tokens, d_model "
-        f"{cfg.d_model}, d_hidden {cfg.d_hidden}, GELU experts with biases, float32, `topk` router "
+        f"{cfg.d_model}, d_hidden {cfg.d_hidden}, GELU experts with biases, {_dtype_name(cfg.dtype)}, `topk` router "
         f"(softmax probabilities of the chosen experts as combine weights), capacity factor "
         f"{cfg.capacity_factor:g} (C = ceil(factor * tokens * k / E)), `position` drop policy. "
         "tok/s = tokens / median time.",
+        "- moe: the layer as configured (`dispatch=\"auto\"`; its layout per row: `grouped` = the kept pairs "
+        "sorted by expert and grouped matmuls (`torch._grouped_mm`), no padding; `buffers` where grouped matmuls do "
+        "not run on this device and dtype). buffers: the same layer with `dispatch=\"buffers\"`, the pairs gathered "
+        "into `[E, C, d]` buffers and batched matmuls (`baddbmm`).",
         "- naive: the same router and capacity decision, then `for e in range(E)`: `nonzero` of "
         "`(expert == e) & keep`, `addmm` with expert e's weights, GELU, `addmm`, `index_add_` of the "
         "weighted output (the style of `transformers`' Mixtral sparse MoE block); the per-expert weights are "
@@ -561,7 +644,8 @@ def _notes(rows: Sequence[Row], cfg: BenchConfig, device: str) -> list[str]:
         "all tokens by `baddbmm` over `[E, tokens, d]`, combined with a `[tokens, E]` gate matrix that is "
         "zero outside the kept routes. Both use the layer's own stacked weights.",
         f"- same outputs: the largest relative difference (max |Δ| / max |reference|) of y and of dL/dx "
-        f"against the layer is at most {SAME_RTOL:g}; the measured differences are in brackets.",
+        f"against the layer is at most {cfg.same_rtol:g} ({_dtype_name(cfg.dtype)}); the measured differences "
+        "are in brackets.",
         "- non-expert share = 1 − t_experts / t_call, median over the layer's timed calls, measured inside each "
         "call: hooks read the clock where `moe.experts` (`StackedExperts`: the two batched matmuls, biases and "
         "GELU) starts and ends its forward and its backward" + (" (with `torch.cuda.synchronize()` at each mark)"
@@ -570,7 +654,8 @@ def _notes(rows: Sequence[Row], cfg: BenchConfig, device: str) -> list[str]:
         f"- peak MiB: {memory}.",
         "- Times are medians over timed calls after one untimed warm-up; the implementations are timed "
         "round-robin. Timed calls per implementation: "
-        + "; ".join(f"E={r.experts} k={r.k}: " + ", ".join(f"{n} {c}" for n, c in r.runs.items()) for r in rows)
+        + "; ".join(f"E={r.experts} k={r.k}: " + ", ".join(f"{n} {c}" for n, c in r.runs.items())
+                    for r in rows if r.failed is None)
         + ".",
     ]
     for r in rows:
@@ -579,7 +664,17 @@ def _notes(rows: Sequence[Row], cfg: BenchConfig, device: str) -> list[str]:
     return lines
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 # ---------------------------------------------------------------------------- transformers' Mixtral block
+
+
+#: transformers' experts implementations timed besides its default, in this order.
+HF_IMPLEMENTATIONS: tuple[str, ...] = ("grouped_mm", "eager")
+#: The implementations that are grouped-GEMM peers (the target compares the layer with the best of them).
+HF_GROUPED: frozenset[str] = frozenset({"grouped_mm"})
 
 
 @dataclass
@@ -588,57 +683,97 @@ class HFRow:
 
     Attributes:
         experts, k: the size.
-        implementation: transformers' experts implementation in use (its default).
-        ms: median ms of one forward + backward, ``"moe"`` and ``"hf"``.
-        runs: timed calls by implementation.
-        max_rel_diff: ``max(rel. diff of y, rel. diff of dL/dx)`` of the block against the layer.
+        implementations: transformers' experts implementations timed, its default first.
+        default: the one transformers resolves by default for a model.
+        ms: median ms of one forward + backward: ``"moe"`` and one entry per implementation.
+        runs: timed calls by the same keys.
+        max_rel_diff: by implementation, ``max(rel. diff of y, rel. diff of dL/dx)`` of the block
+            against the layer.
+        failed: why the size was not measured (e.g. out of GPU memory), else ``None``.
     """
 
     experts: int
     k: int
-    implementation: str = ""
+    implementations: tuple[str, ...] = ()
+    default: str = ""
     ms: dict[str, float] = field(default_factory=dict)
     runs: dict[str, int] = field(default_factory=dict)
-    max_rel_diff: float = 0.0
+    max_rel_diff: dict[str, float] = field(default_factory=dict)
+    failed: str | None = None
+
+    def peer_ratio(self) -> float | None:
+        """The layer's time over the best grouped-GEMM implementation's (``None``: none timed)."""
+        peers = [self.ms[name] for name in self.implementations if name in HF_GROUPED and name in self.ms]
+        if not peers or "moe" not in self.ms:
+            return None
+        return self.ms["moe"] / min(peers)
 
 
-def _hf_pair(E: int, k: int, cfg: BenchConfig, device: str) -> tuple[torch.nn.Module, MoE, str]:
-    """transformers' Mixtral sparse block (default experts implementation) and the routelab layer
-    computing the same function (SwiGLU experts from the block's weights, renormalised top-k, dropless)."""
+def _hf_default_implementation() -> str:
+    """The experts implementation transformers resolves by default for a Mixtral model (as
+    ``from_pretrained`` would; resolved on a tiny model)."""
     from transformers import MixtralConfig
-    from transformers.models.mixtral.modeling_mixtral import MixtralForCausalLM, MixtralSparseMoeBlock
+    from transformers.models.mixtral.modeling_mixtral import MixtralForCausalLM
+
+    probe = MixtralConfig(hidden_size=8, intermediate_size=8, num_local_experts=2, num_experts_per_tok=1,
+                          num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, vocab_size=8)
+    return MixtralForCausalLM(probe).config._experts_implementation
+
+
+def _hf_pair(E: int, k: int, cfg: BenchConfig, device: str) -> tuple[torch.nn.Module, MoE]:
+    """transformers' Mixtral sparse block and the routelab layer computing the same function
+    (SwiGLU experts from the block's weights, renormalised top-k, dropless), in ``cfg.dtype``."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
     config = MixtralConfig(hidden_size=cfg.d_model, intermediate_size=cfg.d_hidden, num_local_experts=E,
                            num_experts_per_tok=k, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
                            vocab_size=8)
-    # The implementation transformers resolves by default for a Mixtral model (grouped_mm where it
-    # can dispatch, else eager), as from_pretrained would; resolved on a tiny model.
-    probe = MixtralConfig(hidden_size=8, intermediate_size=8, num_local_experts=2, num_experts_per_tok=1,
-                          num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, vocab_size=8)
-    implementation = MixtralForCausalLM(probe).config._experts_implementation
-    config._experts_implementation = implementation
+    config._experts_implementation = _hf_default_implementation()
     torch.manual_seed(cfg.seed)
     block = MixtralSparseMoeBlock(config)
     with torch.no_grad():
         for p in block.parameters():
             torch.nn.init.normal_(p, std=cfg.d_model ** -0.5)
+    block = block.to(device, cfg.dtype).train()
     experts = StackedExperts.from_hf_fused(block.experts.gate_up_proj.detach(), block.experts.down_proj.detach())
+    # The block checks nothing, so the layer skips its finite check too (no host sync for it).
     moe = MoE(cfg.d_model, cfg.d_hidden, E, router="topk", k=k, router_kwargs={"renormalize": True},
-              capacity_factor=None, experts=experts)
+              capacity_factor=None, experts=experts, check_finite=False)
     with torch.no_grad():
         moe.router.proj.weight.copy_(block.gate.weight)
-    return block.to(device).train(), moe.to(device).train(), implementation
+    return block, moe.to(device).train()
 
 
 def _measure_hf(E: int, k: int, cfg: BenchConfig, device: str) -> HFRow:
-    """Time the layer and transformers' block round-robin at one size, after checking they agree."""
-    block, moe, implementation = _hf_pair(E, k, cfg, device)
+    """Time the layer and transformers' block under each experts implementation, round-robin at
+    one size, after checking they agree (a row with ``failed`` set when it does not fit)."""
+    try:
+        return _measure_hf_fitting(E, k, cfg, device)
+    except _out_of_memory(device) as err:
+        return HFRow(experts=E, k=k, failed=f"out of memory ({str(err).splitlines()[0][:120]})")
+    finally:
+        _free(device)
+
+
+def _measure_hf_fitting(E: int, k: int, cfg: BenchConfig, device: str) -> HFRow:
+    block, moe = _hf_pair(E, k, cfg, device)
+    default = block.experts.config._experts_implementation
+    implementations = tuple(dict.fromkeys((default, *HF_IMPLEMENTATIONS)))
     gen = torch.Generator().manual_seed(cfg.seed)
-    x = torch.randn(1, cfg.tokens, cfg.d_model, generator=gen).to(device).requires_grad_(True)
-    grad_out = torch.randn(1, cfg.tokens, cfg.d_model, generator=gen).to(device)
-    forwards: dict[str, Callable[[], Tensor]] = {"moe": lambda: moe(x)[0], "hf": lambda: block(x)}
+    x = torch.randn(1, cfg.tokens, cfg.d_model, generator=gen).to(device, cfg.dtype).requires_grad_(True)
+    grad_out = torch.randn(1, cfg.tokens, cfg.d_model, generator=gen).to(device, cfg.dtype)
+
+    def block_forward(implementation: str) -> Callable[[], Tensor]:
+        def run() -> Tensor:
+            block.experts.config._experts_implementation = implementation  # read by every call
+            return block(x)
+        return run
+
+    forwards: dict[str, Callable[[], Tensor]] = {"moe": lambda: moe(x)[0]}
+    forwards.update({name: block_forward(name) for name in implementations})
     params = list(moe.parameters()) + list(block.parameters())
-    row = HFRow(experts=E, k=k, implementation=implementation)
+    row = HFRow(experts=E, k=k, implementations=implementations, default=default)
 
     def step(name: str) -> tuple[float, Tensor]:
         x.grad = None
@@ -655,8 +790,10 @@ def _measure_hf(E: int, k: int, cfg: BenchConfig, device: str) -> HFRow:
     for name in forwards:
         warm[name], y = step(name)
         results[name] = (y.detach().clone(), x.grad.detach().clone())
-    row.max_rel_diff = max(_rel_diff(results["hf"][0], results["moe"][0]),
-                           _rel_diff(results["hf"][1], results["moe"][1]))
+    for name in implementations:
+        row.max_rel_diff[name] = max(_rel_diff(results[name][0], results["moe"][0]),
+                                     _rel_diff(results[name][1], results["moe"][1]))
+    del results
     runs = {name: max(1, min(cfg.repeats, int(cfg.budget_s / max(t, 1e-9)))) for name, t in warm.items()}
     times: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(max(runs.values())):
@@ -665,22 +802,33 @@ def _measure_hf(E: int, k: int, cfg: BenchConfig, device: str) -> HFRow:
                 times[name].append(step(name)[0])
     row.ms = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
     row.runs = runs
+    block.experts.config._experts_implementation = default
     return row
 
 
-HF_TABLE_HEADER = (
-    "| E | k | transformers experts | moe (SwiGLU, dropless) tok/s | Mixtral block tok/s | moe / Mixtral block "
-    "| same outputs |",
-    "|---:|---:|---|---:|---:|---:|:---:|",
-)
+def hf_table_header(implementations: Sequence[str], default: str) -> tuple[str, str]:
+    """The header of the transformers table for these implementations (default marked)."""
+    cells = ["E", "k", "moe (SwiGLU, dropless) tok/s"]
+    for name in implementations:
+        label = f"block `{name}`" + (" (default)" if name == default else "")
+        cells += [f"{label} tok/s", f"moe / {label}"]
+    cells += ["moe time / best grouped-GEMM peer's", "same outputs"]
+    align = ["---:"] * (len(cells) - 1) + [":---:"]
+    return "| " + " | ".join(cells) + " |", "|" + "|".join(align) + "|"
 
 
-def render_hf_row(row: HFRow, tokens: int) -> str:
+def render_hf_row(row: HFRow, tokens: int, rtol: float = SAME_RTOL[torch.float32]) -> str:
     """One markdown row of the transformers comparison."""
-    same = "yes" if row.max_rel_diff <= SAME_RTOL else "**no**"
-    cells = [str(row.experts), str(row.k), f"`{row.implementation}`", _tok_s(tokens, row.ms.get("moe")),
-             _tok_s(tokens, row.ms.get("hf")), _ratio(row.ms.get("moe"), row.ms.get("hf")),
-             f"{same} ({row.max_rel_diff:.1e})"]
+    if row.failed is not None:
+        return f"| {row.experts} | {row.k} | not measured: {row.failed} |"
+    cells = [str(row.experts), str(row.k), _tok_s(tokens, row.ms.get("moe"))]
+    for name in row.implementations:
+        cells += [_tok_s(tokens, row.ms.get(name)), _ratio(row.ms.get("moe"), row.ms.get(name))]
+    ratio = row.peer_ratio()
+    cells.append("—" if ratio is None else f"{ratio:.2f}")
+    same = all(d <= rtol for d in row.max_rel_diff.values())
+    diffs = ", ".join(f"{n} {d:.1e}" for n, d in row.max_rel_diff.items())
+    cells.append(("yes" if same else "**no**") + f" ({diffs})")
     return "| " + " | ".join(cells) + " |"
 
 
@@ -708,21 +856,31 @@ def _benchmark_hf(cfg: BenchConfig, *, device: str = "cpu", out: TextIO | None =
     except ImportError:
         emit("- not measured: transformers is not installed (`pip install routelab[hf]`).")
         return "\n".join(lines) + "\n", []
-    emit(*HF_TABLE_HEADER)
+    default = _hf_default_implementation()
+    implementations = tuple(dict.fromkeys((default, *HF_IMPLEMENTATIONS)))
+    emit(*hf_table_header(implementations, default))
     rows = []
     for E in cfg.experts:
         for k in cfg.ks:
             row = _measure_hf(E, k, cfg, device)
             rows.append(row)
-            emit(render_hf_row(row, cfg.tokens))
+            emit(render_hf_row(row, cfg.tokens, cfg.same_rtol))
+    measured = [(r, r.peer_ratio()) for r in rows if r.peer_ratio() is not None]
+    if measured:
+        ok = all(ratio <= PEER_TARGET for _, ratio in measured)
+        emit("", f"- Target: the layer within {PEER_TARGET:g}x of the best grouped-GEMM peer's time ({device}, "
+             f"{_dtype_name(cfg.dtype)}): {'met' if ok else 'not met'} ("
+             + ", ".join(f"E={r.experts} k={r.k}: {ratio:.2f}" for r, ratio in measured) + ").")
     emit("", f"- transformers {transformers.__version__}: `MixtralSparseMoeBlock` (SwiGLU experts, intermediate size "
-         f"{cfg.d_hidden}, no biases; renormalised top-k router; no capacity: dropless) with the experts "
-         "implementation transformers resolves by default for a model (shown per row). The routelab layer computes "
-         "the same function: `MoE(router=\"topk\", k=k, router_kwargs={\"renormalize\": True}, "
-         "capacity_factor=None, experts=StackedExperts.from_hf_fused(gate_up_proj, down_proj))` with the block's "
-         "router weight; same outputs = largest relative difference of y and dL/dx within "
-         f"{SAME_RTOL:g}. One forward + backward of {cfg.tokens} tokens, median of the timed calls after a warm-up, "
-         "timed round-robin; moe / Mixtral block = the block's time over the layer's.")
+         f"{cfg.d_hidden}, no biases; renormalised top-k router; no capacity: dropless), {_dtype_name(cfg.dtype)}, "
+         f"under each experts implementation (`{default}` is what transformers resolves by default for a model; one "
+         "block, its `config._experts_implementation` switched before each call). The routelab layer computes the "
+         "same function: `MoE(router=\"topk\", k=k, router_kwargs={\"renormalize\": True}, capacity_factor=None, "
+         "experts=StackedExperts.from_hf_fused(gate_up_proj, down_proj), check_finite=False)` with the block's "
+         "router weight (the block checks nothing either); same outputs = largest relative difference of y and dL/dx "
+         f"within {cfg.same_rtol:g}. One forward + backward of {cfg.tokens} tokens, median of the timed calls after a "
+         "warm-up, timed round-robin; moe / block = the block's time over the layer's (> 1: the layer is faster); "
+         "moe time / best grouped-GEMM peer's < 1 likewise means the layer is faster.")
     return "\n".join(lines) + "\n", rows
 
 
@@ -745,7 +903,7 @@ def _benchmark(cfg: BenchConfig, *, device: str = "cpu", out: TextIO | None = No
                 raise ValueError(f"k={k} is larger than E={E} in the benchmark grid")
             row = _measure(E, k, cfg, device)
             rows.append(row)
-            emit(render_row(row, cfg.tokens))
+            emit(render_row(row, cfg.tokens, cfg.same_rtol))
     emit(*_verdicts(rows, device))
     emit(*_notes(rows, cfg, device))
     return "\n".join(lines) + "\n", rows
@@ -753,56 +911,79 @@ def _benchmark(cfg: BenchConfig, *, device: str = "cpu", out: TextIO | None = No
 
 
 
-def _header(quick: bool, device: str, cfg: BenchConfig) -> list[str]:
+def _header(quick: bool, device: str, configs: Sequence[BenchConfig]) -> list[str]:
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     gpu = f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""
+    cfg = configs[0]
     return [
         f"**routelab MoE layer benchmark** ({'quick' if quick else 'full'} mode)",
         "",
         f"- CPU: {_cpu_model()} ({os.cpu_count()} logical CPUs); torch threads: {torch.get_num_threads()}",
         f"- device: {device}{gpu}; routelab {routelab.__version__}, torch {torch.__version__}, "
-        f"Python {platform.python_version()}",
+        f"Python {platform.python_version()}; dtype {_dtype_name(cfg.dtype)}",
         f"- date: {stamp}; 1-minute load average at start: {load_average()}",
-        f"- sizes: E in {list(cfg.experts)}, top-k in {list(cfg.ks)}, d_model {cfg.d_model}, "
-        f"d_hidden {cfg.d_hidden}, {cfg.tokens} tokens",
+        f"- sizes: E in {list(cfg.experts)}, top-k in {list(cfg.ks)}; (d_model, d_hidden, tokens) in "
+        + ", ".join(f"({c.d_model}, {c.d_hidden}, {c.tokens})" for c in configs),
         "",
     ]
 
 
+def default_configs(*, quick: bool, device: str, dtype: torch.dtype = torch.float32) -> tuple[BenchConfig, ...]:
+    """The sizes a run measures: :data:`QUICK` / :data:`FULL` on CPU, :data:`GPU_QUICK` /
+    :data:`GPU_FULL` on CUDA (where the dense reference may take up to 16 GiB), in ``dtype``."""
+    if device == "cuda":
+        configs = (GPU_QUICK,) if quick else GPU_FULL
+        configs = tuple(replace(c, dense_limit_gib=max(c.dense_limit_gib, 16.0)) for c in configs)
+    else:
+        configs = (QUICK,) if quick else (FULL,)
+    return tuple(replace(c, dtype=dtype) for c in configs)
+
+
 def run_benchmark(*, quick: bool = False, threads: int = 1, device: str = "cpu", out: TextIO | None = None,
-                  config: BenchConfig | None = None) -> str:
+                  config: BenchConfig | None = None, dtype: str | torch.dtype = "float32") -> str:
     """Run the MoE benchmark and return its markdown report.
 
     Args:
-        quick: small sizes (:data:`QUICK`) instead of the issue's (:data:`FULL`).
+        quick: small sizes instead of the issue's (:func:`default_configs`).
         threads: torch intra-op threads for the run (restored afterwards).
         device: ``"cpu"`` or ``"cuda"``.
         out: stream the report to this file as it is measured.
-        config: explicit sizes (overrides ``quick``).
+        config: explicit sizes (overrides ``quick`` and ``dtype``).
+        dtype: ``"float32"`` or ``"bfloat16"`` (or the torch dtype).
 
     Returns:
-        The markdown report: machine facts, the table, targets and notes.
+        The markdown report: machine facts, then per size the table, targets and notes and the
+        comparison with transformers' block.
 
     Raises:
-        ValueError: unknown device, ``device="cuda"`` without CUDA, or ``threads < 1``.
+        ValueError: unknown device or dtype, ``device="cuda"`` without CUDA, or ``threads < 1``.
     """
     check_device_and_threads(device, threads)
-    cfg = config if config is not None else (QUICK if quick else FULL)
-    if device == "cuda":  # the dense reference fits on a GPU
-        cfg = replace(cfg, dense_limit_gib=max(cfg.dense_limit_gib, 16.0))
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        dtype = DTYPES[dtype]
+    if config is not None:
+        configs: tuple[BenchConfig, ...] = (config,)
+    else:
+        configs = default_configs(quick=quick, device=device, dtype=dtype)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     try:
-        head = _header(quick, device, cfg)
-        if out is not None:
-            print("\n".join(head), file=out, flush=True)
-        table, _ = _benchmark(cfg, device=device, out=out)
-        if cfg.hf_peer:
-            table += _benchmark_hf(cfg, device=device, out=out)[0]
-        tail = f"\nWall time of the benchmark: {time.perf_counter() - t0:.0f} s.\n"
-        if out is not None:
-            print(tail, file=out, flush=True)
-        return "\n".join(head) + "\n" + table + tail
+        lines: list[str] = []
+        emit = _emitter(lines, out)
+        emit(*_header(quick, device, configs))
+        for cfg in configs:
+            if len(configs) > 1:
+                emit("", f"### d_model {cfg.d_model}, d_hidden {cfg.d_hidden}, {cfg.tokens} tokens, "
+                     f"{_dtype_name(cfg.dtype)}", "")
+            table, _ = _benchmark(cfg, device=device, out=None)
+            emit(*table.rstrip("\n").split("\n"))
+            if cfg.hf_peer:
+                hf, _ = _benchmark_hf(cfg, device=device, out=None)
+                emit(*hf.rstrip("\n").split("\n"))
+        emit("", f"Wall time of the benchmark: {time.perf_counter() - t0:.0f} s.")
+        return "\n".join(lines) + "\n"
     finally:
         torch.set_num_threads(previous)

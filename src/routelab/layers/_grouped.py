@@ -1,6 +1,7 @@
 """Grouped matmuls for the stacked experts: speed machinery, fenced off from the layer.
 
-``torch._grouped_mm(rows, weight, offs=offsets)`` multiplies the rows of group ``e`` (rows
+``torch.nn.functional.grouped_mm(rows, weight, offs=offsets)`` (``torch._grouped_mm`` in torch
+versions without the public name) multiplies the rows of group ``e`` (rows
 ``offsets[e-1]:offsets[e]`` of ``rows [R, a]``) by ``weight[e] [a, b]`` in one call, without
 padding the groups to a common size. Which dtypes, devices and layouts it accepts differs between
 torch versions and GPUs (and ``torch.compile`` accepts bfloat16 only), so :func:`grouped_mm_supported`
@@ -21,6 +22,9 @@ __all__ = ["grouped_mm", "grouped_mm_supported"]
 #: Row strides of every operand must be multiples of this many bytes.
 _ALIGNMENT_BYTES = 16
 
+#: The operator: the public name where torch has it, else the private one (torch 2.8-2.9), else None.
+_OPERATOR = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
 #: The probe's verdict per (device type, device index, dtype).
 _PROBED: dict[tuple[str, int | None, torch.dtype], bool] = {}
 
@@ -37,7 +41,7 @@ def grouped_mm(rows: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
         ``[R, b]``; rows from ``offsets[-1]`` on are unspecified (uninitialised memory), as are
         their input gradients.
     """
-    return torch._grouped_mm(rows, weight, offs=offsets)
+    return _OPERATOR(rows, weight, offs=offsets)
 
 
 def _aligned(dtype: torch.dtype, widths: Iterable[int]) -> bool:
@@ -45,7 +49,8 @@ def _aligned(dtype: torch.dtype, widths: Iterable[int]) -> bool:
     return all((w * size) % _ALIGNMENT_BYTES == 0 for w in widths)
 
 
-def grouped_mm_supported(device: torch.device, dtype: torch.dtype, widths: Iterable[int]) -> bool:
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype, widths: Iterable[int],
+                         tensors: Iterable[Tensor] = ()) -> bool:
     """Whether :func:`grouped_mm` runs here, on contiguous operands whose row widths are ``widths``.
 
     Eagerly, a tiny grouped product (three groups, one of them empty, and rows past the last
@@ -59,14 +64,18 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, widths: Itera
         dtype: their dtype.
         widths: the last dimension of every operand (e.g. ``d_model`` and ``d_hidden``), each of
             which must be a multiple of 16 bytes.
+        tensors: operands whose storage must start at a multiple of 16 bytes (weights loaded by
+            memory-mapping need not; the kernels of some torch versions require it).
     """
-    if not hasattr(torch, "_grouped_mm") or device.type not in ("cpu", "cuda"):
+    if _OPERATOR is None or device.type not in ("cpu", "cuda"):
         return False
     if not _aligned(dtype, widths):
         return False
     key = (device.type, device.index, dtype)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # (storage addresses cannot be read while tracing)
         return dtype == torch.bfloat16 and _PROBED.get(key, True)
+    if any(t.data_ptr() % _ALIGNMENT_BYTES for t in tensors):
+        return False
     if key not in _PROBED:
         _PROBED[key] = _probe(device, dtype)
     return _PROBED[key]

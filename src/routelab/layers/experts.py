@@ -199,9 +199,11 @@ class StackedExperts(nn.Module):
 
     def grouped_supported(self, device: torch.device) -> bool:
         """Whether :meth:`forward_grouped` can run on ``device`` in the parameters' dtype (grouped
-        matmuls exist there, accept the dtype, and ``d_model`` and ``d_hidden`` are multiples of
-        16 bytes; see :func:`routelab.layers._grouped.grouped_mm_supported`)."""
-        return grouped_mm_supported(torch.device(device), self.w1.dtype, (self.d_model, self.d_hidden))
+        matmuls exist there, accept the dtype, ``d_model`` and ``d_hidden`` are multiples of 16
+        bytes and the weights start 16-byte aligned; see
+        :func:`routelab.layers._grouped.grouped_mm_supported`)."""
+        weights = [w for w in (self.w1, self.w2, self.w3) if w is not None]
+        return grouped_mm_supported(torch.device(device), self.w1.dtype, (self.d_model, self.d_hidden), weights)
 
     def forward_grouped(self, rows: Tensor, offsets: Tensor, expert_of_row: Tensor) -> Tensor:
         """Run expert ``e`` on its rows of an expert-sorted matrix (grouped matmuls).

@@ -82,8 +82,9 @@ class MoE(RoutingRecord, nn.Module):
 
     ``torch.compile``: the ``softmax``, ``topk`` and ``noisy_topk`` layers compile without graph
     breaks (no mask, no host synchronisation; the finite-score check is skipped while tracing).
-    A dropless layer then sizes its buffers for the worst case, ``C = tokens`` per expert
-    (``E`` times the dense size): set a ``capacity_factor`` for compiled training. The solvers of
+    A bfloat16 layer compiles on the grouped layout (static sizes); other dtypes compile on
+    buffers, and a dropless layer then sizes its buffers for the worst case, ``C = tokens`` per
+    expert (``E`` times the dense size): set a ``capacity_factor`` for compiled training. The solvers of
     the balanced routers run eagerly (excluded from tracing).
 
     Activation checkpointing: the router's noise and the random drop policy's draws are replayed
