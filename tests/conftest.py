@@ -1,13 +1,91 @@
-"""Fixtures shared by several test modules."""
+"""Fixtures shared by several test modules, and the CUDA gate of the GPU run.
+
+CUDA-only tests carry ``@pytest.mark.requires_cuda`` (``requires_cuda(nccl=True)`` when they also
+need torch's NCCL backend); without CUDA they are skipped with the reason. With
+``ROUTELAB_REQUIRE_CUDA=1`` (``make test-gpu``) the GPU run cannot pass by skipping them:
+
+* the session stops at once, with a message, if ``torch.cuda.is_available()`` is False;
+* a ``requires_cuda`` test whose requirement is missing fails instead of skipping;
+* any other skip whose reason mentions CUDA fails too (a safety net for a ``pytest.skip`` written
+  inside a test), except in tests marked ``requires_no_cuda`` (those check the no-CUDA error
+  paths and are meant to be skipped on a GPU machine).
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from routelab.experiments import registry as experiment_registry
+
+pytest_plugins = ["pytester"]  # tests/test_cuda_gate.py runs small pytest sessions with this conftest
+
+REQUIRE_CUDA_ENV = "ROUTELAB_REQUIRE_CUDA"
+
+
+def cuda_required() -> bool:
+    """Whether this run must not skip CUDA tests (``ROUTELAB_REQUIRE_CUDA`` set to anything but 0/empty)."""
+    return os.environ.get(REQUIRE_CUDA_ENV, "").strip() not in ("", "0")
+
+
+def missing_cuda(nccl: bool = False) -> str | None:
+    """Why a CUDA test cannot run here (``None`` when it can).
+
+    Args:
+        nccl: the test also needs torch.distributed's NCCL backend.
+    """
+    if not torch.cuda.is_available():
+        return "needs a CUDA device (torch.cuda.is_available() is False)"
+    if nccl and not (dist.is_available() and dist.is_nccl_available()):
+        return "needs torch.distributed with NCCL (dist.is_nccl_available() is False)"
+    return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "requires_cuda(nccl=False): needs a CUDA device (and NCCL if nccl=True); "
+                                       f"skipped without, a failure under {REQUIRE_CUDA_ENV}=1")
+    config.addinivalue_line("markers", "requires_no_cuda: checks behaviour without CUDA; skipped on a GPU machine")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if cuda_required() and not torch.cuda.is_available():
+        pytest.exit(f"{REQUIRE_CUDA_ENV}=1 but torch.cuda.is_available() is False (torch {torch.__version__}, "
+                    f"built for CUDA {torch.version.cuda}): this run must exercise the CUDA tests; run it on the "
+                    "GPU machine with its own python3 (make test-gpu), or unset the variable", returncode=3)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("requires_no_cuda") is not None and torch.cuda.is_available():
+        pytest.skip("checks the behaviour without CUDA; this machine has a CUDA device")
+    mark = item.get_closest_marker("requires_cuda")
+    if mark is None:
+        return
+    reason = missing_cuda(nccl=bool(mark.kwargs.get("nccl", False)))
+    if reason is None:
+        return
+    if cuda_required():
+        pytest.fail(f"{REQUIRE_CUDA_ENV}=1: this test {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if not (cuda_required() and report.skipped) or hasattr(report, "wasxfail"):
+        return
+    if item.get_closest_marker("requires_no_cuda") is not None:
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    if "cuda" in reason.lower() or "nccl" in reason.lower():
+        report.outcome = "failed"
+        report.longrepr = f"{REQUIRE_CUDA_ENV}=1 forbids skipping for lack of CUDA/NCCL: {reason}"
 
 
 @pytest.fixture
