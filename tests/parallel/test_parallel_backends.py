@@ -22,7 +22,7 @@ import torch.distributed as dist
 from test_parallel import D, E, H, _close, _loss
 
 from routelab.layers import MoE
-from routelab.parallel import ExpertParallelMoE, run_workers
+from routelab.parallel import ExpertParallelMoE, default_backend, init_distributed, run_workers
 from routelab.parallel.comm import _AllToAll
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -195,3 +195,29 @@ def test_spawned_gloo_ranks_find_the_test_functions() -> None:
     (info,) = run_workers(_collectives_worker, 1, "gloo", backend="gloo", start_method="spawn",
                           timeout=TIMEOUT["nccl"])
     assert info == {"backend": "gloo", "device": "cpu"}
+
+
+def test_default_backend_needs_a_gpu_per_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL only when every local rank gets a GPU of its own (one GPU cannot host two NCCL ranks of a group)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert default_backend(1) == "nccl"
+    assert default_backend(2) == "gloo"  # e.g. torchrun --nproc_per_node=2 on a one-GPU machine
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    assert default_backend(1) == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_backend(1) == "gloo"
+    with pytest.raises(ValueError):
+        default_backend(0)
+
+
+def test_init_distributed_nccl_without_a_gpu_for_the_rank_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+                       "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="LOCAL_RANK=1 but this machine has 1 CUDA device"):
+        init_distributed("nccl")

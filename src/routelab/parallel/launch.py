@@ -2,7 +2,8 @@
 
 * :func:`init_distributed` — inside a script started by ``torchrun`` (it reads ``RANK``,
   ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK`` from the environment):
-  NCCL when CUDA is available (and binds the process to GPU ``LOCAL_RANK``), gloo otherwise.
+  NCCL when every local rank has a GPU of its own (and binds the process to GPU ``LOCAL_RANK``),
+  gloo otherwise.
 * :func:`run_workers` — run ``fn(rank, world_size, *args)`` in ``world_size`` local processes
   joined by gloo (default) or NCCL on ``127.0.0.1`` (tests, ``routelab bench moe --world-size N``).
   gloo children are forked (cheap: torch is already imported); NCCL children are spawned (a
@@ -30,7 +31,7 @@ import torch.multiprocessing as mp
 
 from .._checks import check_positive_int
 
-__all__ = ["free_port", "init_distributed", "run_workers", "under_torchrun"]
+__all__ = ["default_backend", "free_port", "init_distributed", "run_workers", "under_torchrun"]
 
 
 def free_port() -> int:
@@ -45,18 +46,33 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
+def default_backend(local_world_size: int = 1) -> str:
+    """``"nccl"`` when CUDA and NCCL are available with at least ``local_world_size`` GPUs, else ``"gloo"``.
+
+    Args:
+        local_world_size: processes on this machine (torchrun's ``LOCAL_WORLD_SIZE``), one GPU each.
+    """
+    check_positive_int("local_world_size", local_world_size)
+    if not (dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()):
+        return "gloo"
+    return "nccl" if torch.cuda.device_count() >= local_world_size else "gloo"
+
+
 def init_distributed(backend: str | None = None, *, timeout: float = 300.0) -> tuple[int, int]:
     """Initialise the default process group from the ``torchrun`` environment.
 
     Args:
-        backend: ``"nccl"``, ``"gloo"`` or ``None`` (NCCL if CUDA is available, else gloo).
+        backend: ``"nccl"``, ``"gloo"`` or ``None``: NCCL if CUDA and NCCL are available and the
+            machine has a GPU for each of its local ranks (``LOCAL_WORLD_SIZE``; NCCL cannot put
+            two ranks of one group on the same GPU), else gloo.
         timeout: seconds before a stuck collective raises instead of hanging.
 
     Returns:
         ``(rank, world_size)``. With NCCL the current CUDA device is set to ``LOCAL_RANK``.
 
     Raises:
-        RuntimeError: not started by ``torchrun`` (the environment variables are missing).
+        RuntimeError: not started by ``torchrun`` (the environment variables are missing), or
+            ``backend="nccl"`` without a GPU for this process's ``LOCAL_RANK``.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -65,10 +81,16 @@ def init_distributed(backend: str | None = None, *, timeout: float = 300.0) -> t
             "init_distributed() reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment: start the "
             "script with torchrun --nproc_per_node=N script.py (or use run_workers for local gloo workers)"
         )
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = default_backend(local_world)
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if local_rank >= gpus:
+            raise RuntimeError(f"backend='nccl' needs a GPU per process: LOCAL_RANK={local_rank} but this machine "
+                               f"has {gpus} CUDA device(s); start at most {gpus} processes per machine, or use gloo")
+        torch.cuda.set_device(local_rank)
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size()
 
