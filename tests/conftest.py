@@ -100,7 +100,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     package = missing_optional_package(call.excinfo.value) if report.failed and call.excinfo is not None else None
     if package is not None:
         report.outcome = "skipped"
-        report.longrepr = (str(item.path), item.location[1] + 1,
+        report.longrepr = (str(item.path), (item.location[1] or 0) + 1,
                            f"{package} is not installed (an optional package for this test)")
         return
     if not (cuda_required() and report.skipped) or hasattr(report, "wasxfail"):
