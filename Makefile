@@ -8,6 +8,11 @@
 #   make data   install the real data sets the experiments use (part of `make run`)
 #   make bench  run the balanced-assignment and Sinkhorn benchmarks against their peers (POT,
 #               OR-Tools, scipy, the fairseq auction; the `bench` extra installs them)
+#   make test-gpu  on the GPU machine, with its own python3 (CUDA torch; no venv, no network):
+#               install routelab --no-deps, print torch/CUDA/GPU/NCCL and the packages found, run
+#               the whole suite with ROUTELAB_REQUIRE_CUDA=1 (a CUDA test that skips fails)
+#   make gpu-wheels  on a machine with network: download the wheels the GPU machine lacks
+#               (GPU_WHEEL_PKGS, for Python GPU_PY) into wheels/, which `make test-gpu` installs
 #   make clean  remove the venv, build outputs and results
 #
 # torch is pinned here, not in pyproject.toml: `torch==2.13.0` resolves to the
@@ -25,7 +30,7 @@ OUT ?= results
 # Experiments run side by side, one per core (most train on one torch thread).
 JOBS ?= $(shell nproc 2>/dev/null || echo 1)
 
-.PHONY: all venv data run test fuzz bench clean
+.PHONY: all venv data run test test-gpu gpu-wheels fuzz bench clean
 
 all: run
 
@@ -68,7 +73,7 @@ run: $(DATA_STAMP)
 # Lint first (ruff: pycodestyle, pyflakes, import order, 120-character lines; pyproject.toml), then
 # the suite, whose tests/test_import_layers.py fails on an upward import between routelab's layers.
 test: $(STAMP)
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests tools
 	$(BIN)/python -m pytest -q
 
 # The fuzz suite's every property with ROUTELAB_FUZZ_SCALE times more examples, not derandomized:
@@ -82,6 +87,36 @@ fuzz: $(STAMP)
 	@echo "make fuzz: seed $(FUZZ_SEED), $(FUZZ_SCALE)x the examples (replay: make fuzz FUZZ_SEED=$(FUZZ_SEED))"
 	ROUTELAB_FUZZ_SCALE=$(FUZZ_SCALE) ROUTELAB_FUZZ_RANDOM=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
 		tests/fuzz --hypothesis-seed=$(FUZZ_SEED) --hypothesis-show-statistics
+
+# The GPU machine: its python3 already holds torch (CUDA), transformers, pytest and hypothesis, and
+# it has no network. routelab is installed from this tree without dependencies and without build
+# isolation (no setuptools download); each pip call tries a plain install, then --user, then --user
+# --break-system-packages (an externally managed python). If the install still fails, the suite
+# runs on src/ through PYTHONPATH, which is set in any case (subprocesses of the tests inherit it).
+# Missing wheels (scipy, matplotlib: routelab's own dependencies) come from wheels/ if present.
+# tools/gpu_env.py prints what was found and stops the run when CUDA or a required package is missing.
+GPU_WHEELS ?= wheels
+GPU_WHEEL_PKGS ?= scipy matplotlib
+GPU_PY ?= 3.12
+GPU_PLATFORM ?= manylinux_2_28_x86_64
+PYTEST_ARGS ?=
+GPU_PIP = pip_try() { $(PYTHON) -m pip install "$$@" || $(PYTHON) -m pip install --user "$$@" \
+	|| $(PYTHON) -m pip install --user --break-system-packages "$$@"; }; pip_try
+
+test-gpu:
+	@if [ -d "$(GPU_WHEELS)" ]; then echo "make test-gpu: installing $(GPU_WHEEL_PKGS) from $(GPU_WHEELS)/"; \
+		$(GPU_PIP) --no-index --find-links "$(GPU_WHEELS)" $(GPU_WHEEL_PKGS); fi
+	@$(GPU_PIP) --no-deps --no-build-isolation -e . \
+		|| echo "make test-gpu: warning: pip could not install routelab; testing src/ through PYTHONPATH"
+	PYTHONPATH="$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) tools/gpu_env.py --require-cuda
+	PYTHONPATH="$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH}" ROUTELAB_REQUIRE_CUDA=1 $(PYTHON) -m pytest -q $(PYTEST_ARGS)
+
+# Run where there is network, with GPU_PY the GPU machine's Python (major.minor); copy wheels/ over.
+# Dependencies come along (those the GPU machine has already are not reinstalled: pip resolves
+# GPU_WHEEL_PKGS against what is installed there).
+gpu-wheels:
+	$(PYTHON) -m pip download --only-binary=:all: --python-version $(GPU_PY) --platform $(GPU_PLATFORM) \
+		-d $(GPU_WHEELS) $(GPU_WHEEL_PKGS)
 
 bench: $(STAMP)
 	$(BIN)/routelab bench assignment --peers

@@ -520,7 +520,7 @@ def test_property_invariances(inst, data) -> None:
 # ----------------------------------------------------------------------------- CUDA
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+@pytest.mark.requires_cuda
 class TestCuda:
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
     @pytest.mark.parametrize("name", ["gaussian", "integer_ties", "large_scale", "forbidden_pairs"])

@@ -134,13 +134,13 @@ def test_count_host_syncs_is_none_off_cuda() -> None:
     assert called == []
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+@pytest.mark.requires_no_cuda
 def test_count_host_syncs_needs_cuda_for_cuda() -> None:
     with pytest.raises(ValueError, match="CUDA"):
         bench.count_host_syncs(lambda: None, device="cuda")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.requires_cuda
 def test_count_host_syncs_on_cuda() -> None:
     before = torch.cuda.get_sync_debug_mode()
     assert bench.count_host_syncs(lambda: torch.zeros(1, device="cuda").item(), device="cuda") >= 1
@@ -156,7 +156,7 @@ def test_count_host_syncs_on_cuda() -> None:
     assert torch.cuda.get_sync_debug_mode() == before
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.requires_cuda
 def test_batched_section_on_cuda() -> None:
     text = bench._batched_section([(3, 32, 4)], repeats=2, budget_s=5.0, device="cuda")
     [(header, body)] = _tables(text)
@@ -169,7 +169,7 @@ def test_batched_section_on_cuda() -> None:
     assert "torch.cuda.synchronize()" in text
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.requires_cuda
 def test_run_benchmark_on_cuda_has_the_batched_section(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bench, "QUICK_NS", (16,))
     monkeypatch.setattr(bench, "KS", (4,))

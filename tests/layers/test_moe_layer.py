@@ -282,7 +282,7 @@ def test_bfloat16_on_cpu_matches_float32() -> None:
     torch.testing.assert_close(y16[same].float(), y32[same], rtol=0.05, atol=0.05)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("router", sorted(ROUTERS))
 def test_half_precision_on_gpu(router: str, dtype: torch.dtype) -> None:

@@ -2,10 +2,13 @@
 
 * :func:`init_distributed` — inside a script started by ``torchrun`` (it reads ``RANK``,
   ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK`` from the environment):
-  NCCL when CUDA is available (and binds the process to GPU ``LOCAL_RANK``), gloo otherwise.
+  NCCL when every local rank has a GPU of its own (and binds the process to GPU ``LOCAL_RANK``),
+  gloo otherwise.
 * :func:`run_workers` — run ``fn(rank, world_size, *args)`` in ``world_size`` local processes
-  joined by gloo on ``127.0.0.1`` (tests, ``routelab bench moe --world-size N``). Children are
-  forked (cheap: torch is already imported) and single-threaded; every collective has a
+  joined by gloo (default) or NCCL on ``127.0.0.1`` (tests, ``routelab bench moe --world-size N``).
+  gloo children are forked (cheap: torch is already imported); NCCL children are spawned (a
+  forked child cannot use CUDA once the parent has initialised it) and rank ``r`` is bound to GPU
+  ``r % torch.cuda.device_count()``. Children are single-threaded; every collective has a
   timeout, the parent waits with a deadline, and the first failing rank's traceback is raised
   in the parent after the other ranks are terminated, so a broken rank never hangs the caller.
 """
@@ -28,7 +31,7 @@ import torch.multiprocessing as mp
 
 from .._checks import check_positive_int
 
-__all__ = ["free_port", "init_distributed", "run_workers", "under_torchrun"]
+__all__ = ["default_backend", "free_port", "init_distributed", "run_workers", "under_torchrun"]
 
 
 def free_port() -> int:
@@ -43,18 +46,33 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
+def default_backend(local_world_size: int = 1) -> str:
+    """``"nccl"`` when CUDA and NCCL are available with at least ``local_world_size`` GPUs, else ``"gloo"``.
+
+    Args:
+        local_world_size: processes on this machine (torchrun's ``LOCAL_WORLD_SIZE``), one GPU each.
+    """
+    check_positive_int("local_world_size", local_world_size)
+    if not (dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()):
+        return "gloo"
+    return "nccl" if torch.cuda.device_count() >= local_world_size else "gloo"
+
+
 def init_distributed(backend: str | None = None, *, timeout: float = 300.0) -> tuple[int, int]:
     """Initialise the default process group from the ``torchrun`` environment.
 
     Args:
-        backend: ``"nccl"``, ``"gloo"`` or ``None`` (NCCL if CUDA is available, else gloo).
+        backend: ``"nccl"``, ``"gloo"`` or ``None``: NCCL if CUDA and NCCL are available and the
+            machine has a GPU for each of its local ranks (``LOCAL_WORLD_SIZE``; NCCL cannot put
+            two ranks of one group on the same GPU), else gloo.
         timeout: seconds before a stuck collective raises instead of hanging.
 
     Returns:
         ``(rank, world_size)``. With NCCL the current CUDA device is set to ``LOCAL_RANK``.
 
     Raises:
-        RuntimeError: not started by ``torchrun`` (the environment variables are missing).
+        RuntimeError: not started by ``torchrun`` (the environment variables are missing), or
+            ``backend="nccl"`` without a GPU for this process's ``LOCAL_RANK``.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -63,19 +81,27 @@ def init_distributed(backend: str | None = None, *, timeout: float = 300.0) -> t
             "init_distributed() reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment: start the "
             "script with torchrun --nproc_per_node=N script.py (or use run_workers for local gloo workers)"
         )
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = default_backend(local_world)
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if local_rank >= gpus:
+            raise RuntimeError(f"backend='nccl' needs a GPU per process: LOCAL_RANK={local_rank} but this machine "
+                               f"has {gpus} CUDA device(s); start at most {gpus} processes per machine, or use gloo")
+        torch.cuda.set_device(local_rank)
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size()
 
 
 def _child(fn: Callable[..., Any], rank: int, world: int, port: int, timeout: float, threads: int,
-           results: Any, args: tuple) -> None:
+           results: Any, args: tuple, backend: str = "gloo") -> None:
     try:
         torch.set_num_threads(threads)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        if backend == "nccl":  # one GPU per rank, round robin when there are fewer GPUs than ranks
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout))
         try:
             out = fn(rank, world, *args)
@@ -88,27 +114,42 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, timeout: fl
 
 
 def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0, threads: int = 1,
-                start_method: str = "fork") -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo ranks; return the results by rank.
+                start_method: str | None = None, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; return the results by rank.
 
     Args:
-        fn: a module-level function (picklable for ``start_method != "fork"``); its return
-            value must be picklable.
+        fn: a module-level function (picklable for ``start_method != "fork"``, i.e. always with
+            NCCL); its return value must be picklable (return CPU tensors: a CUDA tensor would
+            need the GPU in the parent).
         world_size: number of processes.
-        *args: passed to ``fn`` after ``rank, world_size``.
-        timeout: seconds: the collectives' timeout and the deadline for the whole run.
+        *args: passed to ``fn`` after ``rank, world_size`` (picklable unless forked).
+        timeout: seconds: the collectives' timeout and the deadline for the whole run
+            (spawned children also spend it importing torch).
         threads: ``torch.set_num_threads`` in every child.
-        start_method: ``"fork"`` (fast; default), ``"forkserver"`` or ``"spawn"``.
+        start_method: ``"fork"``, ``"forkserver"`` or ``"spawn"``; ``None``: ``"fork"`` for gloo
+            (fast), ``"spawn"`` for NCCL.
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA; rank ``r`` uses GPU
+            ``r % torch.cuda.device_count()``, so one GPU can host every rank of a small test).
 
     Raises:
+        ValueError: an unknown backend, or NCCL without CUDA / NCCL support.
         RuntimeError: a rank raised (its traceback is in the message) or died.
         TimeoutError: not every rank finished within ``timeout`` seconds.
     """
     check_positive_int("world_size", world_size)
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise ValueError("backend='nccl' needs a CUDA device and a torch build with NCCL "
+                         f"(torch.cuda.is_available()={torch.cuda.is_available()}, "
+                         f"dist.is_nccl_available()={dist.is_nccl_available()})")
+    if start_method is None:
+        start_method = "spawn" if backend == "nccl" else "fork"
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, timeout, threads, results, args), daemon=True)
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, timeout, threads, results, args, backend),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
