@@ -182,7 +182,7 @@ def test_custom_experts_without_the_grouped_form() -> None:
     assert moe.config.dispatch == "auto"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_grouped_forward_has_no_host_sync_on_cuda(dtype: torch.dtype) -> None:
     """With check_finite=False the top-k forward, dropless included, never waits for the GPU."""

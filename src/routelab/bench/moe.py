@@ -978,11 +978,12 @@ def run_benchmark(*, quick: bool = False, threads: int = 1, device: str = "cpu",
             if len(configs) > 1:
                 emit("", f"### d_model {cfg.d_model}, d_hidden {cfg.d_hidden}, {cfg.tokens} tokens, "
                      f"{_dtype_name(cfg.dtype)}", "")
-            table, _ = _benchmark(cfg, device=device, out=None)
-            emit(*table.rstrip("\n").split("\n"))
+            # Both stream their rows to ``out`` as they are measured.
+            table, _ = _benchmark(cfg, device=device, out=out)
+            lines.extend(table.rstrip("\n").split("\n"))
             if cfg.hf_peer:
-                hf, _ = _benchmark_hf(cfg, device=device, out=None)
-                emit(*hf.rstrip("\n").split("\n"))
+                hf, _ = _benchmark_hf(cfg, device=device, out=out)
+                lines.extend(hf.rstrip("\n").split("\n"))
         emit("", f"Wall time of the benchmark: {time.perf_counter() - t0:.0f} s.")
         return "\n".join(lines) + "\n"
     finally:
