@@ -26,8 +26,53 @@ from .._checks import check_capacity, check_positive_int, checks_run, index_tens
 __all__ = ["DispatchPlan", "GroupedPlan"]
 
 
+class _TokenPlan:
+    """What both plans share: the token count they were built for and their argument checks.
+    Subclasses hold ``row_of_slot [tokens, slots]``."""
+
+    row_of_slot: Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        """The number of tokens the plan was built for (``dispatch`` takes exactly that many)."""
+        return self.row_of_slot.shape[0]
+
+    def _padded_tokens(self, x: Tensor) -> Tensor:
+        """``x [tokens, d]`` with one zero row appended (read by empty rows); TypeError/ValueError
+        unless ``x`` is a 2-D tensor with the plan's token count."""
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x must be a tensor [tokens, d], got {type(x).__name__}")
+        if x.dim() != 2 or x.shape[0] != self.num_tokens:
+            raise ValueError(f"x must have shape [tokens={self.num_tokens}, d] (the plan was built for "
+                             f"{self.num_tokens} tokens), got {tuple(x.shape)}")
+        return torch.cat([x, x.new_zeros(1, x.shape[-1])])
+
+    def _check_combine_weight(self, expert_out: object, weight: object) -> None:
+        """TypeError unless both are tensors; ValueError unless ``weight`` is ``[tokens, slots]``."""
+        for name, t in (("expert_out", expert_out), ("weight", weight)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        if weight.shape != self.row_of_slot.shape:
+            raise ValueError(f"weight must have shape [tokens, slots] = {tuple(self.row_of_slot.shape)}, "
+                             f"got {tuple(weight.shape)}")
+
+
+def _pair_tensors(expert: object, keep: object, position: object, num_experts: object
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """``(expert, keep, position)`` checked as ``[tokens, slots]`` index, mask and index tensors of
+    one shape, and ``num_experts`` as a positive int (TypeError/ValueError naming the argument)."""
+    expert = index_tensor(expert, "expert")
+    keep = mask_tensor(keep, "keep", expert.shape)
+    position = index_tensor(position, "position")
+    if position.shape != expert.shape:
+        raise ValueError(f"position must have the shape of expert [tokens, slots] = {tuple(expert.shape)}, "
+                         f"got {tuple(position.shape)}")
+    check_positive_int("num_experts", num_experts)
+    return expert, keep, position
+
+
 @dataclass(frozen=True)
-class DispatchPlan:
+class DispatchPlan(_TokenPlan):
     """Where every kept (token, slot) pair sits in the expert buffers.
 
     Attributes:
@@ -43,11 +88,6 @@ class DispatchPlan:
     capacity: int
     token_of_row: Tensor
     row_of_slot: Tensor
-
-    @property
-    def num_tokens(self) -> int:
-        """The number of tokens the plan was built for (``dispatch`` takes exactly that many)."""
-        return self.row_of_slot.shape[0]
 
     @classmethod
     def build(cls, expert: Tensor, keep: Tensor, position: Tensor, num_experts: int, capacity: int, *,
@@ -72,13 +112,7 @@ class DispatchPlan:
             TypeError, ValueError: naming the argument, for a wrong type, dtype or shape, a kept
                 pair outside the buffers, or two kept pairs in the same buffer row.
         """
-        expert = index_tensor(expert, "expert")
-        keep = mask_tensor(keep, "keep", expert.shape)
-        position = index_tensor(position, "position")
-        if position.shape != expert.shape:
-            raise ValueError(f"position must have the shape of expert [tokens, slots] = {tuple(expert.shape)}, "
-                             f"got {tuple(position.shape)}")
-        check_positive_int("num_experts", num_experts)
+        expert, keep, position = _pair_tensors(expert, keep, position, num_experts)
         capacity = check_capacity(capacity)
         if capacity is None:
             raise ValueError("capacity must be an integer >= 0 (rows per expert buffer), got None")
@@ -148,12 +182,7 @@ class DispatchPlan:
         Raises:
             TypeError, ValueError: ``x`` is not a ``[tokens, d]`` tensor with the plan's token count.
         """
-        if not isinstance(x, Tensor):
-            raise TypeError(f"x must be a tensor [tokens, d], got {type(x).__name__}")
-        if x.dim() != 2 or x.shape[0] != self.num_tokens:
-            raise ValueError(f"x must have shape [tokens={self.num_tokens}, d] (the plan was built for "
-                             f"{self.num_tokens} tokens), got {tuple(x.shape)}")
-        padded = torch.cat([x, x.new_zeros(1, x.shape[-1])])
+        padded = self._padded_tokens(x)
         return padded[self.token_of_row].view(self.num_experts, self.capacity, x.shape[-1])
 
     def combine(self, expert_out: Tensor, weight: Tensor) -> Tensor:
@@ -171,15 +200,10 @@ class DispatchPlan:
             TypeError, ValueError: ``expert_out`` is not ``[E, C, d]`` or ``weight`` not
                 ``[tokens, slots]`` of the plan.
         """
-        for name, t in (("expert_out", expert_out), ("weight", weight)):
-            if not isinstance(t, Tensor):
-                raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        self._check_combine_weight(expert_out, weight)
         if expert_out.dim() != 3 or expert_out.shape[:2] != (self.num_experts, self.capacity):
             raise ValueError(f"expert_out must have shape [E={self.num_experts}, C={self.capacity}, d], "
                              f"got {tuple(expert_out.shape)}")
-        if weight.shape != self.row_of_slot.shape:
-            raise ValueError(f"weight must have shape [tokens, slots] = {tuple(self.row_of_slot.shape)}, "
-                             f"got {tuple(weight.shape)}")
         return _weighted_rows(expert_out.reshape(-1, expert_out.shape[-1]), self.row_of_slot, weight)
 
 
@@ -205,7 +229,7 @@ def _weighted_rows(rows: Tensor, row_of_slot: Tensor, weight: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True)
-class GroupedPlan:
+class GroupedPlan(_TokenPlan):
     """The kept (token, slot) pairs sorted by expert, for grouped matmuls.
 
     There is one row per pair, ``R = tokens * slots`` rows in all. The kept pairs come first,
@@ -238,11 +262,6 @@ class GroupedPlan:
     row_of_slot: Tensor
 
     @property
-    def num_tokens(self) -> int:
-        """The number of tokens the plan was built for (``dispatch`` takes exactly that many)."""
-        return self.row_of_slot.shape[0]
-
-    @property
     def num_rows(self) -> int:
         """``R = tokens * slots``."""
         return self.token_of_row.shape[0]
@@ -266,13 +285,7 @@ class GroupedPlan:
         Raises:
             TypeError, ValueError: naming the argument, for a wrong type, dtype or shape.
         """
-        expert = index_tensor(expert, "expert")
-        keep = mask_tensor(keep, "keep", expert.shape)
-        position = index_tensor(position, "position")
-        if position.shape != expert.shape:
-            raise ValueError(f"position must have the shape of expert [tokens, slots] = {tuple(expert.shape)}, "
-                             f"got {tuple(position.shape)}")
-        check_positive_int("num_experts", num_experts)
+        expert, keep, position = _pair_tensors(expert, keep, position, num_experts)
         if not isinstance(kept, Tensor) or kept.is_floating_point() or kept.dtype == torch.bool:
             raise TypeError(f"kept must be a LongTensor [num_experts] (decision.kept), got "
                             f"{kept.dtype if isinstance(kept, Tensor) else type(kept).__name__}")
@@ -310,12 +323,7 @@ class GroupedPlan:
         Raises:
             TypeError, ValueError: ``x`` is not a ``[tokens, d]`` tensor with the plan's token count.
         """
-        if not isinstance(x, Tensor):
-            raise TypeError(f"x must be a tensor [tokens, d], got {type(x).__name__}")
-        if x.dim() != 2 or x.shape[0] != self.num_tokens:
-            raise ValueError(f"x must have shape [tokens={self.num_tokens}, d] (the plan was built for "
-                             f"{self.num_tokens} tokens), got {tuple(x.shape)}")
-        padded = torch.cat([x, x.new_zeros(1, x.shape[-1])])
+        padded = self._padded_tokens(x)
         return padded[self.token_of_row]
 
     def combine(self, expert_out: Tensor, weight: Tensor) -> Tensor:
@@ -334,12 +342,7 @@ class GroupedPlan:
             TypeError, ValueError: ``expert_out`` is not ``[R, d]`` or ``weight`` not
                 ``[tokens, slots]`` of the plan.
         """
-        for name, t in (("expert_out", expert_out), ("weight", weight)):
-            if not isinstance(t, Tensor):
-                raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        self._check_combine_weight(expert_out, weight)
         if expert_out.dim() != 2 or expert_out.shape[0] != self.num_rows:
             raise ValueError(f"expert_out must have shape [R={self.num_rows}, d], got {tuple(expert_out.shape)}")
-        if weight.shape != self.row_of_slot.shape:
-            raise ValueError(f"weight must have shape [tokens, slots] = {tuple(self.row_of_slot.shape)}, "
-                             f"got {tuple(weight.shape)}")
         return _weighted_rows(expert_out, self.row_of_slot, weight)
