@@ -144,6 +144,7 @@ def test_needs_a_missing_unlisted_package():
 
 def test_a_missing_optional_package_skips_the_test(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(gate.REQUIRE_CUDA_ENV, raising=False)
+    monkeypatch.setenv(gate.ALLOW_MISSING_ENV, "1")
     extra = '\nOPTIONAL_PACKAGES = OPTIONAL_PACKAGES | {"routelab_absent_optional", "torch"}\n'
     pytester.makeconftest(CONFTEST + extra)
     pytester.makepyfile(test_inner=MISSING_PACKAGE_TESTS)
@@ -153,7 +154,18 @@ def test_a_missing_optional_package_skips_the_test(pytester: pytest.Pytester, mo
     result.stdout.fnmatch_lines(["*routelab_absent_optional is not installed (an optional package for this test)*"])
 
 
-def test_missing_optional_package_names_only_absent_listed_packages() -> None:
+def test_without_the_variable_a_missing_package_is_an_error(pytester: pytest.Pytester,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(gate.REQUIRE_CUDA_ENV, raising=False)
+    monkeypatch.delenv(gate.ALLOW_MISSING_ENV, raising=False)
+    pytester.makeconftest(CONFTEST + '\nOPTIONAL_PACKAGES = OPTIONAL_PACKAGES | {"routelab_absent_optional"}\n')
+    pytester.makepyfile(test_inner=MISSING_PACKAGE_TESTS)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=3)  # make test / CI: every extra is installed, so absence is a real error
+
+
+def test_missing_optional_package_names_only_absent_listed_packages(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(gate.ALLOW_MISSING_ENV, "1")
     assert gate.missing_optional_package(ModuleNotFoundError("x", name="torch")) is None  # installed
     assert gate.missing_optional_package(ValueError("matplotlib")) is None
     assert gate.missing_optional_package(ModuleNotFoundError("no name")) is None

@@ -913,7 +913,8 @@ def _benchmark(cfg: BenchConfig, *, device: str = "cpu", out: TextIO | None = No
 
 def _header(quick: bool, device: str, configs: Sequence[BenchConfig]) -> list[str]:
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    gpu = f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""
+    gpu = (f" ({torch.cuda.get_device_name()}; TF32 matmuls "
+           f"{'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'})" if device == "cuda" else "")
     cfg = configs[0]
     return [
         f"**routelab MoE layer benchmark** ({'quick' if quick else 'full'} mode)",
