@@ -205,3 +205,17 @@ def test_transformers_mixtral_block_is_a_peer_at_the_same_sizes(monkeypatch: pyt
     monkeypatch.setitem(sys.modules, "transformers", None)  # not installed: said, not measured
     text, rows = bench._benchmark_hf(cfg)
     assert rows == [] and "not measured: transformers is not installed" in text
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_run_benchmark_on_cuda(dtype: str) -> None:
+    """The whole benchmark on the GPU at tiny sizes: every implementation agrees with the layer,
+    peak memory is read from the CUDA allocator, and transformers' block is timed beside it."""
+    cfg = dataclasses.replace(TINY, experts=(4,), ks=(2,), dtype=bench.DTYPES[dtype])
+    text = bench.run_benchmark(config=cfg, device="cuda")
+    assert torch.cuda.get_device_name() in text and "TF32 matmuls" in text
+    header, body = table_rows(text.split("**Against")[0])
+    col = {name: i for i, name in enumerate(header)}
+    assert body[0][col["same outputs"]].startswith("yes") and body[0][col["moe peak MiB"]] != "—"
+    assert "block `grouped_mm`" in text and "**no**" not in text

@@ -161,6 +161,19 @@ def test_train_run_is_deterministic_and_records_curves(corpus: CharCorpus) -> No
     assert a["test_ppl"] == pytest.approx(math.exp(math.log(a["test_ppl"])))
 
 
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("name", ALL)
+def test_train_run_on_cuda(name: str, corpus: CharCorpus) -> None:
+    """Every router trains on the GPU (routing included) and its time share is measured there (the
+    GPU issue's per-step routing overhead); before training it evaluates as on the CPU."""
+    cuda = train_run(TINY.spec(name), 0, TINY.with_(device="cuda"), corpus)
+    assert math.isfinite(cuda["test_ppl"]) and 0.0 < cuda["time_share"]["routing_of_moe"] < 1.0
+    cpu = train_run(TINY.spec(name), 0, TINY, corpus)
+    assert [p["step"] for p in cuda["curve"]] == [p["step"] for p in cpu["curve"]]
+    # Step 0 is evaluated before any training (no noise at eval): the same weights, the same loss.
+    assert cuda["curve"][0]["val_loss"] == pytest.approx(cpu["curve"][0]["val_loss"], rel=1e-3)
+
+
 def test_sweep_records_resumes_and_reports(tmp_path: Path, corpus: CharCorpus, monkeypatch) -> None:
     calls = []
 
