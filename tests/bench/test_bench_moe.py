@@ -219,3 +219,18 @@ def test_run_benchmark_on_cuda(dtype: str) -> None:
     col = {name: i for i, name in enumerate(header)}
     assert body[0][col["same outputs"]].startswith("yes") and body[0][col["moe peak MiB"]] != "—"
     assert "block `grouped_mm`" in text and "**no**" not in text
+
+
+def test_bfloat16_transformers_comparison_compares_the_tokens_routed_alike() -> None:
+    """In bfloat16 transformers' router scores in bfloat16 and routelab's in float32: outputs are
+    compared on the tokens both send to the same experts, and those must be nearly all of them."""
+    pytest.importorskip("transformers")
+    cfg = bench.BenchConfig(d_model=64, d_hidden=128, tokens=1024, experts=(8,), ks=(2,), repeats=1, budget_s=1.0,
+                            dtype=torch.bfloat16)
+    text, rows = bench._benchmark_hf(cfg)
+    row = rows[0]
+    assert bench.ROUTE_AGREEMENT <= row.route_agreement <= 1.0
+    assert max(row.max_rel_diff.values()) <= bench.SAME_RTOL[torch.bfloat16]
+    assert "| yes (" in text
+    row.route_agreement = 0.9  # too many tokens routed differently: not the same function
+    assert "**no**" in bench.render_hf_row(row, cfg.tokens, cfg.same_rtol)
