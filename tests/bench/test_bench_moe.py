@@ -234,3 +234,23 @@ def test_bfloat16_transformers_comparison_compares_the_tokens_routed_alike() -> 
     assert "| yes (" in text
     row.route_agreement = 0.9  # too many tokens routed differently: not the same function
     assert "**no**" in bench.render_hf_row(row, cfg.tokens, cfg.same_rtol)
+
+
+def test_expert_share_in_separate_calls_where_the_marks_synchronise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA way (the timer's marks would slow the layer's timed calls alone): the timed calls run
+    without hooks and as many extra calls of the layer measure the expert share."""
+    calls = {"timed": 0}
+    real_enter = bench.ExpertTimer.__enter__
+
+    def counting_enter(self):
+        calls["timed"] += 1
+        return real_enter(self)
+
+    monkeypatch.setattr(bench.ExpertTimer, "__enter__", counting_enter)
+    cfg = dataclasses.replace(TINY, experts=(4,), ks=(1,), repeats=3, budget_s=60.0, hf_peer=False)
+    row = bench._measure(4, 1, cfg, "cpu")
+    assert calls["timed"] == row.runs["moe"] == 3  # inside the timed calls on CPU
+    calls["timed"] = 0
+    monkeypatch.setattr(bench, "_expert_share_inside_timed_calls", lambda device: False)
+    row = bench._measure(4, 1, cfg, "cpu")
+    assert calls["timed"] == row.runs["moe"] == 3 and 0 < row.expert_share < 1  # in separate calls

@@ -448,6 +448,12 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def _expert_share_inside_timed_calls(device: str) -> bool:
+    """Whether the expert share is measured inside the layer's timed calls (CPU) or in separate
+    calls (CUDA, where the timer's marks synchronise the device)."""
+    return device != "cuda"
+
+
 def _measure_fitting(E: int, k: int, cfg: BenchConfig, device: str) -> Row:
     gen = torch.Generator().manual_seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # the layer's initialisation
@@ -497,30 +503,38 @@ def _measure_fitting(E: int, k: int, cfg: BenchConfig, device: str) -> Row:
             assert reference is not None
             row.max_rel_diff[name] = max(_rel_diff(result[0], reference[0]), _rel_diff(result[1], reference[1]))
 
-    # Timed calls, round-robin; the layer's calls also time its experts from the inside.
+    # Timed calls, round-robin. On CPU the layer's timed calls also time its experts from the inside
+    # (a change of load then hits both alike). On CUDA the timer's marks synchronise the device, which
+    # would slow the layer's timed calls alone: there the expert share comes from separate calls.
     runs = {name: max(1, min(cfg.repeats, int(cfg.budget_s / max(t, 1e-9)))) for name, t in warm.items()}
     times: dict[str, list[float]] = {name: [] for name in runs}
     shares: list[float] = []
     timer = ExpertTimer(moe, device)
+    inside = _expert_share_inside_timed_calls(device)
+
+    def timed(name: str, with_timer: bool) -> float:
+        clear()
+        _sync(device)
+        if not with_timer:
+            t0 = time.perf_counter()
+            step(name)
+            _sync(device)
+            return time.perf_counter() - t0
+        with timer:
+            t0 = time.perf_counter()
+            step(name)
+            _sync(device)
+            dt = time.perf_counter() - t0
+        shares.append(timer.seconds / dt)
+        return dt
+
     for r in range(max(runs.values())):
         for name in runs:
-            if r >= runs[name]:
-                continue
-            clear()
-            _sync(device)
-            if name == "moe":
-                with timer:
-                    t0 = time.perf_counter()
-                    step(name)
-                    _sync(device)
-                    dt = time.perf_counter() - t0
-                shares.append(timer.seconds / dt)
-            else:
-                t0 = time.perf_counter()
-                step(name)
-                _sync(device)
-                dt = time.perf_counter() - t0
-            times[name].append(dt)
+            if r < runs[name]:
+                times[name].append(timed(name, with_timer=inside and name == "moe"))
+    if not inside:
+        for _ in range(runs["moe"]):
+            timed("moe", with_timer=True)
     for name, ts in times.items():
         row.ms[name] = 1e3 * statistics.median(ts)
     row.expert_share = statistics.median(shares)
@@ -649,7 +663,8 @@ def _notes(rows: Sequence[Row], cfg: BenchConfig, device: str) -> list[str]:
         "- non-expert share = 1 − t_experts / t_call, median over the layer's timed calls, measured inside each "
         "call: hooks read the clock where `moe.experts` (`StackedExperts`: the two grouped or batched matmuls, "
         "biases and GELU) starts and ends its forward and its backward"
-        + (" (with `torch.cuda.synchronize()` at each mark)" if device == "cuda" else "")
+        + (" (with `torch.cuda.synchronize()` at each mark, so on CUDA in as many separate calls after the timed "
+           "ones, which run without the hooks)" if device == "cuda" else "")
         + "; the rest is the router, capacity, dispatch and combine, forward and backward (and the hooks' own cost).",
         f"- peak MiB: {memory}.",
         "- Times are medians over timed calls after one untimed warm-up; the implementations are timed "
