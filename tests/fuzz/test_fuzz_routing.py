@@ -181,17 +181,21 @@ def test_apply_capacity(n, s, E, capacity, policy, cand_p, score_kind, bad, seed
         assert same_bits(d.keep, d2.keep) and same_bits(d.position, d2.position), "same seed, different random drops"
 
 
+#: The sizes, dtypes and magnitudes both dispatch plans are fuzzed over.
+PLAN_CASES = {
+    "n": st.integers(0, 10),
+    "s": st.integers(1, 3),
+    "E": st.integers(1, 5),
+    "d_model": st.integers(1, 4),
+    "capacity": st.integers(0, 8),
+    "dtype": st.sampled_from(FLOAT_DTYPES),
+    "scale": st.sampled_from((1.0, 1e-30, 1e30)),
+    "seed": seeds,
+}
+
+
 @fuzz(80)
-@given(
-    n=st.integers(0, 10),
-    s=st.integers(1, 3),
-    E=st.integers(1, 5),
-    d_model=st.integers(1, 4),
-    capacity=st.integers(0, 8),
-    dtype=st.sampled_from(FLOAT_DTYPES),
-    scale=st.sampled_from((1.0, 1e-30, 1e30)),
-    seed=seeds,
-)
+@given(**PLAN_CASES)
 def test_dispatch_plan(n, s, E, d_model, capacity, dtype, scale, seed) -> None:
     """dispatch puts token t in row expert * C + position of every kept pair (zero rows elsewhere);
     combine returns sum_s weight * out[row] over kept pairs; both differentiable with finite grads."""
@@ -232,17 +236,7 @@ def test_dispatch_plan(n, s, E, d_model, capacity, dtype, scale, seed) -> None:
 
 
 @fuzz(80)
-@given(
-    n=st.integers(0, 10),
-    s=st.integers(1, 3),
-    E=st.integers(1, 5),
-    d_model=st.integers(1, 4),
-    capacity=st.integers(0, 8),
-    policy=st.sampled_from(("position", "score", "random")),
-    dtype=st.sampled_from(FLOAT_DTYPES),
-    scale=st.sampled_from((1.0, 1e-30, 1e30)),
-    seed=seeds,
-)
+@given(**PLAN_CASES, policy=st.sampled_from(("position", "score", "random")))
 def test_grouped_plan(n, s, E, d_model, capacity, policy, dtype, scale, seed) -> None:
     """Expert e's rows (offsets[e-1]:offsets[e]) hold its kept tokens in position order, the rest
     are zero rows; combine returns sum_s weight * out[row] over kept pairs whatever the rows of no
