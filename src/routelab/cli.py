@@ -7,7 +7,8 @@ Subcommands::
     routelab bench assignment [--quick] [--threads N] [--device cpu|cuda] [--out FILE]
     routelab bench assignment --peers [--quick] [--threads N] [--out FILE]   vs POT, OR-Tools, scipy, auction
     routelab bench sinkhorn --peers [--quick] [--threads N] [--out FILE]     vs POT ot.sinkhorn (plain, log)
-    routelab bench moe [--quick] [--threads N] [--device cpu|cuda] [--dtype float32|bfloat16] [--out FILE]
+    routelab bench moe [--quick] [--threads N] [--device cpu|cuda] [--dtype float32|bfloat16] [--d-model N ...]
+                       [--out FILE]
     routelab bench moe --world-size N [N ...] [--quick] [--out FILE]   expert parallel, gloo workers
     routelab list                                         list the registered experiments
 
@@ -319,8 +320,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _error("`routelab bench sinkhorn` compares with POT: run it with --peers.")
     if args.peers and args.device == "cuda":
         return _error("--peers runs on CPU (the peers are CPU solvers).")
-    if args.dtype is not None and (args.benchmark != "moe" or args.world_size is not None):
-        return _error("--dtype applies to `routelab bench moe` (single process) only.")
+    if (args.dtype is not None or args.d_model is not None) and (args.benchmark != "moe"
+                                                                 or args.world_size is not None):
+        return _error("--dtype and --d-model apply to `routelab bench moe` (single process) only.")
     if args.benchmark == "moe" and args.world_size is not None:
         from routelab.bench.moe_parallel import run_benchmark as run_moe_parallel  # lazy: starts workers
 
@@ -328,10 +330,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             return _error("--world-size starts local gloo (CPU) workers; for GPUs use torchrun (see the README).")
         text = run_moe_parallel(world_sizes=args.world_size, quick=args.quick, out=sys.stdout)
     elif args.benchmark == "moe":
-        from routelab.bench.moe import run_benchmark as run_moe  # lazy: heavy
+        from routelab.bench.moe import DTYPES, default_configs, select_configs  # lazy: heavy
+        from routelab.bench.moe import run_benchmark as run_moe
 
-        text = run_moe(quick=args.quick, threads=args.threads or 1, device=args.device, out=sys.stdout,
-                       dtype=args.dtype or "float32")
+        dtype = args.dtype or "float32"
+        if args.d_model is not None:
+            try:
+                select_configs(default_configs(quick=args.quick, device=args.device, dtype=DTYPES[dtype]), args.d_model)
+            except ValueError as err:
+                return _error(str(err))
+        text = run_moe(quick=args.quick, threads=args.threads or 1, device=args.device, out=sys.stdout, dtype=dtype,
+                       d_models=args.d_model)
     elif args.peers:
         from routelab.bench.peers import run_assignment_peers, run_sinkhorn_peers  # lazy: imports the peers
 
@@ -411,6 +420,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default=None,
         help="moe only: dtype of weights, inputs and gradients (default: float32)",
+    )
+    bench.add_argument(
+        "--d-model", type=_positive_int, nargs="+", default=None, metavar="N",
+        help="moe only: measure only the grid's sizes with these d_model (e.g. one GPU size per call)",
     )
     bench.add_argument(
         "--out", type=Path, default=None, metavar="FILE",

@@ -155,7 +155,7 @@ def test_cli_bench_moe(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: 
     assert cli.main(["bench", "moe", "--quick", "--dtype", "bfloat16"]) == 0
     assert "dtype bfloat16" in capsys.readouterr().out
     assert cli.main(["bench", "assignment", "--dtype", "bfloat16"]) == 2
-    assert "--dtype applies to `routelab bench moe`" in capsys.readouterr().err
+    assert "--dtype and --d-model apply to `routelab bench moe`" in capsys.readouterr().err
 
 
 def test_expert_timer_spans_forward_and_backward() -> None:
@@ -254,3 +254,14 @@ def test_expert_share_in_separate_calls_where_the_marks_synchronise(monkeypatch:
     monkeypatch.setattr(bench, "_expert_share_inside_timed_calls", lambda device: False)
     row = bench._measure(4, 1, cfg, "cpu")
     assert calls["timed"] == row.runs["moe"] == 3 and 0 < row.expert_share < 1  # in separate calls
+
+
+def test_d_model_selects_sizes_of_the_grid(capsys: pytest.CaptureFixture[str]) -> None:
+    gpu = bench.default_configs(quick=False, device="cuda")
+    assert [c.d_model for c in bench.select_configs(gpu, [2048])] == [2048]
+    assert [c.d_model for c in bench.select_configs(gpu, [4096, 1024])] == [1024, 4096]
+    with pytest.raises(ValueError, match="selects no size of this grid; its d_model values are 1024 2048 4096"):
+        bench.select_configs(gpu, [512 + 1])
+    assert cli.main(["bench", "moe", "--quick", "--d-model", "513"]) == 2
+    assert "its d_model values are 64" in capsys.readouterr().err
+    assert cli.main(["bench", "assignment", "--d-model", "64"]) == 2

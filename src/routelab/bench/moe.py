@@ -155,9 +155,9 @@ QUICK = BenchConfig(d_model=64, d_hidden=256, tokens=1024, experts=(8, 64), ks=(
 #: The GPU grid of the issue: d_model 1024 to 4096, 8k to 64k tokens, E in {8, 64}, top-1 and top-2
 #: (fp32 weights of the E = 64 SwiGLU block at d_model 4096: 13 GiB, as many for their gradients).
 GPU_FULL: tuple[BenchConfig, ...] = (
-    BenchConfig(d_model=1024, d_hidden=4096, tokens=8192, repeats=10, budget_s=20.0),
-    BenchConfig(d_model=2048, d_hidden=4096, tokens=32768, repeats=10, budget_s=20.0),
-    BenchConfig(d_model=4096, d_hidden=4096, tokens=65536, repeats=5, budget_s=20.0),
+    BenchConfig(d_model=1024, d_hidden=4096, tokens=8192, repeats=10, budget_s=10.0),
+    BenchConfig(d_model=2048, d_hidden=4096, tokens=32768, repeats=10, budget_s=10.0),
+    BenchConfig(d_model=4096, d_hidden=4096, tokens=65536, repeats=5, budget_s=10.0),
 )
 #: One GPU size for a smoke run.
 GPU_QUICK = BenchConfig(d_model=1024, d_hidden=4096, tokens=8192, repeats=5, budget_s=5.0)
@@ -979,8 +979,22 @@ def default_configs(*, quick: bool, device: str, dtype: torch.dtype = torch.floa
     return tuple(replace(c, dtype=dtype) for c in configs)
 
 
+def select_configs(configs: Sequence[BenchConfig], d_models: Sequence[int]) -> tuple[BenchConfig, ...]:
+    """The sizes of ``configs`` whose ``d_model`` is in ``d_models``.
+
+    Raises:
+        ValueError: none is, naming the grid's ``d_model`` values.
+    """
+    chosen = tuple(c for c in configs if c.d_model in set(d_models))
+    if not chosen:
+        raise ValueError(f"--d-model {' '.join(map(str, d_models))} selects no size of this grid; its d_model "
+                         f"values are {' '.join(str(c.d_model) for c in configs)}")
+    return chosen
+
+
 def run_benchmark(*, quick: bool = False, threads: int = 1, device: str = "cpu", out: TextIO | None = None,
-                  config: BenchConfig | None = None, dtype: str | torch.dtype = "float32") -> str:
+                  config: BenchConfig | None = None, dtype: str | torch.dtype = "float32",
+                  d_models: Sequence[int] | None = None) -> str:
     """Run the MoE benchmark and return its markdown report.
 
     Args:
@@ -990,13 +1004,16 @@ def run_benchmark(*, quick: bool = False, threads: int = 1, device: str = "cpu",
         out: stream the report to this file as it is measured.
         config: explicit sizes (overrides ``quick`` and ``dtype``).
         dtype: ``"float32"`` or ``"bfloat16"`` (or the torch dtype).
+        d_models: measure only the sizes of the grid with these ``d_model`` (e.g. one GPU size per
+            call, to fit a time limit); ``None``: all.
 
     Returns:
         The markdown report: machine facts, then per size the table, targets and notes and the
         comparison with transformers' block.
 
     Raises:
-        ValueError: unknown device or dtype, ``device="cuda"`` without CUDA, or ``threads < 1``.
+        ValueError: unknown device or dtype, ``device="cuda"`` without CUDA, ``threads < 1``, or
+            ``d_models`` that select no size of the grid.
     """
     check_device_and_threads(device, threads)
     if isinstance(dtype, str):
@@ -1007,6 +1024,8 @@ def run_benchmark(*, quick: bool = False, threads: int = 1, device: str = "cpu",
         configs: tuple[BenchConfig, ...] = (config,)
     else:
         configs = default_configs(quick=quick, device=device, dtype=dtype)
+    if d_models is not None:
+        configs = select_configs(configs, d_models)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
