@@ -181,6 +181,20 @@ def test_apply_capacity(n, s, E, capacity, policy, cand_p, score_kind, bad, seed
         assert same_bits(d.keep, d2.keep) and same_bits(d.position, d2.position), "same seed, different random drops"
 
 
+def assert_combine_is_the_loop(y, w, keep, out_of_pair, read, dtype, d_model) -> None:
+    """``y [n, d_model]`` equals the loop ``y_t = sum_s w[t, s] * out_of_pair(t, s)`` over the kept pairs,
+    within rounding of ``dtype`` relative to the largest output the plan may read (``read``)."""
+    n, s = keep.shape
+    assert tuple(y.shape) == (n, d_model), f"combine output {tuple(y.shape)}"
+    yref = torch.zeros(y.shape, dtype=torch.float64)
+    for t in range(n):
+        for j in range(s):
+            if keep[t, j]:
+                yref[t] += f64(w[t, j]) * f64(out_of_pair(t, j))
+    tol = 8 * s * eps(dtype) * (yref.abs() + f64(read).abs().max() if read.numel() else yref.abs()) + 1e-300
+    assert bool(((f64(y) - yref).abs() <= tol).all()), "combine != sum_s weight * out[row] over kept pairs"
+
+
 #: The sizes, dtypes and magnitudes both dispatch plans are fuzzed over.
 PLAN_CASES = {
     "n": st.integers(0, 10),
@@ -220,14 +234,8 @@ def test_dispatch_plan(n, s, E, d_model, capacity, dtype, scale, seed) -> None:
     out = (torch.randn(E, capacity, d_model, generator=g, dtype=torch.float64) * scale).to(dtype).requires_grad_(True)
     w = torch.rand(n, s, generator=g, dtype=torch.float64).to(dtype).requires_grad_(True)
     ok, y = call(plan.combine, out, w, names=("expert_out", "weight"), valid=True, what="DispatchPlan.combine")
-    assert tuple(y.shape) == (n, d_model), f"combine output {tuple(y.shape)}"
-    yref = torch.zeros(n, d_model, dtype=torch.float64)
-    for t in range(n):
-        for j in range(s):
-            if dec.keep[t, j]:
-                yref[t] += f64(w[t, j]) * f64(out[expert[t, j], dec.position[t, j]])
-    tol = 8 * s * eps(dtype) * (yref.abs() + f64(out).abs().max() if out.numel() else yref.abs()) + 1e-300
-    assert bool(((f64(y) - yref).abs() <= tol).all()), "combine != sum_s weight * out[row] over kept pairs"
+    assert_combine_is_the_loop(y, w, dec.keep, lambda t, j: out[expert[t, j], dec.position[t, j]], out, dtype,
+                               d_model)
     if n and capacity and scale <= 1:
         guarded(lambda: (buf.sum() + y.sum()).backward(), what="dispatch/combine backward")
         for name, leaf in (("x", x), ("expert_out", out), ("weight", w)):
@@ -269,15 +277,8 @@ def test_grouped_plan(n, s, E, d_model, capacity, policy, dtype, scale, seed) ->
     out.requires_grad_(True)
     w = torch.rand(n, s, generator=g, dtype=torch.float64).to(dtype).requires_grad_(True)
     ok, y = call(plan.combine, out, w, names=("expert_out", "weight"), valid=True, what="GroupedPlan.combine")
-    assert tuple(y.shape) == (n, d_model), f"combine output {tuple(y.shape)}"
-    yref = torch.zeros(n, d_model, dtype=torch.float64)
-    for t in range(n):
-        for j in range(s):
-            if dec.keep[t, j]:
-                yref[t] += f64(w[t, j]) * f64(out[plan.row_of_slot[t, j]])
-    kept_out = out[:ends[-1]]
-    tol = 8 * s * eps(dtype) * (yref.abs() + f64(kept_out).abs().max() if kept_out.numel() else yref.abs()) + 1e-300
-    assert bool(((f64(y) - yref).abs() <= tol).all()), "combine != sum_s weight * out[row] over kept pairs"
+    assert_combine_is_the_loop(y, w, dec.keep, lambda t, j: out[plan.row_of_slot[t, j]], out[:ends[-1]],
+                               dtype, d_model)
     if n and scale <= 1:
         guarded(lambda: (rows.sum() + y.sum()).backward(), what="grouped dispatch/combine backward")
         for name, leaf in (("x", x), ("expert_out", out), ("weight", w)):
