@@ -26,6 +26,7 @@ __all__ = [
     "Variant",
     "evaluate",
     "finetune",
+    "run_training",
     "train_variant",
 ]
 
@@ -89,18 +90,33 @@ def _lr_at(step: int, total: int, s: Schedule) -> float:
     return s.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
+LossFn = Callable[[nn.Module, Tensor], Tensor]
+"""``loss_fn(model, batch) -> scalar``: the mean loss of a batch (rows of the data tensor)."""
+
+
+def lm_targets(batch: Tensor) -> int:
+    """The number of predicted tokens of an LM batch ``[batch, seq + 1]`` (the weight of its mean loss)."""
+    return batch[:, 1:].numel()
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, windows: Tensor, routing: str, *, batch: int = 64,
-             generator: torch.Generator | None = None) -> float:
-    """Mean next-token cross-entropy (nats) over ``windows`` ``[n, seq + 1]`` under ``routing``."""
+             generator: torch.Generator | None = None, loss_fn: LossFn = lm_loss,
+             targets: Callable[[Tensor], int] = lm_targets) -> float:
+    """Mean per-target loss over the rows of ``windows`` under ``routing``.
+
+    By default the next-token cross-entropy (nats) of an LM over windows ``[n, seq + 1]``; another
+    task passes its ``loss_fn`` (mean over a batch's targets) and ``targets`` (how many targets a
+    batch holds), so that batches of unequal size are weighted by their targets.
+    """
     was = model.training
     model.eval()
     set_routing(model, routing, generator)
     total, count = 0.0, 0
     for i in range(0, windows.shape[0], batch):
         b = windows[i: i + batch]
-        n = b[:, 1:].numel()
-        total += float(lm_loss(model, b)) * n
+        n = targets(b)
+        total += float(loss_fn(model, b)) * n
         count += n
     model.train(was)
     return total / count
@@ -129,7 +145,7 @@ def _log(msg: str) -> None:
     print(f"[mae] {msg}", file=sys.stdout, flush=True)
 
 
-def _run_training(
+def run_training(
     model: TransformerLM,
     trainer: BCDTrainer,
     train: Tensor,
@@ -138,8 +154,12 @@ def _run_training(
     ckpt: Path,
     label: str,
     extra_eval: dict[str, Tensor] | None = None,
+    evaluate_fn: Callable[[nn.Module, Tensor, str], float] = evaluate,
 ) -> dict[str, Any]:
     """Epoch loop with a checkpoint after every epoch (resumes from ``ckpt``).
+
+    ``evaluate_fn(model, data, routing) -> loss`` scores ``dev`` (and ``extra_eval``) after every
+    epoch (default: the LM's :func:`evaluate`).
 
     Raises:
         RunDiverged: a loss or a parameter became non-finite (no checkpoint is written for
@@ -153,6 +173,8 @@ def _run_training(
         model.load_state_dict(saved["model"])
         trainer.load_state_dict(saved["trainer"])
         torch.set_rng_state(saved["rng"])
+        if "cuda_rng" in saved and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(saved["cuda_rng"])
         state = saved["state"]
         _log(f"{label}: resumed at epoch {state['epoch']}")
     for epoch in range(state["epoch"], s.epochs):
@@ -184,19 +206,22 @@ def _run_training(
             "train_loss": sum(losses) / len(losses),
             "g_steps": len(g_losses),
             "g_steps_total": trainer.steps["g"],
-            "dev_loss": evaluate(model, dev, trainer.eval_routing),
+            "dev_loss": evaluate_fn(model, dev, trainer.eval_routing),
         }
         if g_losses:
             point["g_loss"] = sum(g_losses) / len(g_losses)
         for name, w in (extra_eval or {}).items():
-            point[f"{name}_loss"] = evaluate(model, w, trainer.eval_routing)
+            point[f"{name}_loss"] = evaluate_fn(model, w, trainer.eval_routing)
         state["curve"].append(point)
         state["epoch"] = epoch + 1
         state["seconds"] += time.perf_counter() - t0
         ckpt.parent.mkdir(parents=True, exist_ok=True)
         tmp = ckpt.with_suffix(".tmp")
-        torch.save({"model": model.state_dict(), "trainer": trainer.state_dict(),
-                    "rng": torch.get_rng_state(), "state": state}, tmp)
+        saved = {"model": model.state_dict(), "trainer": trainer.state_dict(),
+                 "rng": torch.get_rng_state(), "state": state}
+        if torch.cuda.is_initialized():  # dropout on a GPU draws from its own generator
+            saved["cuda_rng"] = torch.cuda.get_rng_state_all()
+        torch.save(saved, tmp)
         tmp.replace(ckpt)
         extra = " ".join(f"{k}={v:.3f}" for k, v in point.items() if k.endswith("_loss"))
         _log(f"{label}: epoch {epoch + 1}/{s.epochs} {extra} ({state['seconds']:.0f}s)")
@@ -220,7 +245,7 @@ def train_variant(
         gate_lr=s.gate_lr, lr=s.lr, clip_norm=s.clip_norm,
         generator=torch.Generator().manual_seed(s.seed + 17),
     )
-    state = _run_training(model, trainer, train, dev, s, work / f"{name}.pt", name)
+    state = run_training(model, trainer, train, dev, s, work / f"{name}.pt", name)
     state["steps"] = dict(trainer.steps)
     trainer.set_eval_routing()
     model.eval()
@@ -267,7 +292,7 @@ def finetune(
         trainer = BCDTrainer(model, lm_loss, mode="nobcd", gate_lr=s.gate_lr, lr=s.lr,
                              clip_norm=s.clip_norm, trainable=filters[method])
     updated = sum(p.numel() for p in trainer.theta_params) + sum(p.numel() for p in trainer.gate_params)
-    state = _run_training(model, trainer, train, dev, s, work / f"ft_{label}.pt", f"ft {label}",
+    state = run_training(model, trainer, train, dev, s, work / f"ft_{label}.pt", f"ft {label}",
                           extra_eval={"test": test})
     best = min(state["curve"], key=lambda c: c["dev_loss"])
     return {
