@@ -86,6 +86,11 @@ def claims(runs: Runs) -> list[Claim]:
     return [c for c in rows if c is not None]
 
 
+def _theta_steps(steps: dict[str, int]) -> int:
+    """Updates of the experts' parameters: F steps (BCD, UNI), joint steps (NOBCD) or plain steps (BASE)."""
+    return steps["f"] + steps["joint"] + steps["base"]
+
+
 def _fig_curves(runs: Runs, out_dir: Path, drawn: list[str]) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -159,7 +164,7 @@ def write_report(out_dir: Path, s: dict[str, Any], corpus: TranslationCorpus, re
         "",
     ]
     head = ["variant", "experts", *[f"test BLEU s{sd}" for sd in runs.seeds], "test BLEU", "dev BLEU",
-            "test loss", "params", "G / F steps", "time per run"]
+            "test loss", "params", "G / expert steps", "time per run"]
     rows = []
     for v in runs.variants:
         seeds = runs.seeds_of(v)
@@ -167,7 +172,7 @@ def write_report(out_dir: Path, s: dict[str, Any], corpus: TranslationCorpus, re
         cells = [f"{runs.by[(v, sd)]['test_bleu']:.2f}" if (v, sd) in runs.by else "—" for sd in runs.seeds]
         rows.append([v, recs[0]["experts"], *cells, mean_se(r["test_bleu"] for r in recs).fmt(),
                      mean_se(r["dev_bleu"] for r in recs).fmt(), mean_se(r["test_loss"] for r in recs).fmt(3),
-                     f"{recs[0]['params']:,}", f"{recs[0]['steps']['g']} / {recs[0]['steps']['f']}",
+                     f"{recs[0]['params']:,}", f"{recs[0]['steps']['g']} / {_theta_steps(recs[0]['steps'])}",
                      f"{mean_se(r['seconds'] + r['decode_seconds'] for r in recs).mean:.0f} s"])
     lines += [md_table(head, rows), ""]
     top1 = [(v, sd) for (v, sd), r in runs.by.items() if "top1_dev_bleu" in r]
