@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from routelab.data.parallel_text import VersePair
 from routelab.experiments import mae_translation as mt
-from routelab.experiments.mae_translation.corpus import BOS, BPE, EOS, PAD, build_corpus, split_batch
+from routelab.experiments.mae_translation.corpus import BOS, BPE, EOS, PAD, build_corpus, length_batches, split_batch
 from routelab.experiments.mae_translation.decode import beam_search, corpus_bleu, translate
 from routelab.experiments.mae_translation.model import Seq2SeqConfig, TranslationLoss, TranslationModel
 from routelab.layers.mae import set_routing
@@ -230,12 +230,27 @@ def test_a_wide_beam_finds_the_brute_force_best(len_penalty: float) -> None:
 
 def test_batched_beam_search_equals_one_sentence_at_a_time(corpus) -> None:
     model = tiny_model(corpus)
-    src = corpus.sources("test")[:8]
-    batched = translate(model, src, beam=3, batch=4)
-    for i, (row, hyp) in enumerate(zip(src, batched)):
-        chunk = src[4 * (i // 4): 4 * (i // 4) + 4]
-        steps = min(39, int(1.5 * int((chunk != PAD).sum(1).max())) + 10)  # the chunk's default bound
-        assert beam_search(model, row[row != PAD].unsqueeze(0), beam=3, max_steps=steps)[0] == hyp
+    src = corpus.sources("test")[:9]
+    batched = translate(model, src, beam=3, batch=4, max_steps=14)
+    for row, hyp in zip(src, batched):  # in the input's order, though decoded sorted by length
+        assert beam_search(model, row[row != PAD].unsqueeze(0), beam=3, max_steps=14)[0] == hyp
+
+
+def test_length_batches_cover_each_pass_once_and_cut_padding(corpus) -> None:
+    data = corpus.data["train"]  # 360 pairs: 12 batches of 32 per pass (the last one short)
+    epochs = [length_batches(data, 32, 5, e, 5) for e in range(5)]  # 25 batches: two passes and a bit
+    rows = [tuple(r.tolist()) for bs in epochs for b in bs for r in b]
+    first_pass = rows[:360]
+    assert sorted(first_pass) == sorted(tuple(r.tolist()) for r in data)
+    assert [torch.equal(a, b) for a, b in zip(epochs[1], length_batches(data, 32, 5, 1, 5))] == [True] * 5
+    assert not torch.equal(epochs[0][0], length_batches(data, 32, 6, 0, 5)[0])  # another seed, another order
+
+    def padding(batches: list[torch.Tensor]) -> float:
+        lengths = [(b != PAD).sum(1) for b in batches]
+        return sum(float(n.max() * len(n) - n.sum()) for n in lengths)
+
+    random_batches = list(data[torch.randperm(360, generator=torch.Generator().manual_seed(0))].split(32))
+    assert padding([b for bs in epochs for b in bs][:12]) < 0.5 * padding(random_batches)
 
 
 def test_beam_search_rejects_bad_arguments(corpus) -> None:

@@ -24,6 +24,7 @@ __all__ = [
     "VARIANTS",
     "Schedule",
     "Variant",
+    "epoch_batches",
     "evaluate",
     "finetune",
     "run_training",
@@ -122,7 +123,7 @@ def evaluate(model: nn.Module, windows: Tensor, routing: str, *, batch: int = 64
     return total / count
 
 
-def _batches(windows: Tensor, s: Schedule, epoch: int) -> list[Tensor]:
+def epoch_batches(windows: Tensor, s: Schedule, epoch: int) -> list[Tensor]:
     """The batches of ``epoch``: consecutive slices of a per-pass permutation of the windows.
 
     Pass ``p`` uses the permutation seeded by ``s.seed * 1000 + p``, so the batches depend only
@@ -155,8 +156,12 @@ def run_training(
     label: str,
     extra_eval: dict[str, Tensor] | None = None,
     evaluate_fn: Callable[[nn.Module, Tensor, str], float] = evaluate,
+    batches_fn: Callable[[Tensor, Schedule, int], list[Tensor]] | None = None,
 ) -> dict[str, Any]:
     """Epoch loop with a checkpoint after every epoch (resumes from ``ckpt``).
+
+    ``batches_fn(train, s, epoch)`` gives an epoch's batches; it must depend only on its arguments,
+    so that a resumed run sees the same ones (default: random windows, :func:`epoch_batches`).
 
     ``evaluate_fn(model, data, routing) -> loss`` scores ``dev`` (and ``extra_eval``) after every
     epoch (default: the LM's :func:`evaluate`).
@@ -180,7 +185,7 @@ def run_training(
     for epoch in range(state["epoch"], s.epochs):
         t0 = time.perf_counter()
         model.train()
-        batches = _batches(train, s, epoch)
+        batches = (batches_fn or epoch_batches)(train, s, epoch)
         losses, g_losses = [], []
         for j, b in enumerate(batches):
             step = epoch * s.batches_per_epoch + j

@@ -29,7 +29,13 @@ from routelab.data.parallel_text import VersePair
 
 from ..kit.store import atomic_write_text
 
-__all__ = ["BOS", "EOS", "PAD", "SPECIALS", "UNK", "BPE", "TranslationCorpus", "build_corpus", "split_batch"]
+__all__ = [
+    "BOS", "EOS", "PAD", "SPECIALS", "UNK", "BPE", "TranslationCorpus", "build_corpus", "length_batches", "split_batch",
+]
+
+BUCKET = 50
+"""Batches per bucket of :func:`length_batches`: pairs are sorted by length within groups of
+``BUCKET * batch`` consecutive pairs of a random order."""
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 SPECIALS = ("<pad>", "<unk>", "<bos>", "<eos>")
@@ -125,6 +131,37 @@ def split_batch(batch: Tensor, src_len: int) -> tuple[Tensor, Tensor]:
     s = int((src != PAD).sum(1).max())
     t = int((tgt != PAD).sum(1).max())
     return src[:, : max(s, 1)], tgt[:, : max(t, 2)]
+
+
+def length_batches(data: Tensor, batch: int, seed: int, epoch: int, batches_per_epoch: int) -> list[Tensor]:
+    """The batches of ``epoch``, of pairs of similar length (less padding than random batches).
+
+    Pass ``p`` over ``data`` ``[n, ...]`` draws a random order (generator seeded ``seed * 1000 + p``),
+    sorts each group of ``BUCKET * batch`` consecutive pairs by length (source + target pieces),
+    cuts the groups into batches of ``batch`` and shuffles the batches (same generator). Epoch ``e``
+    takes the next ``batches_per_epoch`` batches, cycling through passes, so its batches depend only
+    on the arguments (a resumed run sees the same ones). Every pair is in exactly one batch of a pass.
+    """
+    n = data.shape[0]
+    lengths = (data != PAD).sum(1).cpu()
+    passes: dict[int, list[Tensor]] = {}
+
+    def batches_of_pass(p: int) -> list[Tensor]:
+        if p not in passes:
+            g = torch.Generator().manual_seed(seed * 1000 + p)
+            order = torch.randperm(n, generator=g)
+            out = []
+            for start in range(0, n, BUCKET * batch):
+                group = order[start: start + BUCKET * batch]
+                group = group[torch.argsort(lengths[group], stable=True)]
+                out += list(group.split(batch))
+            passes[p] = [out[i] for i in torch.randperm(len(out), generator=g).tolist()]
+        return passes[p]
+
+    per_pass = len(batches_of_pass(0))
+    first = epoch * batches_per_epoch
+    return [data[batches_of_pass(k // per_pass)[k % per_pass].to(data.device)]
+            for k in range(first, first + batches_per_epoch)]
 
 
 def _split_of(i: int) -> str:

@@ -91,15 +91,23 @@ def beam_search(model: TranslationModel, src: Tensor, *, beam: int = 5, max_step
     return [max(f, key=lambda x: x[0])[1] for f in finished]
 
 
-def translate(model: TranslationModel, src: Tensor, *, beam: int = 5, batch: int = 64,
-              len_penalty: float = 1.0) -> list[list[int]]:
-    """:func:`beam_search` over ``src`` ``[n, S]`` in batches of ``batch`` sentences (each trimmed)."""
-    out: list[list[int]] = []
-    for i in range(0, src.shape[0], batch):
-        b = src[i: i + batch]
-        b = b[:, : max(1, int((b != PAD).sum(1).max()))]
-        out += beam_search(model, b, beam=beam, len_penalty=len_penalty)
-    return out
+def translate(model: TranslationModel, src: Tensor, *, beam: int = 5, batch: int = 64, len_penalty: float = 1.0,
+              max_steps: int | None = None) -> list[list[int]]:
+    """:func:`beam_search` over ``src`` ``[n, S]``, in the input's order.
+
+    Sentences are decoded in batches of ``batch`` of similar length (sorted by source length, each
+    batch trimmed to its longest source), so that little is padding and the default step bound of
+    each batch fits its sentences.
+    """
+    lengths = (src != PAD).sum(1)
+    order = torch.argsort(lengths, stable=True).tolist()
+    out: list[list[int] | None] = [None] * src.shape[0]
+    for i in range(0, len(order), batch):
+        rows = order[i: i + batch]
+        b = src[rows][:, : max(1, int(lengths[rows].max()))]
+        for r, hyp in zip(rows, beam_search(model, b, beam=beam, len_penalty=len_penalty, max_steps=max_steps)):
+            out[r] = hyp
+    return out  # type: ignore[return-value]
 
 
 def corpus_bleu(hypotheses: list[str], references: list[str]) -> float:
