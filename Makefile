@@ -11,6 +11,8 @@
 #   make test-gpu  on the GPU machine, with its own python3 (CUDA torch; no venv, no network):
 #               install routelab --no-deps, print torch/CUDA/GPU/NCCL and the packages found, run
 #               the whole suite with ROUTELAB_REQUIRE_CUDA=1 (a CUDA test that skips fails)
+#   make gpu-data  the parallel text's cache into data-cache/, for a GPU machine without the Debian
+#               packages (mae-translation there: --data-dir data-cache)
 #   make gpu-wheels  on a machine with network: download the wheels the GPU machine lacks
 #               (GPU_WHEEL_PKGS, for Python GPU_PY) into wheels/, which `make test-gpu` installs
 #   make clean  remove the venv, build outputs and results
@@ -30,7 +32,7 @@ OUT ?= results
 # Experiments run side by side, one per core (most train on one torch thread).
 JOBS ?= $(shell nproc 2>/dev/null || echo 1)
 
-.PHONY: all venv data run test test-gpu gpu-wheels fuzz bench clean
+.PHONY: all venv data run test test-gpu gpu-data gpu-wheels fuzz bench clean
 
 all: run
 
@@ -111,6 +113,12 @@ test-gpu:
 	PYTHONPATH="$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) tools/gpu_env.py --require-cuda
 	PYTHONPATH="$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH}" ROUTELAB_REQUIRE_CUDA=1 ROUTELAB_ALLOW_MISSING_OPTIONAL=1 \
 		$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+
+# The Spanish-English Bible comes from Debian packages the GPU machine does not have: export its cache
+# here (after `make data`) into data-cache/ (2.9 MB, git-ignored), copy it along, and run
+# `python -m routelab.experiments.mae_translation --device cuda --data-dir data-cache` there.
+gpu-data: $(DATA_STAMP)
+	$(BIN)/python -c "from routelab.data import load_parallel_text; 		print(len(load_parallel_text('data-cache')), 'verse pairs cached in data-cache/')"
 
 # Run where there is network, with GPU_PY the GPU machine's Python (major.minor); copy wheels/ over.
 # Dependencies come along (those the GPU machine has already are not reinstalled: pip resolves

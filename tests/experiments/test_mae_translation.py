@@ -22,9 +22,6 @@ from routelab.experiments.mae_translation.decode import beam_search, corpus_bleu
 from routelab.experiments.mae_translation.model import Seq2SeqConfig, TranslationLoss, TranslationModel
 from routelab.layers.mae import set_routing
 
-pytest.importorskip("tokenizers")
-pytest.importorskip("sacrebleu")
-
 WORDS = ["god", "said", "let", "there", "be", "light", "and", "was", "the", "earth", "water", "day", "night",
          "he", "made", "two", "great", "lights", "over", "sea"]
 

@@ -56,10 +56,10 @@ class BPE:
     def _tokenizers():  # noqa: ANN205 - the module
         try:
             import tokenizers
-        except ImportError as err:  # pragma: no cover - installed with the experiments / hf extras
-            raise ImportError(
+        except ModuleNotFoundError as err:  # pragma: no cover - installed with the experiments / hf extras
+            raise ModuleNotFoundError(
                 "the MAE translation experiment needs HF tokenizers for its BPE; install it with "
-                "`pip install tokenizers` (part of `pip install -e .[experiments]`)."
+                "`pip install tokenizers` (part of `pip install -e .[experiments]`).", name="tokenizers"
             ) from err
         return tokenizers
 

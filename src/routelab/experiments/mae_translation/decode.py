@@ -114,9 +114,9 @@ def corpus_bleu(hypotheses: list[str], references: list[str]) -> float:
     """Corpus BLEU by sacrebleu (its default 13a tokenisation) of lower-cased detokenised text."""
     try:
         import sacrebleu
-    except ImportError as err:  # pragma: no cover - part of the experiments extra
-        raise ImportError("BLEU needs sacrebleu; install it with `pip install sacrebleu` "
-                          "(part of `pip install -e .[experiments]`).") from err
+    except ModuleNotFoundError as err:  # pragma: no cover - part of the experiments extra
+        raise ModuleNotFoundError("BLEU needs sacrebleu; install it with `pip install sacrebleu` "
+                                  "(part of `pip install -e .[experiments]`).", name="sacrebleu") from err
     if len(hypotheses) != len(references):
         raise ValueError(f"one hypothesis per reference: got {len(hypotheses)} and {len(references)}.")
     return float(sacrebleu.corpus_bleu(hypotheses, [references]).score)
