@@ -307,3 +307,13 @@ def test_run_on_cuda(tmp_path, monkeypatch) -> None:
     mt.run(tmp_path, TINY.with_(device="cuda", variants=("BASE", "MAE-7")))
     runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
     assert [r["device"] for r in runs] == ["cuda", "cuda"] and all(math.isfinite(r["test_loss"]) for r in runs)
+
+
+def test_an_out_directory_holds_runs_of_one_configuration(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(mt, "load_parallel_text", lambda cache_dir=None: synthetic_pairs(200))
+    mt.run(tmp_path, TINY.with_(variants=("BASE",)))
+    mt.run(tmp_path, TINY.with_(variants=("BASE", "MAE-7")))  # more variants (or seeds): the same configuration
+    runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert [r["variant"] for r in runs] == ["BASE", "MAE-7"] and all(r["machine"] for r in runs)
+    with pytest.raises(ValueError, match="differing: dim"):
+        mt.run(tmp_path, TINY.with_(dim=24))

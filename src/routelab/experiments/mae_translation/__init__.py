@@ -21,6 +21,7 @@ BCD schedule, warm-up and cosine decay, divergence checks).
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -33,7 +34,7 @@ from routelab.layers.bcd import EVAL_ROUTING, BCDTrainer
 from routelab.layers.mae import set_routing
 
 from ..kit.divergence import RunDiverged
-from ..kit.store import append_jsonl_atomic, failed_record, read_jsonl
+from ..kit.store import append_jsonl_atomic, atomic_write_text, failed_record, read_jsonl
 from ..mae.train import VARIANTS, Schedule, _log, evaluate, run_training
 from .corpus import TranslationCorpus, build_corpus, length_batches
 from .decode import corpus_bleu, translate
@@ -121,6 +122,33 @@ QUICK = Settings(
 """The pipeline in about a minute: one seed, a tiny model, 40 steps; its BLEU means nothing."""
 
 
+SETTINGS_FILE = "settings.json"
+_PER_INVOCATION = ("seeds", "variants", "device", "data_dir")  # may change between invocations on one out_dir
+
+
+def check_settings(out_dir: Path, s: Settings) -> None:
+    """Record the settings that define a run in ``out_dir/settings.json``, or check them against it.
+
+    A directory holds runs of one configuration: resuming it with another model, data or schedule
+    would mix incomparable runs in one report, so that is an error. Seeds, variants, the device and
+    the data directory may change between invocations (more seeds, a run split over machines).
+
+    Raises:
+        ValueError: ``out_dir`` holds runs of other settings (the message names the fields).
+    """
+    fields = {k: v for k, v in {**asdict(s), "schedule": asdict(s.schedule)}.items() if k not in _PER_INVOCATION}
+    fields = json.loads(json.dumps(fields))  # tuples -> lists, as read back
+    path = out_dir / SETTINGS_FILE
+    if path.exists():
+        saved = json.loads(path.read_text())
+        diff = sorted(k for k in set(saved) | set(fields) if saved.get(k) != fields.get(k))
+        if diff:
+            raise ValueError(f"{out_dir} holds runs of other settings (differing: {', '.join(diff)}); "
+                             "pass another out directory, or the settings it was run with.")
+        return
+    atomic_write_text(path, json.dumps(fields, indent=1) + "\n")
+
+
 def _record_key(r: dict[str, Any]) -> tuple[str, int]:
     return (r["variant"], r["seed"])
 
@@ -148,7 +176,7 @@ def run(out_dir: Path, s: Settings) -> Path:
         DataUnavailable: the parallel text is not installed (the message gives the command).
         ValueError: unknown variants, no seeds, or a CUDA device where there is none.
     """
-    from .report import write_report  # lazy: matplotlib
+    from .report import machine_name, write_report  # lazy: matplotlib
 
     variants = {v.name: v for v in VARIANTS}
     unknown = [n for n in s.variants if n not in variants]
@@ -163,6 +191,7 @@ def run(out_dir: Path, s: Settings) -> Path:
         torch.backends.cuda.matmul.allow_tf32 = True  # named in the report
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    check_settings(out_dir, s)
     t_start = time.perf_counter()
     pairs = load_parallel_text(s.data_dir)
     corpus = build_corpus(pairs, s.src_vocab, s.tgt_vocab, s.max_len, bpe_dir=out_dir)
@@ -214,7 +243,8 @@ def run(out_dir: Path, s: Settings) -> Path:
                 rec["top1_dev_bleu"], _ = bleu_of(model, corpus, "dev", s, "top1")
             rec.update({"samples": hyps[:3], "steps": dict(trainer.steps), "curve": state["curve"],
                         "seconds": state["seconds"], "decode_seconds": time.perf_counter() - t0,
-                        "params": sum(p.numel() for p in model.parameters()), "device": s.device})
+                        "params": sum(p.numel() for p in model.parameters()), "device": s.device,
+                        "machine": machine_name(s.device)})
             append_jsonl_atomic(runs_path, rec)
             _log(f"{label}: dev BLEU {rec['dev_bleu']:.2f}, test BLEU {rec['test_bleu']:.2f} "
                  f"({rec['seconds']:.0f}s training, {rec['decode_seconds']:.0f}s decoding)")

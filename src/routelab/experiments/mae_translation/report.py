@@ -23,7 +23,7 @@ from ..kit.tables import md_table
 from ..mae.compare import less_verdict, paired
 from .corpus import TranslationCorpus
 
-__all__ = ["claims", "write_report"]
+__all__ = ["claims", "machine_name", "write_report"]
 
 EXPERIMENT = "mae-translation"
 PAPER = "Peng et al. 2020"
@@ -109,7 +109,8 @@ def _fig_curves(runs: Runs, out_dir: Path, drawn: list[str]) -> None:
     save_figure(fig, out_dir, "fig_learning_curves.png", drawn)
 
 
-def _machine(device: str) -> str:
+def machine_name(device: str) -> str:
+    """The GPU's name (with CUDA and TF32 settings) or the CPU and its torch threads."""
     if device.startswith("cuda") and torch.cuda.is_available():
         tf32 = "TF32 matmuls on" if torch.backends.cuda.matmul.allow_tf32 else "TF32 off"
         return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda}, {tf32})"
@@ -133,12 +134,13 @@ def write_report(out_dir: Path, s: dict[str, Any], corpus: TranslationCorpus, re
     bleu_n = s["bleu_sentences"] or n["test"]
     train_pairs = min(n["train"], s["train_limit"] or n["train"])
     passes = sched["epochs"] * sched["batches_per_epoch"] * sched["batch"] / train_pairs
+    machines = "; ".join(sorted({r.get("machine", r.get("device", "?")) for r in runs.by.values()})) or "—"
     lines = [
         "# MAE as Spanish -> English translation (Peng et al. 2020, Tables 2, 3, 5)",
         "",
         *(["**Quick form**: one seed and a tiny model, to check the pipeline; its BLEU and verdicts mean "
            "nothing.", ""] if s["quick"] else []),
-        f"- **Ran on** {_machine(s['device'])}; {software_line()}. This invocation took {elapsed / 60:.1f} min; "
+        f"- **Ran on** {machines}; report written with {software_line()}. This invocation took {elapsed / 60:.1f} min; "
         f"training took {sum(r['seconds'] for r in runs.by.values()) / 60:.1f} min and decoding "
         f"{sum(r['decode_seconds'] for r in runs.by.values()) / 60:.1f} min over the {len(runs.by)} runs recorded.",
         f"- **Data**: the parallel Bible (Reina-Valera 1909 -> World English Bible), verse pairs split by index "
