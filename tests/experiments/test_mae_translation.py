@@ -159,6 +159,31 @@ def test_loss_is_the_per_sentence_loop(corpus) -> None:
         assert float(smoothed(model, batch)) != float(loss(model, batch))
 
 
+@pytest.mark.parametrize("routing", ["gate", "top1", "uniform"])
+def test_incremental_decoding_equals_the_full_decoder(corpus, routing: str) -> None:
+    """step() keeps cached inputs and running gate means; its logits at every position must be those of
+    decode() over the whole prefix, also after the hypotheses are reordered (as beam search does)."""
+    model = tiny_model(corpus)
+    set_routing(model, routing)
+    src, tgt = split_batch(corpus.data["dev"][:5], corpus.src_len)
+    with torch.no_grad():
+        memory, pad = model.encode(src)
+        full = model.decode(tgt, memory, pad)
+        state = model.start(memory, pad)
+        for t in range(tgt.shape[1]):
+            torch.testing.assert_close(model.step(state, tgt[:, t]), full[:, t], atol=1e-5, rtol=1e-5)
+        # three hypotheses of sentence 0 (one memory), reordered after 4 pieces as a beam does
+        mem3, pad3 = memory[:1].expand(3, -1, -1), pad[:1].expand(3, -1)
+        prefixes = tgt[:3]
+        state = model.start(mem3, pad3)
+        for t in range(4):
+            model.step(state, prefixes[:, t])
+        rows = torch.tensor([2, 0, 0])
+        state.reorder(rows)
+        want = model.decode(prefixes[rows, :5], mem3, pad3)[:, -1]
+        torch.testing.assert_close(model.step(state, prefixes[rows, 4]), want, atol=1e-5, rtol=1e-5)
+
+
 def test_model_rejects_rows_longer_than_max_len(corpus) -> None:
     model = tiny_model(corpus)
     with pytest.raises(ValueError, match="max_len"):

@@ -138,3 +138,22 @@ def test_bad_causal_gate_is_a_type_error() -> None:
     x = torch.randn(1, 3, D)
     with pytest.raises(TypeError, match="causal_gate"):
         mae(x, x, x, causal_gate="yes")
+
+
+@pytest.mark.parametrize("routing", ["gate", "top1", "uniform"])
+def test_route_summary_is_what_the_forward_routes(routing: str) -> None:
+    """responsibilities = route_summary(gate_summary(query)): a caller keeping the summary itself (incremental
+    decoding) gets the forward's routing."""
+    torch.manual_seed(0)
+    mae = MixtureOfAttentiveExperts(16, 4, batch_first=True, gate_hidden=8)
+    torch.nn.init.normal_(mae.gate.out.weight)
+    mae.routing = routing
+    x = torch.randn(3, 5, 16)
+    mask = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1)
+    out, r = mae(x, x, x, attn_mask=mask)
+    torch.testing.assert_close(mae.route_summary(mae.gate_summary(x, causal=True)), r)
+    out2, _ = mae(x, x, x, attn_mask=mask, responsibilities=mae.route_summary(mae.gate_summary(x, causal=True)))
+    torch.testing.assert_close(out2, out)
+    mae.routing = "bogus"
+    with pytest.raises(ValueError, match="routing"):
+        mae.route_summary(torch.zeros(2, 16))

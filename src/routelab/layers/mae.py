@@ -317,29 +317,49 @@ class MixtureOfAttentiveExperts(nn.Module):
         count = torch.arange(1, seq + 1, device=query.device, dtype=query.dtype).clamp_max(c)
         return ((csum - shifted) / count.view(1, seq, 1)).to(out_dtype)
 
-    def _responsibilities(self, query: Tensor, query_padding_mask: Tensor | None, causal: bool) -> Tensor:
-        """Responsibilities for the current :attr:`routing`: ``[batch, E]`` or ``[batch, seq, E]``."""
+    def route_summary(self, summary: Tensor) -> Tensor:
+        """Responsibilities under the current :attr:`routing` for the gate inputs ``summary``.
+
+        The forward pass computes ``summary`` with :meth:`gate_summary`; a caller that keeps the
+        summary itself (incremental decoding: the running mean of a decoder's queries, one position
+        at a time) routes it here and passes the result as ``responsibilities=``.
+
+        Args:
+            summary: ``[..., d]``, the gate's input per instance or per position.
+
+        Returns:
+            ``[..., E]`` in ``summary``'s dtype: the gate mixture (``"gate"``), a one-hot
+            ``[..., E]`` (``"top1"``, ``"sample"``, ``"uniform_sample"``; no gate gradient), or
+            ``1/E`` everywhere (``"uniform"``, which ignores the values of ``summary``).
+        """
         routing = self.routing
         if routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}.")
-        lead = tuple(query.shape[:2]) if self.per_position_gate(causal) else (query.shape[0],)
+        lead = tuple(summary.shape[:-1])
         n = self.num_experts
         if routing == "uniform":
-            return query.new_full((*lead, n), 1.0 / n)
+            return summary.new_full((*lead, n), 1.0 / n)
         if routing == "uniform_sample":
-            idx = torch.randint(n, lead, generator=self.generator, device="cpu").to(query.device)
-            return F.one_hot(idx, n).to(query.dtype)
+            idx = torch.randint(n, lead, generator=self.generator, device="cpu").to(summary.device)
+            return F.one_hot(idx, n).to(summary.dtype)
         if routing == "gate":
-            return self.gate(self.gate_summary(query, query_padding_mask, causal=causal))
+            return self.gate(summary)
         with torch.no_grad():  # sample / top1: non-differentiable choice, never a gate gradient
-            probs = self.gate(self.gate_summary(query, query_padding_mask, causal=causal))
+            probs = self.gate(summary)
             if routing == "top1":
                 idx = probs.argmax(-1)
             else:
                 flat = probs.reshape(-1, n).float().cpu()
                 idx = torch.multinomial(flat, 1, generator=self.generator).view(lead)
-                idx = idx.to(query.device)
-        return F.one_hot(idx, n).to(query.dtype)
+                idx = idx.to(summary.device)
+        return F.one_hot(idx, n).to(summary.dtype)
+
+    def _responsibilities(self, query: Tensor, query_padding_mask: Tensor | None, causal: bool) -> Tensor:
+        """Responsibilities for the current :attr:`routing`: ``[batch, E]`` or ``[batch, seq, E]``."""
+        if self.routing in ("uniform", "uniform_sample"):  # the gate's input is not needed, only its shape
+            lead = tuple(query.shape[:2]) if self.per_position_gate(causal) else (query.shape[0],)
+            return self.route_summary(query.new_empty((*lead, 0)))
+        return self.route_summary(self.gate_summary(query, query_padding_mask, causal=causal))
 
     def _check_responsibilities(self, r: Tensor, batch: int, seq: int) -> Tensor:
         n = self.num_experts

@@ -1,9 +1,9 @@
 """Beam search for :class:`~.model.TranslationModel` (the paper decodes with beam size 5), and BLEU.
 
 A hypothesis is scored by its summed log-probability divided by ``length ** len_penalty`` (its
-length in pieces, EOS included; fairseq's convention). Each step runs the decoder over the whole
-prefix (no incremental cache: every attention and gate of the decoder is causal, so the last
-position's logits equal those of a cached decoder), at most ``max_steps`` steps.
+length in pieces, EOS included; fairseq's convention). Each step feeds one piece per hypothesis to
+the decoder's incremental form (:meth:`~.model.TranslationModel.step`: cached inputs and running
+gate means, equal to the full decoder's last position), at most ``max_steps`` steps.
 
 Finished hypotheses (EOS chosen among the ``beam`` best candidates) leave the beam; a sentence is
 done once it has ``beam`` of them, or once no live hypothesis can still beat its best one (a
@@ -49,8 +49,7 @@ def beam_search(model: TranslationModel, src: Tensor, *, beam: int = 5, max_step
         raise ValueError(f"max_steps must be in [1, model.cfg.max_len - 1 = {cap}], got {steps}.")
     batch, device = src.shape[0], src.device
     memory, src_pad = model.encode(src)
-    memory = memory.repeat_interleave(beam, dim=0)  # [B * beam, S, d]
-    src_pad = src_pad.repeat_interleave(beam, dim=0)
+    state = model.start(memory.repeat_interleave(beam, dim=0), src_pad.repeat_interleave(beam, dim=0))  # B * beam
     ys = torch.full((batch * beam, 1), BOS, dtype=torch.long, device=device)
     scores = torch.full((batch, beam), -math.inf, device=device)
     scores[:, 0] = 0.0  # one live hypothesis (BOS) at first
@@ -58,7 +57,7 @@ def beam_search(model: TranslationModel, src: Tensor, *, beam: int = 5, max_step
     done = [False] * batch
     denom = steps ** len_penalty
     for t in range(1, steps + 1):
-        logp = torch.log_softmax(model.decode(ys, memory, src_pad)[:, -1].float(), dim=-1)
+        logp = torch.log_softmax(model.step(state, ys[:, -1]).float(), dim=-1)
         logp[:, PAD] = logp[:, BOS] = -math.inf  # never generated
         vocab = logp.shape[-1]
         cand = (scores.unsqueeze(-1) + logp.view(batch, beam, vocab)).view(batch, beam * vocab)
@@ -75,6 +74,7 @@ def beam_search(model: TranslationModel, src: Tensor, *, beam: int = 5, max_step
         scores = top.gather(1, keep)
         rows = (torch.arange(batch, device=device).unsqueeze(1) * beam + src_beam.gather(1, keep)).view(-1)
         ys = torch.cat([ys[rows], tok.gather(1, keep).view(-1, 1)], dim=1)
+        state.reorder(rows)
         best_live = scores.max(dim=1).values.tolist()
         for b in range(batch):
             if not done[b] and finished[b]:

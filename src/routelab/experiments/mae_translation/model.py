@@ -16,7 +16,7 @@ With uniform routing the model is a plain transformer (BASE), by eq. 5.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from routelab.layers import MixtureOfAttentiveExperts
 
 from .corpus import PAD, split_batch
 
-__all__ = ["Seq2SeqConfig", "TranslationLoss", "TranslationModel"]
+__all__ = ["DecoderState", "Seq2SeqConfig", "TranslationLoss", "TranslationModel"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,41 @@ class EncoderBlock(nn.Module):
         return x + self.drop(self.ffn(self.ln2(x)))
 
 
+@dataclass
+class DecoderState:
+    """What incremental decoding keeps between steps; one row per hypothesis.
+
+    Attributes:
+        memory, src_pad: the encoder output ``[N, S, d]`` and its padding ``[N, S]``.
+        inputs: per decoder block, the normalised inputs of the positions so far ``[N, t, d]`` (the
+            keys and values of its self-attention).
+        self_sums, cross_sums: per block, the running sums ``[N, d]`` (float32) of the queries of its
+            self- and cross-attention: their means are the causal gates' inputs (eq. 6, the prefix mean).
+        length: positions decoded so far (``t``).
+    """
+
+    memory: Tensor
+    src_pad: Tensor
+    inputs: list[Tensor | None] = field(default_factory=list)
+    self_sums: list[Tensor | float] = field(default_factory=list)
+    cross_sums: list[Tensor | float] = field(default_factory=list)
+    length: int = 0
+
+    def reorder(self, rows: Tensor) -> None:
+        """Keep the hypotheses ``rows`` ``[N]`` (beam search's survivors, with repeats).
+
+        ``memory`` and ``src_pad`` stay: every row is taken from the beam of its own sentence,
+        whose rows share them."""
+        self.inputs = [x[rows] for x in self.inputs]  # type: ignore[index]
+        self.self_sums = [x[rows] for x in self.self_sums]  # type: ignore[index]
+        self.cross_sums = [x[rows] for x in self.cross_sums]  # type: ignore[index]
+
+
+def _prefix_gate(attn: MixtureOfAttentiveExperts, sums: Tensor, count: int, dtype: torch.dtype) -> Tensor:
+    """The responsibilities ``[N, 1, E]`` of the newest position from its query prefix's running sum."""
+    return attn.route_summary((sums / count).to(dtype)).unsqueeze(1)
+
+
 class DecoderBlock(nn.Module):
     """Causal self-attention, cross-attention to the encoder output, FFN; ``[B, T, d]`` -> same."""
 
@@ -95,6 +130,27 @@ class DecoderBlock(nn.Module):
         y = y + self.drop(a)
         h = self.ln2(y)
         a, _ = self.cross_attn(h, memory, memory, key_padding_mask=src_pad, causal_gate=True)
+        y = y + self.drop(a)
+        return y + self.drop(self.ffn(self.ln3(y)))
+
+    def step(self, y: Tensor, state: DecoderState, i: int) -> Tensor:
+        """:meth:`forward` of the newest position only, ``[N, 1, d]`` -> same, as block ``i`` of ``state``.
+
+        Its self-attention sees the cached inputs and itself; each gate routes the running mean of its
+        queries, which is what the causal gate of :meth:`forward` computes for the last position."""
+        h = self.ln1(y)
+        prev = state.inputs[i]
+        keys = h if prev is None else torch.cat([prev, h], dim=1)
+        state.inputs[i] = keys
+        count = keys.shape[1]
+        state.self_sums[i] = state.self_sums[i] + h[:, 0].float()
+        r = _prefix_gate(self.self_attn, state.self_sums[i], count, h.dtype)  # type: ignore[arg-type]
+        a, _ = self.self_attn(h, keys, keys, responsibilities=r)
+        y = y + self.drop(a)
+        h = self.ln2(y)
+        state.cross_sums[i] = state.cross_sums[i] + h[:, 0].float()
+        r = _prefix_gate(self.cross_attn, state.cross_sums[i], count, h.dtype)  # type: ignore[arg-type]
+        a, _ = self.cross_attn(h, state.memory, state.memory, key_padding_mask=state.src_pad, responsibilities=r)
         y = y + self.drop(a)
         return y + self.drop(self.ffn(self.ln3(y)))
 
@@ -150,6 +206,23 @@ class TranslationModel(nn.Module):
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         memory, pad = self.encode(src)
         return self.decode(tgt_in, memory, pad)
+
+    def start(self, memory: Tensor, src_pad: Tensor) -> DecoderState:
+        """An empty :class:`DecoderState` for incremental decoding over ``memory`` (from :meth:`encode`)."""
+        n = len(self.decoder)
+        return DecoderState(memory, src_pad, [None] * n, [0.0] * n, [0.0] * n)
+
+    def step(self, state: DecoderState, tokens: Tensor) -> Tensor:
+        """Feed piece ``tokens`` ``[N]`` at position ``state.length``; the logits ``[N, tgt_vocab]`` of the
+        next piece. Equals ``decode(prefix, ...)[:, -1]`` for the prefix fed so far, at O(t) per step."""
+        t = state.length
+        if t >= self.cfg.max_len:
+            raise ValueError(f"the decoder state is full: {t} positions of cfg.max_len={self.cfg.max_len}.")
+        y = self.drop(self.tgt_tok(tokens).unsqueeze(1) + self.tgt_pos.weight[t])
+        for i, block in enumerate(self.decoder):
+            y = block.step(y, state, i)
+        state.length = t + 1
+        return (self.dec_ln(y) @ self.tgt_tok.weight.T)[:, 0]
 
 
 class TranslationLoss:
