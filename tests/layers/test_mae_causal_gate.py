@@ -157,3 +157,24 @@ def test_route_summary_is_what_the_forward_routes(routing: str) -> None:
     mae.routing = "bogus"
     with pytest.raises(ValueError, match="routing"):
         mae.route_summary(torch.zeros(2, 16))
+
+
+def test_attend_over_projected_keys_values_equals_the_forward() -> None:
+    """attend(query, *project_keys_values(key, value), r) == forward(query, key, value, responsibilities=r);
+    a cache grown along S by concatenation is the same as projecting the whole key sequence."""
+    torch.manual_seed(1)
+    mae = MixtureOfAttentiveExperts(16, 4, batch_first=True)
+    q, kv = torch.randn(2, 3, 16), torch.randn(2, 6, 16)
+    pad = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])
+    r = torch.softmax(torch.randn(2, 3, 4), -1)
+    want, _ = mae(q, kv, kv, key_padding_mask=pad, responsibilities=r)
+    k, v = mae.project_keys_values(kv, kv)
+    torch.testing.assert_close(mae.attend(q, k, v, r, key_padding_mask=pad), want)
+    k1, v1 = mae.project_keys_values(kv[:, :2], kv[:, :2])
+    k2, v2 = mae.project_keys_values(kv[:, 2:], kv[:, 2:])
+    torch.testing.assert_close(torch.cat([k1, k2], 2), k)
+    torch.testing.assert_close(torch.cat([v1, v2], 2), v)
+    with pytest.raises(ValueError, match="project_keys_values"):
+        mae.attend(q, kv, kv, r)
+    with pytest.raises(ValueError, match="key and value"):
+        mae.project_keys_values(kv, kv[:, :2])

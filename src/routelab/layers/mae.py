@@ -471,14 +471,8 @@ class MixtureOfAttentiveExperts(nn.Module):
             resp = self._responsibilities(query, qpm, causal_gate)
         else:
             resp = self._check_responsibilities(responsibilities, batch, seq).to(query.dtype)
-        w = head_weights(resp, self.keep)  # [N, h] or [N, L, h]
-
-        heads = self._heads(query, key, value, key_padding_mask, attn_mask)  # [N, h, L, hd]
-        if w.dim() == 2:
-            heads = heads * w[:, :, None, None]
-        else:
-            heads = heads * w.transpose(1, 2).unsqueeze(-1)
-        out = self.out_proj(heads.transpose(1, 2).reshape(batch, seq, d))
+        k, v = self._project_kv(key, value)
+        out = self._mix(self._attend(query, k, v, key_padding_mask, attn_mask), resp)
 
         out, resp = out.to(out_dtype), resp.to(out_dtype)
         if unbatched:
@@ -502,26 +496,94 @@ class MixtureOfAttentiveExperts(nn.Module):
                      "the input contains NaN/inf; check the previous layer (or the padding values)")
         return q, k, v
 
-    def _heads(
+    # ------------------------------------------------------------------ cached keys and values
+
+    def project_keys_values(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """Every head's keys and values, for :meth:`attend` (a decoder's cache).
+
+        Args:
+            key, value: ``[N, S, d]`` (batch first, whatever :attr:`batch_first` says).
+
+        Returns:
+            ``(k, v)``, each ``[N, h, S, head_dim]`` in the parameters' dtype; a cache grows along ``S``
+            (``torch.cat(..., dim=2)``).
+        """
+        if key.dim() != 3 or key.shape != value.shape or key.shape[-1] != self.embed_dim:
+            raise ValueError(f"key and value must both be [N, S, embed_dim={self.embed_dim}], got "
+                             f"{tuple(key.shape)} and {tuple(value.shape)}.")
+        _, key, value = self._compute_inputs(key, key, value)
+        return self._project_kv(key, value)
+
+    def attend(
         self,
         query: Tensor,
-        key: Tensor,
-        value: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        responsibilities: Tensor,
+        key_padding_mask: Tensor | None = None,
+    ) -> Tensor:
+        """:meth:`forward` over keys and values projected once by :meth:`project_keys_values`.
+
+        Incremental decoding calls it with the newest position's query, the cached keys and values of
+        the positions so far (or of the encoder output) and the responsibilities from
+        :meth:`route_summary`, so no key or value is projected twice. Equal to ``forward(query, key,
+        value, key_padding_mask, responsibilities=responsibilities)[0]`` for the keys and values it
+        was given.
+
+        Args:
+            query: ``[N, L, d]`` (batch first).
+            keys, values: ``[N, h, S, head_dim]``.
+            responsibilities: ``[N, E]`` or ``[N, L, E]``, rows summing to 1.
+            key_padding_mask: ``[N, S]``, as in :meth:`forward`.
+
+        Returns:
+            ``[N, L, d]`` in the query's dtype.
+        """
+        if query.dim() != 3 or query.shape[-1] != self.embed_dim:
+            raise ValueError(f"query must be [N, L, embed_dim={self.embed_dim}], got {tuple(query.shape)}.")
+        batch, seq, _ = query.shape
+        want = (batch, self.num_heads, keys.shape[2] if keys.dim() == 4 else -1, self.head_dim)
+        if keys.dim() != 4 or tuple(keys.shape) != want or keys.shape != values.shape:
+            raise ValueError(f"keys and values must both be [N, h, S, head_dim] = {want} (from "
+                             f"project_keys_values), got {tuple(keys.shape)} and {tuple(values.shape)}.")
+        if key_padding_mask is not None and tuple(key_padding_mask.shape) != (batch, keys.shape[2]):
+            raise ValueError(f"key_padding_mask must be [N, S] = {(batch, keys.shape[2])}, got "
+                             f"{tuple(key_padding_mask.shape)}.")
+        out_dtype = query.dtype
+        query = self._compute_inputs(query, query, query)[0]
+        resp = self._check_responsibilities(responsibilities, batch, seq).to(query.dtype)
+        return self._mix(self._attend(query, keys, values, key_padding_mask, None), resp).to(out_dtype)
+
+    # ------------------------------------------------------------------ heads
+
+    def _project_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values per head, ``[N, h, S, head_dim]`` each (batch-first inputs)."""
+        batch, src, _ = key.shape
+        h, hd = self.num_heads, self.head_dim
+        _, w_k, w_v = self.in_proj_weight.chunk(3)
+        b_k = b_v = None
+        if self.in_proj_bias is not None:
+            _, b_k, b_v = self.in_proj_bias.chunk(3)
+        k = F.linear(key, w_k, b_k).view(batch, src, h, hd).transpose(1, 2)
+        v = F.linear(value, w_v, b_v).view(batch, src, h, hd).transpose(1, 2)
+        return k, v
+
+    def _attend(
+        self,
+        query: Tensor,
+        k: Tensor,
+        v: Tensor,
         key_padding_mask: Tensor | None,
         attn_mask: Tensor | None,
     ) -> Tensor:
-        """Per-head attention outputs ``H_i`` (eq. 2), ``[N, h, L, head_dim]`` (batch-first inputs)."""
-        batch, seq, d = query.shape
-        src = key.shape[1]
+        """Per-head attention outputs ``H_i`` (eq. 2), ``[N, h, L, head_dim]``, for batch-first queries
+        and projected keys and values ``[N, h, S, head_dim]``."""
+        batch, seq, _ = query.shape
+        src = k.shape[2]
         h, hd = self.num_heads, self.head_dim
-        w_q, w_k, w_v = self.in_proj_weight.chunk(3)
-        b_q = b_k = b_v = None
-        if self.in_proj_bias is not None:
-            b_q, b_k, b_v = self.in_proj_bias.chunk(3)
+        w_q = self.in_proj_weight.chunk(3)[0]
+        b_q = None if self.in_proj_bias is None else self.in_proj_bias.chunk(3)[0]
         q = F.linear(query, w_q, b_q).view(batch, seq, h, hd).transpose(1, 2)
-        k = F.linear(key, w_k, b_k).view(batch, src, h, hd).transpose(1, 2)
-        v = F.linear(value, w_v, b_v).view(batch, src, h, hd).transpose(1, 2)
-
         mask = _additive_mask(key_padding_mask, attn_mask, batch, h, seq, src, query.dtype)
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
         if mask is not None:
@@ -530,6 +592,17 @@ class MixtureOfAttentiveExperts(nn.Module):
         if self.training and self.dropout > 0:
             attn = F.dropout(attn, p=self.dropout)
         return attn @ v
+
+    def _mix(self, heads: Tensor, resp: Tensor) -> Tensor:
+        """``sum_e g_e f_e`` (eq. 6) from the head outputs ``[N, h, L, hd]``: heads weighted by
+        :func:`head_weights`, then the output projection; ``[N, L, d]``."""
+        batch, _, seq, _ = heads.shape
+        w = head_weights(resp, self.keep)  # [N, h] or [N, L, h]
+        if w.dim() == 2:
+            heads = heads * w[:, :, None, None]
+        else:
+            heads = heads * w.transpose(1, 2).unsqueeze(-1)
+        return self.out_proj(heads.transpose(1, 2).reshape(batch, seq, self.embed_dim))
 
     def extra_repr(self) -> str:
         return (

@@ -84,17 +84,19 @@ class DecoderState:
     """What incremental decoding keeps between steps; one row per hypothesis.
 
     Attributes:
-        memory, src_pad: the encoder output ``[N, S, d]`` and its padding ``[N, S]``.
-        inputs: per decoder block, the normalised inputs of the positions so far ``[N, t, d]`` (the
-            keys and values of its self-attention).
+        src_pad: the source padding ``[N, S]``.
+        cross_kv: per decoder block, its cross-attention's keys and values of the encoder output,
+            ``[N, h, S, head_dim]`` each, projected once.
+        self_kv: per decoder block, its self-attention's keys and values of the positions so far,
+            ``[N, h, t, head_dim]`` each (None before the first step).
         self_sums, cross_sums: per block, the running sums ``[N, d]`` (float32) of the queries of its
             self- and cross-attention: their means are the causal gates' inputs (eq. 6, the prefix mean).
         length: positions decoded so far (``t``).
     """
 
-    memory: Tensor
     src_pad: Tensor
-    inputs: list[Tensor | None] = field(default_factory=list)
+    cross_kv: list[tuple[Tensor, Tensor]]
+    self_kv: list[tuple[Tensor, Tensor] | None] = field(default_factory=list)
     self_sums: list[Tensor | float] = field(default_factory=list)
     cross_sums: list[Tensor | float] = field(default_factory=list)
     length: int = 0
@@ -102,9 +104,9 @@ class DecoderState:
     def reorder(self, rows: Tensor) -> None:
         """Keep the hypotheses ``rows`` ``[N]`` (beam search's survivors, with repeats).
 
-        ``memory`` and ``src_pad`` stay: every row is taken from the beam of its own sentence,
+        ``src_pad`` and ``cross_kv`` stay: every row is taken from the beam of its own sentence,
         whose rows share them."""
-        self.inputs = [x[rows] for x in self.inputs]  # type: ignore[index]
+        self.self_kv = [(k[rows], v[rows]) for k, v in self.self_kv]  # type: ignore[misc]
         self.self_sums = [x[rows] for x in self.self_sums]  # type: ignore[index]
         self.cross_sums = [x[rows] for x in self.cross_sums]  # type: ignore[index]
 
@@ -136,22 +138,23 @@ class DecoderBlock(nn.Module):
     def step(self, y: Tensor, state: DecoderState, i: int) -> Tensor:
         """:meth:`forward` of the newest position only, ``[N, 1, d]`` -> same, as block ``i`` of ``state``.
 
-        Its self-attention sees the cached inputs and itself; each gate routes the running mean of its
-        queries, which is what the causal gate of :meth:`forward` computes for the last position."""
+        Its self-attention attends to the cached keys and values and its own; each gate routes the
+        running mean of its queries, which is what the causal gate of :meth:`forward` computes for the
+        last position. Nothing already decoded is projected again."""
         h = self.ln1(y)
-        prev = state.inputs[i]
-        keys = h if prev is None else torch.cat([prev, h], dim=1)
-        state.inputs[i] = keys
-        count = keys.shape[1]
+        k, v = self.self_attn.project_keys_values(h, h)
+        cached = state.self_kv[i]
+        if cached is not None:
+            k, v = torch.cat([cached[0], k], dim=2), torch.cat([cached[1], v], dim=2)
+        state.self_kv[i] = (k, v)
+        count = k.shape[2]
         state.self_sums[i] = state.self_sums[i] + h[:, 0].float()
         r = _prefix_gate(self.self_attn, state.self_sums[i], count, h.dtype)  # type: ignore[arg-type]
-        a, _ = self.self_attn(h, keys, keys, responsibilities=r)
-        y = y + self.drop(a)
+        y = y + self.drop(self.self_attn.attend(h, k, v, r))
         h = self.ln2(y)
         state.cross_sums[i] = state.cross_sums[i] + h[:, 0].float()
         r = _prefix_gate(self.cross_attn, state.cross_sums[i], count, h.dtype)  # type: ignore[arg-type]
-        a, _ = self.cross_attn(h, state.memory, state.memory, key_padding_mask=state.src_pad, responsibilities=r)
-        y = y + self.drop(a)
+        y = y + self.drop(self.cross_attn.attend(h, *state.cross_kv[i], r, key_padding_mask=state.src_pad))
         return y + self.drop(self.ffn(self.ln3(y)))
 
 
@@ -210,7 +213,8 @@ class TranslationModel(nn.Module):
     def start(self, memory: Tensor, src_pad: Tensor) -> DecoderState:
         """An empty :class:`DecoderState` for incremental decoding over ``memory`` (from :meth:`encode`)."""
         n = len(self.decoder)
-        return DecoderState(memory, src_pad, [None] * n, [0.0] * n, [0.0] * n)
+        cross = [block.cross_attn.project_keys_values(memory, memory) for block in self.decoder]
+        return DecoderState(src_pad, cross, [None] * n, [0.0] * n, [0.0] * n)
 
     def step(self, state: DecoderState, tokens: Tensor) -> Tensor:
         """Feed piece ``tokens`` ``[N]`` at position ``state.length``; the logits ``[N, tgt_vocab]`` of the
