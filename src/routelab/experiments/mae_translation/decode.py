@@ -65,10 +65,14 @@ def beam_search(model: TranslationModel, src: Tensor, *, beam: int = 5, max_step
         src_beam, tok = idx // vocab, idx % vocab
         is_eos = tok == EOS
         # Finished: an EOS among the beam best candidates (a finite score) of a sentence not yet done.
-        for b, r in (is_eos[:, :beam] & torch.isfinite(top[:, :beam])).nonzero().tolist():
-            if not done[b]:
-                prefix = ys[b * beam + int(src_beam[b, r]), 1:].tolist()
-                finished[b].append((float(top[b, r]) / t ** len_penalty, prefix))
+        # (Read back from the device in a few transfers per step, not one per hypothesis.)
+        ended = [(b, r) for b, r in (is_eos[:, :beam] & torch.isfinite(top[:, :beam])).nonzero().tolist()
+                 if not done[b]]
+        if ended:
+            top_h, src_beam_h = top.cpu(), src_beam.cpu()
+            prefixes = ys[[b * beam + int(src_beam_h[b, r]) for b, r in ended], 1:].tolist()
+            for (b, r), prefix in zip(ended, prefixes):
+                finished[b].append((float(top_h[b, r]) / t ** len_penalty, prefix))
         # Live: the beam best candidates that are not EOS (stable sort keeps their rank order).
         keep = torch.argsort(is_eos.to(torch.int8), dim=1, stable=True)[:, :beam]
         scores = top.gather(1, keep)
@@ -83,11 +87,12 @@ def beam_search(model: TranslationModel, src: Tensor, *, beam: int = 5, max_step
         if all(done):
             break
     else:  # max_steps reached: the live hypotheses end here
+        scores_h, ys_h = scores.cpu().tolist(), ys[:, 1:].cpu().tolist()
         for b in range(batch):
             if not done[b]:
                 for r in range(beam):
-                    if math.isfinite(float(scores[b, r])):
-                        finished[b].append((float(scores[b, r]) / steps ** len_penalty, ys[b * beam + r, 1:].tolist()))
+                    if math.isfinite(scores_h[b][r]):
+                        finished[b].append((scores_h[b][r] / steps ** len_penalty, ys_h[b * beam + r]))
     return [max(f, key=lambda x: x[0])[1] for f in finished]
 
 

@@ -161,6 +161,10 @@ def write_report(out_dir: Path, s: dict[str, Any], corpus: TranslationCorpus, re
         "gates, BASE and UNI-MAE-7 with uniform weights (eq. 5).",
         "- **Paired seeds**: every variant trains at the same seeds on the same batches; BASE, MAE-7, UNI-MAE-7 "
         "and NOBCD also start from the same shared weights (MAE-6's larger gates draw more random numbers).",
+        f"- **Scale**: training stops after {passes:.1f} passes over {train_pairs} pairs; the paper trains "
+        "transformer-base to convergence on 4.5M (WMT14) or 160k (IWSLT14) pairs. An F step trains one sampled "
+        "expert (7 of 8 heads) per sentence, a structured head dropout (Sec. 3), so the claims compare the "
+        "variants at this budget only.",
         "",
         "## Scores",
         "",
