@@ -128,7 +128,7 @@ class DecoderBlock(nn.Module):
 
     def forward(self, y: Tensor, causal: Tensor, memory: Tensor, src_pad: Tensor) -> Tensor:
         h = self.ln1(y)
-        a, _ = self.self_attn(h, h, h, attn_mask=causal)
+        a, _ = self.self_attn(h, h, h, attn_mask=causal, causal_gate=True)  # said, not detected: no host sync
         y = y + self.drop(a)
         h = self.ln2(y)
         a, _ = self.cross_attn(h, memory, memory, key_padding_mask=src_pad, causal_gate=True)
