@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -342,3 +343,22 @@ def test_an_out_directory_holds_runs_of_one_configuration(tmp_path, monkeypatch)
     assert [r["variant"] for r in runs] == ["BASE", "MAE-7"] and all(r["machine"] for r in runs)
     with pytest.raises(ValueError, match="differing: dim"):
         mt.run(tmp_path, TINY.with_(dim=24))
+
+
+def test_the_committed_report_is_what_its_runs_say() -> None:
+    """docs/mae-translation/claims.json follows from the committed runs.jsonl by report.claims (no number in the
+    report is typed by hand), and the runs are the CPU form's: every variant at every seed, one machine recorded."""
+    from routelab.experiments.kit.claims import read_claims_json
+    from routelab.experiments.mae_translation.report import Runs, claims
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "mae-translation"
+    records = [json.loads(line) for line in (docs / "runs.jsonl").read_text().splitlines()]
+    settings_file = json.loads((docs / "settings.json").read_text())
+    assert settings_file["dim"] == mt.CPU.dim and settings_file["schedule"]["epochs"] == mt.CPU.schedule.epochs
+    runs = Runs(records, list(mt.CPU.variants), list(mt.CPU.seeds))
+    assert len(runs.by) == len(mt.CPU.variants) * len(mt.CPU.seeds) and all(r["machine"] for r in records)
+    committed = read_claims_json(docs / "claims.json").claims
+    def rows(found: list) -> list[tuple[str, str, str]]:
+        return [(c.text, c.measured, c.verdict) for c in found]
+
+    assert rows(claims(runs)) == rows(list(committed))

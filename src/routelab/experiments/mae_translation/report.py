@@ -80,8 +80,9 @@ def claims(runs: Runs) -> list[Claim]:
         rows.append(Claim(
             text="decoding with each gate's top expert only costs MAE-7 less than NOBCD (Table 5)",
             paper="-0.3 vs -0.7 dev BLEU (WMT14)",
-            measured=(f"dev BLEU drop MAE-7 {mean_se(drops('MAE-7')).fmt()} vs NOBCD {mean_se(drops('NOBCD')).fmt()} "
-                      f"({len(seeds)} seeds); per-seed difference: " + ", ".join(f"{d:+.2f}" for d in p.diffs)),
+            measured=(f"dev BLEU lost to top-expert decoding (mixture - top expert; negative: a gain): MAE-7 "
+                      f"{mean_se(drops('MAE-7')).fmt()} vs NOBCD {mean_se(drops('NOBCD')).fmt()} ({len(seeds)} seeds); "
+                      "per-seed MAE-7 - NOBCD: " + ", ".join(f"{d:+.2f}" for d in p.diffs)),
             verdict=less_verdict(p)))
     return [c for c in rows if c is not None]
 
@@ -103,7 +104,7 @@ def _fig_curves(runs: Runs, out_dir: Path, drawn: list[str]) -> None:
             ax.plot(steps, ys, marker="o", ms=3, label=v)
     for ax, title in zip(axes, ("training loss (label-smoothed)", "dev cross-entropy (nats / piece)")):
         ax.set_title(f"{title}, mean over seeds", fontsize=10)
-        ax.set_xlabel("F steps")
+        ax.set_xlabel("training steps (updates of the experts)")
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=8)
     save_figure(fig, out_dir, "fig_learning_curves.png", drawn)
