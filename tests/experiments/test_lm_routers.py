@@ -227,3 +227,15 @@ def test_committed_records_give_the_committed_claims_and_one_seed_judges_no_comp
             assert c.verdict == "holds"
         else:
             assert c.verdict == "not measured" and "[the sign alone would say: " in c.measured
+
+
+def test_the_command_line_maps_its_options_onto_the_forms(tmp_path, monkeypatch) -> None:
+    from routelab.experiments.lm_routers import __main__ as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "run_sweep", lambda out, s: seen.append(s) or out / "report.md")
+    cli.main(["--quick", "--out", str(tmp_path), "--seeds", "5", "--steps", "7", "--routers", "top1", "base"])
+    cli.main(["--large", "--device", "cuda"])
+    quick, large = seen
+    assert quick == lm.QUICK.with_(device="cpu", seeds=(5,), steps=7, routers=("top1", "base"))
+    assert large == lm.LARGE.with_(device="cuda")

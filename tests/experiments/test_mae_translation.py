@@ -362,3 +362,17 @@ def test_the_committed_report_is_what_its_runs_say() -> None:
         return [(c.text, c.measured, c.verdict) for c in found]
 
     assert rows(claims(runs)) == rows(list(committed))
+
+
+def test_the_command_line_maps_its_options_onto_the_forms(tmp_path, monkeypatch) -> None:
+    from routelab.experiments.mae_translation import __main__ as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "run", lambda out, s: seen.append((out, s)) or out / "report.md")
+    cli.main(["--quick", "--out", str(tmp_path), "--seeds", "3", "4", "--variants", "BASE"])
+    cli.main(["--cpu"])
+    cli.main(["--data-dir", "data-cache"])
+    (out, quick), (_, cpu), (_, gpu) = seen
+    assert out == tmp_path and quick == mt.QUICK.with_(device="cpu", seeds=(3, 4), variants=("BASE",))
+    assert cpu == mt.CPU  # defaults: no option changes the form
+    assert gpu == mt.GPU.with_(device="cuda", data_dir="data-cache")

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..kit.cli_options import given_options
 from . import FULL, LARGE, QUICK, run_sweep
 
 
@@ -28,13 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--routers", nargs="+", help="routers (default: all)")
     args = p.parse_args(argv)
     settings = QUICK if args.quick else (LARGE if args.large else FULL)
-    changes: dict = {"device": args.device}
-    if args.seeds:
-        changes["seeds"] = tuple(args.seeds)
-    if args.steps:
-        changes["steps"] = args.steps
-    if args.routers:
-        changes["routers"] = tuple(args.routers)
+    changes = {"device": args.device, **given_options(args, "seeds", "steps", "routers")}
     report = run_sweep(args.out, settings.with_(**changes))
     print(f"report: {report}")
     return 0

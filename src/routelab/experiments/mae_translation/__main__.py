@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..kit.cli_options import given_options
 from . import CPU, GPU, QUICK, run
 
 
@@ -30,11 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     settings = QUICK if args.quick else (CPU if args.cpu else GPU)
     device = args.device or ("cuda" if settings is GPU else "cpu")
-    changes: dict = {"device": device, "data_dir": args.data_dir}
-    if args.seeds:
-        changes["seeds"] = tuple(args.seeds)
-    if args.variants:
-        changes["variants"] = tuple(args.variants)
+    changes = {"device": device, "data_dir": args.data_dir, **given_options(args, "seeds", "variants")}
     report = run(args.out, settings.with_(**changes))
     print(f"report: {report}")
     return 0
