@@ -13,7 +13,14 @@ import pytest
 import torch
 
 import routelab
-from routelab.integrations.hf import RoutedExperts, RoutedGate, patch_moe, sparse_moe_blocks
+from routelab.integrations.hf import (
+    RoutedExperts,
+    RoutedGate,
+    patch_moe,
+    probe_gate,
+    routing_child,
+    sparse_moe_blocks,
+)
 from routelab.routers import TopKRouter
 
 tf = pytest.importorskip("transformers")
@@ -42,17 +49,57 @@ FAMILIES = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(intermediate_size=24, num_experts=4, num_experts_per_tok=2)),
     "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM",
                 dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, head_dim=8)),
+    # Blocks whose routing child is called ``router`` (GPT-OSS's also has a bias; Jamba does not renormalise).
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, head_dim=8,
+                     layer_types=["sliding_attention", "full_attention"])),
+    "jamba": ("JambaConfig", "JambaForCausalLM",
+              dict(intermediate_size=24, num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
+                   expert_layer_period=1, expert_layer_offset=0, mamba_d_state=4, mamba_expand=2, mamba_dt_rank=4)),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
+                   dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)),
+    # Hybrid linear attention, and multi-head latent attention with shared experts.
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                        num_experts=4, num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"],
+                        head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+                        linear_value_head_dim=8)),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                    dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2,
+                         n_shared_experts=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                         v_head_dim=8, first_k_dense_replace=0, n_group=1, topk_group=1)),
 }
+
+#: Families whose block follows the contract but whose gate has a routing rule of its own.
+OWN_RULE = {
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", dict(intermediate_size=24, num_local_experts=4,
+                                                         num_experts_per_tok=2)),
+}
+#: Families whose block routes by another contract, and what patch_moe's refusal names.
+OTHER_CONTRACT = {
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM",
+                   dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, head_dim=8),
+                   "e_score_correction_bias"),
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
+               dict(intermediate_size=24, intermediate_size_mlp=48, num_local_experts=4, num_experts_per_tok=1,
+                    head_dim=8), "Llama4TextExperts"),
+}
+
+
+def gate_of(block: torch.nn.Module) -> torch.nn.Module:
+    """The block's routing module (``gate`` or ``router``)."""
+    return routing_child(block)[1]
 
 
 def tiny(family: str = "mixtral", seed: int = 0, **overrides) -> torch.nn.Module:
     """A tiny random-init model whose router weights are large enough to make routing non-trivial."""
-    config_name, model_name, kw = FAMILIES[family]
+    config_name, model_name, kw = {**FAMILIES, **OWN_RULE}.get(family) or OTHER_CONTRACT[family][:3]
     torch.manual_seed(seed)
     model = getattr(tf, model_name)(getattr(tf, config_name)(**_common(**{**kw, **overrides})))
     with torch.no_grad():
         for _, block in sparse_moe_blocks(model):
-            block.gate.weight.normal_()
+            for p in gate_of(block).parameters():
+                p.normal_()
     return model
 
 
@@ -69,17 +116,25 @@ def _patch(model, router="topk", **options):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_topk_defaults_reproduce_the_unpatched_model(family):
     model = tiny(family)
+    with torch.no_grad():  # experts large enough that a routing difference shows in the logits
+        for _, block in sparse_moe_blocks(model):
+            for p in block.experts.parameters():
+                p.mul_(20)
+    control = copy.deepcopy(model)
     x = ids()
     reference = {}
     for mode in ("train", "eval"):
         getattr(model, mode)()
         reference[mode] = model(x).logits.detach()
     blocks = patch_moe(model, "topk")
-    assert len(blocks) == 2 and all(isinstance(b.gate, RoutedGate) for b in blocks)
+    assert len(blocks) == 2 and all(isinstance(gate_of(b), RoutedGate) for b in blocks)
     for mode in ("train", "eval"):
         getattr(model, mode)()
         out = model(x).logits.detach()
         assert (out - reference[mode]).abs().max() <= 1e-5, (family, mode)
+    # The check can fail: the other top-k normalisation gives other logits.
+    patch_moe(control, "topk", renormalize=not gate_of(blocks[0]).router.renormalize)
+    assert (control.eval()(x).logits.detach() - reference["eval"]).abs().max() > 1e-3, family
 
 
 def test_patched_blocks_keep_the_models_parameters_and_share_the_router_weight():
@@ -357,3 +412,91 @@ def test_a_batch_of_padding_runs_no_expert(monkeypatch):
     assert torch.isfinite(out).all() and seen == []
     for layer in routelab.routing_stats(model).values():
         assert int(layer["tokens_per_expert"].sum()) == 0
+
+
+@pytest.mark.parametrize(("family", "k", "renormalize"), [
+    ("mixtral", 2, True), ("qwen2_moe", 2, False), ("qwen2_moe_norm", 2, True), ("olmoe", 2, False),
+    ("jamba", 2, False), ("gpt_oss", 2, True), ("granitemoe", 2, True),
+])
+def test_probing_a_gate_reads_its_k_and_normalisation(family, k, renormalize):
+    model = tiny(family)
+    gate = gate_of(sparse_moe_blocks(model)[0][1])
+    before = {name: p.detach().clone() for name, p in gate.named_parameters()}
+    rule = probe_gate(gate)
+    assert (rule.k, rule.renormalize, rule.differs) == (k, renormalize, None)
+    assert all(torch.equal(p, before[name]) for name, p in gate.named_parameters())  # the gate is untouched
+
+
+def test_probing_reads_a_gate_whose_weights_are_still_on_the_meta_device():
+    config_name, model_name, kw = FAMILIES["qwen2_moe"]
+    with torch.device("meta"):
+        model = getattr(tf, model_name)(getattr(tf, config_name)(**_common(**kw)))
+    gate = gate_of(sparse_moe_blocks(model)[0][1])
+    assert gate.weight.is_meta
+    assert probe_gate(gate) == probe_gate(gate_of(sparse_moe_blocks(tiny("qwen2_moe"))[0][1]))
+
+
+def test_a_gate_with_a_rule_of_its_own_is_replaced_with_a_warning(monkeypatch):
+    model = tiny("phimoe").train()
+    rule = probe_gate(gate_of(sparse_moe_blocks(model)[0][1]))
+    assert rule.k == 2 and rule.renormalize is None and rule.differs  # PhiMoE's sparsemixer
+    with pytest.warns(UserWarning, match="PhimoeTopKRouter does not route by softmax top-k"):
+        blocks = patch_moe(model, "base")
+    seen = _spy_experts(monkeypatch, model)
+    x = ids()
+    (model(x, labels=x).loss + routelab.aux_loss(model)).backward()
+    for block, layer in zip(blocks, routelab.routing_stats(model).values(), strict=True):
+        assert torch.isfinite(gate_of(block).weight.grad).all()
+        assert layer["tokens_per_expert"].tolist() == [8, 8, 8, 8]  # BASE: k n / E pairs per expert
+    assert all(bool((index < 4).all()) for index in seen) and len(seen) == 2
+
+
+def test_a_gate_bias_is_shared_with_the_router_and_trained():
+    model = tiny("gpt_oss").train()
+    blocks = patch_moe(model, "topk")
+    for block in blocks:
+        gate = gate_of(block)
+        assert gate.router.proj.weight is gate.weight and gate.router.proj.bias is gate.bias
+    x = ids()
+    model(x, labels=x).loss.backward()
+    assert all(gate_of(b).bias.grad is not None and gate_of(b).bias.grad.abs().sum() > 0 for b in blocks)
+
+
+@pytest.mark.parametrize("family", sorted(OTHER_CONTRACT))
+def test_a_block_with_another_contract_is_refused_before_anything_is_patched(family):
+    model = tiny(family)
+    with pytest.raises(ValueError, match=OTHER_CONTRACT[family][3]):
+        patch_moe(model, "topk")
+    assert not any(isinstance(gate_of(b), RoutedGate) or isinstance(b.experts, RoutedExperts)
+                   for _, b in sparse_moe_blocks(model))
+
+
+def test_routelab_layers_are_not_taken_for_transformers_blocks():
+    from routelab.layers import MoE
+
+    model = torch.nn.Sequential(MoE(8, 16, 4, router="topk", k=2))  # it has a router and experts of its own
+    assert sparse_moe_blocks(model) == []
+    with pytest.raises(ValueError, match="no sparse MoE block"):
+        patch_moe(model, "base")
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "jamba", "granitemoe", "qwen3_next", "deepseek_v2"])
+def test_a_balanced_router_trains_and_generates_in_every_family(family, monkeypatch):
+    model = tiny(family).train()
+    blocks = patch_moe(model, "base")
+    seen = _spy_experts(monkeypatch, model)
+    x = ids()
+    (model(x, labels=x).loss + routelab.aux_loss(model)).backward()
+    stats = routelab.routing_stats(model)
+    assert len(stats) == len(blocks) == len(seen) == 2
+    for block, index, layer in zip(blocks, seen, stats.values(), strict=True):
+        grad = gate_of(block).weight.grad
+        assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+        assert layer["tokens_per_expert"].tolist() == [8, 8, 8, 8]  # every expert k n / E pairs
+        assert bool((index < 4).all()) and torch.equal(torch.bincount(index.reshape(-1), minlength=4),
+                                                       layer["tokens_per_expert"])
+    model.eval()
+    with torch.no_grad():
+        gen = model.generate(x[:, :4], attention_mask=torch.ones_like(x[:, :4]), max_new_tokens=3, do_sample=False,
+                             pad_token_id=0)
+    assert gen.shape == (2, 7)

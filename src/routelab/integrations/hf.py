@@ -1,26 +1,38 @@
 """routelab routers inside Hugging Face transformers' sparse MoE blocks: :func:`patch_moe`.
 
-transformers (5.x) builds the sparse MoE block of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, MiniMax and others
-from two modules, called by the block's own ``forward``::
+transformers (5.x) builds the sparse MoE block of Mixtral, Qwen2/3-MoE, Qwen3-Next, OLMoE, MiniMax,
+DeepSeek-V2, GPT-OSS, Jamba, GraniteMoE, PhiMoE and others from two modules, called by the block's own
+``forward``::
 
     router_logits, routing_weights, selected_experts = block.gate(hidden_states)   # [n, E], [n, k], [n, k]
     out = block.experts(hidden_states, selected_experts, routing_weights)          # [n, d]
 
-with ``gate.weight [E, d]`` the router's only parameter (``router_logits = hidden_states @
-weight.T``) and ``experts`` fused SwiGLU experts (``gate_up_proj [E, 2I, d]``, ``down_proj [E, d,
-I]``) that skip the index ``E`` (transformers' sentinel for "no expert"). :func:`patch_moe` keeps
-the block, its ``forward`` (shared experts, jitter noise and all), its experts and its router
-weight, and changes only what the two modules compute:
+with the routing module named ``gate`` or ``router`` (:data:`ROUTING_CHILDREN`), its only parameters
+``weight [E, d]`` and optionally ``bias [E]`` (``router_logits = hidden_states @ weight.T + bias``),
+and ``experts`` fused experts (``gate_up_proj``, ``down_proj``) that skip the index ``E``
+(transformers' sentinel for "no expert"). :func:`patch_moe` keeps the block, its ``forward``
+(shared experts, jitter noise and all), its experts and its router weight, and changes only what the
+two modules compute:
 
 * the gate scores with a routelab :class:`~routelab.routers.Router` whose ``proj.weight`` *is*
-  the gate's ``weight`` (one parameter, so the optimiser state stays meaningful), enforces the
-  capacity (:func:`routelab.routing.apply_capacity`) and answers in transformers' contract:
-  ``(router_logits [n, E], weights [n, S], experts [n, S])`` with the sentinel ``E`` and weight 0
-  in every slot the router did not propose or the capacity dropped (``S`` = the router's slots);
+  the gate's ``weight`` (and ``proj.bias`` its ``bias``: one parameter each, so the optimiser
+  state stays meaningful), enforces the capacity (:func:`routelab.routing.apply_capacity`) and
+  answers in transformers' contract: ``(router_logits [n, E], weights [n, S], experts [n, S])``
+  with the sentinel ``E`` and weight 0 in every slot the router did not propose or the capacity
+  dropped (``S`` = the router's slots);
 * the experts receive only the kept (token, expert) pairs: when a slot holds the sentinel they run
   on the gathered pairs ``[P, d]`` (one expert each) and the outputs are added back per token, so
   the expert compute is proportional to the routed pairs for every router (batchwise gating's
   ``E`` slots per token, most of them empty, never reach the experts).
+
+What the model's own gate computes is read by running a parameter-fresh copy of it
+(:func:`probe_gate`): softmax top-k with or without renormalisation over the chosen experts
+(Mixtral and GPT-OSS renormalise, Jamba and OLMoE do not) sets ``patch_moe``'s default
+``renormalize``, so ``router="topk"`` reproduces the unpatched model; a gate with a rule of its own
+(PhiMoE's sparsemixer) is replaced with a warning. Blocks that route by another contract are refused
+with a ValueError naming the block and the reason: a gate with buffers or inputs of its own
+(DeepSeek-V3's and MiniMax-M2's expert-selection bias), experts not called with the routing
+(Llama-4).
 
 Both modules keep their class's name, parameters, buffers and hooks: the patch swaps their class
 for a subclass (as ``torch.nn.utils.parametrize`` does), so transformers' ``output_router_logits``
@@ -36,6 +48,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,7 +58,8 @@ from .._checks import check_capacity_factor, check_generator, check_positive_int
 from ..routers import ROUTERS, Router, make_router, router_name
 from ..routing import DROP_POLICIES, RoutingRecord, apply_capacity, expert_capacity, load_stats
 
-__all__ = ["RoutedExperts", "RoutedGate", "patch_moe", "sparse_moe_blocks"]
+__all__ = ["ROUTING_CHILDREN", "GateRule", "RoutedExperts", "RoutedGate", "patch_moe", "probe_gate", "routing_child",
+           "sparse_moe_blocks"]
 
 RouterFactory = Callable[[int, int, int], Router]
 
@@ -192,20 +206,57 @@ def _swap_class(module: nn.Module, mixin: type) -> None:
     module.__class__ = cls
 
 
+#: The names under which transformers' sparse MoE blocks hold their router module, in the order tried:
+#: ``gate`` (Mixtral, Qwen2/3-MoE, OLMoE, MiniMax, Qwen3-Next, DeepSeek-V2, ...) and ``router``
+#: (GPT-OSS, Jamba, GraniteMoE, PhiMoE, ...).
+ROUTING_CHILDREN = ("gate", "router")
+
+
+def routing_child(block: nn.Module) -> tuple[str, nn.Module] | None:
+    """The ``(attribute name, module)`` through which ``block`` routes (a :data:`ROUTING_CHILDREN` child
+    that holds a 2-D ``weight``, else the first such child), or None when it has none. A routelab
+    :class:`~routelab.routers.Router` child is not one: routelab's own layers are routed already."""
+    found = [(name, child) for name in ROUTING_CHILDREN
+             if isinstance(child := getattr(block, name, None), nn.Module) and not isinstance(child, Router)]
+    for name, child in found:
+        if isinstance(getattr(child, "weight", None), Tensor) and child.weight.dim() == 2:
+            return name, child
+    return found[0] if found else None
+
+
+def _positional_inputs(function: Callable) -> list[str] | None:
+    """The names of the positional inputs of a method (``self`` excluded), or None if it cannot be read."""
+    try:
+        params = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in params[1:] if p.kind in kinds]
+
+
 def _block_problem(block: nn.Module) -> str | None:
-    """Why ``block`` (a module with ``gate`` and ``experts`` children) does not fit the contract, or None."""
-    gate, experts = block.gate, block.experts
+    """Why ``block`` (a module with a routing child and an ``experts`` child) does not fit the contract, or None."""
+    _, gate = routing_child(block)
+    experts = block.experts
     if isinstance(gate, RoutedGate):
         return "it is already patched by routelab"
     params = dict(gate.named_parameters())
     weight = params.get("weight")
     if weight is None or weight.dim() != 2:
         return f"its gate ({type(gate).__name__}) has no [num_experts, hidden] parameter 'weight'"
-    if set(params) != {"weight"} or any(True for _ in gate.buffers()):
-        extra = sorted(set(params) - {"weight"}) + [name for name, _ in gate.named_buffers()]
-        return (f"its gate ({type(gate).__name__}) scores with more than x @ weight.T (it also has {extra}); "
-                f"routelab would change its routing")
     E = weight.shape[0]
+    bias = params.get("bias")
+    bias_ok = bias is None or (bias.dim() == 1 and bias.shape[0] == E)
+    if set(params) - {"weight", "bias"} or not bias_ok or any(True for _ in gate.buffers()):
+        extra = sorted(set(params) - {"weight", "bias"} | ({"bias"} if not bias_ok else set()))
+        extra += [name for name, _ in gate.named_buffers()]
+        return (f"its gate ({type(gate).__name__}) scores with more than x @ weight.T + bias (it also has {extra}); "
+                f"routelab would change its routing")
+    inputs = _positional_inputs(type(gate).forward)
+    if inputs is not None and len(inputs) != 1:
+        return (f"its gate ({type(gate).__name__}) takes {inputs} where routelab's routers take only the hidden "
+                f"states: the block routes with inputs of its own (such as an expert-selection bias) that no "
+                f"routelab router uses")
     num = getattr(experts, "num_experts", None)
     if num is None:
         gate_up = getattr(experts, "gate_up_proj", None)
@@ -213,11 +264,84 @@ def _block_problem(block: nn.Module) -> str | None:
     if num != E:
         return (f"its experts ({type(experts).__name__}) do not say they hold num_experts={E} fused experts "
                 f"(no num_experts attribute or gate_up_proj [E, 2I, d])")
+    inputs = _positional_inputs(type(experts).forward)
+    if inputs is not None and len(inputs) < 3:
+        return (f"its experts ({type(experts).__name__}) take {inputs}, not (hidden_states, top_k_index, "
+                f"top_k_weights): the block routes by a contract of its own")
     return None
 
 
+@dataclass(frozen=True)
+class GateRule:
+    """What a transformers gate computes, read by running a copy of it on random inputs (:func:`probe_gate`).
+
+    Attributes:
+        k: experts per token it returns (``S`` of its ``[n, S]`` outputs).
+        renormalize: True / False when it routes by softmax top-k of its logits ``x @ weight.T (+ bias)``
+            with the weights renormalised over the chosen ``k`` / not (the full softmax's); None when it
+            routes otherwise (or could not be probed).
+        differs: why its routing is not softmax top-k of its logits (e.g. PhiMoE's sparsemixer), or None.
+    """
+
+    k: int | None
+    renormalize: bool | None
+    differs: str | None
+
+
+def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0) -> GateRule:
+    """Run the gate's own ``forward`` on a parameter-fresh copy of it and compare with softmax top-k.
+
+    The copy shares the gate's attributes (``top_k``, ``norm_topk_prob``, ...) but holds random float32
+    CPU parameters (so a gate on the meta device, or with all-zero initial weights, is probed alike),
+    runs in eval mode (no jitter) and registers no hooks; the gate itself is untouched.
+
+    Args:
+        gate: a transformers router module with ``weight [E, d]`` (and optionally ``bias [E]``).
+        tokens: random tokens to route.
+        seed: seed of the random parameters and tokens.
+
+    Returns:
+        :class:`GateRule`; ``GateRule(None, None, None)`` when the copy cannot run.
+    """
+    weight = gate.weight
+    E, d = weight.shape
+    g = torch.Generator().manual_seed(seed)
+    fresh = {name: None if p is None else nn.Parameter(torch.randn(p.shape, generator=g), requires_grad=False)
+             for name, p in gate._parameters.items()}  # None entries kept: nn.Linear(bias=False) reads self.bias
+    x = torch.randn(tokens, d, generator=g)
+    probe = type(gate).__new__(type(gate))
+    probe.__dict__.update(gate.__dict__)
+    probe.__dict__.update(_parameters=fresh, _buffers=dict(gate._buffers), _modules=dict(gate._modules),
+                          _forward_hooks={}, _forward_pre_hooks={}, _backward_hooks={},
+                          _forward_hooks_with_kwargs={}, _forward_pre_hooks_with_kwargs={},
+                          _forward_hooks_always_called={}, _backward_pre_hooks={}, training=False)
+    try:
+        with torch.no_grad():
+            out = type(gate).forward(probe, x)
+    except Exception:  # noqa: BLE001 - a gate that cannot run on a CPU copy is simply not probed
+        return GateRule(None, None, None)
+    if not (isinstance(out, (tuple, list)) and len(out) == 3 and all(isinstance(t, Tensor) for t in out)):
+        return GateRule(None, None, "it does not return (router_logits, weights, experts)")
+    _, got_weights, got_experts = out
+    if got_experts.dim() != 2 or got_experts.shape[0] != tokens or got_weights.shape != got_experts.shape:
+        return GateRule(None, None, "it does not return weights and experts of shape [tokens, k]")
+    k = got_experts.shape[1]
+    bias = fresh.get("bias")
+    logits = nn.functional.linear(x, fresh["weight"], None if bias is None else bias)
+    if k > E or not torch.equal(got_experts.long().sort(-1).values, logits.topk(k, -1).indices.sort(-1).values):
+        return GateRule(k, None, "it does not choose the k largest logits x @ weight.T")
+    chosen = logits.softmax(-1).gather(1, got_experts.long())
+    got = got_weights.float()
+    if torch.allclose(got, chosen / chosen.sum(-1, keepdim=True), rtol=1e-4, atol=1e-6):
+        return GateRule(k, True, None)
+    if torch.allclose(got, chosen, rtol=1e-4, atol=1e-6):
+        return GateRule(k, False, None)
+    return GateRule(k, None, "its weights are neither the softmax of the logits nor its renormalisation over "
+                             "the chosen experts")
+
+
 def sparse_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The ``(name, block)`` pairs of ``model`` that have a ``gate`` and an ``experts`` child module.
+    """The ``(name, block)`` pairs of ``model`` with a routing child (:data:`ROUTING_CHILDREN`) and an ``experts``.
 
     Args:
         model: any module.
@@ -226,7 +350,7 @@ def sparse_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         Every candidate block in module order, whether or not it fits :func:`patch_moe`'s contract.
     """
     return [(name, module) for name, module in model.named_modules()
-            if isinstance(getattr(module, "gate", None), nn.Module)
+            if routing_child(module) is not None
             and isinstance(getattr(module, "experts", None), nn.Module)]
 
 
@@ -290,21 +414,23 @@ def patch_moe(
     """Route every sparse MoE block of a transformers model with a routelab router.
 
     Keeps the model's experts, router weight and block code; see the module docstring for how.
+    A gate whose own rule is not softmax top-k (PhiMoE's sparsemixer) is replaced with a UserWarning.
     With ``router="topk"`` and the defaults the patched model computes what the unpatched one does
     (the model's ``k``, its top-k normalisation, dropless). Train with ``loss + routelab.aux_loss(model)``
     (the routers' own auxiliary losses) and/or transformers' ``output_router_logits=True``
     load-balancing loss, which keeps working; ``routelab.routing_stats(model)`` gives the load.
 
     Args:
-        model: a transformers model (or any module) whose sparse MoE blocks have a ``gate`` child
-            with one parameter ``weight [E, d]`` returning ``(router_logits, routing_weights,
-            selected_experts)`` and an ``experts`` child with ``num_experts == E`` called as
+        model: a transformers model (or any module) whose sparse MoE blocks have a ``gate`` or
+            ``router`` child with parameters ``weight [E, d]`` (and optionally ``bias [E]``),
+            called on the hidden states alone and returning ``(router_logits, routing_weights,
+            selected_experts)``, and an ``experts`` child with ``num_experts == E`` called as
             ``experts(hidden_states, selected_experts, routing_weights)``.
         router: a name of :data:`routelab.routers.ROUTERS` (``"topk"``, ``"noisy_topk"``,
             ``"softmax"``, ``"batchwise"``, ``"base"``, ``"sinkhorn"``, ``"gumbel_matching"``,
             ``"switch"``) or a factory ``(d_model, num_experts, k) -> Router`` called once per block.
-        k: experts per token; default the model's (``gate.top_k``). A router that cannot route
-            to the model's default k (``gumbel_matching``, ``switch``: one expert per token;
+        k: experts per token; default the model's (``gate.top_k``, else what its gate returns). A
+            router that cannot route to the model's default k (``gumbel_matching``, ``switch``: one expert per token;
             ``softmax``: all) keeps its own, with a warning; an explicit ``k`` it cannot take is a
             ValueError.
         capacity_factor: capacity in training, ``C = ceil(factor * tokens * k / E)``; ``None``
@@ -314,7 +440,8 @@ def patch_moe(
         importance_weighting: combine with ``gate * weight`` (importance weights, eq. 3 skip
             correction) instead of ``gate``.
         renormalize: for routers with that option (``topk``, ``sinkhorn``): combine weights summing
-            to 1 over the chosen experts; default the model's ``norm_topk_prob`` (Mixtral: True).
+            to 1 over the chosen experts; default what the model's gate does (:func:`probe_gate`;
+            Mixtral: True, OLMoE: False), else its ``norm_topk_prob``.
         router_kwargs: other options of the router's constructor (e.g. ``balance_coef``).
         aux_coef: multiplies the routers' weighted auxiliary losses seen by ``routelab.aux_loss``.
         generator: randomness of stochastic routers and of ``drop_policy="random"``.
@@ -324,8 +451,8 @@ def patch_moe(
 
     Raises:
         ValueError: naming the argument: no sparse MoE block in ``model``, a candidate block that
-            does not fit the contract (or is already patched), an unknown router, ``k`` not in
-            ``[1, E]``, a bad capacity factor, drop policy or ``aux_coef``.
+            does not fit the contract or is already patched (no block is patched then), an unknown
+            router, ``k`` not in ``[1, E]``, a bad capacity factor, drop policy or ``aux_coef``.
         TypeError: ``model`` is not an ``nn.Module``, ``generator`` not a ``torch.Generator``.
 
     Note:
@@ -357,24 +484,35 @@ def patch_moe(
         raise ValueError(f"patch_moe cannot patch {len(bad)} of the {len(candidates)} sparse MoE blocks ({listing})")
     if not candidates:
         raise ValueError(f"model ({type(model).__name__}) has no sparse MoE block: patch_moe looks for modules with a "
-                         f"'gate' (router, weight [E, d]) and an 'experts' (fused experts) child")
-    plans = []
+                         f"'gate' or 'router' child (weight [E, d]) and an 'experts' child (fused experts)")
+    plans, differs = [], {}
     for name, block in candidates:
-        gate = block.gate
+        _, gate = routing_child(block)
         E, d = gate.weight.shape
-        model_k = getattr(gate, "top_k", None)
+        rule = probe_gate(gate)
+        if rule.differs is not None:
+            differs.setdefault(type(gate).__name__, rule.differs)
+        model_k = getattr(gate, "top_k", None) or rule.k
         if model_k is None:
             model_k = getattr(getattr(model, "config", None), "num_experts_per_tok", 1)
         use_k = model_k if k is None else k
         check_positive_int("k", use_k, upper=E, upper_name=f"num_experts of block {name!r}")
-        norm = _model_norm_topk(gate, model) if renormalize is None else bool(renormalize)
+        if renormalize is not None:
+            norm = bool(renormalize)
+        else:
+            norm = rule.renormalize if rule.renormalize is not None else _model_norm_topk(gate, model)
         built = _build_router(router, d, E, use_k, k is not None, norm, dict(router_kwargs or {}))
-        plans.append((block, built))
+        plans.append((block, gate, built))
+    for gate_class, why in differs.items():
+        warnings.warn(f"the model's gate {gate_class} does not route by softmax top-k ({why}); the routelab router "
+                      f"replaces its rule, so router='topk' does not reproduce the unpatched model", stacklevel=2)
     mask = _AttentionMask()
-    for block, built in plans:  # every router built: now patch (nothing is half-patched on an error)
-        gate, experts = block.gate, block.experts
+    for block, gate, built in plans:  # every router built: now patch (nothing is half-patched on an error)
+        experts = block.experts
         built = built.to(device=gate.weight.device)
         built.proj.weight = gate.weight  # shared: one parameter, one optimiser state
+        if isinstance(getattr(gate, "bias", None), nn.Parameter):
+            built.proj.bias = gate.bias  # GPT-OSS: logits x @ weight.T + bias, shared alike
         if generator is not None:
             built.generator = generator
         built.train(gate.training)
@@ -389,4 +527,4 @@ def patch_moe(
         _swap_class(experts, RoutedExperts)
         object.__setattr__(experts, "_routelab_num_experts", gate.weight.shape[0])
     model.register_forward_pre_hook(mask.hook, with_kwargs=True)
-    return [block for block, _ in plans]
+    return [block for block, _, _ in plans]

@@ -86,8 +86,10 @@ class Router(nn.Module):
         self._replay = NoiseReplay()
 
     def logits(self, x: Tensor) -> Tensor:
-        """Router logits ``[tokens, E]`` in float32."""
-        return nn.functional.linear(x.float(), self.proj.weight.float())
+        """Router logits ``[tokens, E]`` in float32: ``x @ proj.weight.T`` (``+ proj.bias`` when one is set,
+        as :func:`~routelab.integrations.hf.patch_moe` does for gates with a bias)."""
+        bias = self.proj.bias
+        return nn.functional.linear(x.float(), self.proj.weight.float(), None if bias is None else bias.float())
 
     def features(self, x: Tensor) -> Tensor:
         """Everything the router computes token by token: ``[tokens, F]`` float32.
