@@ -68,18 +68,30 @@ FAMILIES = {
                     dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2,
                          n_shared_experts=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
                          v_head_dim=8, first_k_dense_replace=0, n_group=1, topk_group=1)),
+    # DeepSeek-V2's weights carry its routed_scaling_factor (16 in the released model).
+    "deepseek_v2_scaled": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                           dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4,
+                                num_experts_per_tok=2, n_shared_experts=1, kv_lora_rank=8, q_lora_rank=8,
+                                qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, first_k_dense_replace=0,
+                                n_group=1, topk_group=1, routed_scaling_factor=16.0)),
 }
 
-#: Families whose block follows the contract but whose gate has a routing rule of its own.
+#: Families whose block follows the contract but whose gate has a routing rule of its own, and what
+#: patch_moe's warning names.
 OWN_RULE = {
-    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", dict(intermediate_size=24, num_local_experts=4,
-                                                         num_experts_per_tok=2)),
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM",
+               dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2), "does not route by softmax"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2,
+                         n_shared_experts=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                         v_head_dim=8, first_k_dense_replace=0, n_group=2, topk_group=1),
+                    "e_score_correction_bias"),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM",
+                   dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, head_dim=8),
+                   "inputs of its own"),
 }
 #: Families whose block routes by another contract, and what patch_moe's refusal names.
 OTHER_CONTRACT = {
-    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM",
-                   dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, head_dim=8),
-                   "e_score_correction_bias"),
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
                dict(intermediate_size=24, intermediate_size_mlp=48, num_local_experts=4, num_experts_per_tok=1,
                     head_dim=8), "Llama4TextExperts"),
@@ -93,7 +105,7 @@ def gate_of(block: torch.nn.Module) -> torch.nn.Module:
 
 def tiny(family: str = "mixtral", seed: int = 0, **overrides) -> torch.nn.Module:
     """A tiny random-init model whose router weights are large enough to make routing non-trivial."""
-    config_name, model_name, kw = {**FAMILIES, **OWN_RULE}.get(family) or OTHER_CONTRACT[family][:3]
+    config_name, model_name, kw = FAMILIES.get(family) or {**OWN_RULE, **OTHER_CONTRACT}[family][:3]
     torch.manual_seed(seed)
     model = getattr(tf, model_name)(getattr(tf, config_name)(**_common(**{**kw, **overrides})))
     with torch.no_grad():
@@ -371,13 +383,13 @@ def test_bad_input_is_a_clear_error():
         patch_moe(model, "topk")
 
 
-def test_a_gate_with_more_than_a_linear_score_is_refused():
+def test_a_gate_with_tensors_of_its_own_is_replaced_and_says_so():
     model = tiny()
     gate = sparse_moe_blocks(model)[0][1].gate
     gate.register_buffer("bias_correction", torch.zeros(4))  # as DeepSeek-V3's e_score_correction_bias
-    with pytest.raises(ValueError, match="bias_correction"):
+    with pytest.warns(UserWarning, match=r"holds \['bias_correction'\], which the routelab router does not use"):
         patch_moe(model, "topk")
-    assert not any(isinstance(b.gate, RoutedGate) for _, b in sparse_moe_blocks(model))  # nothing half-patched
+    assert isinstance(gate, RoutedGate) and torch.equal(gate.bias_correction, torch.zeros(4))  # kept, unused
 
 
 def test_a_router_that_cannot_take_the_models_k_says_so():
@@ -436,19 +448,34 @@ def test_probing_reads_a_gate_whose_weights_are_still_on_the_meta_device():
     assert probe_gate(gate) == probe_gate(gate_of(sparse_moe_blocks(tiny("qwen2_moe"))[0][1]))
 
 
-def test_a_gate_with_a_rule_of_its_own_is_replaced_with_a_warning(monkeypatch):
-    model = tiny("phimoe").train()
-    rule = probe_gate(gate_of(sparse_moe_blocks(model)[0][1]))
-    assert rule.k == 2 and rule.renormalize is None and rule.differs  # PhiMoE's sparsemixer
-    with pytest.warns(UserWarning, match="PhimoeTopKRouter does not route by softmax top-k"):
+@pytest.mark.parametrize("family", sorted(OWN_RULE))
+def test_a_gate_with_a_rule_of_its_own_is_replaced_with_a_warning(family, monkeypatch):
+    model = tiny(family).train()
+    with pytest.warns(UserWarning, match=OWN_RULE[family][3]):
         blocks = patch_moe(model, "base")
     seen = _spy_experts(monkeypatch, model)
     x = ids()
     (model(x, labels=x).loss + routelab.aux_loss(model)).backward()
     for block, layer in zip(blocks, routelab.routing_stats(model).values(), strict=True):
-        assert torch.isfinite(gate_of(block).weight.grad).all()
+        assert torch.isfinite(gate_of(block).weight.grad).all() and gate_of(block).weight.grad.abs().sum() > 0
         assert layer["tokens_per_expert"].tolist() == [8, 8, 8, 8]  # BASE: k n / E pairs per expert
     assert all(bool((index < 4).all()) for index in seen) and len(seen) == 2
+    model.eval()
+    with torch.no_grad():
+        gen = model.generate(x[:, :4], attention_mask=torch.ones_like(x[:, :4]), max_new_tokens=2, do_sample=False,
+                             pad_token_id=0)
+    assert gen.shape == (2, 6)
+
+
+def test_probing_reads_rules_other_than_softmax_top_k():
+    phimoe = probe_gate(gate_of(sparse_moe_blocks(tiny("phimoe"))[0][1]))
+    assert phimoe.k == 2 and phimoe.renormalize is None and "weights" in phimoe.differs  # sparsemixer
+    deepseek = probe_gate(gate_of(sparse_moe_blocks(tiny("deepseek_v3"))[0][1]))
+    assert deepseek.k == 2 and deepseek.differs  # sigmoid scores, grouped and bias-corrected choice
+    assert deepseek.scale == pytest.approx(2.5)  # its weights sum to routed_scaling_factor
+    assert probe_gate(gate_of(sparse_moe_blocks(tiny("minimax_m2"))[0][1])).inputs == ("e_score_correction_bias",)
+    scaled = probe_gate(gate_of(sparse_moe_blocks(tiny("deepseek_v2_scaled"))[0][1]))
+    assert (scaled.k, scaled.renormalize, scaled.differs) == (2, False, None) and scaled.scale == pytest.approx(16)
 
 
 def test_a_gate_bias_is_shared_with_the_router_and_trained():

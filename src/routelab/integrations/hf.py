@@ -27,12 +27,13 @@ two modules compute:
 
 What the model's own gate computes is read by running a parameter-fresh copy of it
 (:func:`probe_gate`): softmax top-k with or without renormalisation over the chosen experts
-(Mixtral and GPT-OSS renormalise, Jamba and OLMoE do not) sets ``patch_moe``'s default
-``renormalize``, so ``router="topk"`` reproduces the unpatched model; a gate with a rule of its own
-(PhiMoE's sparsemixer) is replaced with a warning. Blocks that route by another contract are refused
-with a ValueError naming the block and the reason: a gate with buffers or inputs of its own
-(DeepSeek-V3's and MiniMax-M2's expert-selection bias), experts not called with the routing
-(Llama-4).
+(Mixtral and GPT-OSS renormalise, Jamba and OLMoE do not), times a constant (DeepSeek's
+``routed_scaling_factor``), sets ``patch_moe``'s default ``renormalize`` and the patched gate's
+``combine_scale``, so ``router="topk"`` reproduces the unpatched model. A gate with a rule of its own
+(PhiMoE's sparsemixer, DeepSeek-V3's bias-corrected sigmoid top-k, MiniMax-M2's selection bias passed
+in by its block) is replaced with a warning saying so. Blocks that route by another contract are
+refused with a ValueError naming the block and the reason: experts not called with the routing
+(Llama-4), a routing module without a ``weight`` of its own (HunYuan).
 
 Both modules keep their class's name, parameters, buffers and hooks: the patch swaps their class
 for a subclass (as ``torch.nn.utils.parametrize`` does), so transformers' ``output_router_logits``
@@ -123,6 +124,8 @@ class RoutedGate(RoutingRecord):
         importance_weighting: combine with ``gate * weight`` (the router's importance weight
             times the skip correction ``n_z / min(n_z, C)`` of Kool et al. eq. 3) instead of ``gate``.
         aux_coef: multiplies the router's (already weighted) auxiliary losses in the record.
+        combine_scale: multiplies the combine weights: the constant the model's own gate puts on its
+            weights (:attr:`GateRule.scale`, DeepSeek's ``routed_scaling_factor``), 1.0 for most models.
     """
 
     router: Router
@@ -131,12 +134,16 @@ class RoutedGate(RoutingRecord):
     drop_policy: str
     importance_weighting: bool
     aux_coef: float
+    combine_scale: float
     _routelab_mask: _AttentionMask
     _routelab_takes_mask: bool
     _routelab_generator: torch.Generator | None
 
-    def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, hidden_states: Tensor, *_own_inputs: Any) -> tuple[Tensor, Tensor, Tensor]:
         """Route ``hidden_states [..., d]`` (flattened to ``[n, d]``) with the routelab router.
+
+        Inputs of the model's own rule that its block passes after the hidden states (MiniMax-M2's
+        ``e_score_correction_bias``) are not used: :func:`patch_moe` warned of them.
 
         Returns:
             transformers' router contract: ``router_logits [n, E]`` (float32), combine weights
@@ -158,6 +165,8 @@ class RoutedGate(RoutingRecord):
                                   score=proposed.gate, generator=self._routelab_generator)
         keep = decision.keep
         combine = proposed.gate.float()
+        if self.combine_scale != 1.0:  # the model's routed_scaling_factor (GateRule.scale)
+            combine = combine * self.combine_scale
         if self.importance_weighting:
             combine = combine * (proposed.weight * decision.skip_weight.to(proposed.weight.dtype)).float()
         weights = torch.where(keep, combine, torch.zeros((), dtype=combine.dtype, device=combine.device))
@@ -240,23 +249,11 @@ def _block_problem(block: nn.Module) -> str | None:
     experts = block.experts
     if isinstance(gate, RoutedGate):
         return "it is already patched by routelab"
-    params = dict(gate.named_parameters())
-    weight = params.get("weight")
-    if weight is None or weight.dim() != 2:
-        return f"its gate ({type(gate).__name__}) has no [num_experts, hidden] parameter 'weight'"
+    weight = gate._parameters.get("weight")
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        return (f"its gate ({type(gate).__name__}) has no [num_experts, hidden] parameter 'weight' of its own "
+                f"for a routelab router to score with")
     E = weight.shape[0]
-    bias = params.get("bias")
-    bias_ok = bias is None or (bias.dim() == 1 and bias.shape[0] == E)
-    if set(params) - {"weight", "bias"} or not bias_ok or any(True for _ in gate.buffers()):
-        extra = sorted(set(params) - {"weight", "bias"} | ({"bias"} if not bias_ok else set()))
-        extra += [name for name, _ in gate.named_buffers()]
-        return (f"its gate ({type(gate).__name__}) scores with more than x @ weight.T + bias (it also has {extra}); "
-                f"routelab would change its routing")
-    inputs = _positional_inputs(type(gate).forward)
-    if inputs is not None and len(inputs) != 1:
-        return (f"its gate ({type(gate).__name__}) takes {inputs} where routelab's routers take only the hidden "
-                f"states: the block routes with inputs of its own (such as an expert-selection bias) that no "
-                f"routelab router uses")
     num = getattr(experts, "num_experts", None)
     if num is None:
         gate_up = getattr(experts, "gate_up_proj", None)
@@ -276,24 +273,41 @@ class GateRule:
     """What a transformers gate computes, read by running a copy of it on random inputs (:func:`probe_gate`).
 
     Attributes:
-        k: experts per token it returns (``S`` of its ``[n, S]`` outputs).
-        renormalize: True / False when it routes by softmax top-k of its logits ``x @ weight.T (+ bias)``
-            with the weights renormalised over the chosen ``k`` / not (the full softmax's); None when it
-            routes otherwise (or could not be probed).
-        differs: why its routing is not softmax top-k of its logits (e.g. PhiMoE's sparsemixer), or None.
+        k: experts per token it returns (``S`` of its ``[n, S]`` outputs); None if unknown.
+        renormalize: True / False when it routes by softmax top-k of its logits, with the weights
+            renormalised over the chosen ``k`` / not (the full softmax's); None when it routes
+            otherwise or could not be probed.
+        scale: the constant its combine weights carry on top of that (DeepSeek's
+            ``routed_scaling_factor``; also read when its rule is another one whose weights sum to a
+            constant per token, as DeepSeek-V3's sigmoid scores renormalised times 2.5); 1.0 otherwise.
+        logit_bias: its logits are ``x @ weight.T + bias`` (GPT-OSS), not ``x @ weight.T``.
+        differs: why its routing is not softmax top-k of its logits (PhiMoE's sparsemixer,
+            DeepSeek-V3's bias-corrected sigmoid top-k), or None.
+        inputs: the inputs its ``forward`` takes besides the hidden states (MiniMax-M2's
+            ``e_score_correction_bias``); a gate with any is not probed.
     """
 
-    k: int | None
-    renormalize: bool | None
-    differs: str | None
+    k: int | None = None
+    renormalize: bool | None = None
+    scale: float = 1.0
+    logit_bias: bool = False
+    differs: str | None = None
+    inputs: tuple[str, ...] = ()
+
+
+def _scale_of(weights: Tensor, reference: Tensor) -> float | None:
+    """The constant ``c`` with ``weights == c * reference`` (all ``[n, k]``), or None if there is none."""
+    c = float((weights * reference).sum() / (reference * reference).sum().clamp_min(1e-30))
+    return c if c > 0 and torch.allclose(weights, c * reference, rtol=1e-4, atol=1e-6) else None
 
 
 def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0) -> GateRule:
     """Run the gate's own ``forward`` on a parameter-fresh copy of it and compare with softmax top-k.
 
     The copy shares the gate's attributes (``top_k``, ``norm_topk_prob``, ...) but holds random float32
-    CPU parameters (so a gate on the meta device, or with all-zero initial weights, is probed alike),
-    runs in eval mode (no jitter) and registers no hooks; the gate itself is untouched.
+    CPU parameters and float32 CPU copies of its buffers (zeros for buffers on the meta device), so a
+    gate on the meta device or with all-zero initial weights is probed alike; it runs in eval mode (no
+    jitter) and without hooks. The gate itself is untouched.
 
     Args:
         gate: a transformers router module with ``weight [E, d]`` (and optionally ``bias [E]``).
@@ -301,17 +315,22 @@ def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0) -> GateRule:
         seed: seed of the random parameters and tokens.
 
     Returns:
-        :class:`GateRule`; ``GateRule(None, None, None)`` when the copy cannot run.
+        :class:`GateRule` (all fields unknown when the copy cannot run).
     """
-    weight = gate.weight
-    E, d = weight.shape
+    inputs = _positional_inputs(type(gate).forward)
+    if inputs is not None and len(inputs) > 1:
+        return GateRule(inputs=tuple(inputs[1:]))
+    E, d = gate.weight.shape
     g = torch.Generator().manual_seed(seed)
     fresh = {name: None if p is None else nn.Parameter(torch.randn(p.shape, generator=g), requires_grad=False)
              for name, p in gate._parameters.items()}  # None entries kept: nn.Linear(bias=False) reads self.bias
+    buffers = {name: None if b is None else
+               (torch.zeros(b.shape, dtype=torch.float32) if b.is_meta else b.detach().float().cpu())
+               for name, b in gate._buffers.items()}
     x = torch.randn(tokens, d, generator=g)
     probe = type(gate).__new__(type(gate))
     probe.__dict__.update(gate.__dict__)
-    probe.__dict__.update(_parameters=fresh, _buffers=dict(gate._buffers), _modules=dict(gate._modules),
+    probe.__dict__.update(_parameters=fresh, _buffers=buffers, _modules=dict(gate._modules),
                           _forward_hooks={}, _forward_pre_hooks={}, _backward_hooks={},
                           _forward_hooks_with_kwargs={}, _forward_pre_hooks_with_kwargs={},
                           _forward_hooks_always_called={}, _backward_pre_hooks={}, training=False)
@@ -319,25 +338,46 @@ def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0) -> GateRule:
         with torch.no_grad():
             out = type(gate).forward(probe, x)
     except Exception:  # noqa: BLE001 - a gate that cannot run on a CPU copy is simply not probed
-        return GateRule(None, None, None)
+        return GateRule()
     if not (isinstance(out, (tuple, list)) and len(out) == 3 and all(isinstance(t, Tensor) for t in out)):
-        return GateRule(None, None, "it does not return (router_logits, weights, experts)")
-    _, got_weights, got_experts = out
+        return GateRule(differs="it does not return (router_logits, weights, experts)")
+    got_logits, got_weights, got_experts = (t.float() for t in out)
     if got_experts.dim() != 2 or got_experts.shape[0] != tokens or got_weights.shape != got_experts.shape:
-        return GateRule(None, None, "it does not return weights and experts of shape [tokens, k]")
-    k = got_experts.shape[1]
+        return GateRule(differs="it does not return weights and experts of shape [tokens, k]")
+    k, chosen = got_experts.shape[1], got_experts.long()
     bias = fresh.get("bias")
-    logits = nn.functional.linear(x, fresh["weight"], None if bias is None else bias)
-    if k > E or not torch.equal(got_experts.long().sort(-1).values, logits.topk(k, -1).indices.sort(-1).values):
-        return GateRule(k, None, "it does not choose the k largest logits x @ weight.T")
-    chosen = logits.softmax(-1).gather(1, got_experts.long())
-    got = got_weights.float()
-    if torch.allclose(got, chosen / chosen.sum(-1, keepdim=True), rtol=1e-4, atol=1e-6):
-        return GateRule(k, True, None)
-    if torch.allclose(got, chosen, rtol=1e-4, atol=1e-6):
-        return GateRule(k, False, None)
-    return GateRule(k, None, "its weights are neither the softmax of the logits nor its renormalisation over "
-                             "the chosen experts")
+    logits = nn.functional.linear(x, fresh["weight"])
+    logit_bias = False
+    if isinstance(bias, Tensor) and bias.shape == (E,) and got_logits.shape == logits.shape:
+        logit_bias = torch.allclose(got_logits, logits + bias, rtol=1e-4, atol=1e-5)
+        logits = logits + bias if logit_bias else logits
+    sums = got_weights.sum(-1)
+    constant_sum = float(sums.mean()) if torch.allclose(sums, sums.mean().expand_as(sums), rtol=1e-4) else None
+    if k > E or not torch.equal(chosen.sort(-1).values, logits.topk(k, -1).indices.sort(-1).values):
+        return GateRule(k, None, constant_sum or 1.0, logit_bias, "it does not choose the k largest logits")
+    p = logits.softmax(-1).gather(1, chosen)
+    for renormalize, reference in ((True, p / p.sum(-1, keepdim=True)), (False, p)):
+        scale = _scale_of(got_weights, reference)
+        if scale is not None:
+            return GateRule(k, renormalize, scale, logit_bias)
+    return GateRule(k, None, constant_sum or 1.0, logit_bias,
+                    "its weights are not the softmax of its logits, renormalised over the chosen experts or not")
+
+
+def _replaced_rule(rule: GateRule, unused: list[str]) -> str | None:
+    """What the routelab router replaces of a gate's own routing (for :func:`patch_moe`'s warning), or None."""
+    said = []
+    if rule.inputs:
+        said.append(f"takes inputs of its own ({', '.join(rule.inputs)}) that the routelab router does not use")
+    if rule.differs is not None:
+        said.append(f"does not route by softmax top-k ({rule.differs})")
+    if unused:
+        said.append(f"holds {unused}, which the routelab router does not use")
+    if not said:
+        return None
+    kept = f" (the scale {rule.scale:g} of its weights is kept)" if rule.scale != 1 else ""
+    return ("; ".join(said) + ": the routelab router replaces its routing rule, so router='topk' does not "
+            "reproduce the unpatched model" + kept)
 
 
 def sparse_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -485,13 +525,18 @@ def patch_moe(
     if not candidates:
         raise ValueError(f"model ({type(model).__name__}) has no sparse MoE block: patch_moe looks for modules with a "
                          f"'gate' or 'router' child (weight [E, d]) and an 'experts' child (fused experts)")
-    plans, differs = [], {}
+    plans, notices = [], {}
     for name, block in candidates:
         _, gate = routing_child(block)
         E, d = gate.weight.shape
         rule = probe_gate(gate)
-        if rule.differs is not None:
-            differs.setdefault(type(gate).__name__, rule.differs)
+        bias = gate._parameters.get("bias")
+        share_bias = isinstance(bias, Tensor) and bias.shape == (E,) and (rule.logit_bias or rule.k is None)
+        unused = [n for n, _ in (*gate.named_parameters(), *gate.named_buffers())
+                  if n != "weight" and not (n == "bias" and share_bias)]
+        notice = _replaced_rule(rule, unused)
+        if notice is not None:
+            notices.setdefault(type(gate).__name__, notice)
         model_k = getattr(gate, "top_k", None) or rule.k
         if model_k is None:
             model_k = getattr(getattr(model, "config", None), "num_experts_per_tok", 1)
@@ -502,17 +547,17 @@ def patch_moe(
         else:
             norm = rule.renormalize if rule.renormalize is not None else _model_norm_topk(gate, model)
         built = _build_router(router, d, E, use_k, k is not None, norm, dict(router_kwargs or {}))
-        plans.append((block, gate, built))
-    for gate_class, why in differs.items():
-        warnings.warn(f"the model's gate {gate_class} does not route by softmax top-k ({why}); the routelab router "
-                      f"replaces its rule, so router='topk' does not reproduce the unpatched model", stacklevel=2)
+        plans.append((block, gate, built, share_bias, rule.scale))
+    for gate_class, notice in notices.items():
+        warnings.warn(f"the model's gate {gate_class} {notice}", stacklevel=2)
     mask = _AttentionMask()
-    for block, gate, built in plans:  # every router built: now patch (nothing is half-patched on an error)
+    for block, gate, built, share_bias, scale in plans:  # every router built: now patch (none half-patched on error)
         experts = block.experts
         built = built.to(device=gate.weight.device)
         built.proj.weight = gate.weight  # shared: one parameter, one optimiser state
-        if isinstance(getattr(gate, "bias", None), nn.Parameter):
+        if share_bias:
             built.proj.bias = gate.bias  # GPT-OSS: logits x @ weight.T + bias, shared alike
+        gate.combine_scale = float(scale)
         if generator is not None:
             built.generator = generator
         built.train(gate.training)
@@ -527,4 +572,4 @@ def patch_moe(
         _swap_class(experts, RoutedExperts)
         object.__setattr__(experts, "_routelab_num_experts", gate.weight.shape[0])
     model.register_forward_pre_hook(mask.hook, with_kwargs=True)
-    return [block for block, _, _ in plans]
+    return [plan[0] for plan in plans]
