@@ -7,7 +7,7 @@ The order (a unit may import units of strictly lower rank, and itself):
 rank  units (top-level modules and packages of ``src/routelab``)
 ====  ===============================================================
 0     ``_checks``, ``routes``, ``machine``
-1     ``assignment``
+1     ``assignment``, ``replay``
 2     ``gates``
 3     ``routing``
 4     ``estimators``
@@ -39,7 +39,7 @@ ROOT = Path(routelab.__file__).resolve().parent
 
 RANKS: dict[str, int] = {
     "_checks": 0, "routes": 0, "machine": 0,
-    "assignment": 1,
+    "assignment": 1, "replay": 1,
     "gates": 2,
     "routing": 3,
     "estimators": 4,

@@ -156,3 +156,33 @@ def test_interchangeable_interface(make):
 def test_bad_args_raise(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_gumbel_softmax_gate_trains_where_its_parameters_are():
+    """Audit finding: its Gumbel noise, drawn on the CPU generator, stayed on the CPU. The meta device
+    stands in for CUDA (the CUDA run of the same path is in tests/test_cuda_gate.py where a GPU exists)."""
+    from routelab.gates import GumbelSoftmaxGate
+
+    gate = GumbelSoftmaxGate(4).to("meta").train()
+    assert gate(3).device.type == "meta"
+
+
+def test_gumbel_softmax_gate_noise_is_replayed_by_activation_checkpointing():
+    from torch.utils.checkpoint import checkpoint
+
+    from routelab.gates import GumbelSoftmaxGate
+
+    gate = GumbelSoftmaxGate(6, seed=3, temperature=0.5).train()
+    x = torch.randn(4, 6)
+    grads = []
+    for use_checkpoint in (False, True):
+        gate.zero_grad()
+        gate.noise.manual_seed(3)
+        def fn(t):
+            return (gate(t.shape[0]) * t).sum()
+
+        loss = checkpoint(fn, x, use_reentrant=False) if use_checkpoint else fn(x)
+        loss.backward()
+        grads.append((gate.alpha.grad.clone(), gate.beta.grad.clone()))
+    for eager, ckpt in zip(*grads, strict=True):
+        torch.testing.assert_close(ckpt, eager, rtol=0, atol=0)

@@ -13,7 +13,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from routelab.layers import MoE
-from routelab.routing.replay import NoiseReplay
+from routelab.replay import NoiseReplay
 
 D, H, E = 8, 16, 4
 EVERY_ROUTER = ["softmax", "topk", "switch", "noisy_topk", "batchwise", "base", "sinkhorn", "gumbel_matching"]

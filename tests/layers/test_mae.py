@@ -224,3 +224,29 @@ def test_other_bad_arguments_raise() -> None:
         MixtureOfAttentiveExperts.from_multihead_attention(nn.MultiheadAttention(D, H, add_bias_kv=True))
     with pytest.raises(ValueError, match="routing"):
         set_routing(mae, "nope")
+
+
+@pytest.mark.parametrize("routing", ["sample", "uniform_sample"])
+def test_sampled_routing_with_a_generator_gives_the_eager_gradients_under_checkpointing(routing):
+    """Audit finding: the F steps' sampled experts were redrawn by checkpointing's recomputation
+    (a different expert than the forward's), so the gradients were not the forward's."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    m = MixtureOfAttentiveExperts(8, 4, batch_first=True)
+    with torch.no_grad():
+        m.gate.out.weight.normal_()
+        m.gate.out.bias.normal_()
+    x = torch.randn(8, 5, 8)
+    m.routing = routing
+    grads = []
+    for use_checkpoint in (False, True):
+        m.generator = torch.Generator().manual_seed(7)
+        m.zero_grad()
+        def fn(t):
+            return m(t, t, t)[0]
+
+        y = checkpoint(fn, x, use_reentrant=False) if use_checkpoint else fn(x)
+        y.pow(2).sum().backward()
+        grads.append(m.in_proj_weight.grad.clone())
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)

@@ -109,3 +109,53 @@ def test_bad_configuration_raises():
         StackedLinear(2, 3, 4)(torch.zeros(1, 5))
     with pytest.raises(ValueError, match="in_dim"):
         StackedLinear(2, True, 4)
+
+
+def test_a_straight_through_gate_keeps_the_gradient_of_experts_it_switched_off():
+    """Audit finding: a list of experts skipped the experts GumbelSoftmaxGate weighed 0 in the
+    forward, losing the straight-through gradient of those zeros (App. D). Truth: the naive
+    mixture of every expert's output."""
+    from routelab.gates import GumbelSoftmaxGate
+
+    torch.manual_seed(0)
+    experts = [nn.Linear(3, 2) for _ in range(4)]
+    gate = GumbelSoftmaxGate(4, seed=0)
+    with torch.no_grad():
+        gate.beta.copy_(torch.tensor([4.0, 4.0, -4.0, 4.0]))  # expert 2 off in this draw
+    x = torch.randn(5, 3)
+    layer = MultiGateMoE(experts, [gate])
+    gate.noise.manual_seed(0)
+    layer(x)[0].sum().backward()
+    assert layer.last_weights[0][0, 2] == 0
+    got = gate.beta.grad.clone()
+    gate.beta.grad = None
+    gate.noise.manual_seed(0)
+    w = gate(x)
+    naive = torch.einsum("bn,bnd->bd", w, torch.stack([e(x) for e in experts], 1))
+    naive.sum().backward()
+    assert gate.beta.grad[2] != 0
+    torch.testing.assert_close(got, gate.beta.grad)
+
+
+def test_experts_are_still_skipped_without_gradients_and_under_exact_zero_gates():
+    calls = [0] * 4
+
+    def counted(i: int) -> nn.Module:
+        class C(nn.Module):
+            def forward(self, x):
+                calls[i] += 1
+                return x[:, :2] * (i + 1)
+        return C()
+
+    from routelab.gates import GumbelSoftmaxGate
+
+    gate = GumbelSoftmaxGate(4, seed=0)
+    with torch.no_grad():
+        gate.beta.copy_(torch.tensor([4.0, 4.0, -4.0, 4.0]))
+    layer = MultiGateMoE([counted(i) for i in range(4)], [gate])
+    with torch.no_grad():
+        layer(torch.randn(5, 3))
+    assert calls[2] == 0 and calls[0] == 1  # no gradient to lose: skipped
+    gate.eval()
+    layer(torch.randn(5, 3))
+    assert calls[2] == 0 and calls[0] == 2  # eval: the gate's zeros are exact

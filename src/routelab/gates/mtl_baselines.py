@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .._checks import check_finite, check_k, check_nonneg, check_pos, check_positive_int, check_seed, floating_input
+from ..replay import NoiseReplay
 from .dselect import ALPHA_INIT, ENTROPY_EPS
 from .mtl_gate import MTLGate, uniform_init
 from .protocol import GateOutput
@@ -151,6 +152,12 @@ class GumbelSoftmaxGate(MTLGate):
         # start with every expert likely on (pi ~ 0.73), as a sparsifying penalty then prunes
         self.beta = nn.Parameter(1.0 + uniform_init((n,), ALPHA_INIT, generator))
         self.noise = torch.Generator().manual_seed(check_seed(seed))
+        self._replay = NoiseReplay()
+
+    @property
+    def exact_zeros(self) -> bool:  # type: ignore[override]
+        """In training an expert switched off (``U_i = 0``) still has the straight-through gradient."""
+        return not self.training
 
     def probabilities(self) -> torch.Tensor:
         """pi = P(U_i = 1): ``[n]``."""
@@ -162,8 +169,10 @@ class GumbelSoftmaxGate(MTLGate):
             # two-class Gumbel-softmax on logits [log pi, log(1 - pi)] = [logsigmoid(b), logsigmoid(-b)]
             logits = torch.stack([nn.functional.logsigmoid(self.beta),
                                   nn.functional.logsigmoid(-self.beta)], dim=-1)     # [n, 2]
-            u = torch.rand(logits.shape, generator=self.noise).clamp_(1e-10, 1 - 1e-10)
-            g = -torch.log(-torch.log(u)).to(logits.dtype)
+            with self._replay.draw(self.noise):  # checkpointing's recomputation redraws the same noise
+                u = torch.rand(logits.shape, generator=self.noise).clamp_(1e-10, 1 - 1e-10)
+            # drawn on the CPU (the generator's device), used where the gate's parameters are
+            g = -torch.log(-torch.log(u)).to(device=logits.device, dtype=logits.dtype)
             soft = torch.softmax((logits + g) / self.temperature, dim=-1)[..., 0]
             hard = (soft > 0.5).to(soft.dtype)
             u_bin = hard + soft - soft.detach()

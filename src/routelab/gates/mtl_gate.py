@@ -89,6 +89,11 @@ class MTLGate(nn.Module):
         input_dim: p, the width of ``x`` for per-example gates.
     """
 
+    #: Whether every weight that is exactly 0 also has a zero gradient (DSelect-k's smooth step, top-k's
+    #: masked softmax), so that a layer may skip the experts every gate weighs 0 without changing any
+    #: gradient. A straight-through gate (Gumbel-softmax in training) says False.
+    exact_zeros: bool = True
+
     def __init__(self, num_experts: int, *, per_example: bool = False,
                  input_dim: int | None = None) -> None:
         super().__init__()

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._checks import GeneratorAttribute, check_finite, check_generator, check_positive_int, floating_input
+from ..replay import NoiseReplay
 
 __all__ = [
     "ROUTINGS",
@@ -198,6 +199,7 @@ class MixtureOfAttentiveExperts(nn.Module):
         self.gate = MAEGate(embed_dim, gate_hidden or embed_dim, len(dropped))
         self.routing: str = "gate"
         self.generator = None
+        self._replay = NoiseReplay()
 
     # ------------------------------------------------------------------ construction
 
@@ -340,7 +342,8 @@ class MixtureOfAttentiveExperts(nn.Module):
         if routing == "uniform":
             return summary.new_full((*lead, n), 1.0 / n)
         if routing == "uniform_sample":
-            idx = torch.randint(n, lead, generator=self.generator, device="cpu").to(summary.device)
+            with self._replay.draw(self.generator):  # checkpointing's recomputation redraws the same experts
+                idx = torch.randint(n, lead, generator=self.generator, device="cpu").to(summary.device)
             return F.one_hot(idx, n).to(summary.dtype)
         if routing == "gate":
             return self.gate(summary)
@@ -350,7 +353,8 @@ class MixtureOfAttentiveExperts(nn.Module):
                 idx = probs.argmax(-1)
             else:
                 flat = probs.reshape(-1, n).float().cpu()
-                idx = torch.multinomial(flat, 1, generator=self.generator).view(lead)
+                with self._replay.draw(self.generator):
+                    idx = torch.multinomial(flat, 1, generator=self.generator).view(lead)
                 idx = idx.to(summary.device)
         return F.one_hot(idx, n).to(summary.dtype)
 

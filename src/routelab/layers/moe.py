@@ -9,12 +9,12 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_generator, checks_run, floating_input, token_mask
+from ..replay import NoiseReplay
 from ..routers import Router
 from ..routes import Routes
 from ..routing import DispatchPlan, GroupedPlan, apply_capacity, expert_capacity, load_stats
 from ..routing.masks import real_tokens, scatter_routes
 from ..routing.record import RoutingRecord
-from ..routing.replay import NoiseReplay
 from .config import MoEConfig, _groups
 from .experts import StackedExperts
 
@@ -88,7 +88,7 @@ class MoE(RoutingRecord, nn.Module):
     the balanced routers run eagerly (excluded from tracing).
 
     Activation checkpointing: the router's noise and the random drop policy's draws are replayed
-    in the recomputation (:class:`~routelab.routing.replay.NoiseReplay`), so
+    in the recomputation (:class:`~routelab.replay.NoiseReplay`), so
     ``torch.utils.checkpoint`` gives the gradients of the uncheckpointed layer.
 
     The layer is described by one :class:`~routelab.layers.MoEConfig` (its arguments below, but

@@ -100,7 +100,10 @@ class MultiGateMoE(nn.Module):
             it must have an int attribute ``num_experts``) or a sequence of n modules, each
             ``x -> [batch, d]``. With a sequence, experts that no task's gate weighs (all
             weights exactly 0 in the batch) are not evaluated: conditional computation once
-            sparse gates have converged.
+            sparse gates have converged. Only where that changes no gradient: with gradients
+            enabled, every gate must say its zeros have a zero gradient (``exact_zeros``:
+            DSelect-k, top-k, softmax; not the straight-through Gumbel-softmax gate in training,
+            nor a gate that does not say).
         gates: one gate per task (:class:`~routelab.gates.mtl_gate.MTLGate`), each with
             ``num_experts == n``.
         towers: one module per task mapping the mixture ``[batch, d]`` to the task output, or
@@ -193,7 +196,10 @@ class MultiGateMoE(nn.Module):
         gx = x.flatten(1) if gate_x is None else gate_x
         weights = [g(gx) for g in self.gates]                        # T x [batch, n]
         needed = None
-        if not self.stacked:
+        # A list of experts skips those every gate weighs exactly 0, when that changes no gradient:
+        # not under a straight-through gate (its zeros have a gradient), nor under a foreign gate.
+        skippable = not torch.is_grad_enabled() or all(getattr(g, "exact_zeros", False) for g in self.gates)
+        if not self.stacked and skippable:
             needed = torch.stack([(w.detach() != 0).any(dim=0) for w in weights]).any(dim=0)
         e = self.expert_outputs(x, needed)                           # [batch, n, d]
         if e.dim() != 3 or e.shape[1] != self.num_experts:

@@ -98,7 +98,7 @@ class GumbelMatchingRouter(Router):
     ``ceil(n / E)`` whatever the layer's buffer capacity. Inference: ``argmax`` (the default; a
     token's route depends on its own score only), or the deterministic balanced assignment (the
     ``tau -> 0`` limit, BASE) if ``eval_balanced=True``. Its samples are replayed by activation
-    checkpointing (:class:`~routelab.routing.replay.NoiseReplay`).
+    checkpointing (:class:`~routelab.replay.NoiseReplay`).
 
     Use the layer's ``importance_weighting=True`` to multiply the combine weight by ``weight``
     (the unbiased estimate of the dense mixture of Kool et al. Sec. 3.1).

@@ -12,7 +12,7 @@ multiplied by their coefficients, so a training loss is ``task_loss + sum(routes
 Token masks (``mask [tokens]``, ``True`` = a real token) are applied here for every router: the
 masked tokens are removed before :meth:`Router.route` and routed nowhere
 (:mod:`routelab.routing.masks`). Stochastic routers draw through a
-:class:`~routelab.routing.replay.NoiseReplay`, so activation checkpointing recomputes the
+:class:`~routelab.replay.NoiseReplay`, so activation checkpointing recomputes the
 forward's noise.
 """
 
@@ -29,9 +29,9 @@ from .._checks import (
     token_mask,
 )
 from ..gates.protocol import GateOutput
+from ..replay import NoiseReplay
 from ..routes import Routes
 from ..routing.masks import real_tokens, scatter_routes
-from ..routing.replay import NoiseReplay
 from ..routing.rules import expert_grid
 
 __all__ = ["Router", "check_finite_features", "check_positive_int", "expert_grid"]
@@ -53,7 +53,7 @@ class Router(nn.Module):
     Subclasses implement :meth:`route`. The scoring layer runs in float32 whatever the input
     dtype (routing decisions in half precision are fragile), and the input is validated once.
     Subclasses that draw randomness in :meth:`route` set ``stochastic = True``: their draws are
-    replayed by activation checkpointing (:class:`~routelab.routing.replay.NoiseReplay`).
+    replayed by activation checkpointing (:class:`~routelab.replay.NoiseReplay`).
 
     Args:
         d_model: token width.

@@ -60,7 +60,7 @@ class NoisyTopKRouter(Router):
         noise_epsilon: added to the softplus so the noise never vanishes (reference
             implementations use 1e-2).
 
-    The noise is replayed by activation checkpointing (:class:`~routelab.routing.replay.NoiseReplay`).
+    The noise is replayed by activation checkpointing (:class:`~routelab.replay.NoiseReplay`).
     """
 
     stochastic = True

@@ -6,6 +6,7 @@ load statistics of a decision, the record of each routing module's last forward 
 activation checkpointing (:class:`NoiseReplay`) and the solvers' exclusion from ``torch.compile``
 (:func:`eager`)."""
 
+from routelab.replay import NoiseReplay
 from routelab.routing.capacity import (
     DROP_POLICIES,
     CapacityDecision,
@@ -22,7 +23,6 @@ from routelab.routing.eager import eager
 from routelab.routing.losses import switch_balance
 from routelab.routing.masks import masked_rule, real_tokens, scatter_routes
 from routelab.routing.record import RoutingRecord, aux_loss, routing_stats
-from routelab.routing.replay import NoiseReplay
 from routelab.routing.rules import (
     balanced_routes,
     batchwise_routes,
