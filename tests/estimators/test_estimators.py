@@ -854,3 +854,38 @@ def test_objectives_take_routes_with_one_slot(objective) -> None:
     torch.testing.assert_close(objective(by_hand, loss), objective(routes, loss), rtol=0, atol=0)
     with pytest.raises(ValueError, match="loss must have"):
         objective(routes, loss.unsqueeze(-1))
+
+
+@pytest.mark.parametrize(("method", "sinkhorn"), [("sample", True), ("sample_skip_iw", True),
+                                                  ("gumbel_matching_iw", True), ("gumbel_matching_sh", False)])
+def test_sinkhorn_with_an_expert_no_token_may_use_routes_the_others(method, sinkhorn):
+    """Audit finding: the compiled Sinkhorn kernel divided by the empty column's sum (ZeroDivisionError)."""
+    ninf = float("-inf")
+    logits = torch.tensor([[0.0, 1.0, ninf], [1.0, 0.0, ninf], [0.5, 0.0, ninf], [0.0, 0.0, ninf]])
+    r = sample_routes(logits, method, capacity=2, sinkhorn=sinkhorn, generator=torch.Generator().manual_seed(0))
+    assert bool((r.expert < 2).all()) and torch.isfinite(r.weight).all()
+
+
+def test_gumbel_matching_samples_the_sinkhorn_proposal_when_capacity_is_slack():
+    """Audit finding: with capacity > n / k, sinkhorn=True sampled the unbalanced proposal. Oracle:
+    eq. 4 solved by enumerating every assignment, on a proposal balanced by an independent Sinkhorn."""
+    import itertools
+
+    logits = torch.tensor([[2.0, 0.0, 0.0], [1.5, 0.0, 0.5], [2.0, 0.5, 0.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
+    n, k, c, R = 4, 3, 2, 20_000
+    r = sample_routes(logits.expand(R, n, k), "gumbel_matching", capacity=c, sinkhorn=True,
+                      generator=torch.Generator().manual_seed(0))
+    got = torch.nn.functional.one_hot(r.expert.squeeze(-1), k).double().sum(-2)  # [R, k] tokens per expert
+    q = torch.softmax(logits, -1)
+    for _ in range(2000):
+        q = q * (n / k) / q.sum(0, keepdim=True)
+        q = q / q.sum(1, keepdim=True)
+    feasible = torch.tensor([a for a in itertools.product(range(k), repeat=n)
+                             if max(a.count(j) for j in range(k)) <= c])
+    g = torch.Generator().manual_seed(1)
+    gumbel = -torch.log(-torch.log(torch.rand(R, n, k, generator=g, dtype=torch.float64)))
+    best = feasible[(q.log() + gumbel)[:, torch.arange(n), feasible].sum(-1).argmax(-1)]
+    want = torch.nn.functional.one_hot(best, k).double().sum(-2)
+    se = (got.var(0) / R + want.var(0) / R).sqrt()
+    z = (got.mean(0) - want.mean(0)) / se
+    assert float(z.abs().max()) < 4.5, z

@@ -83,17 +83,21 @@ def test_two_expert_sinkhorn_matches_plain_sweeps() -> None:
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("sinkhorn", [False, True])
-def test_fast_path_draws_the_same_distribution_as_the_general_path(method: str, sinkhorn: bool,
+@pytest.mark.parametrize(("sinkhorn", "capacity"), [(False, 3), (True, 3), (True, 4)])
+def test_fast_path_draws_the_same_distribution_as_the_general_path(method: str, sinkhorn: bool, capacity: int,
                                                                     monkeypatch) -> None:
-    """E[keep * weight * onehot(expert)] agrees between the two paths (two-sample z-test)."""
+    """E[keep * weight * onehot(expert)] agrees between the two paths (two-sample z-test).
+
+    Capacity 4 > n / 2: the Sinkhorn-balanced proposal then has another Gumbel-Matching
+    distribution than the unbalanced one (the general path once sampled the unbalanced one, z = -145).
+    """
     g = torch.Generator().manual_seed(1)
     n, R = 6, 20_000
     logits = torch.stack([torch.zeros(n), 1.0 + 0.4 * torch.randn(n, generator=g)], -1).double()
     batch = logits.expand(R, n, 2)
 
     def stats() -> torch.Tensor:
-        r = sample_routes(batch, method, tau=0.7, capacity=3, sinkhorn=sinkhorn,
+        r = sample_routes(batch, method, tau=0.7, capacity=capacity, sinkhorn=sinkhorn,
                           generator=torch.Generator().manual_seed(7))
         onehot = torch.nn.functional.one_hot(r.expert, 2).double()
         return onehot * (r.weight * r.keep).unsqueeze(-1)
@@ -114,3 +118,19 @@ def test_fast_path_is_taken_and_gradients_flow() -> None:
     assert (r.stats["tokens_per_expert"] == 5).all()
     (r.gate.sum() + r.log_prob.sum() + r.aux["balance"].sum()).backward()
     assert logits.grad is not None and float(logits.grad.abs().sum()) > 0
+
+
+def test_a_pair_of_tiny_proposal_probability_can_still_be_drawn(monkeypatch) -> None:
+    """Audit finding: float32 logistic noise never left +-15.9, so at tau = 0.1 the expert 2 logits
+    behind (proposal probability 2e-9, importance weight 6e7 < MAX_WEIGHT) was never sampled. The
+    most extreme uniform the sampler can draw must reach it."""
+    real_rand = torch.rand
+
+    def lowest(*args, **kwargs):
+        return torch.zeros(args[0], dtype=kwargs.get("dtype", torch.float32), device=kwargs.get("device"))
+
+    monkeypatch.setattr(torch, "rand", lowest)
+    for method in ("sample", "sample_skip_iw"):
+        r = sample_routes(torch.tensor([[0.0, 2.0]]), method, tau=0.1, capacity=1, generator=torch.Generator())
+        assert r.expert.item() == 0, method
+    monkeypatch.setattr(torch, "rand", real_rand)

@@ -298,6 +298,9 @@ def _sinkhorn_py(K, t, tol, max_iter, x, out, err_out):
             if not err == err or err <= tol or sweep == max_iter:
                 break
             for j in range(k):
+                if not col[j] > 0.0:  # a column with no finite entry: the caller's log domain takes over
+                    err_out[bi] = np.nan
+                    return False
                 b[j] *= t[bi, j] / col[j]
         err_out[bi] = err
         for j in range(k):

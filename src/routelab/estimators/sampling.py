@@ -157,7 +157,9 @@ def sample_routes(
         keep = torch.ones_like(expert, dtype=torch.bool)
         correction = None
     elif method.startswith("sample"):
-        expert = argmax(log_q + sample_gumbel(log_q.shape, dtype=log_q.dtype, device=log_q.device,
+        # float64 noise (bounded at 36, not float32's 16.6): every pair of proposal probability
+        # above about 1e-16, far below 1 / MAX_WEIGHT, can be drawn, as its importance weight assumes.
+        expert = argmax(log_q + sample_gumbel(log_q.shape, dtype=torch.float64, device=log_q.device,
                                               generator=generator))
         log_q_z = log_q.gather(-1, expert.unsqueeze(-1)).squeeze(-1)
         keep = torch.ones_like(expert, dtype=torch.bool)
@@ -169,7 +171,12 @@ def sample_routes(
         # The solver takes the temperature itself (exact at any tau), on the row-shifted logits.
         # One temperature per instance (a tau tensor) is not in gumbel_matching's contract (a
         # float): those instances are scaled here.
-        if tau_value is not None:
+        # With Sinkhorn the balanced proposal is the one sampled: its column offsets change the
+        # solution of eq. 4 whenever the capacity exceeds n / k (Sec. 2.3's invariance needs every
+        # column exactly full), so it is solved on log_q itself (already scaled by tau).
+        if sinkhorn:
+            gm = gumbel_matching(_floor_scores(log_q, a), tau=1.0, capacity=c, generator=generator)
+        elif tau_value is not None:
             gm = gumbel_matching(a - top.unsqueeze(-1), tau=tau_value, capacity=c, generator=generator)
         else:
             gm = gumbel_matching(_floor_scores(scaled, a), tau=1.0, capacity=c, generator=generator)

@@ -33,11 +33,18 @@ __all__ = ["sample_two"]
 
 
 def _logistic(shape: torch.Size, like: Tensor, generator: torch.Generator | None) -> Tensor:
-    """Standard logistic noise ``log u - log(1 - u)`` (the difference of two Gumbels)."""
-    u = torch.rand(shape, dtype=like.dtype, device=like.device, generator=generator)
-    eps = torch.finfo(like.dtype).eps
+    """Standard logistic noise ``log u - log(1 - u)`` (the difference of two Gumbels), in ``like``'s dtype.
+
+    ``u`` is drawn in float64 whatever the dtype: its clamp at ``eps = 2.2e-16`` bounds the noise
+    at ``|L| <= 36``, so every pair of proposal probability down to about ``1e-16`` (far below
+    ``1 / MAX_WEIGHT``) can be sampled. Drawn in float32 the bound was ``15.9``: a pair of
+    probability under ``1.2e-7`` was never sampled while its importance weight, under
+    :data:`~routelab.estimators.MAX_WEIGHT`, assumed it could be.
+    """
+    u = torch.rand(shape, dtype=torch.float64, device=like.device, generator=generator)
+    eps = torch.finfo(torch.float64).eps
     u = u.clamp(min=eps, max=1.0 - eps)
-    return torch.log(u) - torch.log1p(-u)
+    return (torch.log(u) - torch.log1p(-u)).to(like.dtype)
 
 
 def _sinkhorn_shift(s_q: Tensor, tol_rel: float, sweeps: int) -> Tensor:
