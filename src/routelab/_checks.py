@@ -344,7 +344,8 @@ def mask_tensor(t: object, name: str, shape: torch.Size) -> Tensor:
 
 
 def resolve_capacity(n: int, k: int, capacity: Any, name: str = "capacity", *, default: str = "exact",
-                     at_most_tokens: bool = False, fix: str | None = None) -> int:
+                     at_most_tokens: bool = False, fix: str | None = None,
+                     counts: tuple[str, str, str] | None = None) -> int:
     """The per-expert capacity ``c`` of ``n`` tokens on ``k`` experts, every token placed.
 
     Args:
@@ -357,6 +358,8 @@ def resolve_capacity(n: int, k: int, capacity: Any, name: str = "capacity", *, d
         at_most_tokens: return ``min(c, n)`` (a larger capacity could not be filled).
         fix: the advice an error about a too small capacity ends with (default: the smallest
             capacity that works).
+        counts: how that error names what is placed, ``n`` and ``k`` (default ``("tokens",
+            "n=<n>", "k=<k>")``; the b-matching places ``k n`` (token, expert) pairs on ``E`` experts).
 
     Raises:
         ValueError: naming ``name``: not a positive integer, ``c * k < n`` (some token could not be
@@ -387,8 +390,9 @@ def resolve_capacity(n: int, k: int, capacity: Any, name: str = "capacity", *, d
     if capacity < 1:
         raise ValueError(f"{name} must be a positive integer, got {capacity}" + (f"; {fix}" if fix else ""))
     if capacity * k < n:
+        unit, items, bins = counts or ("tokens", f"n={n}", f"k={k}")
         raise ValueError(
-            f"{name}={capacity} with k={k} experts holds only {capacity * k} tokens but n={n} must be "
+            f"{name}={capacity} with {bins} experts holds only {capacity * k} {unit} but {items} must be "
             f"placed; {advice}"
         )
     return min(capacity, n) if at_most_tokens else capacity

@@ -246,3 +246,10 @@ def test_errors():
         balanced_b_matching(bad, 4)  # k = E: every pair is taken
     with pytest.raises(TypeError):
         balanced_b_matching(s.numpy(), 2)
+
+
+def test_a_too_small_capacity_names_the_pairs_and_experts_consistently():
+    """Audit finding: the error called the 3 experts "k=3" and the 8 pairs "n=8 tokens", then "(k=2, n=4)"."""
+    with pytest.raises(ValueError, match=r"capacity=2 with E=3 experts holds only 6 \(token, expert\) pairs but "
+                                         r"k\*n=2\*4=8 must be placed; use capacity >= ceil\(k\*n/E\) = 3"):
+        balanced_b_matching(torch.randn(4, 3), 2, capacity=2)

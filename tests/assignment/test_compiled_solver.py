@@ -125,3 +125,30 @@ def test_compiled_graph_is_the_graph_of_its_assignment(
     S, _, _ = _working_scores(normalised)
     expected = _graph_of(normalised if bool(torch.isinf(scores).any()) else S, sol.expert, c, release_weight(S))
     torch.testing.assert_close(sol.arc_cost, expected, rtol=0, atol=0)
+
+
+def _in_subprocess(code: str, seconds: float = 120.0) -> str:
+    """Run ``code`` in a fresh interpreter with a time limit (a hang fails the test instead of the suite)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=seconds)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_scores_whose_row_spread_overflows_are_solved_not_hung():
+    """Audit finding: with |scores| near finfo.max the row shift overflowed to -inf, numba's "ninf"
+    fastmath folded the overflow test away and the auction never ended. Truth: token 2 must take
+    expert 1; tokens 0 and 1 share experts 0 and 2."""
+    out = _in_subprocess(
+        "import torch\n"
+        "from routelab.assignment import balanced_assignment, gumbel_matching\n"
+        "for dtype in (torch.float32, torch.float64):\n"
+        "    M = torch.finfo(dtype).max\n"
+        "    s = torch.tensor([[M, -M, -M], [M, -M, -M], [-M, M, 0.0]], dtype=dtype)\n"
+        "    print(balanced_assignment(s, 1).tolist())\n"
+        "    print(gumbel_matching(s, tau=0.0, capacity=1).expert.tolist())\n")
+    answers = out.split()
+    lines = out.strip().splitlines()
+    assert len(lines) == 4 and all(line in ("[0, 2, 1]", "[2, 0, 1]") for line in lines), answers

@@ -304,3 +304,17 @@ def test_does_not_modify_input_and_is_deterministic() -> None:
     q1, q2 = sinkhorn(log_p), sinkhorn(log_p)
     assert torch.equal(q1, q2)
     assert torch.equal(log_p, before)
+
+
+def test_infeasible_marginals_with_forbidden_pairs_are_a_value_error_on_every_path():
+    """Audit finding: the compiled kernel divided by a row sum that had scaled to 0 (ZeroDivisionError)
+    where the PyTorch path raises the documented ValueError."""
+    from routelab.assignment import sinkhorn
+
+    inf = float("inf")
+    log_p = torch.tensor([[-0.12, -inf, -0.30], [-inf, -inf, 0.06], [-inf, -inf, 0.09], [-inf, -inf, 0.14],
+                          [0.10, 0.08, -0.03]])
+    col_sum = torch.tensor([1.15513229, 3.18093375, 0.66393396])  # tokens 1-3 only fit expert 2 (0.66 < 3)
+    for dtype in (torch.float32, torch.float64):
+        with pytest.raises(ValueError, match="did not converge"):
+            sinkhorn(log_p.to(dtype), col_sum=col_sum.to(dtype))

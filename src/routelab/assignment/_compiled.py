@@ -199,9 +199,11 @@ def _kernel(name: str):
         # The helpers first: the kernels refer to them as module globals at compile time.
         for helper in ("_sift_down", "_heapify", "_cheapest_copy", "_solve_one"):
             globals()[helper] = jit(globals()[helper + "_py"])
-        # Finite input only (solve_scores checks): no NaN/inf semantics, reassociated max/min
-        # (exact); no contraction, so every subtraction and scaling rounds as in PyTorch.
-        globals()["_normalise"] = numba.njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz", "reassoc"})(
+        # Finite input only (solve_scores checks): no NaN semantics, reassociated max/min (exact);
+        # no contraction, so every subtraction and scaling rounds as in PyTorch. Infinities keep
+        # their semantics: a row shift that overflows to -inf (|scores| near finfo.max) must fail
+        # the spread test, which "ninf" let LLVM fold away (the auction then never ended).
+        globals()["_normalise"] = numba.njit(cache=True, nogil=True, fastmath={"nnan", "nsz", "reassoc"})(
             _normalise_py)
         _COMPILED["solve_scores"] = jit(_solve_scores_py)
         _COMPILED["solve_normalised"] = jit(_solve_normalised_py)
@@ -287,6 +289,9 @@ def _sinkhorn_py(K, t, tol, max_iter, x, out, err_out):
                 r = 0.0
                 for j in range(k):
                     r += Kb[i, j] * b[j]
+                if not r > 0.0:  # the row's columns all scaled to 0 (infeasible marginals): log domain
+                    err_out[bi] = np.nan
+                    return False
                 ai = 1.0 / r
                 a[i] = ai
                 for j in range(k):
@@ -408,11 +413,27 @@ def _solve_one_py(s, c, tol, big, eps, stop_after, z, arc_out):  # noqa: C901
     small = c <= SMALL_HEAP
     cheapest_at = np.zeros(k, dtype=np.int64)  # where the cheapest copy is (small only)
     # ---- 1. start: the auction ------------------------------------------------------------------
+    # Every bid on a full expert raises one of its k c copy prices by at least eps, and no copy is
+    # worth more than the scores' range plus the release reward: at most n + k c (range / eps + 2)
+    # bids. Past that bound (non-finite scores, which the callers exclude) the solve fails loudly.
+    lo = 0.0
+    hi = -inf
+    for i in range(n):
+        for j in range(k):
+            lo = min(lo, s[i, j])
+            hi = max(hi, s[i, j])
+    if not (lo > -inf and hi < inf):
+        return -_NO_END
+    max_bids = n + k * c * ((hi - lo + big) / eps + 2.0)
+    bids = 0
     top = 0
     for i in range(n):
         stack[top] = n - 1 - i
         top += 1
     while top > 0:
+        bids += 1
+        if bids > max_bids:
+            return -_NO_END
         top -= 1
         i = stack[top]
         best = -inf

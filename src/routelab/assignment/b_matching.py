@@ -69,7 +69,8 @@ def b_matching_quotas(n: int, num_experts: int, k: int, capacity: int | None = N
     if capacity is None:
         return pairs // num_experts, -(-pairs // num_experts)
     need = -(-pairs // num_experts)
-    c = resolve_capacity(pairs, num_experts, capacity, fix=f"use capacity >= ceil(k*n/E) = {need} (k={k}, n={n})")
+    c = resolve_capacity(pairs, num_experts, capacity, fix=f"use capacity >= ceil(k*n/E) = {need}",
+                         counts=("(token, expert) pairs", f"k*n={k}*{n}={pairs}", f"E={num_experts}"))
     return 0, min(c, n)
 
 
@@ -86,8 +87,9 @@ def balanced_b_matching(scores: Tensor, k: int, capacity: int | None = None, *, 
     scores' dtype relative to their spread, ``k n (E + 1) 4 eps max_i (max_j s_ij - min_j s_ij)``,
     at any magnitude and under any common or per-token offset. float16 and bfloat16 scores are
     solved in float32 (converted exactly). **Ties**: among equally good b-matchings one is
-    returned deterministically (it depends on the scores only, not on a random draw); which one
-    is unspecified. **Complexity**: every cancelling round costs ``O(k n E)`` (the move table)
+    returned deterministically (no random draw: the same scores in the same dtype give the same
+    answer); which one is unspecified, and the same values in float32 and float64 may break a
+    tie differently. **Complexity**: every cancelling round costs ``O(k n E)`` (the move table)
     plus ``O(E^3)`` (Bellman-Ford); the number of rounds depends on how close the start's prices
     are (a few to a few tens for random scores; the loop is bounded and raises if exceeded).
 

@@ -85,6 +85,9 @@ def balanced_assignment(scores: Tensor, capacity: int | None = None, *, k: int =
     magnitude and under any common or per-token offset: the solver works on row-shifted scores
     scaled by a power of two (:mod:`routelab.assignment._normalise`), which has the same
     maximisers. float16 and bfloat16 scores are solved in float32 (converted exactly).
+    Ties: among equally good assignments one is returned deterministically; which one is
+    unspecified, and on the PyTorch path (CUDA, or ``ROUTELAB_PURE_TORCH=1``) it may depend on the
+    other instances of a batch (their shared warm start), never the total score.
 
     Args:
         scores: ``[..., n, k]`` floating scores of ``n`` tokens for ``k`` experts, batched over the
