@@ -46,8 +46,10 @@ on the patched model.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import warnings
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,11 +58,12 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_capacity_factor, check_generator, check_positive_int
+from ..replay import NoiseReplay, in_backward
 from ..routers import ROUTERS, Router, make_router, router_name
 from ..routing import DROP_POLICIES, RoutingRecord, apply_capacity, expert_capacity, load_stats
 
-__all__ = ["ROUTING_CHILDREN", "GateRule", "RoutedExperts", "RoutedGate", "patch_moe", "probe_gate", "routing_child",
-           "sparse_moe_blocks"]
+__all__ = ["ROUTING_CHILDREN", "GateProjection", "GateRule", "RoutedExperts", "RoutedGate", "patch_moe", "probe_gate",
+           "routing_child", "sparse_moe_blocks"]
 
 RouterFactory = Callable[[int, int, int], Router]
 
@@ -113,6 +116,34 @@ def _accepts_mask(router: Router) -> bool:
     return "mask" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+class GateProjection(nn.Module):
+    """The ``proj`` of a routelab router inside a patched gate: its ``weight`` (and ``bias``) *are* the gate's.
+
+    They are read through the gate at every access instead of being registered twice, so no module
+    conversion can untie them (``to_empty`` from the meta device makes a new parameter per
+    registration), the model's ``state_dict()`` keeps its own keys, and a transformers checkpoint
+    loads into a patched model as into the unpatched one.
+    """
+
+    def __init__(self, gate: nn.Module, with_bias: bool) -> None:
+        super().__init__()
+        object.__setattr__(self, "_gate", gate)  # not a submodule: the gate holds this module
+        self._with_bias = bool(with_bias)
+
+    @property
+    def weight(self) -> Tensor:
+        """The gate's ``weight [E, d]``."""
+        return self._gate.weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        """The gate's ``bias [E]`` when its logits include it (GPT-OSS), else None."""
+        return self._gate.bias if self._with_bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
 class RoutedGate(RoutingRecord):
     """The routing of a patched transformers gate (mixed into the gate's own class by :func:`patch_moe`).
 
@@ -136,8 +167,23 @@ class RoutedGate(RoutingRecord):
     aux_coef: float
     combine_scale: float
     _routelab_mask: _AttentionMask
+    _routelab_masks: deque[Tensor | None]
+    _routelab_replay: NoiseReplay
     _routelab_takes_mask: bool
     _routelab_generator: torch.Generator | None
+
+    def _token_mask(self, num_tokens: int) -> Tensor | None:
+        """The token mask of this forward: the model call's, or, when activation checkpointing
+        recomputes the gate inside the backward pass, the one its own forward used (recorded per
+        forward, last in first out as backward recomputes), whatever the model ran in between."""
+        if in_backward():
+            if self._routelab_masks:
+                return self._routelab_masks.pop()
+            return self._routelab_mask.tokens(num_tokens)
+        mask = self._routelab_mask.tokens(num_tokens)
+        if torch.is_grad_enabled():  # a forward that backward may recompute
+            self._routelab_masks.append(mask)
+        return mask
 
     def forward(self, hidden_states: Tensor, *_own_inputs: Any) -> tuple[Tensor, Tensor, Tensor]:
         """Route ``hidden_states [..., d]`` (flattened to ``[n, d]``) with the routelab router.
@@ -153,16 +199,20 @@ class RoutedGate(RoutingRecord):
         E = router.num_experts
         x = hidden_states.reshape(-1, router.d_model)
         n = x.shape[0]
-        mask = self._routelab_mask.tokens(n)
+        mask = self._token_mask(n)
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
-        capacity = expert_capacity(n, E, router.slots, factor)
+        # Padding takes no capacity: C counts the real tokens (one host sync), as MoE(mask=) does.
+        real = n if mask is None else int(mask.sum())
+        capacity = expert_capacity(real, E, router.slots, factor)
         if mask is not None and self._routelab_takes_mask:
             proposed = router(x, capacity, mask=mask)
         else:
             proposed = router(x, capacity)
         candidate = proposed.keep if mask is None else proposed.keep & mask.unsqueeze(-1)
-        decision = apply_capacity(proposed.expert, candidate, capacity, E, policy=self.drop_policy,
-                                  score=proposed.gate, generator=self._routelab_generator)
+        random = self.drop_policy == "random" and self.training
+        with self._routelab_replay.draw(self._routelab_generator if random else None):
+            decision = apply_capacity(proposed.expert, candidate, capacity, E, policy=self.drop_policy,
+                                      score=proposed.gate, generator=self._routelab_generator)
         keep = decision.keep
         combine = proposed.gate.float()
         if self.combine_scale != 1.0:  # the model's routed_scaling_factor (GateRule.scale)
@@ -285,6 +335,8 @@ class GateRule:
             DeepSeek-V3's bias-corrected sigmoid top-k), or None.
         inputs: the inputs its ``forward`` takes besides the hidden states (MiniMax-M2's
             ``e_score_correction_bias``); a gate with any is not probed.
+        input_dtype_logits: it computes its logits in the hidden states' dtype (bfloat16 logits
+            for a bfloat16 model: Mixtral, Qwen, OLMoE, GPT-OSS), not in float32 (DeepSeek).
     """
 
     k: int | None = None
@@ -293,12 +345,53 @@ class GateRule:
     logit_bias: bool = False
     differs: str | None = None
     inputs: tuple[str, ...] = ()
+    input_dtype_logits: bool = False
 
 
 def _scale_of(weights: Tensor, reference: Tensor) -> float | None:
     """The constant ``c`` with ``weights == c * reference`` (all ``[n, k]``), or None if there is none."""
     c = float((weights * reference).sum() / (reference * reference).sum().clamp_min(1e-30))
     return c if c > 0 and torch.allclose(weights, c * reference, rtol=1e-4, atol=1e-6) else None
+
+
+def _fresh_copy(gate: nn.Module, dtype: torch.dtype,
+                generator: torch.Generator) -> tuple[nn.Module, dict[str, nn.Parameter | None]] | None:
+    """A copy of ``gate`` that shares its attributes but holds random CPU parameters of ``dtype``,
+    copies of its buffers (zeros for buffers on the meta device) and of its submodules, in eval mode
+    and without hooks; with its parameters. None if a submodule cannot be copied."""
+    fresh = {name: None if p is None else nn.Parameter(torch.randn(p.shape, generator=generator).to(dtype),
+                                                       requires_grad=False)
+             for name, p in gate._parameters.items()}  # None entries kept: nn.Linear(bias=False) reads self.bias
+    buffers = {name: None if b is None else  # copies: a forward that updates a buffer must not reach the gate
+               (torch.zeros(b.shape, dtype=torch.float32) if b.is_meta else b.detach().to("cpu", torch.float32,
+                                                                                           copy=True))
+               for name, b in gate._buffers.items()}
+    try:
+        modules = {name: None if m is None else copy.deepcopy(m).eval() for name, m in gate._modules.items()}
+    except Exception:  # noqa: BLE001 - a submodule that cannot be copied: the gate is not probed
+        return None
+    probe = type(gate).__new__(type(gate))
+    probe.__dict__.update(gate.__dict__)
+    probe.__dict__.update(_parameters=fresh, _buffers=buffers, _modules=modules,
+                          _forward_hooks={}, _forward_pre_hooks={}, _backward_hooks={},
+                          _forward_hooks_with_kwargs={}, _forward_pre_hooks_with_kwargs={},
+                          _forward_hooks_always_called={}, _backward_pre_hooks={}, training=False)
+    return probe, fresh
+
+
+def _scores_in_input_dtype(gate: nn.Module) -> bool:
+    """Whether the gate computes its logits in the dtype of bfloat16 hidden states (Mixtral, Qwen, OLMoE,
+    GPT-OSS: ``F.linear`` in bfloat16) rather than casting them to float32 first (DeepSeek)."""
+    g = torch.Generator().manual_seed(1)
+    run = _fresh_copy(gate, torch.bfloat16, g)
+    if run is None:
+        return False
+    try:
+        with torch.no_grad():
+            out = type(gate).forward(run[0], torch.randn(4, gate.weight.shape[1], generator=g).to(torch.bfloat16))
+    except Exception:  # noqa: BLE001 - not probed: score in float32
+        return False
+    return isinstance(out, (tuple, list)) and isinstance(out[0], Tensor) and out[0].dtype == torch.bfloat16
 
 
 def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0) -> GateRule:
@@ -322,18 +415,11 @@ def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0) -> GateRule:
         return GateRule(inputs=tuple(inputs[1:]))
     E, d = gate.weight.shape
     g = torch.Generator().manual_seed(seed)
-    fresh = {name: None if p is None else nn.Parameter(torch.randn(p.shape, generator=g), requires_grad=False)
-             for name, p in gate._parameters.items()}  # None entries kept: nn.Linear(bias=False) reads self.bias
-    buffers = {name: None if b is None else
-               (torch.zeros(b.shape, dtype=torch.float32) if b.is_meta else b.detach().float().cpu())
-               for name, b in gate._buffers.items()}
+    run = _fresh_copy(gate, torch.float32, g)
+    if run is None:
+        return GateRule()
+    probe, fresh = run
     x = torch.randn(tokens, d, generator=g)
-    probe = type(gate).__new__(type(gate))
-    probe.__dict__.update(gate.__dict__)
-    probe.__dict__.update(_parameters=fresh, _buffers=buffers, _modules=dict(gate._modules),
-                          _forward_hooks={}, _forward_pre_hooks={}, _backward_hooks={},
-                          _forward_hooks_with_kwargs={}, _forward_pre_hooks_with_kwargs={},
-                          _forward_hooks_always_called={}, _backward_pre_hooks={}, training=False)
     try:
         with torch.no_grad():
             out = type(gate).forward(probe, x)
@@ -359,7 +445,7 @@ def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0) -> GateRule:
     for renormalize, reference in ((True, p / p.sum(-1, keepdim=True)), (False, p)):
         scale = _scale_of(got_weights, reference)
         if scale is not None:
-            return GateRule(k, renormalize, scale, logit_bias)
+            return GateRule(k, renormalize, scale, logit_bias, input_dtype_logits=_scores_in_input_dtype(gate))
     return GateRule(k, None, constant_sum or 1.0, logit_bias,
                     "its weights are not the softmax of its logits, renormalised over the chosen experts or not")
 
@@ -496,9 +582,9 @@ def patch_moe(
         TypeError: ``model`` is not an ``nn.Module``, ``generator`` not a ``torch.Generator``.
 
     Note:
-        The patched gate's ``weight`` also appears in ``state_dict()`` as ``gate.router.proj.weight``
-        (the same tensor): load transformers checkpoints before patching. A patched model cannot be
-        pickled whole (``torch.save(model)``); save its ``state_dict()``.
+        The router reads the gate's ``weight`` (and ``bias``) through :class:`GateProjection`, so
+        ``state_dict()`` keeps the model's own keys and checkpoints load before or after patching.
+        A patched model cannot be pickled whole (``torch.save(model)``); save its ``state_dict()``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -516,6 +602,14 @@ def patch_moe(
         raise ValueError(f"aux_coef must be a number >= 0 (0 disables routelab's aux losses), got {aux_coef!r}")
     if router_kwargs is not None and not isinstance(router_kwargs, dict):
         raise ValueError(f"router_kwargs must be a dict of router options, got {type(router_kwargs).__name__}")
+    taken = sorted({"d_model", "num_experts", "k"} & set(router_kwargs or {}))
+    if taken:
+        raise ValueError(f"router_kwargs may not set {taken}: patch_moe takes them from the model (pass k= to "
+                         f"patch_moe itself for the experts per token)")
+    if renormalize is not None and "renormalize" in (router_kwargs or {}) \
+            and bool(router_kwargs["renormalize"]) != bool(renormalize):
+        raise ValueError(f"renormalize={renormalize} and router_kwargs['renormalize']={router_kwargs['renormalize']} "
+                         f"disagree; give it once")
     candidates = sparse_moe_blocks(model)
     problems = [(name, _block_problem(block)) for name, block in candidates]
     bad = [(name, why) for name, why in problems if why is not None]
@@ -547,16 +641,16 @@ def patch_moe(
         else:
             norm = rule.renormalize if rule.renormalize is not None else _model_norm_topk(gate, model)
         built = _build_router(router, d, E, use_k, k is not None, norm, dict(router_kwargs or {}))
-        plans.append((block, gate, built, share_bias, rule.scale))
+        plans.append((block, gate, built, share_bias, rule.scale, rule.input_dtype_logits))
     for gate_class, notice in notices.items():
         warnings.warn(f"the model's gate {gate_class} {notice}", stacklevel=2)
     mask = _AttentionMask()
-    for block, gate, built, share_bias, scale in plans:  # every router built: now patch (none half-patched on error)
+    # every router built: now patch (nothing is half-patched on an error)
+    for block, gate, built, share_bias, scale, input_dtype in plans:
         experts = block.experts
         built = built.to(device=gate.weight.device)
-        built.proj.weight = gate.weight  # shared: one parameter, one optimiser state
-        if share_bias:
-            built.proj.bias = gate.bias  # GPT-OSS: logits x @ weight.T + bias, shared alike
+        built.proj = GateProjection(gate, share_bias)  # the gate's weight (GPT-OSS: and bias), one parameter each
+        built.logits_in_input_dtype = input_dtype  # a bfloat16 model's gate rounds its logits to bfloat16
         gate.combine_scale = float(scale)
         if generator is not None:
             built.generator = generator
@@ -567,6 +661,8 @@ def patch_moe(
         gate.drop_policy, gate.importance_weighting = drop_policy, bool(importance_weighting)
         gate.aux_coef = float(aux_coef)
         object.__setattr__(gate, "_routelab_mask", mask)
+        object.__setattr__(gate, "_routelab_masks", deque(maxlen=64))
+        object.__setattr__(gate, "_routelab_replay", NoiseReplay())
         object.__setattr__(gate, "_routelab_generator", generator)
         object.__setattr__(gate, "_routelab_takes_mask", _accepts_mask(built))
         _swap_class(experts, RoutedExperts)

@@ -18,6 +18,7 @@ forward's noise.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from .._checks import (
@@ -83,13 +84,22 @@ class Router(nn.Module):
         self.proj = nn.Linear(d_model, num_experts, bias=False)
         self.generator = None
         self.check_finite = True
+        self.logits_in_input_dtype = False
         self._replay = NoiseReplay()
 
     def logits(self, x: Tensor) -> Tensor:
         """Router logits ``[tokens, E]`` in float32: ``x @ proj.weight.T`` (``+ proj.bias`` when one is set,
-        as :func:`~routelab.integrations.hf.patch_moe` does for gates with a bias)."""
-        bias = self.proj.bias
-        return nn.functional.linear(x.float(), self.proj.weight.float(), None if bias is None else bias.float())
+        as :func:`~routelab.integrations.hf.patch_moe` does for gates with a bias).
+
+        Computed in float32 from any input dtype, unless :attr:`logits_in_input_dtype` (set by
+        ``patch_moe`` for a model whose own gate scores in its hidden states' dtype, so that a
+        bfloat16 model is reproduced): then in ``x``'s dtype, and returned as float32.
+        """
+        weight, bias = self.proj.weight, self.proj.bias
+        if self.logits_in_input_dtype and x.dtype != torch.float32:
+            bias = None if bias is None else bias.to(x.dtype)
+            return nn.functional.linear(x, weight.to(x.dtype), bias).float()
+        return nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
     def features(self, x: Tensor) -> Tensor:
         """Everything the router computes token by token: ``[tokens, F]`` float32.
