@@ -529,3 +529,114 @@ def test_a_balanced_router_trains_and_generates_in_every_family(family, monkeypa
         gen = model.generate(x[:, :4], attention_mask=torch.ones_like(x[:, :4]), max_new_tokens=3, do_sample=False,
                              pad_token_id=0)
     assert gen.shape == (2, 7)
+
+
+# ---------------------------------------------------------------- audit findings (each failed before its fix)
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _max_gap(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+def test_checkpointing_recomputes_each_call_under_its_own_padding_mask():
+    """Two calls, one backward (a summed loss, DPO pairs): the recomputation once used the last call's mask."""
+    base = tiny().train()
+    a, b = ids(2, 8, seed=1), ids(2, 8, seed=2)
+    mask_a, mask_b = torch.ones_like(a), torch.ones_like(b)
+    mask_a[1, :5] = 0
+    mask_b[0, :5] = 0
+    grads = []
+    for checkpointing in (False, True):
+        model = copy.deepcopy(base)
+        patch_moe(model, "topk")
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        loss = model(a, attention_mask=mask_a, labels=a).loss + model(b, attention_mask=mask_b, labels=b).loss
+        loss.backward()
+        grads.append(_grads(model))
+    assert _max_gap(*grads) <= 1e-6
+
+
+def test_checkpointing_replays_random_drops_drawn_from_a_generator():
+    base = tiny().train()
+    x = ids()
+    grads = []
+    for checkpointing in (False, True):
+        model = copy.deepcopy(base)
+        patch_moe(model, "topk", capacity_factor=0.5, drop_policy="random", generator=torch.Generator().manual_seed(3))
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model(x, labels=x).loss.backward()
+        grads.append(_grads(model))
+    assert _max_gap(*grads) == 0.0
+
+
+def test_padding_does_not_enlarge_the_capacity():
+    model = tiny().train()
+    patch_moe(model, "topk", capacity_factor=1.0)
+    x = ids(2, 8)
+    mask = torch.ones_like(x)
+    mask[1] = 0  # the second sequence is all padding
+    with torch.no_grad():
+        padded = model(x, attention_mask=mask).logits[0]
+        with_padding = {k: int(v["capacity"]) for k, v in routelab.routing_stats(model).items()}
+        alone = model(x[:1], attention_mask=mask[:1]).logits[0]
+    assert set(with_padding.values()) == {4}  # ceil(1.0 * 8 real tokens * 2 / 4)
+    assert (padded - alone).abs().max() <= 1e-6
+
+
+def test_a_model_patched_on_the_meta_device_materialises_and_loads_a_checkpoint():
+    checkpoint = tiny().eval()
+    config_name, model_name, kw = FAMILIES["mixtral"]
+    with torch.device("meta"):
+        model = getattr(tf, model_name)(getattr(tf, config_name)(**_common(**kw)))
+    patch_moe(model, "topk")
+    model.to_empty(device="cpu")
+    gate = model.model.layers[0].mlp.gate
+    assert gate.router.proj.weight is gate.weight
+    model.load_state_dict(checkpoint.state_dict(), strict=True)  # the unpatched model's keys
+    with torch.no_grad():
+        for buffer, reference in zip(model.buffers(), checkpoint.buffers(), strict=True):
+            buffer.copy_(reference)  # rotary inv_freq: not in a state_dict, garbage after to_empty
+        x = ids()
+        assert (model.eval()(x).logits - checkpoint(x).logits).abs().max() <= 1e-5
+
+
+def test_probing_leaves_the_gates_buffers_alone():
+    model = tiny()
+    gate = gate_of(sparse_moe_blocks(model)[0][1])
+    original = type(gate).forward
+
+    class Counting(type(gate)):
+        def forward(self, hidden_states):
+            out = original(self, hidden_states)
+            with torch.no_grad():
+                self.load += torch.bincount(out[2].reshape(-1), minlength=4).float()
+            return out
+
+    gate.__class__ = Counting
+    gate.register_buffer("load", torch.zeros(4))
+    assert probe_gate(gate).renormalize is True
+    assert torch.equal(gate.load, torch.zeros(4))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v2"])
+def test_bfloat16_models_whose_gate_scores_in_bfloat16_are_reproduced(family):
+    model = tiny(family).to(torch.bfloat16).eval()
+    reference = copy.deepcopy(model)
+    patch_moe(model, "topk")
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, reference(x).logits)
+
+
+def test_router_kwargs_that_clash_with_patch_moes_own_arguments_are_refused():
+    with pytest.raises(ValueError, match=r"router_kwargs may not set \['k'\]"):
+        patch_moe(tiny(), "topk", router_kwargs={"k": 1})
+    with pytest.raises(ValueError, match="disagree"):
+        patch_moe(tiny(), "topk", renormalize=True, router_kwargs={"renormalize": False})
