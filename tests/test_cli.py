@@ -132,3 +132,17 @@ def test_register_rejects_a_bad_quick_cost(registry: dict[str, Any], cost: Any) 
     with pytest.raises(ValueError, match="quick_seconds of 'costly' must be a finite number >= 0"):
         register(exp)
     assert "costly" not in registry
+
+
+def test_bench_checks_its_out_path_and_world_size_before_running(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Audit finding: an existing directory as --out failed only after the whole benchmark had run, and a
+    world size that does not divide the experts was a traceback with status 1."""
+    import routelab.cli as cli_module
+
+    monkeypatch.setattr(cli_module, "_run_assignment_benchmark",
+                        lambda **kw: pytest.fail("the benchmark ran before --out was checked"))
+    assert cli.main(["bench", "assignment", "--quick", "--out", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert cli.main(["bench", "moe", "--world-size", "3", "--quick"]) == 2
+    assert "does not divide" in capsys.readouterr().err

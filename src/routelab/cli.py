@@ -323,12 +323,24 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if (args.dtype is not None or args.d_model is not None) and (args.benchmark != "moe"
                                                                  or args.world_size is not None):
         return _error("--dtype and --d-model apply to `routelab bench moe` (single process) only.")
+    if args.out is not None:  # checked before a benchmark of minutes, not after it
+        out = Path(args.out)
+        if out.is_dir():
+            return _error(f"--out {out} is a directory; give a file path for the table (e.g. {out / 'bench.md'}).")
+        if not out.parent.exists():
+            try:
+                out.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                return _error(f"cannot create the directory of --out {out}: {err.strerror or err}; choose another.")
     if args.benchmark == "moe" and args.world_size is not None:
         from routelab.bench.moe_parallel import run_benchmark as run_moe_parallel  # lazy: starts workers
 
         if args.device == "cuda":
             return _error("--world-size starts local gloo (CPU) workers; for GPUs use torchrun (see the README).")
-        text = run_moe_parallel(world_sizes=args.world_size, quick=args.quick, out=sys.stdout)
+        try:
+            text = run_moe_parallel(world_sizes=args.world_size, quick=args.quick, out=sys.stdout)
+        except ValueError as err:  # e.g. a world size that does not divide the experts
+            return _error(str(err))
     elif args.benchmark == "moe":
         from routelab.bench.moe import DTYPES, default_configs, select_configs  # lazy: heavy
         from routelab.bench.moe import run_benchmark as run_moe

@@ -239,3 +239,13 @@ def test_the_command_line_maps_its_options_onto_the_forms(tmp_path, monkeypatch)
     quick, large = seen
     assert quick == lm.QUICK.with_(device="cpu", seeds=(5,), steps=7, routers=("top1", "base"))
     assert large == lm.LARGE.with_(device="cuda")
+
+
+def test_a_paired_claim_with_no_shared_finished_seed_is_not_measured():
+    """Audit finding: n = 0 paired seeds read "+nan (one seed)" and "does not hold"."""
+    from routelab.experiments.kit.claims import NOT_MEASURED
+    from routelab.experiments.lm_routers.report import _as_good, _diff, _test_loss, paired
+
+    records = [{"router": "base", "seed": 0, "test_ppl": 5.0}, {"router": "top2", "seed": 1, "test_ppl": 5.5}]
+    d = paired(records, "base", "top2", _test_loss)
+    assert _as_good(d) == NOT_MEASURED and "nan" not in _diff(d)

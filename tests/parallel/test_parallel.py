@@ -282,3 +282,43 @@ def _subgroup_worker(rank: int, world: int) -> int:
 
 def test_expert_parallel_over_subgroups():
     assert run_workers(_subgroup_worker, 4, timeout=60) == [3] * 4
+
+
+def _empty_batch_worker(rank: int, world: int) -> dict:
+    import routelab
+
+    torch.manual_seed(0)
+    moe = MoE(6, 10, 4, router="topk", k=2)
+    ep = ExpertParallelMoE.from_moe(moe)
+    ep(torch.randn(5, 6))  # a step with tokens: its record must not outlive the next forward
+    x = torch.randn(0, 6, requires_grad=True)
+    y, routes = ep(x)
+    y.sum().backward()  # raised: the zero output was not in the graph
+    return {"aux": float(routelab.aux_loss(ep)), "returned": float(sum(routes.aux.values(), torch.zeros(()))),
+            "grad": x.grad is not None}
+
+
+def test_an_empty_global_batch_stays_in_the_graph_and_records_its_routing():
+    """Audit finding: with no token on any rank, the output left the graph and aux_loss kept the previous step's."""
+    for out in run_workers(_empty_batch_worker, 2, timeout=60):
+        assert out == {"aux": out["returned"], "returned": 0.0, "grad": True}
+
+
+def _dtype_worker(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    moe = MoE(16, 32, 4, router="topk", k=2, capacity_factor=None)
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    reference, _ = moe(x)
+    ep = ExpertParallelMoE.from_moe(moe)
+    mine = x[rank * 8:(rank + 1) * 8]
+    y, _ = ep(mine if rank == 0 else mine.float())  # ranks may feed different floating dtypes
+    want = reference[rank * 8:(rank + 1) * 8]
+    return {"dtype": str(y.dtype), "gap": float((y.float() - want.float()).abs().max())}
+
+
+def test_ranks_follow_moes_dtype_policy():
+    """Audit finding: EP skipped MoE's cast to the experts' dtype: mixed input dtypes aborted gloo, and
+    bf16 inputs were combined after rounding to bf16 (42% of outputs differed from MoE)."""
+    out = run_workers(_dtype_worker, 2, timeout=60)
+    assert out[0] == {"dtype": "torch.bfloat16", "gap": 0.0}
+    assert out[1]["dtype"] == "torch.float32" and out[1]["gap"] <= 1e-2  # MoE's bf16 output, rounded

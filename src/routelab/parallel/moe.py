@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .._checks import check_positive_int, token_mask
+from .._checks import check_positive_int, floating_input, token_mask
 from ..layers.config import MoEConfig
 from ..layers.experts import StackedExperts
 from ..layers.moe import MoE
@@ -336,6 +336,9 @@ class ExpertParallelMoE(MoE):
             layer's output on the global batch; ``routes`` covers this rank's tokens (``aux``
             and ``stats`` the global batch).
         """
+        # The dtype policy of MoE: the experts compute (and the ranks exchange tokens) in the
+        # experts' dtype whatever each rank's input dtype; the output comes back in x's dtype.
+        compute = floating_input(x, "x", self._experts_dtype(x))
         if x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [..., d_model={self.d_model}], got {tuple(x.shape)}")
         lead = x.shape[:-1]
@@ -366,8 +369,9 @@ class ExpertParallelMoE(MoE):
             stats={**routes.stats, "global_tokens": torch.tensor(N)},
         )
         C = plan.capacity
-        if C == 0:
-            return torch.zeros_like(flat).reshape(*lead, d), local_routes
+        if C == 0:  # no real token on any rank: a zero output that stays in the graph, as MoE's does
+            self.record_routing(local_routes.aux, local_routes.stats)
+            return (flat * 0).reshape(*lead, d), local_routes
 
         # Who sends what to whom: every rank derives it from the same global plan.
         El = self.local_experts
@@ -400,7 +404,7 @@ class ExpertParallelMoE(MoE):
 
         # Tokens to the experts' ranks; the received ones (in receive order) fill this rank's
         # [E/W, C, d] buffers, laid out as the global plan's rows of its experts.
-        recv_x = all_to_all(flat[send_tok], send_counts, recv_counts, group)
+        recv_x = all_to_all(compute.reshape(-1, d)[send_tok], send_counts, recv_counts, group)
         receive = DispatchPlan.from_rows(recv_rows.unsqueeze(-1), El, C)
         out = self.experts(receive.dispatch(recv_x)).reshape(rows_per_rank, -1)
         back = all_to_all(out[recv_rows], recv_counts, send_counts, group)  # in send order

@@ -48,6 +48,17 @@ class RoutingRecord:
         object.__setattr__(self, "_routelab_record",
                            (dict(aux), {name: value.detach() for name, value in stats.items()}))
 
+    def __getstate__(self) -> dict:
+        """The module's state for ``copy.deepcopy`` and pickling, with the record's losses detached
+        (a graph's tensors cannot be deep-copied: an EMA or best-model snapshot after a training
+        step would fail)."""
+        state = dict(super().__getstate__())  # type: ignore[misc]
+        record = state.get("_routelab_record")
+        if record is not None:
+            aux, stats = record
+            state["_routelab_record"] = ({name: value.detach() for name, value in aux.items()}, stats)
+        return state
+
     @property
     def last_aux(self) -> dict[str, Tensor]:
         """The weighted auxiliary losses of the last forward (empty before the first)."""
@@ -81,7 +92,9 @@ def aux_loss(model: nn.Module) -> Tensor:
 
     Returns:
         A scalar tensor, differentiable through the routers (a float32 zero on the model's device
-        when no module has recorded a loss, e.g. before the first forward).
+        when no module has recorded a loss, e.g. before the first forward). A module called
+        several times in one forward (weight sharing) contributes its last call only: sum the
+        ``routes.aux`` each call returns instead.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.

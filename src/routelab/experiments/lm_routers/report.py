@@ -117,12 +117,17 @@ def _bound(stat: Stat) -> float:
 
 
 def _diff(stat: Stat, digits: int = 4) -> str:
+    if stat.n == 0:
+        return "no seed finished for both"
     two = f" (2 s.e. {_bound(stat):.{digits}f}, {stat.n} seeds)" if stat.se is not None else " (one seed)"
     return f"{stat.mean:+.{digits}f}{two}"
 
 
 def _as_good(d: Stat) -> str:
-    """Verdict of "A is as good as B" from the paired difference ``d`` of A's loss minus B's."""
+    """Verdict of "A is as good as B" from the paired difference ``d`` of A's loss minus B's
+    (not measured when no seed finished for both)."""
+    if d.n == 0:
+        return NOT_MEASURED
     if d.mean <= 0:
         return HOLDS
     if d.mean <= _bound(d):
