@@ -1,0 +1,239 @@
+"""What a Hugging Face transformers sparse MoE block is and what its gate computes.
+
+:func:`sparse_moe_blocks` finds the candidate blocks (a routing child named as in
+:data:`ROUTING_CHILDREN` beside an ``experts`` child), ``block_problem`` says why one does not fit
+:func:`routelab.integrations.hf.patch_moe`'s contract, and :func:`probe_gate` reads the rule of the
+model's own gate (its ``k``, top-k normalisation, weight scale, logit bias, scoring dtype) by running a
+copy of it with fresh random parameters, so that ``patch_moe``'s defaults reproduce the model and a gate
+with a rule of its own is named in a warning. transformers itself is never imported here.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ..routers import Router
+from ..routing import RoutingRecord
+
+__all__ = ["ROUTING_CHILDREN", "GateRule", "probe_gate", "routing_child", "sparse_moe_blocks"]
+
+
+#: The names under which transformers' sparse MoE blocks hold their router module, in the order tried:
+#: ``gate`` (Mixtral, Qwen2/3-MoE, OLMoE, MiniMax, Qwen3-Next, DeepSeek-V2, ...) and ``router``
+#: (GPT-OSS, Jamba, GraniteMoE, PhiMoE, ...).
+ROUTING_CHILDREN = ("gate", "router")
+
+
+def routing_child(block: nn.Module) -> tuple[str, nn.Module] | None:
+    """The ``(attribute name, module)`` through which ``block`` routes (a :data:`ROUTING_CHILDREN` child
+    that holds a 2-D ``weight``, else the first such child), or None when it has none. A routelab
+    :class:`~routelab.routers.Router` child is not one: routelab's own layers are routed already."""
+    found = [(name, child) for name in ROUTING_CHILDREN
+             if isinstance(child := getattr(block, name, None), nn.Module) and not isinstance(child, Router)]
+    for name, child in found:
+        if isinstance(getattr(child, "weight", None), Tensor) and child.weight.dim() == 2:
+            return name, child
+    return found[0] if found else None
+
+
+def _positional_inputs(function: Callable) -> list[str] | None:
+    """The names of the positional inputs of a method (``self`` excluded), or None if it cannot be read."""
+    try:
+        params = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in params[1:] if p.kind in kinds]
+
+
+def block_problem(block: nn.Module) -> str | None:
+    """Why ``block`` (a module with a routing child and an ``experts`` child) does not fit the contract, or None."""
+    _, gate = routing_child(block)
+    experts = block.experts
+    if isinstance(gate, RoutingRecord):  # a patched gate (RoutedGate) records its routing
+        return "it is already patched by routelab"
+    weight = gate._parameters.get("weight")
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        return (f"its gate ({type(gate).__name__}) has no [num_experts, hidden] parameter 'weight' of its own "
+                f"for a routelab router to score with")
+    E = weight.shape[0]
+    num = getattr(experts, "num_experts", None)
+    if num is None:
+        gate_up = getattr(experts, "gate_up_proj", None)
+        num = gate_up.shape[0] if isinstance(gate_up, Tensor) else None
+    if num != E:
+        return (f"its experts ({type(experts).__name__}) do not say they hold num_experts={E} fused experts "
+                f"(no num_experts attribute or gate_up_proj [E, 2I, d])")
+    inputs = _positional_inputs(type(experts).forward)
+    if inputs is not None and len(inputs) < 3:
+        return (f"its experts ({type(experts).__name__}) take {inputs}, not (hidden_states, top_k_index, "
+                f"top_k_weights): the block routes by a contract of its own")
+    return None
+
+
+@dataclass(frozen=True)
+class GateRule:
+    """What a transformers gate computes, read by running a copy of it on random inputs (:func:`probe_gate`).
+
+    Attributes:
+        k: experts per token it returns (``S`` of its ``[n, S]`` outputs); None if unknown.
+        renormalize: True / False when it routes by softmax top-k of its logits, with the weights
+            renormalised over the chosen ``k`` / not (the full softmax's); None when it routes
+            otherwise or could not be probed.
+        scale: the constant its combine weights carry on top of that (DeepSeek's
+            ``routed_scaling_factor``; also read when its rule is another one whose weights sum to a
+            constant per token, as DeepSeek-V3's sigmoid scores renormalised times 2.5); 1.0 otherwise.
+        logit_bias: its logits are ``x @ weight.T + bias`` (GPT-OSS), not ``x @ weight.T``.
+        differs: why its routing is not softmax top-k of its logits (PhiMoE's sparsemixer,
+            DeepSeek-V3's bias-corrected sigmoid top-k), or None.
+        inputs: the inputs its ``forward`` takes besides the hidden states (MiniMax-M2's
+            ``e_score_correction_bias``); a gate with any is not probed.
+        input_dtype_logits: it computes its logits in the hidden states' dtype (bfloat16 logits
+            for a bfloat16 model: Mixtral, Qwen, OLMoE, GPT-OSS), not in float32 (DeepSeek).
+    """
+
+    k: int | None = None
+    renormalize: bool | None = None
+    scale: float = 1.0
+    logit_bias: bool = False
+    differs: str | None = None
+    inputs: tuple[str, ...] = ()
+    input_dtype_logits: bool = False
+
+
+def _scale_of(weights: Tensor, reference: Tensor) -> float | None:
+    """The constant ``c`` with ``weights == c * reference`` (all ``[n, k]``), or None if there is none."""
+    c = float((weights * reference).sum() / (reference * reference).sum().clamp_min(1e-30))
+    return c if c > 0 and torch.allclose(weights, c * reference, rtol=1e-4, atol=1e-6) else None
+
+
+def _fresh_copy(gate: nn.Module, dtype: torch.dtype,
+                generator: torch.Generator) -> tuple[nn.Module, dict[str, nn.Parameter | None]] | None:
+    """A copy of ``gate`` that shares its attributes but holds random CPU parameters of ``dtype``,
+    copies of its buffers (zeros for buffers on the meta device) and of its submodules, in eval mode
+    and without hooks; with its parameters. None if a submodule cannot be copied."""
+    fresh = {name: None if p is None else nn.Parameter(torch.randn(p.shape, generator=generator).to(dtype),
+                                                       requires_grad=False)
+             for name, p in gate._parameters.items()}  # None entries kept: nn.Linear(bias=False) reads self.bias
+    buffers = {name: None if b is None else  # copies: a forward that updates a buffer must not reach the gate
+               (torch.zeros(b.shape, dtype=torch.float32) if b.is_meta else b.detach().to("cpu", torch.float32,
+                                                                                           copy=True))
+               for name, b in gate._buffers.items()}
+    try:
+        modules = {name: None if m is None else copy.deepcopy(m).eval() for name, m in gate._modules.items()}
+    except Exception:  # noqa: BLE001 - a submodule that cannot be copied: the gate is not probed
+        return None
+    probe = type(gate).__new__(type(gate))
+    probe.__dict__.update(gate.__dict__)
+    probe.__dict__.update(_parameters=fresh, _buffers=buffers, _modules=modules,
+                          _forward_hooks={}, _forward_pre_hooks={}, _backward_hooks={},
+                          _forward_hooks_with_kwargs={}, _forward_pre_hooks_with_kwargs={},
+                          _forward_hooks_always_called={}, _backward_pre_hooks={}, training=False)
+    return probe, fresh
+
+
+def _scores_in_input_dtype(gate: nn.Module) -> bool:
+    """Whether the gate computes its logits in the dtype of bfloat16 hidden states (Mixtral, Qwen, OLMoE,
+    GPT-OSS: ``F.linear`` in bfloat16) rather than casting them to float32 first (DeepSeek)."""
+    g = torch.Generator().manual_seed(1)
+    run = _fresh_copy(gate, torch.bfloat16, g)
+    if run is None:
+        return False
+    try:
+        with torch.no_grad():
+            out = type(gate).forward(run[0], torch.randn(4, gate.weight.shape[1], generator=g).to(torch.bfloat16))
+    except Exception:  # noqa: BLE001 - not probed: score in float32
+        return False
+    return isinstance(out, (tuple, list)) and isinstance(out[0], Tensor) and out[0].dtype == torch.bfloat16
+
+
+def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0) -> GateRule:
+    """Run the gate's own ``forward`` on a parameter-fresh copy of it and compare with softmax top-k.
+
+    The copy shares the gate's attributes (``top_k``, ``norm_topk_prob``, ...) but holds random float32
+    CPU parameters and float32 CPU copies of its buffers (zeros for buffers on the meta device), so a
+    gate on the meta device or with all-zero initial weights is probed alike; it runs in eval mode (no
+    jitter) and without hooks. The gate itself is untouched.
+
+    Args:
+        gate: a transformers router module with ``weight [E, d]`` (and optionally ``bias [E]``).
+        tokens: random tokens to route.
+        seed: seed of the random parameters and tokens.
+
+    Returns:
+        :class:`GateRule` (all fields unknown when the copy cannot run).
+    """
+    inputs = _positional_inputs(type(gate).forward)
+    if inputs is not None and len(inputs) > 1:
+        return GateRule(inputs=tuple(inputs[1:]))
+    E, d = gate.weight.shape
+    g = torch.Generator().manual_seed(seed)
+    run = _fresh_copy(gate, torch.float32, g)
+    if run is None:
+        return GateRule()
+    probe, fresh = run
+    x = torch.randn(tokens, d, generator=g)
+    try:
+        with torch.no_grad():
+            out = type(gate).forward(probe, x)
+    except Exception:  # noqa: BLE001 - a gate that cannot run on a CPU copy is simply not probed
+        return GateRule()
+    if not (isinstance(out, (tuple, list)) and len(out) == 3 and all(isinstance(t, Tensor) for t in out)):
+        return GateRule(differs="it does not return (router_logits, weights, experts)")
+    got_logits, got_weights, got_experts = (t.float() for t in out)
+    if got_experts.dim() != 2 or got_experts.shape[0] != tokens or got_weights.shape != got_experts.shape:
+        return GateRule(differs="it does not return weights and experts of shape [tokens, k]")
+    k, chosen = got_experts.shape[1], got_experts.long()
+    bias = fresh.get("bias")
+    logits = nn.functional.linear(x, fresh["weight"])
+    logit_bias = False
+    if isinstance(bias, Tensor) and bias.shape == (E,) and got_logits.shape == logits.shape:
+        logit_bias = torch.allclose(got_logits, logits + bias, rtol=1e-4, atol=1e-5)
+        logits = logits + bias if logit_bias else logits
+    sums = got_weights.sum(-1)
+    constant_sum = float(sums.mean()) if torch.allclose(sums, sums.mean().expand_as(sums), rtol=1e-4) else None
+    if k > E or not torch.equal(chosen.sort(-1).values, logits.topk(k, -1).indices.sort(-1).values):
+        return GateRule(k, None, constant_sum or 1.0, logit_bias, "it does not choose the k largest logits")
+    p = logits.softmax(-1).gather(1, chosen)
+    for renormalize, reference in ((True, p / p.sum(-1, keepdim=True)), (False, p)):
+        scale = _scale_of(got_weights, reference)
+        if scale is not None:
+            return GateRule(k, renormalize, scale, logit_bias, input_dtype_logits=_scores_in_input_dtype(gate))
+    return GateRule(k, None, constant_sum or 1.0, logit_bias,
+                    "its weights are not the softmax of its logits, renormalised over the chosen experts or not")
+
+
+def replaced_rule(rule: GateRule, unused: list[str]) -> str | None:
+    """What the routelab router replaces of a gate's own routing (for :func:`patch_moe`'s warning), or None."""
+    said = []
+    if rule.inputs:
+        said.append(f"takes inputs of its own ({', '.join(rule.inputs)}) that the routelab router does not use")
+    if rule.differs is not None:
+        said.append(f"does not route by softmax top-k ({rule.differs})")
+    if unused:
+        said.append(f"holds {unused}, which the routelab router does not use")
+    if not said:
+        return None
+    kept = f" (the scale {rule.scale:g} of its weights is kept)" if rule.scale != 1 else ""
+    return ("; ".join(said) + ": the routelab router replaces its routing rule, so router='topk' does not "
+            "reproduce the unpatched model" + kept)
+
+
+def sparse_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The ``(name, block)`` pairs of ``model`` with a routing child (:data:`ROUTING_CHILDREN`) and an ``experts``.
+
+    Args:
+        model: any module.
+
+    Returns:
+        Every candidate block in module order, whether or not it fits :func:`patch_moe`'s contract.
+    """
+    return [(name, module) for name, module in model.named_modules()
+            if routing_child(module) is not None
+            and isinstance(getattr(module, "experts", None), nn.Module)]
