@@ -31,6 +31,7 @@ from torch import Tensor
 
 __all__ = [
     "ArgumentTypeError",
+    "random_tensor",
     "bad_tau",
     "check_capacity",
     "check_capacity_factor",
@@ -111,6 +112,19 @@ def check_generator(generator: object, name: str = "generator") -> None:
             f"{name} must be a torch.Generator or None, got {type(generator).__name__}; "
             f"make one with torch.Generator().manual_seed(seed)"
         )
+
+
+def random_tensor(sample: Any, shape: Any, *, dtype: torch.dtype, device: Any,
+                  generator: torch.Generator | None) -> Tensor:
+    """``sample(shape, dtype=, device=, generator=)`` (``torch.rand``, ``torch.randn``) on ``device``.
+
+    A generator draws on its own device: a CPU generator (the library's default advice) with CUDA
+    tensors draws on the CPU and the result is moved, so the same seed gives the same numbers on
+    every device; a generator of ``device`` draws there directly.
+    """
+    if generator is None or generator.device.type == torch.device(device if device is not None else "cpu").type:
+        return sample(shape, dtype=dtype, device=device, generator=generator)
+    return sample(shape, dtype=dtype, device=generator.device, generator=generator).to(device)
 
 
 class GeneratorAttribute:

@@ -532,7 +532,10 @@ class TestCuda:
             z = balanced_assignment(s.cuda(), capacity=cap)
             assert z.is_cuda
             check_optimal(s.cuda(), z, cap)
-            assert torch.equal(z.cpu(), balanced_assignment(s, capacity=cap)) or name == "integer_ties"
+            # Not compared entry by entry with the CPU answer: where two assignments tie within the
+            # dtype's rounding, the PyTorch (CUDA) path and the compiled CPU path may pick either
+            # (documented in balanced_assignment; found on an H200, gaussian float32).
+            check_optimal(s, balanced_assignment(s, capacity=cap), cap)
 
     def test_infeasible_raises_on_cuda(self) -> None:
         s = torch.tensor([[0.0, NEG_INF], [1.0, NEG_INF], [2.0, NEG_INF]], device="cuda")

@@ -130,6 +130,9 @@ def _patch(model, router="topk", **options):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_topk_defaults_reproduce_the_unpatched_model(family):
     model = tiny(family)
+    rule = probe_gate(gate_of(sparse_moe_blocks(model)[0][1]))
+    if rule.differs is not None:  # e.g. GraniteMoE's gate in transformers 5.17 (the GPU image's)
+        pytest.skip(f"transformers {tf.__version__}: the {family} gate {rule.differs}")
     with torch.no_grad():  # experts large enough that a routing difference shows in the logits
         for _, block in sparse_moe_blocks(model):
             for p in block.experts.parameters():

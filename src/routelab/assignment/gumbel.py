@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._checks import check_generator, check_score_matrix, check_tau, resolve_capacity
+from .._checks import check_generator, check_score_matrix, check_tau, random_tensor, resolve_capacity
 from ._normalise import compute_dtype, ldexp, perturbed_scores
 from .balanced import solve_balanced
 from .shortest_paths import floyd_warshall
@@ -83,7 +83,7 @@ def sample_gumbel(shape: torch.Size | tuple[int, ...], *, dtype: torch.dtype = t
     shape = _check_shape(shape)
     if dtype in (torch.float16, torch.bfloat16):
         return sample_gumbel(shape, dtype=torch.float32, device=device, generator=generator).to(dtype)
-    u = torch.rand(shape, dtype=dtype, device=device, generator=generator)
+    u = random_tensor(torch.rand, shape, dtype=dtype, device=device, generator=generator)
     tiny = torch.finfo(dtype).tiny
     return -torch.log(-torch.log(u.clamp(min=tiny, max=1.0 - torch.finfo(dtype).eps)))
 

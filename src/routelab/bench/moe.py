@@ -764,6 +764,7 @@ def _hf_pair(E: int, k: int, cfg: BenchConfig, device: str) -> tuple[torch.nn.Mo
               capacity_factor=None, experts=experts, check_finite=False)
     with torch.no_grad():
         moe.router.proj.weight.copy_(block.gate.weight)
+    moe.router.logits_in_input_dtype = True  # as the block's gate: F.linear in the model's dtype
     return block, moe.to(device).train()
 
 
@@ -916,8 +917,9 @@ def _benchmark_hf(cfg: BenchConfig, *, device: str = "cpu", out: TextIO | None =
          "experts=StackedExperts.from_hf_fused(gate_up_proj, down_proj), check_finite=False)` with the block's "
          "router weight (the block checks nothing either); same outputs = largest relative difference of y and dL/dx "
          f"within {cfg.same_rtol:g} on the tokens both route to the same experts, and those at least "
-         f"{ROUTE_AGREEMENT:.0%} of the tokens (the block's router scores in {_dtype_name(cfg.dtype)}, routelab's in "
-         "float32). One forward + backward of {cfg.tokens} tokens, median of the timed calls after a "
+         f"{ROUTE_AGREEMENT:.0%} of the tokens (both routers score in {_dtype_name(cfg.dtype)}: the layer's "
+         f"`router.logits_in_input_dtype`, as the block's gate). One forward + backward of {cfg.tokens} tokens, "
+         "median of the timed calls after a "
          "warm-up, timed round-robin; moe / block = the block's time over the layer's (> 1: the layer is faster); "
          "moe time / best grouped-GEMM peer's < 1 likewise means the layer is faster.")
     return "\n".join(lines) + "\n", rows

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._checks import random_tensor
 from ..assignment import sinkhorn_balance
 from ..routes import Routes
 from ..routing.capacity import random_skip
@@ -41,7 +42,7 @@ def _logistic(shape: torch.Size, like: Tensor, generator: torch.Generator | None
     probability under ``1.2e-7`` was never sampled while its importance weight, under
     :data:`~routelab.estimators.MAX_WEIGHT`, assumed it could be.
     """
-    u = torch.rand(shape, dtype=torch.float64, device=like.device, generator=generator)
+    u = random_tensor(torch.rand, shape, dtype=torch.float64, device=like.device, generator=generator)
     eps = torch.finfo(torch.float64).eps
     u = u.clamp(min=eps, max=1.0 - eps)
     return (torch.log(u) - torch.log1p(-u)).to(like.dtype)

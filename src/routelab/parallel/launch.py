@@ -127,7 +127,7 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
             (spawned children also spend it importing torch).
         threads: ``torch.set_num_threads`` in every child.
         start_method: ``"fork"``, ``"forkserver"`` or ``"spawn"``; ``None``: ``"fork"`` for gloo
-            (fast), ``"spawn"`` for NCCL.
+            (fast), ``"spawn"`` for NCCL or once this process has initialised CUDA.
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA; rank ``r`` uses GPU
             ``r % torch.cuda.device_count()``, so one GPU can host every rank of a small test).
 
@@ -144,7 +144,9 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
                          f"(torch.cuda.is_available()={torch.cuda.is_available()}, "
                          f"dist.is_nccl_available()={dist.is_nccl_available()})")
     if start_method is None:
-        start_method = "spawn" if backend == "nccl" else "fork"
+        # A forked child cannot use CUDA, nor autograd once the parent has run it on CUDA (its
+        # device threads do not survive fork): spawn then.
+        start_method = "spawn" if backend == "nccl" or torch.cuda.is_initialized() else "fork"
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
     port = free_port()

@@ -23,6 +23,7 @@ from .._checks import (
     expert_capacity,
     index_tensor,
     mask_tensor,
+    random_tensor,
 )
 from ..assignment import rank_within_groups
 
@@ -88,7 +89,7 @@ def random_ranks(group: Tensor, num_groups: int, generator: torch.Generator | No
         ``[..., N]`` long rank of every item within its group (``0`` first).
     """
     n = group.shape[-1]
-    u = torch.rand(group.shape, dtype=torch.float64, device=group.device, generator=generator)
+    u = random_tensor(torch.rand, group.shape, dtype=torch.float64, device=group.device, generator=generator)
     order = torch.argsort(group.to(torch.float64) + u, dim=-1, stable=True)
     if counts is None:
         counts = torch.zeros((*group.shape[:-1], num_groups), dtype=torch.long, device=group.device)
@@ -223,7 +224,7 @@ def apply_capacity(
         rank = rank_within_groups(group, priority, num_experts + 1, counts=counts)
     keep_flat = flat_cand & (rank < capacity)
     load = counts[:num_experts]
-    kept = torch.minimum(load, torch.as_tensor(capacity, device=device))
+    kept = load.clamp(max=capacity)  # (a Python bound: no host-to-device copy, no sync)
     factor = skip_correction(load.to(torch.float32), capacity)
     skip_flat = torch.where(keep_flat, factor[flat_expert.clamp(max=num_experts - 1)], torch.zeros((), device=device))
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import balanced_quotas, check_capacity, check_k, check_positive_int
+from .._checks import balanced_quotas, check_capacity, check_k, check_positive_int, random_tensor
 from ..assignment import balanced_assignment as _balanced_assignment
 from ..assignment import balanced_b_matching as _balanced_b_matching
 from ..assignment import sinkhorn_balance
@@ -189,7 +189,7 @@ def noisy_topk_routes(logits: Tensor, noise_std: Tensor, k: int, *, training: bo
         got = tuple(noise_std.shape) if isinstance(noise_std, Tensor) else type(noise_std).__name__
         raise ValueError(f"noise_std must be a tensor of the logits' shape {tuple(logits.shape)}, got {got}")
     if training:
-        eps = torch.randn(logits.shape, generator=generator, device=logits.device, dtype=logits.dtype)
+        eps = random_tensor(torch.randn, logits.shape, dtype=logits.dtype, device=logits.device, generator=generator)
         # Logits and noise scales near the dtype's maximum can overflow the sum: keep it at the
         # largest finite value, so that the gate's softmax never meets inf - inf.
         big = torch.finfo(logits.dtype).max
