@@ -146,3 +146,9 @@ def test_bench_checks_its_out_path_and_world_size_before_running(tmp_path: Path,
     assert "is a directory" in capsys.readouterr().err
     assert cli.main(["bench", "moe", "--world-size", "3", "--quick"]) == 2
     assert "does not divide" in capsys.readouterr().err
+
+
+def test_bench_threads_is_refused_with_world_size(capsys: pytest.CaptureFixture[str]) -> None:
+    """Audit finding: --threads was accepted and silently ignored by the multi-process benchmark."""
+    assert cli.main(["bench", "moe", "--world-size", "1", "--threads", "2", "--quick"]) == 2
+    assert "--threads" in capsys.readouterr().err

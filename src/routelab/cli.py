@@ -332,6 +332,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                 out.parent.mkdir(parents=True, exist_ok=True)
             except OSError as err:
                 return _error(f"cannot create the directory of --out {out}: {err.strerror or err}; choose another.")
+    if args.benchmark == "moe" and args.world_size is not None and args.threads is not None:
+        return _error("--threads does not apply with --world-size: each rank runs one thread.")
     if args.benchmark == "moe" and args.world_size is not None:
         from routelab.bench.moe_parallel import run_benchmark as run_moe_parallel  # lazy: starts workers
 

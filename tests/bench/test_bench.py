@@ -4,6 +4,7 @@ argument checks both benchmarks share."""
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 import torch
@@ -261,3 +262,25 @@ def test_on_host_matches_the_device_solve() -> None:
     ours, host = bench.balanced_assignment(x), bench._on_host(x)
     assert bench._batch_feasible(host, 3, 16, 4)
     assert torch.allclose(bench._batch_objectives(x, host), bench._batch_objectives(x, ours), rtol=1e-6)
+
+
+def test_the_objectives_note_shows_the_first_instance_that_disagrees(monkeypatch) -> None:
+    """Audit finding: the "objectives differ" note printed the last instance's (equal) objectives."""
+    import routelab.bench.assignment as A
+    from routelab.assignment import balanced_assignment as real
+
+    first = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+
+    def faulty(scores, *args, **kwargs):
+        z = real(scores, *args, **kwargs)
+        if scores.dim() == 2 and torch.equal(scores, first):  # instance 0 only: two tokens swap experts
+            z = z.clone()
+            j = int((z != z[0]).nonzero()[0])
+            z[0], z[j] = z[j].clone(), z[0].clone()
+        return z
+
+    monkeypatch.setattr(A, "balanced_assignment", faulty)
+    text = A._benchmark([(64, 4)], 3, budget_s=10.0, seed=0)
+    note = next(line for line in text.splitlines() if "objectives differ" in line)
+    ours, scipy = (float(v.rstrip(".")) for v in re.findall(r"(?:routelab|scipy) ([-0-9.]+)", note))
+    assert ours < scipy  # instance 0's suboptimal objective, not a later instance's equal pair

@@ -347,8 +347,10 @@ def _measure(
         ours = experts[i].cpu().numpy().astype(np.int64) if i < len(experts) else (
             balanced_assignment(scores[i]).cpu().numpy().astype(np.int64))
         objectives = (_objective(scores64[i], ours), _objective(scores64[i], scipy_expert))
-        row.objectives = objectives
-        same = same and _is_feasible(ours, k, capacity) and _same_value(*objectives)
+        agrees = _is_feasible(ours, k, capacity) and _same_value(*objectives)
+        if same:  # the objectives shown: the first instance that disagrees (else the last)
+            row.objectives = objectives
+        same = same and agrees
     row.same_optimum = same
     return row
 
