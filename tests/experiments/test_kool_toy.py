@@ -397,3 +397,19 @@ def test_quick_cells_of_the_committed_full_run_give_its_verdicts() -> None:
             assert a.verdict == "not measured" or "not run" in a.measured
         else:
             assert a.verdict == b.verdict, (i, a.measured, b.measured)
+
+
+def test_a_method_that_did_not_run_makes_its_claims_not_measured() -> None:
+    """Audit finding: claims 1 and 2 read a method with no runs as a 0 % success rate (claim 2 then 'held')."""
+    import json
+
+    from routelab.experiments.kit.claims import NOT_MEASURED
+    from routelab.experiments.kool_toy.claims import evaluate_claims
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "kool-toy"
+    records = [json.loads(line) for line in (docs / "runs.jsonl").read_text(encoding="utf-8").splitlines() if line]
+    full = evaluate_claims(records, None)
+    no_skip = evaluate_claims([r for r in records if r["method"] != "sample_skip"], None)
+    no_iw = evaluate_claims([r for r in records if r["method"] != "sample_skip_iw"], None)
+    assert no_skip[1].verdict == NOT_MEASURED and no_iw[0].verdict == NOT_MEASURED
+    assert full[0].verdict != NOT_MEASURED and full[1].verdict != NOT_MEASURED

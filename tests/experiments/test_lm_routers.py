@@ -249,3 +249,24 @@ def test_a_paired_claim_with_no_shared_finished_seed_is_not_measured():
     records = [{"router": "base", "seed": 0, "test_ppl": 5.0}, {"router": "top2", "seed": 1, "test_ppl": 5.5}]
     d = paired(records, "base", "top2", _test_loss)
     assert _as_good(d) == NOT_MEASURED and "nan" not in _diff(d)
+
+
+def test_comparisons_left_with_one_shared_seed_by_failed_runs_are_not_measured() -> None:
+    """Audit finding: with three seeds planned, failed runs leaving one (or no) shared seed gave firm verdicts
+    from the sign alone (or from NaN)."""
+    import json
+    from pathlib import Path
+
+    from routelab.experiments.kit.claims import NOT_MEASURED
+    from routelab.experiments.lm_routers import FULL
+    from routelab.experiments.lm_routers.report import claims
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "lm-routers"
+    records = [json.loads(line) for line in (docs / "runs.jsonl").read_text(encoding="utf-8").splitlines() if line]
+    # base keeps seed 0 only, top2 and batchwise lose seeds 1 and 2: every comparison with them has <= 1 seed
+    kept = [r for r in records if not (r["router"] in ("base", "top2", "batchwise", "noisy_top2") and r["seed"] != 0)]
+    by_id = {c.id: c for c in claims(kept, FULL)}
+    for cid in ("base-matches-topk", "batchwise-converges-faster", "noisy-load-loss-evens-load",
+                "thresholds-replace-batchwise-mask"):
+        assert by_id[cid].verdict == NOT_MEASURED, (cid, by_id[cid].verdict)
+    assert {c.verdict for c in claims(records, FULL)} != {NOT_MEASURED}  # all seeds: judged

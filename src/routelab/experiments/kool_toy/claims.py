@@ -162,6 +162,22 @@ def _missing(table: SuccessTable, configs: Sequence[str], text: str, criterion: 
     return None
 
 
+def _unrun_methods(table: SuccessTable, cfg: str, methods: Sequence[str], text: str, criterion: str) -> Claim | None:
+    """A not-measured claim when one of ``methods`` has no result at any τ of ``cfg`` (a method that did
+    not run is no evidence, not a success rate of 0), else None."""
+    absent = [m for m in methods if all(table.rate(cfg, m, t) is None for t in table.taus(cfg))]
+    if absent:
+        return Claim(text=text, criterion=criterion, measured=f"{cfg}: method(s) {', '.join(absent)} not run",
+                     verdict=NOT_MEASURED)
+    return None
+
+
+def _rate_gaps(table: SuccessTable, cfg: str, a: str, b: str) -> list[float]:
+    """``rate(a) - rate(b)`` at every τ of ``cfg`` where both methods have results."""
+    pairs = [(table.rate(cfg, a, t), table.rate(cfg, b, t)) for t in table.taus(cfg)]
+    return [x - y for x, y in pairs if x is not None and y is not None]
+
+
 def skip_iw_matches_sample(table: SuccessTable) -> Claim:
     """Claim 1 of the report (its text, criterion and verdict below)."""
     text = "Sample Skip IW matches Sample, both solving the task for τ ≥ 1 (Fig. 2b)."
@@ -171,15 +187,13 @@ def skip_iw_matches_sample(table: SuccessTable) -> Claim:
         "least one τ ≥ 1 solved by both; does not hold: otherwise."
     )
     cfg = "reinforce"
-    if (m := _missing(table, [cfg], text, crit)):
+    if (m := _missing(table, [cfg], text, crit) or _unrun_methods(table, cfg, ["sample", "sample_skip_iw"], text,
+                                                                   crit)):
         return m
     high = [t for t in table.taus(cfg) if t >= 1 - 1e-9]
     s_ok = [t for t in high if table.solved(cfg, "sample", t)]
     k_ok = [t for t in high if table.solved(cfg, "sample_skip_iw", t)]
-    gaps = [
-        abs((table.rate(cfg, "sample", t) or 0) - (table.rate(cfg, "sample_skip_iw", t) or 0))
-        for t in table.taus(cfg)
-    ]
+    gaps = [abs(g) for g in _rate_gaps(table, cfg, "sample", "sample_skip_iw")]
     a = bool(high) and len(s_ok) == len(high) and len(k_ok) == len(high)
     b = bool(gaps) and max(gaps) <= 0.2 + 1e-12
     measured = (
@@ -219,9 +233,9 @@ def skip_without_iw_falls_behind(table: SuccessTable, gradients: Sequence[Mappin
         "over τ it exceeds it by ≥ 0.1. holds: both; partly: one; does not hold: neither."
     )
     cfg = "reinforce"
-    if (m := _missing(table, [cfg], text, crit)):
+    if (m := _missing(table, [cfg], text, crit) or _unrun_methods(table, cfg, ["sample", "sample_skip"], text, crit)):
         return m
-    gaps = [(table.rate(cfg, "sample", t) or 0) - (table.rate(cfg, "sample_skip", t) or 0) for t in table.taus(cfg)]
+    gaps = _rate_gaps(table, cfg, "sample", "sample_skip")
     a = bool(gaps) and max(gaps) >= 0.3 - 1e-12
     b = bool(gaps) and float(np.mean(gaps)) >= 0.1 - 1e-12
     measured = (

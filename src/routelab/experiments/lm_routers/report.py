@@ -173,6 +173,9 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
     """The claims of the literature checked on ``records`` (criteria stated with each)."""
     have = {r["router"] for r in records}
     note = " One seed: indicative." if len(settings.seeds) < 2 else ""
+    # With several seeds planned, a comparison that failed runs left with fewer than two shared seeds has no
+    # spread to judge against: not measured (with one seed planned, the guard at the end says so for all).
+    multi = len(settings.seeds) >= 2
     rule_better = ("paired by seed (same initial weights and batches); 'lower' means the mean difference "
                    "exceeds 2 standard errors of it")
     out: list[Claim] = []
@@ -186,7 +189,8 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
         if {a, b} <= have:
             d = paired(records, a, b, _test_loss)
             out.append(Claim(id=cid, text=text, paper=paper, criterion=criterion + note,
-                             measured=f"test loss {a} − {b}: {_diff(d)}", verdict=_as_good(d)))
+                             measured=f"test loss {a} − {b}: {_diff(d)}",
+                             verdict=NOT_MEASURED if multi and d.n < 2 else _as_good(d)))
         else:
             out.append(missing(cid, text, paper, (a, b)))
 
@@ -195,9 +199,10 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
             "without any auxiliary loss.")
     paper = "Lewis et al. 2021 (BASE layers), Sec. 5"
     if {"base", "top1_switch", "top2"} <= have:
-        parts, oks, within = [], [], []
+        parts, oks, within, spread = [], [], [], []
         for other in ("top1_switch", "top2"):
             d = paired(records, "base", other, _test_loss)
+            spread.append(d.n >= 2)
             oks.append(d.mean <= _bound(d))
             within.append(0 < d.mean <= _bound(d))
             parts.append(f"test loss base − {other}: {_diff(d)}")
@@ -205,6 +210,8 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
         verdict = HOLDS if all(oks) else (PARTLY if any(oks) else NOT_HOLD)
         if verdict == HOLDS and any(within):
             verdict += " (worse, within 2 s.e.)"
+        if multi and not all(spread):  # failed runs left fewer than two shared seeds
+            verdict = NOT_MEASURED
         out.append(Claim(id="base-matches-topk", text=text, paper=paper,
                          criterion="BASE's test loss (nats/char) is not above that of top-1+Switch loss and of top-2 "
                                    "by more than 2 s.e. of the paired difference (BASE has no aux loss: reported). "
@@ -221,13 +228,16 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
              "expert-choice routing (later work, not cited by the four papers)")
     if {"batchwise", "top2"} <= have:
         checks = _checkpoints(records, (0.25, 0.5))
-        parts, oks, signs = [], [], []
+        parts, oks, signs, spread = [], [], [], []
         for step in checks:
             d = paired(records, "top2", "batchwise", lambda r, s=step: _val_loss_at(r, s))
+            spread.append(d.n >= 2)
             oks.append(d.mean > _bound(d))
             signs.append(d.mean > 0)
             parts.append(f"step {step}: val loss top2 − batchwise {_diff(d)}")
         verdict = HOLDS if all(oks) else (PARTLY if any(oks) or all(signs) else NOT_HOLD)
+        if multi and not (spread and all(spread)):
+            verdict = NOT_MEASURED
         out.append(Claim(id="batchwise-converges-faster", text=text, paper=paper,
                          criterion="at the evaluations closest to a quarter and to half of training (steps "
                                    f"{', '.join(map(str, checks))}), the validation loss of batchwise is lower than "
@@ -252,7 +262,8 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
                                    + rule_better + ". holds: both; partly: one; does not hold: neither." + note,
                          measured=f"proposed-load CV with losses {cv_with.fmt(3)}, without {cv_without.fmt(3)}: "
                                   f"difference {_diff(d, 3)}; dropped fraction difference {_diff(dd, 4)}",
-                         verdict=HOLDS if a and b else (PARTLY if a or b else NOT_HOLD)))
+                         verdict=NOT_MEASURED if multi and min(d.n, dd.n) < 2 else
+                         HOLDS if a and b else (PARTLY if a or b else NOT_HOLD)))
     else:
         out.append(missing("noisy-load-loss-evens-load", text, paper, ("noisy_top2", "noisy_top2_noloss")))
 
@@ -299,7 +310,8 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
                          criterion="validation loss with the threshold mask (causal, any batch) is not above that "
                                    f"with the batchwise mask over evaluation batches of {settings.eval_batch} windows "
                                    "by more than 2 s.e. (paired by seed): holds; otherwise does not hold." + note,
-                         measured=f"val loss threshold − batchwise mask: {_diff(diffs)}", verdict=_as_good(diffs)))
+                         measured=f"val loss threshold − batchwise mask: {_diff(diffs)}",
+                         verdict=NOT_MEASURED if multi and diffs.n < 2 else _as_good(diffs)))
 
     # 8. sparse beats dense at equal wall time.
     text = "At equal training time a sparse MoE (top-2) reaches a lower perplexity than the dense MoE."
