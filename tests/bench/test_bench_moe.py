@@ -72,21 +72,27 @@ def test_benchmark_tiny_grid() -> None:
         assert all(v > 0 for v in row.ms.values())
         assert row.expert_share is not None and 0 < row.expert_share < 1 and row.overhead is not None
         assert row.capacity == -(-TINY.tokens * row.k // row.experts)
-        assert r[col["moe / naive"]].endswith("x") and r[col["moe / buffers"]].endswith("x")
-        assert r[col["moe layout"]] == row.layout == ("grouped" if MoE(16, 32, 4).uses_grouped(1, torch.device("cpu"))
-                                                     else "buffers")
+        assert r[col["moe / naive"]].endswith("x") and r[col["moe / other"]].endswith("x")
+        assert r[col["moe layout"]] == row.layout == (
+            "grouped" if MoE(16, 32, 4, k=row.k).uses_grouped(row.k, torch.device("cpu"), num_tokens=TINY.tokens)
+            else "buffers")
+        assert r[col["other layout"]] == row.other_layout in ("grouped", "buffers")
     assert "Targets:" in text and "not measured" in text  # the GPU target is not claimed on CPU
 
 
-def test_buffers_reference_is_the_layer_on_buffers() -> None:
-    """The "buffers" implementation is the same layer with dispatch="buffers", the setting restored."""
+def test_other_reference_is_the_layer_in_the_other_layout() -> None:
+    """The "other" implementation is the same layer in the layout auto does not pick, the setting restored."""
     torch.manual_seed(2)
-    moe = MoE(16, 32, 4, router="topk", k=2, capacity_factor=None)
     x = torch.randn(40, 16)
-    y = bench.FORWARDS["buffers"](moe, x)
-    assert moe.dispatch == "auto"
-    moe.dispatch = "buffers"
-    torch.testing.assert_close(y, moe(x)[0])
+    grouped_runs = MoE(16, 32, 4, router="topk", k=2).uses_grouped(2, x.device)
+    # Dropless: auto takes grouped where it runs, so the other is buffers (buffers both ways where it does not).
+    for factor, other in ((None, "buffers"), (1.0, "grouped" if grouped_runs else "buffers")):
+        moe = MoE(16, 32, 4, router="topk", k=2, capacity_factor=factor)
+        assert bench.other_layout(moe, x) == other
+        y = bench.FORWARDS["other"](moe, x)
+        assert moe.dispatch == "auto"
+        moe.dispatch = other
+        torch.testing.assert_close(y, moe(x)[0])
 
 
 def test_bfloat16_tiny_grid() -> None:

@@ -154,6 +154,23 @@ def test_auto_picks_grouped_only_where_it_runs_and_the_router_proposes_k() -> No
         grouped_mm_supported(cpu, torch.float64, (D, H))
 
 
+def test_auto_prefers_buffers_that_pad_nothing() -> None:
+    """With a capacity factor of at most 1 the [E, C] buffers hold no more rows than the grouped
+    layout (E * C <= tokens * k): auto takes buffers. Above 1, dropless, and in eval (dropless by
+    default), grouped where it runs."""
+    cpu = torch.device("cpu")
+    runs = grouped_mm_supported(cpu, torch.float32, (D, H))
+    n = 48
+    for factor, want in ((0.5, False), (1.0, False), (1.25, runs), (None, runs)):
+        moe = MoE(D, H, E, router="topk", k=2, capacity_factor=factor)
+        assert moe.uses_grouped(2, cpu, num_tokens=n) == want, factor
+        assert moe.uses_grouped(2, cpu) == runs  # no token count: the layout alone
+    moe = MoE(D, H, E, router="topk", k=2, capacity_factor=1.0).eval()
+    assert moe.uses_grouped(2, cpu, num_tokens=n) == runs  # eval_capacity_factor None: dropless
+    # Indivisible counts: C = ceil(47 * 2 / 8) = 12, E * C = 96 > 94 rows: buffers would pad 2 rows.
+    assert MoE(D, H, E, router="topk", k=2, capacity_factor=1.0).uses_grouped(2, cpu, num_tokens=47) == runs
+
+
 def test_grouped_where_it_cannot_run_is_a_clear_error() -> None:
     moe = MoE(6, H, E, router="topk", k=2, dispatch="grouped")
     with pytest.raises(ValueError, match="dispatch='grouped'.*16 bytes.*dispatch='auto' or 'buffers'"):

@@ -6,27 +6,32 @@ import torch
 from torch import Tensor
 
 
-def rank_within_groups(group: Tensor, priority: Tensor, num_groups: int, *, counts: Tensor | None = None) -> Tensor:
+def rank_within_groups(group: Tensor, priority: Tensor | None, num_groups: int, *,
+                       counts: Tensor | None = None) -> Tensor:
     """Rank of every item inside its group, 0 for the highest priority.
 
     Args:
         group: ``[N]`` long group id of each item, in ``[0, num_groups)``.
-        priority: ``[N]`` floating priority; ties keep the original item order.
+        priority: ``[N]`` floating priority; ties keep the original item order. ``None``: the
+            item order itself (earlier items first), which takes one stable sort of ``group``
+            instead of two sorts.
         num_groups: number of groups.
         counts: ``[num_groups]`` long items per group, when the caller has them.
 
     Returns:
         ``[N]`` long rank of each item within its group.
     """
-    order = torch.argsort(priority, descending=True, stable=True)
-    order = order[torch.argsort(group[order], stable=True)]
+    if priority is None:
+        order = torch.argsort(group, stable=True)
+    else:
+        order = torch.argsort(priority, descending=True, stable=True)
+        order = order[torch.argsort(group[order], stable=True)]
     if counts is None:
         counts = torch.zeros(num_groups, dtype=torch.long, device=group.device)
         counts.scatter_add_(0, group, torch.ones_like(group))
     start = torch.cumsum(counts, 0) - counts
-    rank = torch.empty_like(group)
-    rank[order] = torch.arange(group.numel(), device=group.device) - start[group[order]]
-    return rank
+    rank_sorted = torch.arange(group.numel(), device=group.device) - start[group[order]]
+    return torch.empty_like(group).scatter_(0, order, rank_sorted)
 
 
 def slot_table(expert: Tensor, num_experts: int, capacity: int) -> tuple[Tensor, Tensor]:

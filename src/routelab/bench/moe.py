@@ -5,11 +5,12 @@ For every ``(E, k)`` of a grid (``d_model``, ``d_hidden`` and the number of toke
 policy) is compared with two references that use **the same router and the same stacked
 weights**, so that all three compute the same outputs (checked in the run):
 
-* ``moe`` — the layer itself as configured (``dispatch="auto"``): route, capacity, the kept pairs
-  sorted by expert and two grouped matmuls (``torch._grouped_mm``) where grouped matmuls run on
-  the device and dtype (else the buffers below), gather back and combine;
-* ``buffers`` — the same layer with ``dispatch="buffers"``: the pairs gathered into ``[E, C, d]``
-  buffers and two batched matmuls;
+* ``moe`` — the layer itself as configured (``dispatch="auto"``): route, capacity, dispatch in
+  the layout ``auto`` picks (``[E, C, d]`` buffers and two batched matmuls where they pad
+  nothing, i.e. capacity factor <= 1; else the kept pairs sorted by expert and two grouped
+  matmuls, ``torch._grouped_mm``, where those run on the device and dtype), gather back and combine;
+* ``other`` — the same layer in the other layout (``dispatch="grouped"`` where ``auto`` picked
+  buffers and grouped matmuls run, else ``dispatch="buffers"``);
 * ``naive`` — the loop of common reference implementations (e.g. the Mixtral sparse MoE block
   of ``transformers``): the same routes and capacity decision, then ``for e in range(E)``: the
   tokens of expert ``e`` by ``nonzero`` of a boolean mask, the expert as two ``addmm`` calls on
@@ -82,7 +83,7 @@ from ._checks import check_device_and_threads
 __all__ = ["FULL", "QUICK", "BenchConfig", "IMPLEMENTATIONS", "dense_forward", "naive_forward", "run_benchmark"]
 
 #: The compared implementations, in timing order.
-IMPLEMENTATIONS: tuple[str, ...] = ("moe", "buffers", "naive", "dense")
+IMPLEMENTATIONS: tuple[str, ...] = ("moe", "other", "naive", "dense")
 
 #: Relative tolerance of the "same outputs" check by dtype (different summation orders; bfloat16
 #: keeps 8 bits of mantissa).
@@ -238,9 +239,20 @@ def _moe_forward(moe: MoE, x: Tensor) -> Tensor:
     return moe(x)[0]
 
 
-def _buffers_forward(moe: MoE, x: Tensor) -> Tensor:
-    """The layer with ``dispatch="buffers"`` (its setting restored after the call)."""
-    dispatch, moe.dispatch = moe.dispatch, "buffers"
+def other_layout(moe: MoE, x: Tensor) -> str:
+    """The layout ``moe`` (``dispatch="auto"``) does not pick on ``x [tokens, d_model]``:
+    ``"grouped"`` where it picks buffers and grouped matmuls run, else ``"buffers"`` (the same
+    layout when grouped matmuls do not run)."""
+    slots = moe.router.slots
+    if moe.uses_grouped(slots, x.device, num_tokens=x.shape[0]):
+        return "buffers"
+    return "grouped" if moe.uses_grouped(slots, x.device) else "buffers"
+
+
+def _other_forward(moe: MoE, x: Tensor) -> Tensor:
+    """The layer in :func:`other_layout` (its ``dispatch`` setting restored after the call)."""
+    layout = other_layout(moe, x)
+    dispatch, moe.dispatch = moe.dispatch, layout
     try:
         return moe(x)[0]
     finally:
@@ -249,7 +261,7 @@ def _buffers_forward(moe: MoE, x: Tensor) -> Tensor:
 
 FORWARDS: dict[str, Callable[[MoE, Tensor], Tensor]] = {
     "moe": _moe_forward,
-    "buffers": _buffers_forward,
+    "other": _other_forward,
     "naive": naive_forward,
     "dense": dense_forward,
 }
@@ -393,12 +405,14 @@ class Row:
         max_rel_diff: by reference, ``max(rel. diff of y, rel. diff of dL/dx)`` against the layer.
         skipped: why an implementation was not run, by implementation.
         layout: the layer's dispatch under ``"auto"`` (``"grouped"`` or ``"buffers"``).
+        other_layout: the layout of the ``other`` reference (:func:`other_layout`).
         failed: why the size was not measured at all (e.g. out of GPU memory), else ``None``.
     """
 
     experts: int
     k: int
     layout: str = ""
+    other_layout: str = ""
     failed: str | None = None
     capacity: int = 0
     dropped: float = 0.0
@@ -462,7 +476,8 @@ def _measure_fitting(E: int, k: int, cfg: BenchConfig, device: str) -> Row:
     x = torch.randn(cfg.tokens, cfg.d_model, generator=gen).to(device, cfg.dtype).requires_grad_(True)
     grad_out = torch.randn(cfg.tokens, cfg.d_model, generator=gen).to(device, cfg.dtype)
     params = list(moe.parameters())
-    row = Row(experts=E, k=k, layout="grouped" if moe.uses_grouped(k, x.device) else "buffers")
+    row = Row(experts=E, k=k, layout="grouped" if moe.uses_grouped(k, x.device, num_tokens=cfg.tokens) else "buffers",
+              other_layout=other_layout(moe, x))
 
     dense_gib = 2 * E * cfg.tokens * cfg.d_hidden * cfg.dtype.itemsize / 2**30
     impls = list(IMPLEMENTATIONS)
@@ -555,10 +570,10 @@ def _measure_fitting(E: int, k: int, cfg: BenchConfig, device: str) -> Row:
 
 
 TABLE_HEADER = (
-    "| E | k | C | dropped | moe layout | moe tok/s | buffers tok/s | naive tok/s | dense tok/s | moe / buffers "
-    "| moe / naive | moe / dense | non-expert share of moe | moe peak MiB | buffers peak MiB | naive peak MiB "
-    "| dense peak MiB | same outputs |",
-    "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+    "| E | k | C | dropped | moe layout | moe tok/s | other layout | other tok/s | naive tok/s | dense tok/s "
+    "| moe / other | moe / naive | moe / dense | non-expert share of moe | moe peak MiB | other peak MiB "
+    "| naive peak MiB | dense peak MiB | same outputs |",
+    "|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
 )
 
 
@@ -583,18 +598,19 @@ def _mib(b: int | None) -> str:
 def render_row(row: Row, tokens: int, rtol: float = SAME_RTOL[torch.float32]) -> str:
     """One markdown table row (``rtol``: the tolerance of the "same outputs" check)."""
     if row.failed is not None:
-        return f"| {row.experts} | {row.k} | " + " | ".join(["—"] * 15) + f" | not measured: {row.failed} |"
+        return f"| {row.experts} | {row.k} | " + " | ".join(["—"] * 16) + f" | not measured: {row.failed} |"
     same = all(d <= rtol for d in row.max_rel_diff.values())
     diffs = ", ".join(f"{n} {d:.1e}" for n, d in row.max_rel_diff.items())
     overhead = row.overhead
     cells = [
         str(row.experts), str(row.k), str(row.capacity), f"{row.dropped:.1%}", row.layout or "—",
-        _tok_s(tokens, row.ms.get("moe")), _tok_s(tokens, row.ms.get("buffers")), _tok_s(tokens, row.ms.get("naive")),
+        _tok_s(tokens, row.ms.get("moe")), row.other_layout or "—", _tok_s(tokens, row.ms.get("other")),
+        _tok_s(tokens, row.ms.get("naive")),
         _tok_s(tokens, row.ms.get("dense")) if "dense" in row.ms else "skipped",
-        _ratio(row.ms.get("moe"), row.ms.get("buffers")),
+        _ratio(row.ms.get("moe"), row.ms.get("other")),
         _ratio(row.ms.get("moe"), row.ms.get("naive")), _ratio(row.ms.get("moe"), row.ms.get("dense")),
         "—" if overhead is None else f"{overhead:.1%}",
-        _mib(row.peak_bytes.get("moe")), _mib(row.peak_bytes.get("buffers")), _mib(row.peak_bytes.get("naive")),
+        _mib(row.peak_bytes.get("moe")), _mib(row.peak_bytes.get("other")), _mib(row.peak_bytes.get("naive")),
         _mib(row.peak_bytes.get("dense")) if "dense" in row.peak_bytes else "skipped",
         ("yes" if same else "**no**") + f" ({diffs})",
     ]
@@ -645,10 +661,11 @@ def _notes(rows: Sequence[Row], cfg: BenchConfig, device: str) -> list[str]:
         f"(softmax probabilities of the chosen experts as combine weights), capacity factor "
         f"{cfg.capacity_factor:g} (C = ceil(factor * tokens * k / E)), `position` drop policy. "
         "tok/s = tokens / median time.",
-        "- moe: the layer as configured (`dispatch=\"auto\"`; its layout per row: `grouped` = the kept pairs "
-        "sorted by expert and grouped matmuls (`torch._grouped_mm`), no padding; `buffers` where grouped matmuls do "
-        "not run on this device and dtype). buffers: the same layer with `dispatch=\"buffers\"`, the pairs gathered "
-        "into `[E, C, d]` buffers and batched matmuls (`baddbmm`).",
+        "- moe: the layer as configured (`dispatch=\"auto\"`; its layout per row: `buffers` = the pairs gathered "
+        "into `[E, C, d]` buffers and batched matmuls (`baddbmm`), which `auto` takes where they pad nothing (capacity "
+        "factor at most 1, E * C <= tokens * k); `grouped` = the kept pairs sorted by expert and grouped matmuls "
+        "(`torch._grouped_mm`), no padding, where those run on this device and dtype and the buffers would pad). "
+        "other: the same layer in the other layout (`grouped` where it runs, else `buffers` again).",
         "- naive: the same router and capacity decision, then `for e in range(E)`: `nonzero` of "
         "`(expert == e) & keep`, `addmm` with expert e's weights, GELU, `addmm`, `index_add_` of the "
         "weighted output (the style of `transformers`' Mixtral sparse MoE block); the per-expert weights are "

@@ -229,8 +229,11 @@ class StackedExperts(nn.Module):
             if b is None:
                 return out
             # One extra zero bias row for the rows of no expert: what they read, and where their
-            # (unspecified) gradients go, is a row that is thrown away.
-            return out + torch.cat([b[:, 0], b.new_zeros(1, b.shape[-1])])[expert_of_row]
+            # (unspecified) gradients go, is a row that is thrown away. An embedding lookup, not
+            # an index: its backward sums the rows of each expert by a segment reduction, where
+            # an index's backward (index_put with accumulate) serialises the rows of one expert
+            # on CUDA.
+            return out + F.embedding(expert_of_row, F.pad(b[:, 0], (0, 0, 0, 1)))
 
         h = self.activation(linear(x, self.w1, self.b1))
         if self.w3 is not None:

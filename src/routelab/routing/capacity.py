@@ -216,17 +216,18 @@ def apply_capacity(
     counts.scatter_add_(0, group, torch.ones_like(group))
     if policy == "random":
         rank = random_ranks(group, num_experts + 1, generator, counts=counts)
+    elif policy == "position":  # the slot-major item order itself: one stable sort of the groups
+        rank = rank_within_groups(group, None, num_experts + 1, counts=counts)
     else:
-        if policy == "position":
-            priority = -torch.arange(n * s, device=device, dtype=torch.float64)
-        else:
-            priority = score.detach().t().reshape(-1).to(torch.float64)
+        priority = score.detach().t().reshape(-1).to(torch.float64)
         rank = rank_within_groups(group, priority, num_experts + 1, counts=counts)
     keep_flat = flat_cand & (rank < capacity)
     load = counts[:num_experts]
     kept = load.clamp(max=capacity)  # (a Python bound: no host-to-device copy, no sync)
-    factor = skip_correction(load.to(torch.float32), capacity)
-    skip_flat = torch.where(keep_flat, factor[flat_expert.clamp(max=num_experts - 1)], torch.zeros((), device=device))
+    # The factor of every group, the non-candidates' group E included (their keep is False, so
+    # it is multiplied by 0): one gather by the group, no clamp of the index.
+    factor = skip_correction(counts.to(torch.float32), capacity)
+    skip_flat = factor[group] * keep_flat
 
     def unflat(t: Tensor) -> Tensor:
         return t.reshape(s, n).t()

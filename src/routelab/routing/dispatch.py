@@ -10,8 +10,8 @@ Two layouts, one per plan:
   routing is dropless.
 
 No Python loop over tokens or experts: dispatch is one gather, combine one gather plus a
-weighted sum over slots. Both are differentiable (their backward passes are the matching
-scatter-adds).
+weighted sum over slots. Both are differentiable, and their backward passes gather too, by the
+plan's inverse map (:mod:`routelab.routing._gather`: no sort, no atomic adds, deterministic).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .._checks import check_capacity, check_positive_int, checks_run, index_tensor, mask_tensor
+from ._gather import combine_rows, dispatch_rows
 
 __all__ = ["DispatchPlan", "GroupedPlan"]
 
@@ -37,15 +38,13 @@ class _TokenPlan:
         """The number of tokens the plan was built for (``dispatch`` takes exactly that many)."""
         return self.row_of_slot.shape[0]
 
-    def _padded_tokens(self, x: Tensor) -> Tensor:
-        """``x [tokens, d]`` with one zero row appended (read by empty rows); TypeError/ValueError
-        unless ``x`` is a 2-D tensor with the plan's token count."""
+    def _check_tokens(self, x: object) -> None:
+        """TypeError/ValueError unless ``x`` is a 2-D tensor with the plan's token count."""
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a tensor [tokens, d], got {type(x).__name__}")
         if x.dim() != 2 or x.shape[0] != self.num_tokens:
             raise ValueError(f"x must have shape [tokens={self.num_tokens}, d] (the plan was built for "
                              f"{self.num_tokens} tokens), got {tuple(x.shape)}")
-        return torch.cat([x, x.new_zeros(1, x.shape[-1])])
 
     def _check_combine_weight(self, expert_out: object, weight: object) -> None:
         """TypeError unless both are tensors; ValueError unless ``weight`` is ``[tokens, slots]``."""
@@ -182,8 +181,8 @@ class DispatchPlan(_TokenPlan):
         Raises:
             TypeError, ValueError: ``x`` is not a ``[tokens, d]`` tensor with the plan's token count.
         """
-        padded = self._padded_tokens(x)
-        return padded[self.token_of_row].view(self.num_experts, self.capacity, x.shape[-1])
+        self._check_tokens(x)
+        return dispatch_rows(x, self.token_of_row, self.row_of_slot).view(self.num_experts, self.capacity, x.shape[-1])
 
     def combine(self, expert_out: Tensor, weight: Tensor) -> Tensor:
         """Weighted sum of every token's expert outputs.
@@ -204,28 +203,26 @@ class DispatchPlan(_TokenPlan):
         if expert_out.dim() != 3 or expert_out.shape[:2] != (self.num_experts, self.capacity):
             raise ValueError(f"expert_out must have shape [E={self.num_experts}, C={self.capacity}, d], "
                              f"got {tuple(expert_out.shape)}")
-        return _weighted_rows(expert_out.reshape(-1, expert_out.shape[-1]), self.row_of_slot, weight)
+        return _weighted_rows(expert_out.reshape(-1, expert_out.shape[-1]), self.row_of_slot, self.token_of_row, weight)
 
 
-def _weighted_rows(rows: Tensor, row_of_slot: Tensor, weight: Tensor) -> Tensor:
+def _weighted_rows(rows: Tensor, row_of_slot: Tensor, token_of_row: Tensor, weight: Tensor) -> Tensor:
     """``y_t = sum_s weight[t, s] * rows[row_of_slot[t, s]]``, a pair whose row is ``len(rows)``
     contributing exactly zero (its weight is ignored, inf and NaN included).
 
     Args:
         rows: ``[R, d]`` expert outputs.
         row_of_slot: ``LongTensor [tokens, slots]`` with values in ``[0, R]``.
+        token_of_row: ``LongTensor [R]``, the inverse map (``tokens``: a row of no pair).
         weight: ``[tokens, slots]``.
 
     Returns:
         ``[tokens, d]`` in ``rows``' dtype.
     """
-    d = rows.shape[-1]
-    padded = torch.cat([rows, rows.new_zeros(1, d)])
-    picked = padded[row_of_slot]  # [tokens, slots, d]
     # Dropped pairs read the zero row; their weight is zeroed too, so 0 * inf never enters the sum.
     dropped = row_of_slot == rows.shape[0]
-    weight = weight.to(picked.dtype).masked_fill(dropped, 0.0)
-    return torch.einsum("ts,tsd->td", weight, picked)
+    weight = weight.to(rows.dtype).masked_fill(dropped, 0.0)
+    return combine_rows(rows, weight, row_of_slot, token_of_row)
 
 
 @dataclass(frozen=True)
@@ -298,17 +295,19 @@ class GroupedPlan(_TokenPlan):
         ends = kept.cumsum(0)
         starts = ends - kept
         total = ends[-1]
-        # The dropped pairs fill the rows after the kept ones, in (token, slot) order.
+        # The dropped pairs fill the rows after the kept ones, in (token, slot) order; so every
+        # row holds exactly one pair (``row`` is a permutation of the rows) and the scatters
+        # below write every row of their outputs.
         flat_keep = keep.reshape(-1)
-        dropped_rank = (~flat_keep).long().cumsum(0) - 1
+        dropped_rank = (~flat_keep).cumsum(0) - 1
         safe_expert = expert.reshape(-1).clamp(0, num_experts - 1)
         row = torch.where(flat_keep, starts[safe_expert] + position.reshape(-1), total + dropped_rank)
-        token_ids = torch.arange(n, device=device).repeat_interleave(s)
-        token_of_row = torch.full((rows,), n, dtype=torch.long, device=device)
-        token_of_row.scatter_(0, row, torch.where(flat_keep, token_ids, torch.full_like(token_ids, n)))
-        expert_of_row = torch.full((rows,), num_experts, dtype=torch.long, device=device)
-        expert_of_row.scatter_(0, row, torch.where(flat_keep, safe_expert, torch.full_like(safe_expert, num_experts)))
-        row_of_slot = torch.where(flat_keep, row, torch.full_like(row, rows)).view(n, s)
+        token_ids = torch.arange(rows, device=device) // s
+        token_of_row = torch.empty(rows, dtype=torch.long, device=device)
+        token_of_row.scatter_(0, row, torch.where(flat_keep, token_ids, n))
+        expert_of_row = torch.empty(rows, dtype=torch.long, device=device)
+        expert_of_row.scatter_(0, row, torch.where(flat_keep, safe_expert, num_experts))
+        row_of_slot = torch.where(flat_keep, row, rows).view(n, s)
         return cls(num_experts, ends.to(torch.int32), token_of_row, expert_of_row, row_of_slot)
 
     def dispatch(self, x: Tensor) -> Tensor:
@@ -323,8 +322,8 @@ class GroupedPlan(_TokenPlan):
         Raises:
             TypeError, ValueError: ``x`` is not a ``[tokens, d]`` tensor with the plan's token count.
         """
-        padded = self._padded_tokens(x)
-        return padded[self.token_of_row]
+        self._check_tokens(x)
+        return dispatch_rows(x, self.token_of_row, self.row_of_slot)
 
     def combine(self, expert_out: Tensor, weight: Tensor) -> Tensor:
         """Weighted sum of every token's expert outputs.
@@ -345,4 +344,4 @@ class GroupedPlan(_TokenPlan):
         self._check_combine_weight(expert_out, weight)
         if expert_out.dim() != 2 or expert_out.shape[0] != self.num_rows:
             raise ValueError(f"expert_out must have shape [R={self.num_rows}, d], got {tuple(expert_out.shape)}")
-        return _weighted_rows(expert_out, self.row_of_slot, weight)
+        return _weighted_rows(expert_out, self.row_of_slot, self.token_of_row, weight)

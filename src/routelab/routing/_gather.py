@@ -1,0 +1,109 @@
+"""The gathers of dispatch and combine, with backward passes that gather too: speed machinery,
+fenced off from the plans in :mod:`routelab.routing.dispatch`.
+
+A plan maps pairs to rows both ways: ``token_of_row [R]`` (``n`` for a row of no pair) and
+``row_of_slot [n, s]`` (``R`` for a dropped pair), inverse to each other on the kept pairs. So
+the adjoint of each gather is again a gather, by the other map:
+
+* dispatch ``rows[r] = x[token_of_row[r]]`` has the adjoint ``grad_x[t] = sum_s
+  grad_rows[row_of_slot[t, s]]``;
+* combine ``y[t] = sum_s w[t, s] * rows[row_of_slot[t, s]]`` has the adjoints ``grad_rows[r] =
+  w[pair of r] * grad_y[token_of_row[r]]`` and ``grad_w[t, s] = <rows[row_of_slot[t, s]], grad_y[t]>``.
+
+Autograd's own backward of an index is an ``index_put`` with accumulation: a sort of the
+indices and a serialised sum on CUDA, and many small host-side operations. The gathers here
+need neither, sum every token's slots in a fixed order (deterministic on every device) and
+never read a row of no pair (grouped matmuls leave those uninitialised). The sentinels read a
+zero row appended to the gathered tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["dispatch_rows", "combine_rows"]
+
+
+def _with_zero_row(t: Tensor) -> Tensor:
+    """``t [m, d]`` with a zero row appended (``[m + 1, d]``), read by the sentinel indices."""
+    return F.pad(t, (0, 0, 0, 1))
+
+
+def _slot_rows(rows: Tensor, row_of_slot: Tensor) -> Tensor:
+    """``rows[row_of_slot]`` as ``[n, s, d]``, a sentinel ``R`` reading zeros."""
+    n, s = row_of_slot.shape
+    return _with_zero_row(rows).index_select(0, row_of_slot.reshape(-1)).view(n, s, rows.shape[-1])
+
+
+def _sum_slots(t: Tensor) -> Tensor:
+    """``t [n, s, d]`` summed over the slots (no copy for one slot)."""
+    return t[:, 0] if t.shape[1] == 1 else t.sum(1)
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, token_of_row: Tensor, row_of_slot: Tensor) -> Tensor:
+        ctx.save_for_backward(row_of_slot)
+        return _with_zero_row(x).index_select(0, token_of_row)
+
+    @staticmethod
+    def backward(ctx, grad_rows: Tensor) -> tuple[Tensor, None, None]:
+        (row_of_slot,) = ctx.saved_tensors
+        return _sum_slots(_slot_rows(grad_rows, row_of_slot)), None, None
+
+
+class _Combine(torch.autograd.Function):
+    # The inputs themselves are saved (not the gathered rows) and gathered again in backward, so
+    # that second derivatives see the rows' dependence (double backward through this function).
+    @staticmethod
+    def forward(ctx, rows: Tensor, weight: Tensor, row_of_slot: Tensor, token_of_row: Tensor) -> Tensor:
+        ctx.save_for_backward(rows, weight, row_of_slot, token_of_row)
+        return _sum_slots(_slot_rows(rows, row_of_slot) * weight.unsqueeze(-1))
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
+        rows, weight, row_of_slot, token_of_row = ctx.saved_tensors
+        grad_rows = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            num_rows = token_of_row.shape[0]
+            # The weight of every row's pair; the dropped pairs (weight 0) all land on the sentinel.
+            weight_of_row = weight.new_zeros(num_rows + 1).scatter(0, row_of_slot.reshape(-1), weight.reshape(-1))
+            grad_rows = _with_zero_row(grad_y).index_select(0, token_of_row) * weight_of_row[:num_rows].unsqueeze(-1)
+        if ctx.needs_input_grad[1]:
+            wide = torch.promote_types(rows.dtype, torch.float32)
+            products = _slot_rows(rows, row_of_slot) * grad_y.unsqueeze(1)
+            grad_weight = products.sum(-1, dtype=wide).to(weight.dtype)
+        return grad_rows, grad_weight, None, None
+
+
+def dispatch_rows(x: Tensor, token_of_row: Tensor, row_of_slot: Tensor) -> Tensor:
+    """``rows[r] = x[token_of_row[r]]`` (zeros where ``token_of_row[r] = n``).
+
+    Args:
+        x: ``[n, d]``.
+        token_of_row: ``LongTensor [R]`` in ``[0, n]``.
+        row_of_slot: ``LongTensor [n, s]`` in ``[0, R]``, the inverse map (``R``: no row): every
+            row ``r < R`` with ``token_of_row[r] = t < n`` is ``row_of_slot[t, s]`` for exactly one
+            slot ``s``, and only those.
+
+    Returns:
+        ``[R, d]``; its backward is the gather-and-sum by ``row_of_slot``.
+    """
+    return _Dispatch.apply(x, token_of_row, row_of_slot)
+
+
+def combine_rows(rows: Tensor, weight: Tensor, row_of_slot: Tensor, token_of_row: Tensor) -> Tensor:
+    """``y[t] = sum_s weight[t, s] * rows[row_of_slot[t, s]]`` (a sentinel ``R`` reads zeros).
+
+    Args:
+        rows: ``[R, d]``.
+        weight: ``[n, s]`` in ``rows``' dtype, **zero** for every pair whose row is the sentinel ``R``.
+        row_of_slot, token_of_row: the plan's two maps, as in :func:`dispatch_rows`.
+
+    Returns:
+        ``[n, d]`` in ``rows``' dtype (the products in that dtype, summed over slots in float32
+        or wider).
+    """
+    return _Combine.apply(rows, weight, row_of_slot, token_of_row)
