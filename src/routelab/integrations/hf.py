@@ -404,7 +404,16 @@ def patch_moe(
         raise ValueError(f"renormalize={renormalize} and router_kwargs['renormalize']={router_kwargs['renormalize']} "
                          f"disagree; give it once")
     candidates = sparse_moe_blocks(model)
-    problems = [(name, block_problem(block)) for name, block in candidates]
+    problems, rules = [], {}
+    for name, block in candidates:
+        why = block_problem(block)
+        if why is None:
+            gate = routing_child(block)[1]
+            rules[name] = probe_gate(gate)
+            if rules[name].contract is not None:
+                why = (f"its gate ({type(gate).__name__}) {rules[name].contract}: its block expects another output "
+                       "of the gate than routelab's routers give")
+        problems.append((name, why))
     bad = [(name, why) for name, why in problems if why is not None]
     if bad:
         listing = "; ".join(f"{name or '<model>'}: {why}" for name, why in bad[:3])
@@ -416,7 +425,7 @@ def patch_moe(
     for name, block in candidates:
         _, gate = routing_child(block)
         E, d = gate.weight.shape
-        rule = probe_gate(gate)
+        rule = rules[name]
         bias = gate._parameters.get("bias")
         share_bias = isinstance(bias, Tensor) and bias.shape == (E,) and (rule.logit_bias or rule.k is None)
         unused = [n for n, _ in (*gate.named_parameters(), *gate.named_buffers())

@@ -96,6 +96,10 @@ class GateRule:
             ``e_score_correction_bias``); a gate with any is not probed.
         input_dtype_logits: it computes its logits in the hidden states' dtype (bfloat16 logits
             for a bfloat16 model: Mixtral, Qwen, OLMoE, GPT-OSS), not in float32 (DeepSeek).
+        contract: why its output is not the ``(router_logits, weights [tokens, k], experts
+            [tokens, k])`` its block expects of a routelab gate (e.g. the gates of Jamba and
+            GraniteMoE in transformers 5.17, which return other things), or None. A block whose
+            gate breaks the contract cannot be patched.
     """
 
     k: int | None = None
@@ -105,6 +109,7 @@ class GateRule:
     differs: str | None = None
     inputs: tuple[str, ...] = ()
     input_dtype_logits: bool = False
+    contract: str | None = None
 
 
 def _scale_of(weights: Tensor, reference: Tensor) -> float | None:
@@ -185,10 +190,10 @@ def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0) -> GateRule:
     except Exception:  # noqa: BLE001 - a gate that cannot run on a CPU copy is simply not probed
         return GateRule()
     if not (isinstance(out, (tuple, list)) and len(out) == 3 and all(isinstance(t, Tensor) for t in out)):
-        return GateRule(differs="it does not return (router_logits, weights, experts)")
+        return GateRule(contract="it does not return (router_logits, weights, experts)")
     got_logits, got_weights, got_experts = (t.float() for t in out)
     if got_experts.dim() != 2 or got_experts.shape[0] != tokens or got_weights.shape != got_experts.shape:
-        return GateRule(differs="it does not return weights and experts of shape [tokens, k]")
+        return GateRule(contract="it does not return weights and experts of shape [tokens, k]")
     k, chosen = got_experts.shape[1], got_experts.long()
     bias = fresh.get("bias")
     logits = nn.functional.linear(x, fresh["weight"])

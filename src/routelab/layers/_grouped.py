@@ -7,7 +7,8 @@ padding the groups to a common size. Which dtypes, devices and layouts it accept
 torch versions and GPUs (and ``torch.compile`` accepts bfloat16 only), so :func:`grouped_mm_supported`
 probes it once per device and dtype on a tiny problem against a per-group reference, forward and
 backward, and the stacked experts fall back to batched matmuls over padded buffers where it
-says no.
+says no. On CUDA only bfloat16 is accepted: torch's other dtypes run a host-synchronising loop
+over the groups there.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, widths: Itera
             memory-mapping need not; the kernels of some torch versions require it).
     """
     if _OPERATOR is None or device.type not in ("cpu", "cuda"):
+        return False
+    if device.type == "cuda" and dtype != torch.bfloat16:
+        # torch's CUDA kernels for grouped matmuls are bfloat16 ones; other dtypes run a per-group
+        # fallback that reads the offsets on the host, a synchronisation per call (seen on an H200,
+        # torch 2.11), which the grouped layout exists to avoid.
         return False
     if not _aligned(dtype, widths):
         return False

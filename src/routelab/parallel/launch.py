@@ -6,8 +6,9 @@
   gloo otherwise.
 * :func:`run_workers` — run ``fn(rank, world_size, *args)`` in ``world_size`` local processes
   joined by gloo (default) or NCCL on ``127.0.0.1`` (tests, ``routelab bench moe --world-size N``).
-  gloo children are forked (cheap: torch is already imported); NCCL children are spawned (a
-  forked child cannot use CUDA once the parent has initialised it) and rank ``r`` is bound to GPU
+  gloo children are forked (cheap: torch is already imported) on a machine without a GPU, and
+  spawned on one with a GPU (a forked child can use neither CUDA nor autograd once the parent
+  has run a backward there); NCCL children are spawned, and rank ``r`` is bound to GPU
   ``r % torch.cuda.device_count()``. Children are single-threaded; every collective has a
   timeout, the parent waits with a deadline, and the first failing rank's traceback is raised
   in the parent after the other ranks are terminated, so a broken rank never hangs the caller.
@@ -127,7 +128,7 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
             (spawned children also spend it importing torch).
         threads: ``torch.set_num_threads`` in every child.
         start_method: ``"fork"``, ``"forkserver"`` or ``"spawn"``; ``None``: ``"fork"`` for gloo
-            (fast), ``"spawn"`` for NCCL or once this process has initialised CUDA.
+            on a machine without a GPU (fast), ``"spawn"`` for NCCL and wherever CUDA is available.
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA; rank ``r`` uses GPU
             ``r % torch.cuda.device_count()``, so one GPU can host every rank of a small test).
 
@@ -144,9 +145,10 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
                          f"(torch.cuda.is_available()={torch.cuda.is_available()}, "
                          f"dist.is_nccl_available()={dist.is_nccl_available()})")
     if start_method is None:
-        # A forked child cannot use CUDA, nor autograd once the parent has run it on CUDA (its
-        # device threads do not survive fork): spawn then.
-        start_method = "spawn" if backend == "nccl" or torch.cuda.is_initialized() else "fork"
+        # A forked child cannot use CUDA, nor autograd once the parent has run any backward on a
+        # machine with a GPU: autograd then starts a thread per GPU, which does not survive fork
+        # (seen on an H200 with a backward on CPU tensors alone). Spawn wherever there is a GPU.
+        start_method = "spawn" if backend == "nccl" or torch.cuda.is_available() else "fork"
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
     port = free_port()
