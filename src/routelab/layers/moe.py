@@ -39,9 +39,10 @@ class MoE(RoutingRecord, nn.Module):
        :class:`~routelab.routing.GroupedPlan`: no padding, static sizes) or gathered into
        ``[E, C, d_model]`` buffers for batched matmuls (``dispatch="buffers"``,
        :class:`~routelab.routing.DispatchPlan`); the outputs are gathered back and summed with
-       the combine weights. Both compute the same function; ``dispatch="auto"`` picks grouped
-       where grouped matmuls run on the device and dtype and the router proposes exactly ``k``
-       experts per token.
+       the combine weights. Both compute the same function; ``dispatch="auto"`` picks buffers
+       where they pad nothing (``E * C <= tokens * k``, a capacity factor of at most 1), else
+       grouped where grouped matmuls run on the device and dtype and the router proposes
+       exactly ``k`` experts per token (:meth:`uses_grouped`).
 
     Dropped pairs contribute nothing: a token whose every slot is dropped gets a zero output,
     so put the layer in a residual branch (``x + moe(x)[0]``) to carry it.
@@ -82,9 +83,9 @@ class MoE(RoutingRecord, nn.Module):
 
     ``torch.compile``: the ``softmax``, ``topk`` and ``noisy_topk`` layers compile without graph
     breaks (no mask, no host synchronisation; the finite-score check is skipped while tracing).
-    A bfloat16 layer compiles on the grouped layout (static sizes); other dtypes compile on
-    buffers, and a dropless layer then sizes its buffers for the worst case, ``C = tokens`` per
-    expert (``E`` times the dense size): set a ``capacity_factor`` for compiled training. The solvers of
+    Both layouts have static sizes with a capacity factor. Dropless, a bfloat16 layer compiles on
+    the grouped layout; other dtypes compile on buffers sized for the worst case, ``C = tokens``
+    per expert (``E`` times the dense size): set a ``capacity_factor`` for compiled training. The solvers of
     the balanced routers run eagerly (excluded from tracing).
 
     Activation checkpointing: the router's noise and the random drop policy's draws are replayed

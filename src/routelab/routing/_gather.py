@@ -11,10 +11,11 @@ the adjoint of each gather is again a gather, by the other map:
   w[pair of r] * grad_y[token_of_row[r]]`` and ``grad_w[t, s] = <rows[row_of_slot[t, s]], grad_y[t]>``.
 
 Autograd's own backward of an index is an ``index_put`` with accumulation: a sort of the
-indices and a serialised sum on CUDA, and many small host-side operations. The gathers here
+indices and a serialised sum on CUDA, and many small host-side operations. The adjoint gathers
 need neither, sum every token's slots in a fixed order (deterministic on every device) and
 never read a row of no pair (grouped matmuls leave those uninitialised). The sentinels read a
-zero row appended to the gathered tensor.
+zero row appended to the gathered tensor. On the CPU the plain formulation (``index_select``,
+whose backward is a serial ``index_add``, and ``bmm``) is faster and is the default there.
 """
 
 from __future__ import annotations
@@ -78,7 +79,19 @@ class _Combine(torch.autograd.Function):
         return grad_rows, grad_weight, None, None
 
 
-def dispatch_rows(x: Tensor, token_of_row: Tensor, row_of_slot: Tensor) -> Tensor:
+def _adjoint_by_default(t: Tensor) -> bool:
+    """Whether the gathers take the adjoint-gather backward on ``t``'s device by default.
+
+    On a GPU, yes: autograd's ``index_put`` backward sorts and serialises there, and a batched
+    ``1 x slots`` matmul for the combine ran cuBLAS's slowest kernel (0.25 ms a call on an H200,
+    docs/gpu-profile-h200.md). On the CPU, no: its ``index_add`` backward is one serial pass and
+    ``bmm`` is fast, so the plain autograd formulation was measured faster there (dispatch +
+    combine + backward at 8192 tokens, d 512, k 2: 187 against 238 ms, one thread).
+    """
+    return t.device.type != "cpu"
+
+
+def dispatch_rows(x: Tensor, token_of_row: Tensor, row_of_slot: Tensor, *, adjoint: bool | None = None) -> Tensor:
     """``rows[r] = x[token_of_row[r]]`` (zeros where ``token_of_row[r] = n``).
 
     Args:
@@ -87,23 +100,32 @@ def dispatch_rows(x: Tensor, token_of_row: Tensor, row_of_slot: Tensor) -> Tenso
         row_of_slot: ``LongTensor [n, s]`` in ``[0, R]``, the inverse map (``R``: no row): every
             row ``r < R`` with ``token_of_row[r] = t < n`` is ``row_of_slot[t, s]`` for exactly one
             slot ``s``, and only those.
+        adjoint: backward by the gather-and-sum through ``row_of_slot`` (``True``) or by
+            autograd's scatter-add (``False``); ``None``: by the device (:func:`_adjoint_by_default`).
+            Both give the same gradients.
 
     Returns:
-        ``[R, d]``; its backward is the gather-and-sum by ``row_of_slot``.
+        ``[R, d]``.
     """
-    return _Dispatch.apply(x, token_of_row, row_of_slot)
+    if adjoint if adjoint is not None else _adjoint_by_default(x):
+        return _Dispatch.apply(x, token_of_row, row_of_slot)
+    return _with_zero_row(x).index_select(0, token_of_row)
 
 
-def combine_rows(rows: Tensor, weight: Tensor, row_of_slot: Tensor, token_of_row: Tensor) -> Tensor:
+def combine_rows(rows: Tensor, weight: Tensor, row_of_slot: Tensor, token_of_row: Tensor, *,
+                 adjoint: bool | None = None) -> Tensor:
     """``y[t] = sum_s weight[t, s] * rows[row_of_slot[t, s]]`` (a sentinel ``R`` reads zeros).
 
     Args:
         rows: ``[R, d]``.
         weight: ``[n, s]`` in ``rows``' dtype, **zero** for every pair whose row is the sentinel ``R``.
         row_of_slot, token_of_row: the plan's two maps, as in :func:`dispatch_rows`.
+        adjoint: as in :func:`dispatch_rows` (``True``: the products and sums of this module;
+            ``False``: a ``bmm`` and autograd's backward).
 
     Returns:
-        ``[n, d]`` in ``rows``' dtype (the products in that dtype, summed over slots in float32
-        or wider).
+        ``[n, d]`` in ``rows``' dtype.
     """
-    return _Combine.apply(rows, weight, row_of_slot, token_of_row)
+    if adjoint if adjoint is not None else _adjoint_by_default(rows):
+        return _Combine.apply(rows, weight, row_of_slot, token_of_row)
+    return torch.bmm(weight.unsqueeze(1), _slot_rows(rows, row_of_slot)).squeeze(1)

@@ -1,0 +1,114 @@
+"""routelab.routing._gather: the adjoint-gather backward passes of dispatch and combine.
+
+The layer takes them on GPUs and the plain autograd formulation on the CPU, so the CPU suite
+checks the adjoint path here directly, on CPU tensors: values and first derivatives equal the
+plain path's (whose gradients test_routing_dispatch.py checks against explicit loops),
+finite differences in float64 (first and second order), never reading a row of no pair (NaN
+there, as grouped matmuls leave them, changes nothing), and a fixed summation order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_routing_dispatch import random_layout
+
+from routelab.routing import DispatchPlan, GroupedPlan, apply_capacity
+from routelab.routing._gather import combine_rows, dispatch_rows
+
+
+def _buffers_plan(seed: int, n: int = 7, s: int = 2, E: int = 3, C: int = 3) -> DispatchPlan:
+    expert, keep, position = random_layout(seed, n, s, E, C, 0.75)
+    return DispatchPlan.build(expert, keep, position, E, C)
+
+
+def _grouped_plan(seed: int, n: int = 9, s: int = 2, E: int = 4, capacity: int = 3) -> GroupedPlan:
+    g = torch.Generator().manual_seed(seed)
+    expert = torch.stack([torch.randperm(E, generator=g)[:s] for _ in range(n)])
+    decision = apply_capacity(expert, torch.ones(n, s, dtype=torch.bool), capacity, E)
+    return GroupedPlan.build(expert, decision.keep, decision.position, decision.kept, E)
+
+
+def _inputs(plan, d: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    n, s = plan.row_of_slot.shape
+    R = plan.token_of_row.shape[0]
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    rows = torch.randn(R, d, generator=g, dtype=torch.float64)
+    dropped = plan.row_of_slot == R
+    weight = torch.randn(n, s, generator=g, dtype=torch.float64).masked_fill(dropped, 0.0)
+    return x, rows, weight
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("layout", ["buffers", "grouped"])
+def test_adjoint_gathers_equal_the_plain_ones_values_and_gradients(layout: str, seed: int) -> None:
+    plan = _buffers_plan(seed) if layout == "buffers" else _grouped_plan(seed)
+    x, rows, weight = _inputs(plan, 5, seed)
+    maps = (plan.token_of_row, plan.row_of_slot)
+    results = []
+    for adjoint in (True, False):
+        xs, rs, ws = (t.clone().requires_grad_(True) for t in (x, rows, weight))
+        out_rows = dispatch_rows(xs, *maps, adjoint=adjoint)
+        y = combine_rows(rs, ws, plan.row_of_slot, plan.token_of_row, adjoint=adjoint)
+        g = torch.Generator().manual_seed(seed + 9)
+        loss = (out_rows * torch.randn(out_rows.shape, generator=g, dtype=torch.float64)).sum() + \
+            (y * torch.randn(y.shape, generator=g, dtype=torch.float64)).sum()
+        loss.backward()
+        results.append((out_rows.detach(), y.detach(), xs.grad, rs.grad, ws.grad))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_adjoint_gathers_pass_gradcheck_and_gradgradcheck(seed: int) -> None:
+    plan = _buffers_plan(seed, n=5, C=2)
+    x, rows, weight = _inputs(plan, 3, seed)
+    maps = (plan.token_of_row, plan.row_of_slot)
+    dropped = plan.row_of_slot == plan.token_of_row.shape[0]
+
+    def dispatch(x_):
+        return dispatch_rows(x_, *maps, adjoint=True)
+
+    def combine(rows_, weight_):
+        # The function's contract: zero weight on dropped pairs (the plans mask it before calling).
+        return combine_rows(rows_, weight_.masked_fill(dropped, 0.0), plan.row_of_slot, plan.token_of_row,
+                            adjoint=True)
+
+    x.requires_grad_(True)
+    rows.requires_grad_(True)
+    weight.requires_grad_(True)
+    assert torch.autograd.gradcheck(dispatch, (x,))
+    assert torch.autograd.gradgradcheck(dispatch, (x,))
+    assert torch.autograd.gradcheck(combine, (rows, weight))
+    assert torch.autograd.gradgradcheck(combine, (rows, weight))
+
+
+def test_rows_of_no_pair_are_never_read() -> None:
+    """The grouped layout's rows past its last offset hold whatever grouped matmuls leave there:
+    NaN in them reaches neither the output nor any gradient, on either path."""
+    plan = _grouped_plan(3, capacity=2)
+    total = int(plan.offsets[-1])
+    assert total < plan.num_rows, "the layout should have rows of no pair"
+    _, rows, weight = _inputs(plan, 4, 3)
+    rows[total:] = float("nan")
+    for adjoint in (True, False):
+        rs, ws = rows.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        y = combine_rows(rs, ws, plan.row_of_slot, plan.token_of_row, adjoint=adjoint)
+        y.sum().backward()
+        assert torch.isfinite(y).all() and torch.isfinite(ws.grad).all()
+        assert torch.isfinite(rs.grad[:total]).all() and bool((rs.grad[total:].nan_to_num(1.0) == 0).all())
+
+
+def test_the_adjoint_backward_sums_the_slots_in_a_fixed_order() -> None:
+    """Two calls, same inputs: bitwise the same gradients (no atomic adds whose order varies)."""
+    plan = _buffers_plan(5, n=64, s=3, E=4, C=48)
+    x, rows, weight = _inputs(plan, 16, 5)
+    grads = []
+    for _ in range(2):
+        xs, rs, ws = (t.clone().float().requires_grad_(True) for t in (x, rows, weight))
+        dispatch_rows(xs, plan.token_of_row, plan.row_of_slot, adjoint=True).square().sum().backward()
+        combine_rows(rs, ws, plan.row_of_slot, plan.token_of_row, adjoint=True).square().sum().backward()
+        grads.append((xs.grad, rs.grad, ws.grad))
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)

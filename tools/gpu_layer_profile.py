@@ -1,0 +1,215 @@
+"""Where the MoE layer's time goes on a GPU: eager time, host issue time, CUDA-graph replay, kernels.
+
+usage: python tools/gpu_layer_profile.py OUTFILE [--brief] [--fp32]
+
+For E in {8, 64} and top-1/top-2 at d_model 1024, d_hidden 4096, 8192 tokens (bfloat16 unless
+--fp32), one forward + backward of: the MoE layer (capacity factor 1, `auto` and each layout
+forced, GELU experts with biases), the SwiGLU dropless layer computing transformers' Mixtral
+block, and that block (`grouped_mm` experts). Per variant it prints
+
+* eager: median wall time of a synchronised step;
+* back-to-back: the host's time to issue 10 steps without synchronising, and their wall time
+  (issue time close to the wall time: the step is bound by the host's kernel launches);
+* CUDA graph: the step replayed from a CUDA graph, i.e. the GPU's own time without launch
+  overhead (the layer's default host checks cannot be captured: they synchronise);
+* (without --brief) torch.profiler's table of the kernels, sorted by device time.
+
+Run it with routelab importable (PYTHONPATH=src); run it again with another checkout's src on
+PYTHONPATH for an A/B comparison in the same session. On a machine without CUDA it runs tiny sizes
+on the CPU (a smoke test: no graph, no device times). Used for the README's "On a GPU".
+"""
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import routelab
+from routelab.layers import MoE, StackedExperts
+
+out_path = sys.argv[1]
+brief = "--brief" in sys.argv
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+dt = torch.bfloat16 if "--fp32" not in sys.argv else torch.float32
+d, h, n = (1024, 4096, 8192) if dev == "cuda" else (64, 128, 512)
+lines = [f"routelab from {routelab.__file__}; torch {torch.__version__}; device {dev} "
+         f"{torch.cuda.get_device_name() if dev == 'cuda' else ''}; dtype {dt}; d {d} h {h} tokens {n}"]
+results = {}
+
+
+def log(s):
+    print(s, flush=True)
+    lines.append(s)
+
+
+def sync():
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_ms(fn, reps=10):
+    fn()
+    sync()
+    ts = []
+    for _ in range(reps):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        ts.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(ts)
+
+
+def issue_ms(fn, reps=10):
+    """CPU time to issue one step (no sync inside), measured over back-to-back steps with the GPU
+    queue kept from draining: the wall time of reps steps minus nothing; compare with median_ms."""
+    sync()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    t_issue = time.perf_counter() - t
+    sync()
+    t_all = time.perf_counter() - t
+    return 1e3 * t_issue / reps, 1e3 * t_all / reps
+
+
+def graph_ms(module, x, g, reps=10):
+    """Forward+backward replayed from a CUDA graph: the GPU's own time, no launch overhead."""
+    if dev != "cuda":
+        return None
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                for p in module.parameters():
+                    p.grad = None
+                x.grad = None
+                module(x).backward(g)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        for p in module.parameters():
+            p.grad = None
+        x.grad = None
+        with torch.cuda.graph(graph):
+            module(x).backward(g)
+        return median_ms(graph.replay, reps)
+    except Exception as e:  # noqa: BLE001
+        return f"capture failed: {type(e).__name__}: {str(e)[:160]}"
+
+
+def profile(fn, label):
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if dev == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    fn()
+    sync()
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(3):
+            fn()
+        sync()
+    ka = prof.key_averages()
+    attr = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
+    kernel_us = sum(getattr(e, attr) for e in ka) / 3
+    cpu_ops = sum(e.count for e in ka if e.key.startswith("aten::")) / 3
+    log(f"  [{label}] device time per step {kernel_us / 1e3:.3f} ms; aten ops per step (incl. nested) {cpu_ops:.0f}")
+    if not brief:
+        sort = "self_cuda_time_total" if dev == "cuda" else "self_cpu_time_total"
+        try:
+            table = ka.table(sort_by=sort, row_limit=25, max_name_column_width=60)
+        except Exception:  # noqa: BLE001
+            table = ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+        lines.append(table)
+    return kernel_us / 1e3
+
+
+class YOnly(torch.nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, x):
+        y = self.m(x)
+        return y[0] if isinstance(y, tuple) else y
+
+
+def hf_block(E, k):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    cfg = MixtralConfig(hidden_size=d, intermediate_size=h, num_local_experts=E, num_experts_per_tok=k,
+                        num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, vocab_size=8)
+    cfg._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    b = MixtralSparseMoeBlock(cfg)
+    with torch.no_grad():
+        for p in b.parameters():
+            torch.nn.init.normal_(p, std=d ** -0.5)
+    return b.to(dev, dt).train()
+
+
+def variants(E, k):
+    torch.manual_seed(0)
+    out = {}
+    m = MoE(d, h, E, router="topk", k=k, capacity_factor=1.0).to(dev, dt).train()
+    out["gelu-bias cf1 auto, default checks"] = m
+    for layout in ("grouped", "buffers"):
+        m = MoE(d, h, E, router="topk", k=k, capacity_factor=1.0, check_finite=False, dispatch=layout)
+        out[f"gelu-bias cf1 {layout} unchecked"] = m.to(dev, dt).train()
+    b = hf_block(E, k)
+    ex = StackedExperts.from_hf_fused(b.experts.gate_up_proj.detach(), b.experts.down_proj.detach())
+    ms = MoE(d, h, E, router="topk", k=k, router_kwargs={"renormalize": True}, capacity_factor=None, experts=ex,
+             check_finite=False)
+    with torch.no_grad():
+        ms.router.proj.weight.copy_(b.gate.weight)
+    if hasattr(ms.router, "logits_in_input_dtype"):
+        ms.router.logits_in_input_dtype = True
+    out["swiglu dropless (grouped) unchecked"] = ms.to(dev).train()
+    out["HF Mixtral block grouped_mm"] = b
+    return out
+
+
+def measure(name: str, mod: torch.nn.Module, E: int, k: int, x0: torch.Tensor, g0: torch.Tensor) -> None:
+    """Time and profile one variant; log a line and record its figures."""
+    wrapped = YOnly(mod)
+    hf = name.startswith("HF")
+    x = (x0.view(1, n, d) if hf else x0).clone().requires_grad_(True)
+    g = g0.view(1, n, d) if hf else g0
+
+    def step():
+        x.grad = None
+        for p in wrapped.parameters():
+            p.grad = None
+        wrapped(x).backward(g)
+
+    try:
+        eager = median_ms(step)
+        issue, allms = issue_ms(step)
+        kern = profile(step, name)
+        graph = graph_ms(wrapped, x, g)
+        shown = graph if isinstance(graph, str) or graph is None else f"{graph:7.3f} ms"
+        log(f"{name:36s} eager {eager:7.3f} ms | back-to-back: CPU issue {issue:7.3f} ms, wall {allms:7.3f} ms "
+            f"| CUDA graph {shown}")
+        results[f"E{E}k{k} {name}"] = {"eager_ms": eager, "issue_ms": issue, "b2b_ms": allms, "kernel_ms": kern,
+                                        "graph_ms": graph}
+    except Exception as e:  # noqa: BLE001
+        log(f"{name}: failed {type(e).__name__}: {str(e)[:300]}")
+
+
+def main() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(n, d, generator=gen).to(dev, dt)
+    g0 = torch.randn(n, d, generator=gen).to(dev, dt)
+    grid = [(8, 1), (64, 1), (64, 2)] if not brief else [(8, 1), (64, 1)]
+    for E, k in grid:
+        log(f"\n=== E={E} k={k} ===")
+        for name, mod in variants(E, k).items():
+            measure(name, mod, E, k, x0, g0)
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    with open(out_path, "w") as f:
+        f.write("\n".join(lines) + "\n\n" + json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
