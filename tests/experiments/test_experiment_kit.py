@@ -18,7 +18,7 @@ from routelab.experiments import registry as experiment_registry
 from routelab.experiments.kit.claims import HOLDS, NOT_HOLD, PARTLY, Claim, claims_markdown, verdict_of
 from routelab.experiments.kit.experiment import Experiment
 from routelab.experiments.kit.provenance import load_average, routelab_version, software_line
-from routelab.experiments.kit.stats import mean_se
+from routelab.experiments.kit.stats import beyond_spread, mean_se, paired_difference
 from routelab.experiments.kit.tables import md_table
 
 
@@ -80,6 +80,18 @@ def test_mean_se_and_its_format() -> None:
     assert one.se is None and one.fmt(3) == "0.500"
     none = mean_se([])
     assert none.n == 0 and math.isnan(none.mean) and none.fmt() == "—"
+
+
+def test_paired_difference_and_its_side_at_the_seed_spread() -> None:
+    # Seeds 0-2 in both; seed 3 only in a; seed 2 failed in b (None): paired over seeds 0 and 1.
+    d = paired_difference({0: 1.0, 1: 2.0, 2: 5.0, 3: 9.0}, {0: 0.5, 1: 1.0, 2: None})
+    assert d.n == 2 and d.mean == pytest.approx(0.75) and d.se == pytest.approx(0.25)
+    assert beyond_spread(d) == 1  # 0.75 > 2 * 0.25
+    assert beyond_spread(d, spread=4.0) == 0  # within 4 s.e.: a tie
+    assert beyond_spread(paired_difference({0: 1.0, 1: 3.0}, {0: 2.0, 1: 0.0})) == 0  # +/-: a tie
+    assert beyond_spread(paired_difference({0: 1.0}, {0: 2.0})) == -1  # one seed: its sign
+    assert beyond_spread(paired_difference({0: 1.0}, {1: 2.0})) is None  # no seed in common
+    assert beyond_spread(paired_difference({0: float("nan")}, {0: 1.0})) is None
 
 
 def test_md_table_and_alignment() -> None:

@@ -31,12 +31,12 @@ from routelab.gates.dselect import ALPHA_INIT, ENTROPY_EPS, num_code_bits
 from routelab.gates.mtl_gate import uniform_init
 from routelab.layers import StackedLinear
 
-from ..kit.claims import HOLDS, NOT_HOLD, PARTLY, Claim, claims_markdown, write_claims_json
+from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown, write_claims_json
 from ..kit.divergence import check_finite, diverged_on_error, train_or_fail
 from ..kit.experiment import Experiment
 from ..kit.failed_runs import add_failures_to_report
 from ..kit.provenance import software_line
-from ..kit.stats import mean_se
+from ..kit.stats import Stat, beyond_spread, mean_se, paired_difference
 from ..kit.store import append_jsonl_atomic, atomic_write_text, completed_keys, is_failed, read_jsonl, split_failed
 from ..kit.tables import md_table
 from . import common
@@ -312,6 +312,13 @@ def _figure(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSettings) 
     return "fig_c5.png"
 
 
+def _below(stat: Stat, bound: float) -> str:
+    """Holds when ``stat``'s mean plus 2 s.e. (its mean alone for one run) is below ``bound``."""
+    if stat.n == 0:
+        return NOT_MEASURED
+    return HOLDS if stat.mean + 2 * (stat.se or 0.0) < bound else NOT_HOLD
+
+
 def write_report(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSettings, wall: float) -> Path:
     """Tables, claims, figure and CSV from the recorded runs."""
     cols = ("gate", "tasks", "seed", "test_mse", "jaccard_related", "jaccard_unrelated",
@@ -336,46 +343,73 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSetti
     def m(kind: str, t: int, key: str) -> float:
         return mean_se(r[key] for r in records if r["gate"] == kind and r["tasks"] == t and r[key] is not None).mean
 
+    def by_seed(kind: str, t: int, key: str) -> dict[int, float | None]:
+        return {r["seed"]: r[key] for r in records if r["gate"] == kind and r["tasks"] == t}
+
+    def side(a: str, b: str, t: int, key: str) -> int | None:
+        """-1 / +1: a's value below / above b's beyond 2 s.e. of the seed-paired difference; 0: a tie;
+        None: no repetition measured both (e.g. every run of the cell failed)."""
+        return beyond_spread(paired_difference(by_seed(a, t, key), by_seed(b, t, key)))
+
+    def count(sides: list[int | None], want: int) -> tuple[int, int, int]:
+        """(how many are ``want``, how many the opposite, how many unmeasured)."""
+        return (sum(x == want for x in sides), sum(x == -want for x in sides), sum(x is None for x in sides))
+
+    def verdict(hits: int, against: int, missing: int, total: int, extra: bool = True) -> str:
+        if missing or not total:
+            return NOT_MEASURED
+        if hits == total and extra:
+            return HOLDS
+        return PARTLY if hits * 2 > total and not against else NOT_HOLD
+
+    def counted(hits: int, against: int, missing: int, total: int, what: str, other: str) -> str:
+        text = f"{what} at {hits}/{total} T, {other} at {against}, tied at {total - hits - against - missing}"
+        return text + (f", not measured at {missing}" if missing else "")
+
+    spread_note = " (each T: the seed-paired difference beyond 2 s.e.; within it, a tie)"
     claims = []
     tmax = max((t for t in s.tasks if any(r["tasks"] == t for r in records)), default=None)
     if tmax is not None:
         d_mse, t_mse = m("dselect_static", tmax, "test_mse"), m("topk_static", tmax, "test_mse")
-        better = sum(m("dselect_static", t, "test_mse") < m("topk_static", t, "test_mse") for t in s.tasks)
+        mse = count([side("dselect_static", "topk_static", t, "test_mse") for t in s.tasks], -1)
         imp = (t_mse - d_mse) / t_mse if t_mse == t_mse and t_mse else float("nan")
         claims.append(Claim(
             text="DSelect-k has lower test MSE than Top-k at every T, over 40% lower at T = 128.",
-            criterion="lower at every T and ≥ 40% lower at the largest T: holds; lower at most T: partly",
-            measured=f"lower at {better}/{len(s.tasks)} T; at T = {tmax}: {d_mse:.3f} vs {t_mse:.3f} ({imp:+.0%})",
-            verdict=HOLDS if (better == len(s.tasks) and imp >= 0.4) else
-                    (PARTLY if better * 2 > len(s.tasks) else NOT_HOLD)))
+            criterion="lower at every T and ≥ 40% lower at the largest T: holds; lower at most T and higher at "
+                      "none: partly" + spread_note,
+            measured=counted(*mse, len(s.tasks), "lower", "higher")
+            + f"; at T = {tmax}: {d_mse:.3f} vs {t_mse:.3f} ({imp:+.0%})",
+            verdict=verdict(*mse, len(s.tasks), extra=imp >= 0.4)))
         d_rel, t_rel = m("dselect_static", tmax, "jaccard_related"), m("topk_static", tmax, "jaccard_related")
-        rel_better = sum(m("dselect_static", t, "jaccard_related") > m("topk_static", t, "jaccard_related")
-                         for t in s.tasks)
+        rel = count([side("dselect_static", "topk_static", t, "jaccard_related") for t in s.tasks], 1)
         claims.append(Claim(
             text="DSelect-k's related tasks share more experts than Top-k's (76% higher Jaccard at T = 128).",
-            criterion="higher at every T: holds; at most T: partly",
-            measured=f"higher at {rel_better}/{len(s.tasks)} T; at T = {tmax}: {d_rel:.3f} vs {t_rel:.3f}",
-            verdict=HOLDS if rel_better == len(s.tasks) else
-                    (PARTLY if rel_better * 2 > len(s.tasks) else NOT_HOLD)))
+            criterion="higher at every T: holds; at most T and lower at none: partly" + spread_note,
+            measured=counted(*rel, len(s.tasks), "higher", "lower") + f"; at T = {tmax}: {d_rel:.3f} vs {t_rel:.3f}",
+            verdict=verdict(*rel, len(s.tasks))))
         multi = [t for t in s.tasks if t > GROUP_TASKS]
-        un_better = sum(m("dselect_static", t, "jaccard_unrelated") < m("topk_static", t, "jaccard_unrelated")
-                        for t in multi)
+        unrel = count([side("dselect_static", "topk_static", t, "jaccard_unrelated") for t in multi], -1)
         claims.append(Claim(
             text="DSelect-k's unrelated tasks share fewer experts than Top-k's.",
-            criterion="lower at every T > 16: holds; at most: partly",
-            measured=f"lower at {un_better}/{len(multi)} T > 16",
-            verdict=HOLDS if multi and un_better == len(multi) else
-                    (PARTLY if un_better * 2 > len(multi) else NOT_HOLD)))
-        abl = sum(m("dselect_static", t, "test_mse") < min(m("ablation_annealing", t, "test_mse"),
-                                                          m("ablation_entropy", t, "test_mse")) for t in s.tasks)
+            criterion="lower at every T > 16: holds; at most and higher at none: partly" + spread_note,
+            measured=counted(*unrel, len(multi), "lower", "higher").replace(" T,", " T > 16,", 1),
+            verdict=verdict(*unrel, len(multi))))
+        both = []
+        for t in s.tasks:
+            pair = [side("dselect_static", abl, t, "test_mse") for abl in ("ablation_annealing", "ablation_entropy")]
+            both.append(None if None in pair else (-1 if pair == [-1, -1] else (1 if 1 in pair else 0)))
+        abl = count(both, -1)
         claims.append(Claim(text="DSelect-k beats both softmax-selector ablations (binary encoding helps).",
-                            criterion="lower MSE than both at every T: holds; at most T: partly",
-                            measured=f"lower than both at {abl}/{len(s.tasks)} T",
-                            verdict=HOLDS if abl == len(s.tasks) else (PARTLY if abl * 2 > len(s.tasks) else NOT_HOLD)))
-        ent_sel = m("ablation_entropy", tmax, "experts_selected_mean")
+                            criterion="lower MSE than both at every T: holds; at most T and higher than neither "
+                                      "at any: partly" + spread_note,
+                            measured=counted(*abl, len(s.tasks), "lower than both", "higher than one"),
+                            verdict=verdict(*abl, len(s.tasks))))
+        ent = mean_se(r["experts_selected_mean"] for r in records
+                      if r["gate"] == "ablation_entropy" and r["tasks"] == tmax)
         claims.append(Claim(text="Ablation (entropy) ends up with fewer than k = 4 distinct experts (often 2).",
-                            criterion="mean distinct argmax experts < 4 at the largest T: holds",
-                            measured=f"{ent_sel:.2f} at T = {tmax}", verdict=HOLDS if ent_sel < 4 else NOT_HOLD))
+                            criterion="mean distinct argmax experts + 2 s.e. < 4 at the largest T: holds",
+                            measured=f"{ent.fmt(2)} at T = {tmax}",
+                            verdict=_below(ent, 4.0)))
     lines = [
         "# DSelect-k on synthetic multi-task data (Hazimeh et al. 2021, App. C.1, Fig. C.5)",
         "",

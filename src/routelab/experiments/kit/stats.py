@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["Stat", "mean_se"]
+__all__ = ["Stat", "beyond_spread", "mean_se", "paired_difference"]
 
 
 @dataclass(frozen=True)
@@ -44,3 +44,38 @@ def mean_se(values: Iterable[float | None]) -> Stat:
         return Stat(mean, None, 1)
     var = sum((v - mean) ** 2 for v in vals) / (n - 1)
     return Stat(mean, math.sqrt(var / n), n)
+
+
+def paired_difference(a: Mapping[Hashable, float | None], b: Mapping[Hashable, float | None]) -> Stat:
+    """Mean ± s.e. of ``a[seed] - b[seed]`` over the seeds both have a finite value for.
+
+    Args:
+        a, b: a measurement by seed (``None`` or non-finite: that run has none, e.g. it failed).
+
+    Returns:
+        The :class:`Stat` of the paired differences (``n = 0``: no seed measured by both).
+    """
+    diffs = []
+    for seed in a.keys() & b.keys():
+        va, vb = a[seed], b[seed]
+        if va is not None and vb is not None and math.isfinite(va) and math.isfinite(vb):
+            diffs.append(float(va) - float(vb))
+    return mean_se(diffs)
+
+
+def beyond_spread(stat: Stat, spread: float = 2.0) -> int | None:
+    """Which side of 0 a mean difference is on, beyond ``spread`` standard errors.
+
+    Returns:
+        ``-1`` (below ``-spread * se``), ``+1`` (above ``spread * se``), ``0`` (within: a tie at this
+        seed spread), or ``None`` when nothing was measured. With one value (no standard error) its
+        sign decides, as a single run's comparison can do no better.
+    """
+    if stat.n == 0 or not math.isfinite(stat.mean):
+        return None
+    bound = spread * stat.se if stat.se is not None else 0.0
+    if stat.mean < -bound:
+        return -1
+    if stat.mean > bound:
+        return 1
+    return 0
