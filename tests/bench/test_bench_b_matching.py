@@ -27,4 +27,15 @@ def test_tiny_benchmark_report():
     text = run_b_matching_benchmark(((30, 4, 2), (24, 6, 3)), seeds=2, out=out)
     rows = [line for line in text.splitlines() if line.startswith("| 30 ") or line.startswith("| 24 ")]
     assert len(rows) == 2 and all(row.rstrip().endswith("| yes |") for row in rows)
+    for row in rows:  # the peers' median time over routelab's
+        r_linprog, r_milp = [c.strip() for c in row.strip("|").split("|")][6:8]
+        assert float(r_linprog.removesuffix("x")) > 0 and float(r_milp.removesuffix("x")) > 0
     assert out.getvalue().strip() == text.strip()
+
+
+def test_speedup_is_the_peers_median_over_routelabs():
+    from routelab.bench.b_matching import _speedup
+
+    assert _speedup([3.0, 9.0, 6.0], [1.0, 3.0, 2.0]) == "3.0x"
+    assert _speedup([1.0], [4.0]) == "0.2x"  # routelab slower: below 1
+    assert _speedup([], [1.0]) == "—"  # the peer was skipped (milp above its size limit)

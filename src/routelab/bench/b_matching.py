@@ -9,9 +9,9 @@ For every size ``(n, E, k)`` and every seed, float32 scores ``torch.randn(n, E)`
 * :func:`scipy.optimize.milp` (HiGHS branch and cut) on the same binary program,
 
 both in float64 on the same scores. Reported: the median wall time of each over the seeds (after
-one untimed warm-up call of routelab's solver; milp only up to ``MILP_MAX_PAIRS`` variables) and
-whether routelab's objective equals scipy's within ``1e-6`` relative to the scores' spread times
-``k n``. Run it with
+one untimed warm-up call of routelab's solver; milp only up to ``MILP_MAX_PAIRS`` variables), each
+peer's median over routelab's (> 1: routelab is faster), and whether routelab's objective equals
+scipy's within ``1e-6`` relative to the scores' spread times ``k n``. Run it with
 ``python -m routelab.bench.b_matching [--quick]``.
 """
 
@@ -98,6 +98,13 @@ def run_b_matching_benchmark(
         torch.set_num_threads(old)
 
 
+def _speedup(peer: Sequence[float], ours: Sequence[float]) -> str:
+    """``median(peer) / median(ours)`` as ``"12.3x"`` (> 1: routelab is faster), ``"—"`` when the peer was skipped."""
+    if not peer or not ours:
+        return "—"
+    return f"{statistics.median(peer) / max(statistics.median(ours), 1e-12):.1f}x"
+
+
 def _measure(sizes: Sequence[tuple[int, int, int]], seeds: int, out: TextIO | None) -> str:
     """:func:`run_b_matching_benchmark` under the chosen thread count."""
     lines: list[str] = []
@@ -109,8 +116,9 @@ def _measure(sizes: Sequence[tuple[int, int, int]], seeds: int, out: TextIO | No
 
     emit(f"CPU: {cpu_model()}; torch threads: {torch.get_num_threads()}; load average at start: {load_average()}")
     emit("")
-    emit("| n | E | k | routelab ms | scipy linprog (HiGHS) ms | scipy milp (HiGHS) ms | same optimum |")
-    emit("|---:|---:|---:|---:|---:|---:|:---:|")
+    emit("| n | E | k | routelab ms | scipy linprog (HiGHS) ms | scipy milp (HiGHS) ms | linprog / routelab "
+         "| milp / routelab | same optimum |")
+    emit("|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
     for n, E, k in sizes:
         times: dict[str, list[float]] = {"routelab": [], "linprog": [], "milp": []}
         same = True
@@ -131,8 +139,9 @@ def _measure(sizes: Sequence[tuple[int, int, int]], seeds: int, out: TextIO | No
                 times[method].append(seconds)
                 same &= abs(ours - best) <= 1e-6 * spread * k * n
         med = {name: f"{1e3 * statistics.median(ts):.1f}" if ts else "skipped" for name, ts in times.items()}
-        emit(f"| {n} | {E} | {k} | {med['routelab']} | {med['linprog']} | {med['milp']} | "
-             f"{'yes' if same else 'NO'} |")
+        ratio = {name: _speedup(times[name], times["routelab"]) for name in ("linprog", "milp")}
+        emit(f"| {n} | {E} | {k} | {med['routelab']} | {med['linprog']} | {med['milp']} | {ratio['linprog']} | "
+             f"{ratio['milp']} | {'yes' if same else 'NO'} |")
     emit("")
     emit(f"Median over {seeds} instances per size; load average at the end: {load_average()}.")
     return "\n".join(lines)
