@@ -56,6 +56,16 @@ def test_assignment_peer_table(tiny: None) -> None:
     assert all("INFEASIBLE" not in c for c in cells)
 
 
+def test_an_answer_over_capacity_does_not_raise_the_best_objective() -> None:
+    """A peer that sends every token to its own best expert (ignoring capacity) scores above the
+    optimum; the gaps are measured against the best feasible answer, so routelab's stays 0 and
+    the greedy peer is reported infeasible."""
+    greedy = peers.Peer("greedy", exact=False, prepare=lambda x: x, solve=lambda x: x.argmax(-1).numpy())
+    res = peers._measure_size(32, 4, 2, [greedy], {})
+    assert res.cells["routelab"].feasible and res.cells["routelab"].gap <= 1e-12
+    assert not res.cells["greedy"].feasible
+
+
 def test_missing_peer_is_reported(tiny: None, monkeypatch: pytest.MonkeyPatch) -> None:
     real = peers._module
     monkeypatch.setattr(peers, "_module", lambda name: None if name in ("ot", "ortools.graph.python.min_cost_flow")

@@ -305,7 +305,11 @@ def _measure_size(n: int, k: int, runs: int, peer_list: list[Peer], scipy_est: d
     times, results = _paired(fns, runs)
     res = SizeResult(n, k, _median_ms(times["routelab"]))
     s64 = [x.double().numpy() for x in scores]
-    best = [max(_objective(s64[i], results[name][i]) for name in fns) for i in range(runs)]
+    # The best objective among the feasible answers only: an answer over capacity can score higher
+    # than the optimum, and would otherwise make every exact method look suboptimal.
+    best = [max((_objective(s64[i], results[name][i]) for name in fns
+                 if _feasible(np.asarray(results[name][i], dtype=np.int64), n, k)), default=float("nan"))
+            for i in range(runs)]
     for name in fns:
         if name == "routelab":
             continue
