@@ -110,6 +110,18 @@ def test_measure_batched_checks_feasibility_and_objectives() -> None:
     assert size.methods["host"].timing is None and size.methods["host"].skipped
 
 
+def test_an_auction_answer_over_capacity_is_left_out_of_its_gap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An auction that ignores capacity (argmax per token) scores above the optimum: it must not
+    count as beating routelab, nor give a negative gap; its instances are reported infeasible."""
+    monkeypatch.setattr(bench, "fairseq_auction", lambda scores: scores.argmax(-1))
+    size = bench._measure_batched(4, 32, 4, repeats=1, budget_s=5.0, device="cpu", seed=3)
+    assert size.methods["auction"].feasible is False
+    assert size.auction_above == 0 and size.auction_infeasible > 0
+    assert size.same_optimum
+    text = "\n".join(bench._batched_notes([size], device="cpu"))
+    assert "beat routelab" not in text and "over capacity on" in text
+
+
 def test_measure_batched_rejects_bad_sizes() -> None:
     with pytest.raises(ValueError, match="k must divide n"):
         bench._measure_batched(2, 10, 4, repeats=1, budget_s=1.0, device="cpu")
