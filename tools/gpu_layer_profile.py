@@ -1,9 +1,9 @@
 """Where the MoE layer's time goes on a GPU: eager time, host issue time, CUDA-graph replay, kernels.
 
-usage: python tools/gpu_layer_profile.py OUTFILE [--brief] [--fp32]
+usage: python tools/gpu_layer_profile.py OUTFILE [--brief] [--fp32] [--d-model N] [--d-hidden N] [--tokens N]
 
-For E in {8, 64} and top-1/top-2 at d_model 1024, d_hidden 4096, 8192 tokens (bfloat16 unless
---fp32), one forward + backward of: the MoE layer (capacity factor 1, `auto` and each layout
+For E in {8, 64} and top-1/top-2 at d_model 1024, d_hidden 4096, 8192 tokens unless given (bfloat16
+unless --fp32), one forward + backward of: the MoE layer (capacity factor 1, `auto` and each layout
 forced, GELU experts with biases), the SwiGLU dropless layer computing transformers' Mixtral
 block, and that block (`grouped_mm` experts). Per variant it prints
 
@@ -18,9 +18,9 @@ Run it with routelab importable (PYTHONPATH=src); run it again with another chec
 PYTHONPATH for an A/B comparison in the same session. On a machine without CUDA it runs tiny sizes
 on the CPU (a smoke test: no graph, no device times). Used for the README's "On a GPU".
 """
+import argparse
 import json
 import statistics
-import sys
 import time
 
 import torch
@@ -28,11 +28,20 @@ import torch
 import routelab
 from routelab.layers import MoE, StackedExperts
 
-out_path = sys.argv[1]
-brief = "--brief" in sys.argv
+_parser = argparse.ArgumentParser(description="Where the MoE layer's time goes on a GPU (see the module docstring).")
+_parser.add_argument("out", help="the report file")
+_parser.add_argument("--brief", action="store_true", help="E=8 and E=64 top-1 only, no kernel tables")
+_parser.add_argument("--fp32", action="store_true", help="float32 instead of bfloat16")
+_parser.add_argument("--d-model", type=int, default=None, help="default 1024 (64 without CUDA)")
+_parser.add_argument("--d-hidden", type=int, default=None, help="default 4096 (128 without CUDA)")
+_parser.add_argument("--tokens", type=int, default=None, help="default 8192 (512 without CUDA)")
+_args = _parser.parse_args()
+out_path = _args.out
+brief = _args.brief
 dev = "cuda" if torch.cuda.is_available() else "cpu"
-dt = torch.bfloat16 if "--fp32" not in sys.argv else torch.float32
+dt = torch.float32 if _args.fp32 else torch.bfloat16
 d, h, n = (1024, 4096, 8192) if dev == "cuda" else (64, 128, 512)
+d, h, n = _args.d_model or d, _args.d_hidden or h, _args.tokens or n
 lines = [f"routelab from {routelab.__file__}; torch {torch.__version__}; device {dev} "
          f"{torch.cuda.get_device_name() if dev == 'cuda' else ''}; dtype {dt}; d {d} h {h} tokens {n}"]
 results = {}

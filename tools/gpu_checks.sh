@@ -1,0 +1,43 @@
+#!/bin/bash
+# The GPU checks still open in issue 18, in priority order, for one device call on a CUDA machine.
+#
+#   bash tools/gpu_checks.sh [SECONDS]     (default 540: one call's time, leaving some for the start)
+#
+# Writes 6 files to $OUT (or ./gpu-checks when OUT is unset; the device returns at most 8): log.txt,
+# suite.log, prof-d4096.txt, bench-bf16-d4096.md, bench-fp32-d2048.md, lm.tgz. Each step
+# gets the time left before the deadline (a step that would start with under 30 s left is skipped
+# and said so), so the most important results come back even when the budget is short.
+# Needs routelab's src on the machine's python3 (make test-gpu installs it --no-deps). The lm-routers
+# step needs the parallel text's cache: run `make gpu-data` on a machine with the data, and carry
+# data-cache/ along (the device tool's `carry`); without it the step is skipped.
+set -u
+budget=${1:-540}
+out=${OUT:-gpu-checks}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+t0=$(date +%s); L="$out/log.txt"
+left() { echo $(( budget - ($(date +%s) - t0) )); }
+step() {  # step NAME MAX_SECONDS COMMAND...: run COMMAND under min(MAX, time left)
+  local name=$1 max=$2; shift 2
+  local t; t=$(left); (( t > max )) && t=$max
+  if (( t < 30 )); then echo "[$(( $(date +%s) - t0 )) s] $name: skipped (${t} s left)" | tee -a "$L"; return; fi
+  echo "[$(( $(date +%s) - t0 )) s] $name (up to $t s)" | tee -a "$L"
+  timeout "$t" "$@"; echo "  rc $?" | tee -a "$L"
+}
+nvidia-smi --query-gpu=name,memory.used --format=csv | tee -a "$L"
+step "whole suite (make test-gpu)" 200 bash -c "make test-gpu > '$out/suite.log' 2>&1"
+tail -25 "$out/suite.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tee -a "$L"
+step "profile at d_model 4096, 64k tokens" 120 \
+  python3 tools/gpu_layer_profile.py "$out/prof-d4096.txt" --brief --d-model 4096 --tokens 65536
+step "bench moe bf16 d_model 4096" 240 \
+  bash -c "python3 -m routelab bench moe --device cuda --dtype bfloat16 --d-model 4096 > '$out/bench-bf16-d4096.md' 2>>'$L'"
+step "bench moe fp32 d_model 2048" 240 \
+  bash -c "python3 -m routelab bench moe --device cuda --dtype float32 --d-model 2048 > '$out/bench-fp32-d2048.md' 2>>'$L'"
+if [ -f data-cache/parallel_text_es_en.jsonl.gz ]; then
+  mkdir -p /tmp/lm /tmp/xdg && ln -sfn "$PWD/data-cache" /tmp/xdg/routelab
+  step "lm-routers --large, 1 seed, 100 steps" 200 bash -c "XDG_CACHE_HOME=/tmp/xdg python3 -m \
+routelab.experiments.lm_routers --large --device cuda --seeds 0 --steps 100 --out /tmp/lm > /tmp/lm.txt 2>&1; \
+tar czf '$out/lm.tgz' -C /tmp lm lm.txt"
+else
+  echo "lm-routers: skipped (no data-cache/: make gpu-data, and carry it)" | tee -a "$L"
+fi
+echo "[$(( $(date +%s) - t0 )) s] done" | tee -a "$L"
