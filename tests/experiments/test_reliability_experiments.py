@@ -349,11 +349,13 @@ def test_workers_die_promptly_when_the_sweep_is_killed() -> None:
             time.sleep(0.05)
         gone_after = time.monotonic() - t0
         assert not _running(workers), f"processes still running 10 s after the kill: {_running(workers)}"
-        assert gone_after < 3.0, gone_after  # was: until the chunk ends (here: never)
+        # Promptly: was until the chunk ends (here: never). 3 s was exceeded (3.2 s) on a loaded 2-core machine.
+        assert gone_after < 8.0, gone_after
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+        proc.stdout.close()  # else its ResourceWarning surfaces in whichever later test runs the garbage collector
         for pid in _running(workers):
             try:
                 os.kill(pid, signal.SIGKILL)
