@@ -86,7 +86,8 @@ def _adjoint_by_default(t: Tensor) -> bool:
     ``1 x slots`` matmul for the combine ran cuBLAS's slowest kernel (0.25 ms a call on an H200,
     docs/gpu-profile-h200.md). On the CPU, no: its ``index_add`` backward is one serial pass and
     ``bmm`` is fast, so the plain autograd formulation was measured faster there (dispatch +
-    combine + backward at 8192 tokens, d 512, k 2: 187 against 238 ms, one thread).
+    combine + backward at 8192 tokens, d 512, k 2, one thread: 192 against 254 ms,
+    ``tools/gather_paths_bench.py``).
     """
     return t.device.type != "cpu"
 
