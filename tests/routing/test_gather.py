@@ -112,3 +112,33 @@ def test_the_adjoint_backward_sums_the_slots_in_a_fixed_order() -> None:
         grads.append((xs.grad, rs.grad, ws.grad))
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_sums_products_in_float32_on_both_paths(dtype: torch.dtype) -> None:
+    """Combine sums the slots' products in float32 and rounds once; its weight gradient sums the
+    products rows * grad_y in float32 too. Small values (rows ~1e-3, grad_y ~1e-4) are where
+    products rounded to float16 first underflowed: the adjoint path's weight gradient was 29x
+    further from the float64 result than the plain path's. Both paths now match to the bit."""
+    g = torch.Generator().manual_seed(0)
+    n, s, d = 64, 3, 256
+    row_of_slot = torch.arange(n * s).view(n, s)
+    token_of_row = torch.arange(n * s) // s
+    rows = (torch.randn(n * s, d, generator=g) * 1e-3).to(dtype)
+    weight = torch.rand(n, s, generator=g).to(dtype)
+    grad_y = (torch.randn(n, d, generator=g) * 1e-4).to(dtype)
+    ref_y = (rows.double()[row_of_slot] * weight.double().unsqueeze(-1)).sum(1)
+    ref_gw = (rows.double()[row_of_slot] * grad_y.double().unsqueeze(1)).sum(-1)
+    results = []
+    for adjoint in (True, False):
+        rs, ws = rows.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        y = combine_rows(rs, ws, row_of_slot, token_of_row, adjoint=adjoint)
+        (gw,) = torch.autograd.grad(y, ws, grad_y)
+        results.append((y.detach(), gw))
+        # One rounding of the result: half an ulp relative, or half the subnormal spacing (the
+        # float16 weight gradients here, ~1e-6, are below float16's smallest normal number).
+        info = torch.finfo(dtype)
+        for got, ref in ((y, ref_y), (gw, ref_gw)):
+            assert (got.double() - ref).abs().max() <= 2 * info.eps * ref.abs().max() + info.tiny * info.eps
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)

@@ -55,13 +55,25 @@ class _Dispatch(torch.autograd.Function):
         return _sum_slots(_slot_rows(grad_rows, row_of_slot)), None, None
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """float32 for the half-precision dtypes, else the dtype itself (where products are formed
+    before they are summed, so that half precision rounds once, as a matmul would)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class _Combine(torch.autograd.Function):
     # The inputs themselves are saved (not the gathered rows) and gathered again in backward, so
     # that second derivatives see the rows' dependence (double backward through this function).
+    # Products that are summed are formed in float32 or wider: in half precision each would
+    # otherwise be rounded (or underflow) before the sum.
     @staticmethod
     def forward(ctx, rows: Tensor, weight: Tensor, row_of_slot: Tensor, token_of_row: Tensor) -> Tensor:
         ctx.save_for_backward(rows, weight, row_of_slot, token_of_row)
-        return _sum_slots(_slot_rows(rows, row_of_slot) * weight.unsqueeze(-1))
+        picked = _slot_rows(rows, row_of_slot)
+        if picked.shape[1] == 1:  # one product, rounded once
+            return picked[:, 0] * weight
+        wide = _wide(rows.dtype)
+        return (picked.to(wide) * weight.to(wide).unsqueeze(-1)).sum(1).to(rows.dtype)
 
     @staticmethod
     def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
@@ -73,9 +85,9 @@ class _Combine(torch.autograd.Function):
             weight_of_row = weight.new_zeros(num_rows + 1).scatter(0, row_of_slot.reshape(-1), weight.reshape(-1))
             grad_rows = _with_zero_row(grad_y).index_select(0, token_of_row) * weight_of_row[:num_rows].unsqueeze(-1)
         if ctx.needs_input_grad[1]:
-            wide = torch.promote_types(rows.dtype, torch.float32)
-            products = _slot_rows(rows, row_of_slot) * grad_y.unsqueeze(1)
-            grad_weight = products.sum(-1, dtype=wide).to(weight.dtype)
+            wide = _wide(rows.dtype)
+            products = _slot_rows(rows, row_of_slot).to(wide) * grad_y.to(wide).unsqueeze(1)
+            grad_weight = products.sum(-1).to(weight.dtype)
         return grad_rows, grad_weight, None, None
 
 
@@ -125,7 +137,8 @@ def combine_rows(rows: Tensor, weight: Tensor, row_of_slot: Tensor, token_of_row
             ``False``: a ``bmm`` and autograd's backward).
 
     Returns:
-        ``[n, d]`` in ``rows``' dtype.
+        ``[n, d]`` in ``rows``' dtype; in half precision the slots' products are summed in
+        float32 and rounded once, on both paths.
     """
     if adjoint if adjoint is not None else _adjoint_by_default(rows):
         return _Combine.apply(rows, weight, row_of_slot, token_of_row)
