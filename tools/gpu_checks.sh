@@ -33,9 +33,9 @@ step "bench moe bf16 d_model 4096" 240 \
 step "bench moe fp32 d_model 2048" 240 \
   bash -c "python3 -m routelab bench moe --device cuda --dtype float32 --d-model 2048 > '$out/bench-fp32-d2048.md' 2>>'$L'"
 if [ -f data-cache/parallel_text_es_en.jsonl.gz ]; then
-  mkdir -p /tmp/lm /tmp/xdg && ln -sfn "$PWD/data-cache" /tmp/xdg/routelab
-  step "lm-routers --large, 1 seed, 100 steps" 200 bash -c "XDG_CACHE_HOME=/tmp/xdg python3 -m \
-routelab.experiments.lm_routers --large --device cuda --seeds 0 --steps 100 --out /tmp/lm > /tmp/lm.txt 2>&1; \
+  mkdir -p /tmp/lm
+  step "lm-routers --large, 1 seed, 100 steps" 200 bash -c "python3 -m routelab.experiments.lm_routers --large \
+--device cuda --seeds 0 --steps 100 --data-dir data-cache --out /tmp/lm > /tmp/lm.txt 2>&1; \
 tar czf '$out/lm.tgz' -C /tmp lm lm.txt"
 else
   echo "lm-routers: skipped (no data-cache/: make gpu-data, and carry it)" | tee -a "$L"

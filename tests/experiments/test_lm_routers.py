@@ -232,13 +232,33 @@ def test_committed_records_give_the_committed_claims_and_one_seed_judges_no_comp
 def test_the_command_line_maps_its_options_onto_the_forms(tmp_path, monkeypatch) -> None:
     from routelab.experiments.lm_routers import __main__ as cli
 
-    seen = []
-    monkeypatch.setattr(cli, "run_sweep", lambda out, s: seen.append(s) or out / "report.md")
+    seen, dirs = [], []
+    monkeypatch.setattr(cli, "run_sweep",
+                        lambda out, s, data_dir=None: seen.append(s) or dirs.append(data_dir) or out / "report.md")
     cli.main(["--quick", "--out", str(tmp_path), "--seeds", "5", "--steps", "7", "--routers", "top1", "base"])
-    cli.main(["--large", "--device", "cuda"])
+    cli.main(["--large", "--device", "cuda", "--data-dir", "data-cache"])
     quick, large = seen
     assert quick == lm.QUICK.with_(device="cpu", seeds=(5,), steps=7, routers=("top1", "base"))
     assert large == lm.LARGE.with_(device="cuda")
+    assert dirs == [None, "data-cache"]
+
+
+def test_data_dir_is_where_the_corpus_is_read(tmp_path, monkeypatch) -> None:
+    """run_sweep(data_dir=...) reads the parallel text's cache from there (make gpu-data's
+    data-cache/ on a machine without the Debian packages), not from ~/.cache/routelab."""
+    from routelab.experiments.lm_routers import data as lm_data
+
+    asked = []
+
+    def fake_load(cache_dir):
+        asked.append(cache_dir)
+        raise RuntimeError("stop here: the cache directory was asked for")
+
+    monkeypatch.setattr(lm_data, "load_parallel_text", fake_load)
+    with pytest.raises(RuntimeError, match="stop here"):
+        lm.run_sweep(tmp_path / "out", lm.QUICK.with_(seeds=(0,), routers=("top1_switch",)), figures=False,
+                     progress=False, data_dir=tmp_path / "cache")
+    assert asked == [str(tmp_path / "cache")]
 
 
 def test_a_paired_claim_with_no_shared_finished_seed_is_not_measured():

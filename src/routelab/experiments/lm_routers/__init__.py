@@ -49,7 +49,8 @@ QUICK = Settings(seeds=(0, 1, 2), steps=60, batch=8, seq=64, d_model=32, layers=
                  warmup=6, eval_every=20, eval_windows=16, eval_batch=16, test_windows=32, threads=1, quick=True)
 
 
-def run_sweep(out_dir: Path, settings: Settings, *, figures: bool = True, progress: bool = True) -> Path:
+def run_sweep(out_dir: Path, settings: Settings, *, figures: bool = True, progress: bool = True,
+              data_dir: str | Path | None = None) -> Path:
     """Train every (router, seed) run not yet in ``out_dir/runs.jsonl``, then write the outputs.
 
     Args:
@@ -57,6 +58,9 @@ def run_sweep(out_dir: Path, settings: Settings, *, figures: bool = True, progre
         settings: the sweep.
         figures: draw the PNGs (tests switch them off).
         progress: print one line per evaluation and per finished run (stderr).
+        data_dir: the parallel text's cache directory (``make gpu-data`` writes one to
+            ``data-cache/``, for a machine without the Debian packages); default
+            ``~/.cache/routelab``.
 
     Returns:
         ``out_dir / "report.md"``.
@@ -69,7 +73,7 @@ def run_sweep(out_dir: Path, settings: Settings, *, figures: bool = True, progre
     settings.validate()
     done = train_router_seeds(
         "lm-routers", out_dir, key=settings.key(), routers=settings.routers, seeds=settings.seeds,
-        threads=settings.threads, load_data=build_corpus,
+        threads=settings.threads, load_data=lambda: build_corpus(None if data_dir is None else str(data_dir)),
         train=lambda router, seed, corpus, say: train_run(settings.spec(router), seed, settings, corpus,
                                                           progress=say),
         summary=lambda r: (f"done: val ppl {r['final_val_ppl']:.3f}, test ppl {r['test_ppl']:.3f}, "

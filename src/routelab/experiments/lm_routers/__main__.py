@@ -27,10 +27,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", help="seeds (default: the form's)")
     p.add_argument("--steps", type=int, help="training steps (default: the form's)")
     p.add_argument("--routers", nargs="+", help="routers (default: all)")
+    p.add_argument("--data-dir", help="cache directory of the parallel text (default: ~/.cache/routelab; "
+                                      "make gpu-data writes one to data-cache/)")
     args = p.parse_args(argv)
     settings = QUICK if args.quick else (LARGE if args.large else FULL)
     changes = {"device": args.device, **given_options(args, "seeds", "steps", "routers")}
-    report = run_sweep(args.out, settings.with_(**changes))
+    report = run_sweep(args.out, settings.with_(**changes), data_dir=args.data_dir)
     print(f"report: {report}")
     return 0
 
