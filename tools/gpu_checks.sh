@@ -3,8 +3,9 @@
 #
 #   bash tools/gpu_checks.sh [SECONDS]     (default 540: one call's time, leaving some for the start)
 #
-# Writes 6 files to $OUT (or ./gpu-checks when OUT is unset; the device returns at most 8): log.txt,
-# suite.log, prof-d4096.txt, bench-bf16-d4096.md, bench-fp32-d2048.md, lm.tgz. Each step
+# Writes 8 files to $OUT (or ./gpu-checks when OUT is unset; the device returns at most 8): log.txt,
+# suite.log, bench-compiled-bf16-d1024.md, prof-d4096.txt, bench-compiled-ro-bf16-d1024.md,
+# bench-bf16-d4096.md, bench-fp32-d2048.md, lm.tgz. Each step
 # gets the time left before the deadline (a step that would start with under 30 s left is skipped
 # and said so), so the most important results come back even when the budget is short.
 # Needs routelab's src on the machine's python3 (make test-gpu installs it --no-deps). The lm-routers
@@ -26,8 +27,14 @@ step() {  # step NAME MAX_SECONDS COMMAND...: run COMMAND under min(MAX, time le
 nvidia-smi --query-gpu=name,memory.used --format=csv | tee -a "$L"
 step "whole suite (make test-gpu)" 200 bash -c "make test-gpu > '$out/suite.log' 2>&1"
 tail -25 "$out/suite.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tee -a "$L"
+step "bench moe --compile, bf16 d_model 1024, top-1" 150 \
+  bash -c "python3 -m routelab bench moe --device cuda --dtype bfloat16 --d-model 1024 --k 1 --compile \
+> '$out/bench-compiled-bf16-d1024.md' 2>>'$L'"
 step "profile at d_model 4096, 64k tokens" 120 \
   python3 tools/gpu_layer_profile.py "$out/prof-d4096.txt" --brief --d-model 4096 --tokens 65536
+step "bench moe --compile reduce-overhead (CUDA graphs), bf16 d_model 1024, top-1" 150 \
+  bash -c "python3 -m routelab bench moe --device cuda --dtype bfloat16 --d-model 1024 --k 1 \
+--compile reduce-overhead > '$out/bench-compiled-ro-bf16-d1024.md' 2>>'$L'"
 step "bench moe bf16 d_model 4096" 240 \
   bash -c "python3 -m routelab bench moe --device cuda --dtype bfloat16 --d-model 4096 > '$out/bench-bf16-d4096.md' 2>>'$L'"
 step "bench moe fp32 d_model 2048" 240 \

@@ -8,7 +8,7 @@ Subcommands::
     routelab bench assignment --peers [--quick] [--threads N] [--out FILE]   vs POT, OR-Tools, scipy, auction
     routelab bench sinkhorn --peers [--quick] [--threads N] [--out FILE]     vs POT ot.sinkhorn (plain, log)
     routelab bench moe [--quick] [--threads N] [--device cpu|cuda] [--dtype float32|bfloat16] [--d-model N ...]
-                       [--out FILE]
+                       [--experts E ...] [--k K ...] [--compile [MODE]] [--out FILE]
     routelab bench moe --world-size N [N ...] [--quick] [--out FILE]   expert parallel, gloo workers
     routelab list                                         list the registered experiments
 
@@ -320,9 +320,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _error("`routelab bench sinkhorn` compares with POT: run it with --peers.")
     if args.peers and args.device == "cuda":
         return _error("--peers runs on CPU (the peers are CPU solvers).")
-    if (args.dtype is not None or args.d_model is not None) and (args.benchmark != "moe"
-                                                                 or args.world_size is not None):
-        return _error("--dtype and --d-model apply to `routelab bench moe` (single process) only.")
+    moe_only = {"--dtype": args.dtype, "--d-model": args.d_model, "--experts": args.experts, "--k": args.k,
+                "--compile": args.compile}
+    given = [flag for flag, value in moe_only.items() if value is not None]
+    if given and (args.benchmark != "moe" or args.world_size is not None):
+        return _error(f"{', '.join(given)} apply to `routelab bench moe` (single process) only.")
     if args.out is not None:  # checked before a benchmark of minutes, not after it
         out = Path(args.out)
         if out.is_dir():
@@ -344,17 +346,19 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         except ValueError as err:  # e.g. a world size that does not divide the experts
             return _error(str(err))
     elif args.benchmark == "moe":
-        from routelab.bench.moe import DTYPES, default_configs, select_configs  # lazy: heavy
+        from routelab.bench.moe import DTYPES, default_configs, select_configs, select_grid  # lazy: heavy
         from routelab.bench.moe import run_benchmark as run_moe
 
         dtype = args.dtype or "float32"
-        if args.d_model is not None:
-            try:
-                select_configs(default_configs(quick=args.quick, device=args.device, dtype=DTYPES[dtype]), args.d_model)
-            except ValueError as err:
-                return _error(str(err))
+        try:  # the selection is checked before minutes of benchmark, not after
+            configs = default_configs(quick=args.quick, device=args.device, dtype=DTYPES[dtype])
+            if args.d_model is not None:
+                configs = select_configs(configs, args.d_model)
+            select_grid(configs, args.experts, args.k)
+        except ValueError as err:
+            return _error(str(err))
         text = run_moe(quick=args.quick, threads=args.threads or 1, device=args.device, out=sys.stdout, dtype=dtype,
-                       d_models=args.d_model)
+                       d_models=args.d_model, experts=args.experts, ks=args.k, compile_mode=args.compile)
     elif args.peers:
         from routelab.bench.peers import run_assignment_peers, run_sinkhorn_peers  # lazy: imports the peers
 
@@ -438,6 +442,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--d-model", type=_positive_int, nargs="+", default=None, metavar="N",
         help="moe only: measure only the grid's sizes with these d_model (e.g. one GPU size per call)",
+    )
+    bench.add_argument(
+        "--experts", type=_positive_int, nargs="+", default=None, metavar="E",
+        help="moe only: measure only the grid's sizes with these numbers of experts (default: all: 8 64)",
+    )
+    bench.add_argument(
+        "--k", type=_positive_int, nargs="+", default=None, metavar="K",
+        help="moe only: measure only these top-k values of the grid (default: all: 1 2)",
+    )
+    bench.add_argument(
+        "--compile", nargs="?", const="default", default=None, metavar="MODE",
+        choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+        help="moe only: time the layer under torch.compile (MODE: default, reduce-overhead = CUDA graphs, "
+        "max-autotune-no-cudagraphs) against the eager layer and transformers' compiled block, instead of the "
+        "eager tables",
     )
     bench.add_argument(
         "--out", type=Path, default=None, metavar="FILE",

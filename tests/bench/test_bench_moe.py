@@ -161,7 +161,9 @@ def test_cli_bench_moe(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: 
     assert cli.main(["bench", "moe", "--quick", "--dtype", "bfloat16"]) == 0
     assert "dtype bfloat16" in capsys.readouterr().out
     assert cli.main(["bench", "assignment", "--dtype", "bfloat16"]) == 2
-    assert "--dtype and --d-model apply to `routelab bench moe`" in capsys.readouterr().err
+    assert "--dtype apply to `routelab bench moe` (single process) only" in capsys.readouterr().err
+    assert cli.main(["bench", "assignment", "--compile", "--k", "1"]) == 2
+    assert "--k, --compile apply to `routelab bench moe`" in capsys.readouterr().err
 
 
 def test_expert_timer_spans_forward_and_backward() -> None:
@@ -271,3 +273,15 @@ def test_d_model_selects_sizes_of_the_grid(capsys: pytest.CaptureFixture[str]) -
     assert cli.main(["bench", "moe", "--quick", "--d-model", "513"]) == 2
     assert "its d_model values are 64" in capsys.readouterr().err
     assert cli.main(["bench", "assignment", "--d-model", "64"]) == 2
+
+
+def test_experts_and_k_select_the_grid(capsys: pytest.CaptureFixture[str]) -> None:
+    gpu = bench.default_configs(quick=False, device="cuda")
+    chosen = bench.select_grid(gpu, [64], [1])
+    assert [(c.d_model, c.experts, c.ks) for c in chosen] == [(1024, (64,), (1,)), (2048, (64,), (1,)),
+                                                               (4096, (64,), (1,))]
+    assert bench.select_grid(gpu) == tuple(gpu)
+    with pytest.raises(ValueError, match="--experts 16 is not in this grid; its values are 8 64"):
+        bench.select_grid(gpu, [16])
+    assert cli.main(["bench", "moe", "--quick", "--k", "3"]) == 2
+    assert "--k 3 is not in this grid; its values are 1 2" in capsys.readouterr().err

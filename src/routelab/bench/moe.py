@@ -80,7 +80,8 @@ from ..machine import cpu_model as _cpu_model
 from ..machine import load_average
 from ._checks import check_device_and_threads
 
-__all__ = ["FULL", "QUICK", "BenchConfig", "IMPLEMENTATIONS", "dense_forward", "naive_forward", "run_benchmark"]
+__all__ = ["FULL", "QUICK", "BenchConfig", "IMPLEMENTATIONS", "dense_forward", "naive_forward", "run_benchmark",
+           "select_configs", "select_grid"]
 
 #: The compared implementations, in timing order.
 IMPLEMENTATIONS: tuple[str, ...] = ("moe", "other", "naive", "dense")
@@ -1011,9 +1012,28 @@ def select_configs(configs: Sequence[BenchConfig], d_models: Sequence[int]) -> t
     return chosen
 
 
+def select_grid(configs: Sequence[BenchConfig], experts: Sequence[int] | None = None,
+                ks: Sequence[int] | None = None) -> tuple[BenchConfig, ...]:
+    """``configs`` measuring only these numbers of experts and top-k values (``None``: all of the grid's).
+
+    Raises:
+        ValueError: a value outside the grid, naming the grid's values.
+    """
+    chosen = []
+    for cfg in configs:
+        for name, values, grid in (("--experts", experts, cfg.experts), ("--k", ks, cfg.ks)):
+            if values is not None and not set(values) <= set(grid):
+                raise ValueError(f"{name} {' '.join(map(str, values))} is not in this grid; its values are "
+                                 f"{' '.join(map(str, grid))}")
+        chosen.append(replace(cfg, experts=tuple(e for e in cfg.experts if experts is None or e in set(experts)),
+                              ks=tuple(k for k in cfg.ks if ks is None or k in set(ks))))
+    return tuple(chosen)
+
+
 def run_benchmark(*, quick: bool = False, threads: int = 1, device: str = "cpu", out: TextIO | None = None,
                   config: BenchConfig | None = None, dtype: str | torch.dtype = "float32",
-                  d_models: Sequence[int] | None = None) -> str:
+                  d_models: Sequence[int] | None = None, experts: Sequence[int] | None = None,
+                  ks: Sequence[int] | None = None, compile_mode: str | None = None) -> str:
     """Run the MoE benchmark and return its markdown report.
 
     Args:
@@ -1025,15 +1045,23 @@ def run_benchmark(*, quick: bool = False, threads: int = 1, device: str = "cpu",
         dtype: ``"float32"`` or ``"bfloat16"`` (or the torch dtype).
         d_models: measure only the sizes of the grid with these ``d_model`` (e.g. one GPU size per
             call, to fit a time limit); ``None``: all.
+        experts, ks: measure only these numbers of experts / top-k values of the grid; ``None``: all.
+        compile_mode: measure the layer under ``torch.compile`` in this mode
+            (:mod:`routelab.bench.moe_compiled`) instead of the eager tables; ``None``: eager.
 
     Returns:
         The markdown report: machine facts, then per size the table, targets and notes and the
         comparison with transformers' block.
 
     Raises:
-        ValueError: unknown device or dtype, ``device="cuda"`` without CUDA, ``threads < 1``, or
-            ``d_models`` that select no size of the grid.
+        ValueError: unknown device, dtype or compile mode, ``device="cuda"`` without CUDA,
+            ``threads < 1``, ``d_models`` that select no size of the grid, or ``experts`` / ``ks``
+            outside it.
     """
+    from .moe_compiled import COMPILE_MODES, benchmark_compiled  # its module imports this one
+
+    if compile_mode is not None and compile_mode not in COMPILE_MODES:
+        raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {compile_mode!r}")
     check_device_and_threads(device, threads)
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -1045,6 +1073,7 @@ def run_benchmark(*, quick: bool = False, threads: int = 1, device: str = "cpu",
         configs = default_configs(quick=quick, device=device, dtype=dtype)
     if d_models is not None:
         configs = select_configs(configs, d_models)
+    configs = select_grid(configs, experts, ks)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
@@ -1056,7 +1085,11 @@ def run_benchmark(*, quick: bool = False, threads: int = 1, device: str = "cpu",
             if len(configs) > 1:
                 emit("", f"### d_model {cfg.d_model}, d_hidden {cfg.d_hidden}, {cfg.tokens} tokens, "
                      f"{_dtype_name(cfg.dtype)}", "")
-            # Both stream their rows to ``out`` as they are measured.
+            # Every section streams its rows to ``out`` as they are measured.
+            if compile_mode is not None:
+                table, _ = benchmark_compiled(cfg, device=device, mode=compile_mode, out=out)
+                lines.extend(table.rstrip("\n").split("\n"))
+                continue
             table, _ = _benchmark(cfg, device=device, out=out)
             lines.extend(table.rstrip("\n").split("\n"))
             if cfg.hf_peer:

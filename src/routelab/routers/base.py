@@ -34,6 +34,7 @@ from ..replay import NoiseReplay
 from ..routes import Routes
 from ..routing.masks import real_tokens, scatter_routes
 from ..routing.rules import expert_grid
+from ._scores import float32_linear, full_precision
 
 __all__ = ["Router", "check_finite_features", "check_positive_int", "expert_grid"]
 
@@ -51,8 +52,9 @@ def check_finite_features(features: Tensor) -> None:
 class Router(nn.Module):
     """Base class: a linear scoring layer ``logits = x W`` plus a routing rule.
 
-    Subclasses implement :meth:`route`. The scoring layer runs in float32 whatever the input
-    dtype (routing decisions in half precision are fragile), and the input is validated once.
+    Subclasses implement :meth:`route`. The scoring layer and the routing rule run in float32
+    whatever the input dtype, ``torch.autocast`` regions included (routing decisions in half
+    precision are fragile), and the input is validated once.
     Subclasses that draw randomness in :meth:`route` set ``stochastic = True``: their draws are
     replayed by activation checkpointing (:class:`~routelab.replay.NoiseReplay`).
 
@@ -91,15 +93,18 @@ class Router(nn.Module):
         """Router logits ``[tokens, E]`` in float32: ``x @ proj.weight.T`` (``+ proj.bias`` when one is set,
         as :func:`~routelab.integrations.hf.patch_moe` does for gates with a bias).
 
-        Computed in float32 from any input dtype, unless :attr:`logits_in_input_dtype` (set by
-        ``patch_moe`` for a model whose own gate scores in its hidden states' dtype, so that a
-        bfloat16 model is reproduced): then in ``x``'s dtype, and returned as float32.
+        Computed in float32 from any input dtype, also inside ``torch.autocast`` regions, and
+        without keeping a float32 copy of ``x`` for the backward
+        (:func:`~routelab.routers._scores.float32_linear`), unless :attr:`logits_in_input_dtype`
+        (set by ``patch_moe`` for a model whose own gate scores in its hidden states' dtype, so that
+        a bfloat16 model is reproduced): then in ``x``'s dtype, and returned as float32.
         """
         weight, bias = self.proj.weight, self.proj.bias
         if self.logits_in_input_dtype and x.dtype != torch.float32:
             bias = None if bias is None else bias.to(x.dtype)
-            return nn.functional.linear(x, weight.to(x.dtype), bias).float()
-        return nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+            with full_precision(x.device):
+                return nn.functional.linear(x, weight.to(x.dtype), bias).float()
+        return float32_linear(x, weight, bias)
 
     def features(self, x: Tensor) -> Tensor:
         """Everything the router computes token by token: ``[tokens, F]`` float32.
@@ -167,10 +172,12 @@ class Router(nn.Module):
         """
         if self.check_finite and checks_run():
             check_finite_features(features)
-        if self.stochastic and self.training:
-            with self._replay.draw(self.generator):
-                return self.route(features, capacity)
-        return self.route(features, capacity)
+        # Inside torch.autocast the rule's matmuls (balanced solvers) would run in half precision.
+        with full_precision(features.device):
+            if self.stochastic and self.training:
+                with self._replay.draw(self.generator):
+                    return self.route(features, capacity)
+            return self.route(features, capacity)
 
     def route(self, features: Tensor, capacity: int | None) -> Routes:  # pragma: no cover - abstract
         """The routing rule (a function of :mod:`routelab.routing.rules`) on the float32

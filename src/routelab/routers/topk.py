@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from ..routes import Routes
 from ..routing.rules import noisy_topk_routes, topk_routes
+from ._scores import float32_linear
 from .base import Router
 
 __all__ = ["NoisyTopKRouter", "TopKRouter"]
@@ -79,7 +80,7 @@ class NoisyTopKRouter(Router):
 
     def features(self, x: Tensor) -> Tensor:
         """``[tokens, 2E]``: the clean logits, then the noise scales ``softplus(x W_noise) + eps``."""
-        raw = F.linear(x.float(), self.noise.weight.float())
+        raw = float32_linear(x, self.noise.weight)
         return torch.cat([self.logits(x), F.softplus(raw) + self.noise_epsilon], dim=-1)
 
     def route(self, features: Tensor, capacity: int | None) -> Routes:

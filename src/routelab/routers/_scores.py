@@ -1,0 +1,72 @@
+"""Router scores in float32 from inputs of any dtype, at the input's memory cost.
+
+Routing decisions (top-k, capacity, balanced assignment) are fragile in half precision, so
+routelab's routers score in float32 whatever the input dtype, also inside ``torch.autocast``
+regions (which would otherwise run the scoring matmul in half precision). The plain way,
+``F.linear(x.float(), w.float())``, keeps the float32 copy of ``x`` alive for the backward: for a
+bfloat16 model that is twice the layer's input, per MoE layer (128 MiB at 8192 tokens of width
+4096). :func:`float32_linear` computes the same values and gradients but saves ``x`` in its own
+dtype and casts again in the backward.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["float32_linear", "full_precision"]
+
+
+def full_precision(device: torch.device) -> AbstractContextManager[None]:
+    """``torch.autocast`` off on ``device``'s type where it is on (else a no-op context)."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return nullcontext()
+
+
+class _Float32Linear(torch.autograd.Function):
+    """``x @ weight.T (+ bias)`` in float32; saves ``x`` and ``weight`` in their own dtypes."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # type: ignore[override]
+        # Differentiable operations only (no once_differentiable): double backward works.
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad @ weight.float()).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = (flat_grad.T @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_b = flat_grad.sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b
+
+
+def float32_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x @ weight.T + bias`` computed in float32, with autocast off.
+
+    The values and gradients of ``F.linear(x.float(), weight.float(), bias.float())``; for an ``x``
+    that is not float32 the backward keeps ``x`` itself, not its float32 copy (half the memory for
+    bfloat16 inputs). Supports double backward and ``torch.compile``.
+
+    Args:
+        x: ``[..., d_in]``, any floating dtype.
+        weight: ``[d_out, d_in]``.
+        bias: ``[d_out]`` or ``None``.
+
+    Returns:
+        ``[..., d_out]`` float32.
+    """
+    with full_precision(x.device):
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:
+            return F.linear(x, weight, None if bias is None else bias.float())
+        return _Float32Linear.apply(x, weight, bias)

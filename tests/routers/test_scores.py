@@ -1,0 +1,116 @@
+"""Router scores in float32 (routelab.routers._scores): the values and gradients of the plain
+float32 linear, half its saved memory for half-precision inputs, and autocast kept out of routing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from routelab.layers import MoE
+from routelab.routers import make_router
+from routelab.routers._scores import float32_linear
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def _reference(x, w, b):
+    return F.linear(x.float(), w.float(), None if b is None else b.float())
+
+
+@settings(max_examples=30, deadline=None)
+@given(x_dtype=st.sampled_from(DTYPES), w_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       bias=st.booleans(), lead=st.sampled_from([(7,), (2, 3), (0,)]), seed=st.integers(0, 2**16))
+def test_values_and_gradients_are_those_of_the_float32_linear(x_dtype, w_dtype, bias, lead, seed) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, 12, generator=gen).to(x_dtype)
+    w = torch.randn(5, 12, generator=gen).to(w_dtype)
+    b = torch.randn(5, generator=gen).to(w_dtype) if bias else None
+    g = torch.randn(*lead, 5, generator=gen)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w) + ((b,) if bias else ())]
+    ref_leaves = [t.clone().requires_grad_(True) for t in (x, w) + ((b,) if bias else ())]
+    got = float32_linear(*leaves)
+    want = _reference(*ref_leaves, *(() if bias else (None,)))
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    got.backward(g)
+    want.backward(g)
+    for a, r in zip(leaves, ref_leaves, strict=True):
+        assert a.grad.dtype == r.grad.dtype == a.dtype
+        torch.testing.assert_close(a.grad, r.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-6), (torch.bfloat16, 3e-2)])
+def test_double_backward_matches_the_float32_linear(dtype: torch.dtype, tol: float) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(6, 8, dtype=dtype)
+    w = torch.randn(3, 8)
+    results = []
+    for fn in (float32_linear, lambda a, b: _reference(a, b, None)):
+        xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = fn(xi, wi).square().sum()
+        (gw,) = torch.autograd.grad(out, wi, create_graph=True)
+        (gx,) = torch.autograd.grad(gw.square().sum(), xi)
+        results.append(gx)
+    torch.testing.assert_close(results[0], results[1], rtol=tol, atol=tol)  # bfloat16: a few of its ulps
+
+
+def _saved_bytes(fn) -> int:
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total
+
+
+def test_a_bfloat16_input_is_saved_in_bfloat16_not_as_a_float32_copy() -> None:
+    x = torch.randn(512, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(8, 64, requires_grad=True)
+    plain = _saved_bytes(lambda: _reference(x, w, None))
+    ours = _saved_bytes(lambda: float32_linear(x, w))
+    assert plain == 512 * 64 * 4 + 8 * 64 * 4  # the float32 copy of x, and w
+    assert ours == 512 * 64 * 2 + 8 * 64 * 4  # x itself
+
+
+ROUTERS = [("topk", 2), ("noisy_topk", 2), ("softmax", None), ("switch", None), ("base", 2), ("sinkhorn", 2),
+           ("gumbel_matching", None), ("batchwise", 2)]
+
+
+@pytest.mark.parametrize(("name", "k"), ROUTERS)
+def test_autocast_does_not_reach_the_router(name: str, k: int | None) -> None:
+    """Inside torch.autocast (the usual mixed-precision training) the router still scores and
+    routes in float32: the same routes as without autocast, while the experts run in bfloat16."""
+    torch.manual_seed(0)
+    moe = MoE(32, 64, 4, router=name, k=k, capacity_factor=1.0)
+    with torch.no_grad():
+        moe.router.proj.weight.normal_()
+        if hasattr(moe.router, "noise"):
+            moe.router.noise.weight.normal_()
+    x = torch.randn(64, 32)
+    torch.manual_seed(1)
+    _, plain = moe(x)
+    torch.manual_seed(1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = moe.router.logits(x)
+        y, routes = moe(x)
+    assert logits.dtype == torch.float32 and routes.gate.dtype == torch.float32
+    torch.testing.assert_close(logits, moe.router.logits(x), rtol=0, atol=0)
+    assert torch.equal(routes.expert, plain.expert) and torch.equal(routes.keep, plain.keep)
+    torch.testing.assert_close(routes.gate, plain.gate, rtol=0, atol=0)
+    assert y.dtype == torch.float32  # the layer's output in x's dtype; its experts ran under autocast
+
+
+def test_router_features_of_a_half_precision_input_under_autocast_are_float32() -> None:
+    router = make_router("noisy_topk", 16, 4, k=2)
+    x = torch.randn(10, 16, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        feats = router.features(x)
+    assert feats.dtype == torch.float32
+    torch.testing.assert_close(feats, router.features(x), rtol=0, atol=0)
