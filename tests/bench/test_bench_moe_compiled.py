@@ -89,3 +89,18 @@ def test_bfloat16_dropless_layer_is_compared_where_it_compiles_grouped() -> None
     else:
         assert reason is None and layer.uses_grouped(2, torch.device("cpu"))
         assert type(block).__name__ == "MixtralSparseMoeBlock"
+
+
+def test_a_negative_share_is_not_judged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Experts alone timed slower than the whole layer (separate calls on a loaded machine): the
+    share is printed as noise and the target is not claimed from it."""
+    row = moe_compiled.CompiledRow(experts=4, k=1, layout="buffers",
+                                   ms={"eager": 2.0, "compiled": 1.0, "experts": 1.2},
+                                   max_rel_diff={"compiled": 0.0})
+    assert "-20.0% (timing noise)" in moe_compiled.render_row(row, 64, 1e-4)
+    good = moe_compiled.CompiledRow(experts=8, k=1, layout="buffers", ms={"eager": 2.0, "compiled": 1.0,
+                                                                          "experts": 0.95})
+    rows = iter([row, good])
+    monkeypatch.setattr(moe_compiled, "_measure", lambda E, k, cfg, device, mode: next(rows))
+    text, _ = moe_compiled.benchmark_compiled(dataclasses.replace(TINY, experts=(4, 8), ks=(1,)))
+    assert "(cpu): met (E=8 k=1: 5.0%; not judged at E=4 k=1: the experts alone timed slower" in text
