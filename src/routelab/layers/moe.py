@@ -127,8 +127,9 @@ class MoE(RoutingRecord, nn.Module):
 
     Dtypes:
         ``x`` may be any floating dtype (float16, bfloat16, float32, float64): the router scores
-        in float32, the experts compute in their parameters' dtype (``dtype=``, default float32)
-        and the output is cast back to ``x``'s dtype. Integer inputs raise a ValueError, as do
+        and routes in float32 (inside ``torch.autocast`` regions too), the experts compute in
+        their parameters' dtype (``dtype=``, default float32; under autocast, in its dtype) and
+        the output is cast back to ``x``'s dtype. Integer inputs raise a ValueError, as do
         NaN/inf inputs (detected on the router logits, one host sync per call, unless
         ``check_finite=False``).
 
