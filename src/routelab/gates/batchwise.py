@@ -76,18 +76,21 @@ def batchwise_mask(scores: Tensor, k: int) -> Tensor:
     batch, n = scores.shape
     check_positive_int("k", k, upper=n, upper_name="experts")
     m, m_hi = balanced_quotas(batch, n, k)
-    mask = torch.zeros_like(scores, dtype=torch.bool)
     if m_hi == 0:
-        return mask
-    # A stable descending sort over the batch dimension: ties go to the earlier example.
+        return torch.zeros_like(scores, dtype=torch.bool)
+    # Every example's rank within its expert's column by a stable descending sort (ties to the
+    # earlier example), then rank < quota. Ranks by the inverse permutation, not a scatter into a
+    # zero mask: torch.compile's inductor (torch 2.13, CPU) read such a scatter's zeros before the
+    # scatter wrote them when the mask also fed the threshold loss
+    # (tests/layers/test_compile_checkpoint.py).
     order = torch.argsort(scores, dim=0, descending=True, stable=True)
-    if m:
-        mask.scatter_(0, order[:m], True)
+    rank = torch.argsort(order, dim=0)
+    mask = rank < m
     extra = k * batch - m * n  # experts that keep one more example
     if extra:
         next_best = scores.gather(0, order[m:m + 1]).squeeze(0)  # [experts]
-        winners = torch.argsort(next_best, descending=True, stable=True)[:extra]
-        mask[order[m, winners], winners] = True
+        expert_rank = torch.argsort(torch.argsort(next_best, descending=True, stable=True))
+        mask = mask | ((rank == m) & (expert_rank < extra))
     return mask
 
 
