@@ -58,6 +58,10 @@ FAMILIES = {
                    expert_layer_period=1, expert_layer_offset=0, mamba_d_state=4, mamba_expand=2, mamba_dt_rank=4)),
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
                    dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)),
+    # Its gate scores in bfloat16 but returns float32 logits, and rounds its weights to bfloat16.
+    "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM",
+                         dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                              shared_intermediate_size=24)),
     # Hybrid linear attention, and multi-head latent attention with shared experts.
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
                    dict(intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40,
@@ -674,11 +678,15 @@ def test_probing_leaves_the_gates_buffers_alone():
     assert torch.equal(gate.load, torch.zeros(4))
 
 
-@pytest.mark.parametrize("family", ["mixtral", "deepseek_v2"])
-def test_bfloat16_models_whose_gate_scores_in_bfloat16_are_reproduced(family):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_bfloat16_models_are_reproduced_bit_for_bit(family):
+    """A bfloat16 model's own rounding is reproduced: logits scored in bfloat16 (or float32, as
+    DeepSeek's gate does), combine weights returned in bfloat16 (Qwen3-MoE, Granite) or float32
+    (Mixtral)."""
     model = tiny(family).to(torch.bfloat16).eval()
+    _skip_another_contract(family, probe_gate(gate_of(sparse_moe_blocks(model)[0][1])))
     reference = copy.deepcopy(model)
-    patch_moe(model, "topk")
+    _patch(model, "topk")
     x = ids()
     with torch.no_grad():
         assert torch.equal(model(x).logits, reference(x).logits)
@@ -689,3 +697,57 @@ def test_router_kwargs_that_clash_with_patch_moes_own_arguments_are_refused():
         patch_moe(tiny(), "topk", router_kwargs={"k": 1})
     with pytest.raises(ValueError, match="disagree"):
         patch_moe(tiny(), "topk", renormalize=True, router_kwargs={"renormalize": False})
+
+
+def test_a_block_that_sees_a_subset_of_the_tokens_routes_them_without_the_mask():
+    """A block run on part of the call's tokens (Ernie 4.5 VL's text and vision experts) cannot map
+    the attention mask to its tokens: it routes them all, with a warning, instead of applying
+    another position's mask (which silently dropped real tokens)."""
+    from routelab.integrations.hf import _AttentionMask
+
+    mask = _AttentionMask()
+    attention = torch.ones(2, 8, dtype=torch.long)
+    attention[0, 6:] = 0
+    mask.hook(torch.nn.Module(), (), {"input_ids": torch.zeros(2, 8, dtype=torch.long), "attention_mask": attention})
+    assert torch.equal(mask.tokens(16), attention.reshape(-1).bool())
+    with pytest.warns(UserWarning, match="sees 8 tokens, not the call's 2 x 8 tokens"):
+        assert mask.tokens(8) is None
+    # Generation with a cache: one new position per row, the mask covers past + new positions.
+    mask.hook(torch.nn.Module(), (), {"input_ids": torch.zeros(2, 1, dtype=torch.long), "attention_mask": attention})
+    assert torch.equal(mask.tokens(2), attention[:, -1:].reshape(-1).bool())
+    mask.hook(torch.nn.Module(), (), {"inputs_embeds": torch.zeros(2, 3, 4), "attention_mask": attention})
+    assert torch.equal(mask.tokens(6), attention[:, -3:].reshape(-1).bool())
+
+
+def test_ernie_vl_padding_does_not_reach_real_tokens():
+    """End to end on Ernie 4.5 VL (text and vision experts on token subsets): right padding cannot
+    change earlier positions under causal attention, patched or not."""
+    modeling = pytest.importorskip("transformers.models.ernie4_5_vl_moe.modeling_ernie4_5_vl_moe")
+    configuration = pytest.importorskip("transformers.models.ernie4_5_vl_moe.configuration_ernie4_5_vl_moe")
+    torch.manual_seed(0)
+    config = configuration.Ernie4_5_VLMoeTextConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        intermediate_size=48, moe_intermediate_size=[24, 24], moe_num_experts=4, moe_k=2, moe_num_shared_experts=1,
+        mlp_layer_types=["sparse", "sparse"],
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default", "mrope_section": [1, 1, 2]})
+    model = modeling.Ernie4_5_VLMoeTextModel(config).eval()
+    with torch.no_grad():
+        for _, block in sparse_moe_blocks(model):
+            gate_of(block).weight.normal_()
+            for p in block.experts.parameters():
+                p.mul_(20)
+    x = ids()
+    types = torch.zeros(2, 8, dtype=torch.long)
+    types[:, 4:] = 1  # positions 4-7: vision tokens
+    full = torch.ones(2, 8, dtype=torch.long)
+    padded = full.clone()
+    padded[0, 6:] = 0
+    _patch(model, "topk")
+
+    def run(mask):
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return model(input_ids=x, attention_mask=mask, moe_mm_token_type_ids=types).last_hidden_state
+
+    torch.testing.assert_close(run(padded)[0, :6], run(full)[0, :6], rtol=1e-5, atol=1e-5)

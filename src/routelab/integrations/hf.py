@@ -86,31 +86,46 @@ class _AttentionMask:
 
     def __init__(self) -> None:
         self.value: Tensor | None = None
+        self.query_length: int | None = None
         self._signature: inspect.Signature | None = None
 
     def hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        mask = kwargs.get("attention_mask")
-        if mask is None and args:  # passed by position: bind the call to the model's signature
+        arguments = kwargs
+        if args:  # passed by position: bind the call to the model's signature
             if self._signature is None:
                 self._signature = inspect.signature(module.forward)
             try:
-                mask = self._signature.bind_partial(*args, **kwargs).arguments.get("attention_mask")
+                arguments = self._signature.bind_partial(*args, **kwargs).arguments
             except TypeError:
-                mask = None
+                arguments = kwargs
+        mask = arguments.get("attention_mask")
         self.value = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
+        # The positions of this call: a block that sees batch * that many tokens sees all of them.
+        inputs = arguments.get("input_ids")
+        if not isinstance(inputs, Tensor):
+            inputs = arguments.get("inputs_embeds")
+        self.query_length = inputs.shape[1] if isinstance(inputs, Tensor) and inputs.dim() >= 2 else None
 
     def tokens(self, num_tokens: int) -> Tensor | None:
         """``BoolTensor [num_tokens]`` (the block's flattened ``[batch * seq]`` tokens; True = real), or None.
 
-        The model's mask is ``[batch, past + seq]``; the block sees the last ``seq`` positions.
+        The model's mask is ``[batch, past + seq]``; the block sees the last ``seq`` positions. A
+        block that sees another number of tokens than ``batch * seq`` of the call (one that runs
+        on a subset of them, as Ernie 4.5 VL's text and vision experts do) cannot be told which
+        are padding: it routes them all, with a warning.
         """
         mask = self.value
         if mask is None or num_tokens == 0:
             return None
         batch, total = mask.shape
-        if num_tokens % batch or num_tokens // batch > total:
-            warnings.warn(f"attention_mask of shape {tuple(mask.shape)} does not describe the {num_tokens} tokens "
-                          f"of a patched MoE block; routing them without a token mask", stacklevel=3)
+        seq = self.query_length
+        if (num_tokens % batch or num_tokens // batch > total
+                or (seq is not None and seq <= total and num_tokens != batch * seq)):
+            grid = f"the call's {batch} x {seq} tokens" if seq is not None else f"attention_mask {tuple(mask.shape)}"
+            warnings.warn(f"a patched MoE block sees {num_tokens} tokens, not {grid} (a block that runs on a subset "
+                          "of the tokens): its padding tokens cannot be told apart, so it routes all of them (they "
+                          "take capacity and enter the balanced solves; the other tokens' routes may change with "
+                          "the padding)", stacklevel=3)
             return None
         return mask[:, total - num_tokens // batch:].reshape(-1).bool()
 
@@ -165,6 +180,8 @@ class RoutedGate(RoutingRecord):
         aux_coef: multiplies the router's (already weighted) auxiliary losses in the record.
         combine_scale: multiplies the combine weights: the constant the model's own gate puts on its
             weights (:attr:`GateRule.scale`, DeepSeek's ``routed_scaling_factor``), 1.0 for most models.
+        weights_in_input_dtype: return the combine weights in the hidden states' dtype, as the
+            model's own gate does (:attr:`GateRule.input_dtype_weights`), instead of float32.
     """
 
     router: Router
@@ -174,6 +191,7 @@ class RoutedGate(RoutingRecord):
     importance_weighting: bool
     aux_coef: float
     combine_scale: float
+    weights_in_input_dtype: bool = False
     _routelab_mask: _AttentionMask
     _routelab_masks: deque[Tensor | None]
     _routelab_replay: NoiseReplay
@@ -201,7 +219,8 @@ class RoutedGate(RoutingRecord):
 
         Returns:
             transformers' router contract: ``router_logits [n, E]`` (float32), combine weights
-            ``[n, S]`` (float32, 0 where not routed) and experts ``[n, S]`` (``E`` where not routed).
+            ``[n, S]`` (float32, or the hidden states' dtype where the model's gate returns them
+            so; 0 where not routed) and experts ``[n, S]`` (``E`` where not routed).
         """
         router = self.router
         E = router.num_experts
@@ -228,6 +247,8 @@ class RoutedGate(RoutingRecord):
         if self.importance_weighting:
             combine = combine * (proposed.weight * decision.skip_weight.to(proposed.weight.dtype)).float()
         weights = torch.where(keep, combine, torch.zeros((), dtype=combine.dtype, device=combine.device))
+        if self.weights_in_input_dtype and hidden_states.is_floating_point():
+            weights = weights.to(hidden_states.dtype)
         experts = torch.where(keep, proposed.expert, torch.full_like(proposed.expert, E))
         aux = {name: value * self.aux_coef for name, value in proposed.aux.items()}
         self.record_routing(aux, {**proposed.stats, **load_stats(candidate, decision, capacity)})
@@ -443,17 +464,18 @@ def patch_moe(
         else:
             norm = rule.renormalize if rule.renormalize is not None else _model_norm_topk(gate, model)
         built = _build_router(router, d, E, use_k, k is not None, norm, dict(router_kwargs or {}))
-        plans.append((block, gate, built, share_bias, rule.scale, rule.input_dtype_logits))
+        plans.append((block, gate, built, share_bias, rule))
     for gate_class, notice in notices.items():
         warnings.warn(f"the model's gate {gate_class} {notice}", stacklevel=2)
     mask = _AttentionMask()
     # every router built: now patch (nothing is half-patched on an error)
-    for block, gate, built, share_bias, scale, input_dtype in plans:
+    for block, gate, built, share_bias, rule in plans:
         experts = block.experts
         built = built.to(device=gate.weight.device)
         built.proj = GateProjection(gate, share_bias)  # the gate's weight (GPT-OSS: and bias), one parameter each
-        built.logits_in_input_dtype = input_dtype  # a bfloat16 model's gate rounds its logits to bfloat16
-        gate.combine_scale = float(scale)
+        built.logits_in_input_dtype = rule.input_dtype_logits  # a bfloat16 model's gate rounds its logits
+        gate.combine_scale = float(rule.scale)
+        gate.weights_in_input_dtype = rule.input_dtype_weights  # and some round their combine weights
         if generator is not None:
             built.generator = generator
         built.train(gate.training)

@@ -95,7 +95,10 @@ class GateRule:
         inputs: the inputs its ``forward`` takes besides the hidden states (MiniMax-M2's
             ``e_score_correction_bias``); a gate with any is not probed.
         input_dtype_logits: it computes its logits in the hidden states' dtype (bfloat16 logits
-            for a bfloat16 model: Mixtral, Qwen, OLMoE, GPT-OSS), not in float32 (DeepSeek).
+            for a bfloat16 model: Mixtral, Qwen, OLMoE, GPT-OSS; also where it casts them to float32
+            afterwards, as GraniteMoE-style gates do), not in float32 (DeepSeek).
+        input_dtype_weights: it returns its combine weights in the hidden states' dtype (rounded
+            to bfloat16 for a bfloat16 model: Qwen3-MoE, Granite, Aria), not in float32 (Mixtral).
         contract: why its output is not the ``(router_logits, weights [tokens, k], experts
             [tokens, k])`` its block expects of a routelab gate (e.g. the gates of Jamba and
             GraniteMoE in transformers 5.17, which return other things), or None. A block whose
@@ -109,6 +112,7 @@ class GateRule:
     differs: str | None = None
     inputs: tuple[str, ...] = ()
     input_dtype_logits: bool = False
+    input_dtype_weights: bool = False
     contract: str | None = None
 
 
@@ -143,19 +147,35 @@ def _fresh_copy(gate: nn.Module, dtype: torch.dtype,
     return probe, fresh
 
 
-def _scores_in_input_dtype(gate: nn.Module) -> bool:
-    """Whether the gate computes its logits in the dtype of bfloat16 hidden states (Mixtral, Qwen, OLMoE,
-    GPT-OSS: ``F.linear`` in bfloat16) rather than casting them to float32 first (DeepSeek)."""
+def _half_precision_outputs(gate: nn.Module) -> tuple[bool, bool]:
+    """``(logits, weights)``: whether, on bfloat16 hidden states, the gate computes its logits in
+    bfloat16 (Mixtral, Qwen, OLMoE, GPT-OSS: ``F.linear`` in bfloat16, also when it casts the result
+    to float32 afterwards) rather than in float32 (DeepSeek), and whether it returns its combine
+    weights in bfloat16 (Qwen3-MoE, Granite, Aria) rather than in float32 (Mixtral). Read from its
+    outputs' dtypes and, for the logits, their values: the bfloat16 product and the float32 one of
+    the same inputs differ in their last bits."""
     g = torch.Generator().manual_seed(1)
     run = _fresh_copy(gate, torch.bfloat16, g)
     if run is None:
-        return False
+        return False, False
+    probe, fresh = run
+    x = torch.randn(8, gate.weight.shape[1], generator=g).to(torch.bfloat16)
     try:
         with torch.no_grad():
-            out = type(gate).forward(run[0], torch.randn(4, gate.weight.shape[1], generator=g).to(torch.bfloat16))
+            out = type(gate).forward(probe, x)
     except Exception:  # noqa: BLE001 - not probed: score in float32
-        return False
-    return isinstance(out, (tuple, list)) and isinstance(out[0], Tensor) and out[0].dtype == torch.bfloat16
+        return False, False
+    if not (isinstance(out, (tuple, list)) and len(out) >= 2 and all(isinstance(t, Tensor) for t in out[:2])):
+        return False, False
+    logits, weights = out[0], out[1]
+    weight, bias = fresh["weight"], fresh.get("bias")
+    in_half = logits.dtype == torch.bfloat16
+    if not in_half and logits.shape == (x.shape[0], weight.shape[0]):
+        for b in (None, bias) if isinstance(bias, Tensor) else (None,):
+            half = nn.functional.linear(x, weight, b).float()
+            full = nn.functional.linear(x.float(), weight.float(), None if b is None else b.float())
+            in_half = in_half or (torch.equal(logits.float(), half) and not torch.equal(half, full))
+    return in_half, weights.dtype == torch.bfloat16
 
 
 def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0) -> GateRule:
@@ -209,7 +229,9 @@ def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0) -> GateRule:
     for renormalize, reference in ((True, p / p.sum(-1, keepdim=True)), (False, p)):
         scale = _scale_of(got_weights, reference)
         if scale is not None:
-            return GateRule(k, renormalize, scale, logit_bias, input_dtype_logits=_scores_in_input_dtype(gate))
+            in_half_logits, in_half_weights = _half_precision_outputs(gate)
+            return GateRule(k, renormalize, scale, logit_bias, input_dtype_logits=in_half_logits,
+                            input_dtype_weights=in_half_weights)
     return GateRule(k, None, constant_sum or 1.0, logit_bias,
                     "its weights are not the softmax of its logits, renormalised over the chosen experts or not")
 
