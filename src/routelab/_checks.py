@@ -454,8 +454,12 @@ def check_capacity(capacity: Any, name: str = "capacity") -> int | None:
 
 
 def check_capacity_factor(capacity_factor: Any) -> None:
-    """ValueError unless ``capacity_factor`` is ``None`` (dropless) or a finite number ``> 0``."""
-    if capacity_factor is None:
+    """ValueError unless ``capacity_factor`` is ``None`` (dropless) or a finite number ``> 0``.
+
+    Skipped while ``torch.compile`` traces: with ``dynamic=True`` a layer's float attribute is a
+    symbolic float there, which ``math.isfinite`` cannot take (every eager call checks it).
+    """
+    if capacity_factor is None or not checks_run():
         return
     if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not (
         math.isfinite(capacity_factor) and capacity_factor > 0

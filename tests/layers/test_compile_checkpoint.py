@@ -201,6 +201,20 @@ def test_inductor_compiled_training_step_equals_eager(name: str) -> None:
 
 @pytest.mark.compile
 @needs_compile
+@pytest.mark.parametrize("capacity_factor", [1.0, None])
+def test_dynamic_shapes_compile_whole(capacity_factor: float | None) -> None:
+    """``dynamic=True``: one graph for every token count (the capacity factor, a symbolic float
+    there, is not checked with math.isfinite while tracing), equal to the eager layer."""
+    moe = build("topk", None, capacity_factor=capacity_factor)
+    dynamo.reset()
+    compiled = torch.compile(lambda t: moe(t)[0], backend="aot_eager", dynamic=True, fullgraph=True)
+    for n in (12, 20):
+        x = torch.randn(n, D, generator=torch.Generator().manual_seed(n))
+        torch.testing.assert_close(compiled(x), moe(x)[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.compile
+@needs_compile
 def test_dropless_under_compile_uses_the_worst_case_buffer() -> None:
     moe = build("topk", None, capacity_factor=None)
     x = inputs()
