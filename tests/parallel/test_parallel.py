@@ -322,3 +322,26 @@ def test_ranks_follow_moes_dtype_policy():
     out = run_workers(_dtype_worker, 2, timeout=60)
     assert out[0] == {"dtype": "torch.bfloat16", "gap": 0.0}
     assert out[1]["dtype"] == "torch.float32" and out[1]["gap"] <= 1e-2  # MoE's bf16 output, rounded
+
+
+def _frozen_router_worker(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    ref = MoE(6, 10, 4, router="topk")
+    ref.router.requires_grad_(False)
+    ep = ExpertParallelMoE.from_moe(ref)
+    before = ep.router.proj.weight.detach().clone()
+    optimizer = torch.optim.AdamW(ep.parameters(), lr=0.1, weight_decay=0.5)
+    x = torch.randn(8, 6)
+    ep(x[4 * rank:4 * rank + 4])[0].sum().backward()
+    ep.reduce_replicated_grads()
+    optimizer.step()
+    return {"grad_is_none": ep.router.proj.weight.grad is None,
+            "moved": float((ep.router.proj.weight - before).abs().max()),
+            "experts_moved": float((ep.experts.w1 - ref.experts.w1[2 * rank:2 * rank + 2]).abs().max())}
+
+
+def test_a_frozen_router_keeps_no_gradient():
+    """As in one process, a frozen router gets no gradient, so an optimizer with weight decay
+    leaves it alone (it was given a zero gradient, and AdamW's decay moved it), while the experts train."""
+    out = run_workers(_frozen_router_worker, 2, timeout=60)
+    assert all(o["grad_is_none"] and o["moved"] == 0.0 and o["experts_moved"] > 0 for o in out)

@@ -297,10 +297,21 @@ class ExpertParallelMoE(MoE):
         """Sum the router's gradients over the ranks (call after ``backward``).
 
         Afterwards every rank holds the router gradient of ``sum_r loss_r``, equal to the
-        single-process gradient of the same total loss on the global batch.
+        single-process gradient of the same total loss on the global batch. As there, a parameter
+        that no rank has a gradient for (a frozen router, ``requires_grad=False``, or one the
+        loss does not reach) keeps ``grad = None``, so an optimizer leaves it alone (no weight
+        decay or momentum step on a zero gradient).
         """
-        for p in self.replicated_parameters():
-            if p.grad is None:
+        params = [p for p in self.replicated_parameters() if p.requires_grad]
+        if not params:
+            return
+        # Which parameters any rank has a gradient for: one collective for all of them.
+        has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=self._comm_device())
+        dist.all_reduce(has_grad, op=dist.ReduceOp.SUM, group=self.process_group)
+        for p, anywhere in zip(params, has_grad.tolist(), strict=True):
+            if not anywhere:
+                continue
+            if p.grad is None:  # another rank has one: this rank's share is zero
                 p.grad = torch.zeros_like(p)
             buf = p.grad.to(self._comm_device())
             dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.process_group)
