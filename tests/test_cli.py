@@ -152,3 +152,34 @@ def test_bench_threads_is_refused_with_world_size(capsys: pytest.CaptureFixture[
     """Audit finding: --threads was accepted and silently ignored by the multi-process benchmark."""
     assert cli.main(["bench", "moe", "--world-size", "1", "--threads", "2", "--quick"]) == 2
     assert "--threads" in capsys.readouterr().err
+
+
+def test_reproduce_refuses_a_second_writer_of_one_experiment(tmp_path, capsys):
+    """Two invocations into one --out would train the same runs twice and count both: the second
+    is refused, naming the first; the lock goes with the process that held it."""
+    from routelab import cli as cli_module
+
+    held = cli_module._lock_experiment(tmp_path, "kool-toy")
+    try:
+        assert cli_module.main(["reproduce", "kool-toy", "--quick", "--out", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert "kool-toy is being written by routelab reproduce (pid" in err and "use another --out" in err
+        assert not (tmp_path / "kool-toy").exists()  # nothing moved, created or run
+    finally:
+        held.close()
+    again = cli_module._lock_experiment(tmp_path, "kool-toy")  # free again
+    again.close()
+
+
+def test_reproduce_errors_clearly_on_a_file_in_the_way_and_an_empty_out(tmp_path, capsys):
+    from routelab import cli as cli_module
+
+    (tmp_path / "kool-toy").write_text("not a directory")
+    assert cli_module.main(["reproduce", "kool-toy", "--quick", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot prepare the results directory" in err and "kool-toy" in err and "choose another --out" in err
+    with pytest.raises(SystemExit):
+        cli_module.main(["reproduce", "--out", ""])
+    assert "needs a directory path, got an empty string" in capsys.readouterr().err
+    assert cli_module.main(["reproduce", "kool_toy", "--out", str(tmp_path)]) == 2
+    assert "'kool_toy' (did you mean 'kool-toy'?)" in capsys.readouterr().err

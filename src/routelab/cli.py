@@ -20,6 +20,7 @@ experiment, bad option), 130 when interrupted with Ctrl-C (finished runs stay re
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import pickle
 import re
@@ -28,6 +29,7 @@ import traceback
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import routelab
 from routelab.data.errors import DataUnavailable
@@ -37,6 +39,11 @@ from routelab.experiments.kit.experiment import Experiment
 from routelab.experiments.kit.provenance import software_line
 from routelab.experiments.kit.scoreboard import committed_dir, scoreboard_markdown
 from routelab.experiments.kit.store import ResultsFileError, atomic_write_text
+
+try:
+    import fcntl
+except ImportError:  # not on POSIX: experiment directories are not locked
+    fcntl = None
 
 __all__ = ["main", "build_parser"]
 
@@ -124,6 +131,45 @@ def _one_line(text: str, limit: int = 600) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
+class _Busy(Exception):
+    """Another process holds an experiment directory's lock."""
+
+
+def _lock_experiment(out_dir: Path, name: str) -> Any:
+    """Hold ``out_dir/.NAME.lock`` for this process (released when the returned file is closed, or
+    when the process ends, however it ends): two invocations writing one experiment directory would
+    train the same runs twice and count both in the report.
+
+    Raises:
+        _Busy: another process holds it (its pid and start time in the message).
+        OSError: the lock file cannot be created.
+    """
+    path = out_dir / f".{name}.lock"
+    handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open until the invocation ends
+    if fcntl is None:  # no advisory locks on this platform: run unguarded
+        return handle
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise _Busy(f"{out_dir / name} is being written by {holder}; wait for it to finish, or use another "
+                    "--out") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"routelab reproduce (pid {os.getpid()}, started {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC)")
+    handle.flush()
+    return handle
+
+
+def _out_dir(value: str) -> Path:
+    """``--out DIR``: a non-empty path."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("needs a directory path, got an empty string (e.g. --out results)")
+    return Path(value)
+
+
 def _move_aside(exp_dir: Path) -> Path | None:
     """``--fresh``: rename a non-empty ``exp_dir`` to ``exp_dir.old-<UTC time>``; returns the new path."""
     if not exp_dir.exists() or not any(exp_dir.iterdir()):
@@ -194,7 +240,9 @@ def _run_experiments(exps: Sequence[Experiment], out_dir: Path, quick: bool,
                 log = out_dir / exp.name / "error.txt"
                 atomic_write_text(log, answer.error)
                 lines = answer.error.strip().splitlines() or [""]
-                answer = (None, "failed", _one_line(f"{lines[-1]}; traceback in {log}"))
+                # A worker killed by a signal leaves no traceback, only how it ended.
+                what = "traceback" if len(lines) > 1 else "details"
+                answer = (None, "failed", _one_line(f"{lines[-1]}; {what} in {log}"))
             outcomes[exp.name] = answer
     for exp in exps:
         if exp.name not in outcomes:
@@ -236,7 +284,9 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     experiments = registry.REGISTRY
     unknown = [name for name in args.names if name not in experiments]
     if unknown:
-        return _error(f"unknown experiment(s): {', '.join(unknown)} (valid names: {', '.join(sorted(experiments))}).")
+        hints = [f"{name!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(
+            name.replace("_", "-"), experiments, n=1, cutoff=0.6)) else repr(name) for name in unknown]
+        return _error(f"unknown experiment(s): {', '.join(hints)} (valid names: {', '.join(sorted(experiments))}).")
 
     out_dir: Path = args.out
     try:
@@ -244,14 +294,38 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     except OSError as err:
         return _error(f"cannot create the output directory {out_dir}: {err.strerror or err}; choose another --out.")
     lines = _report_header(args.quick)
-    not_run: list[tuple[str, str, str]] = []  # (name, "skipped" | "failed", reason)
     names = list(dict.fromkeys(args.names or experiments))  # de-duplicate, keep order
-    for name in names:
-        exp_dir = out_dir / name
-        if args.fresh and (old := _move_aside(exp_dir)) is not None:
-            print(f"== {name}: --fresh: moved the earlier results aside to {old}", flush=True)
-        exp_dir.mkdir(parents=True, exist_ok=True)
-        (exp_dir / CLAIMS_FILE).unlink(missing_ok=True)  # an earlier invocation's: the scoreboard reads this run's
+    locks = []
+    try:
+        for name in names:  # every directory locked before anything is moved or run
+            locks.append(_lock_experiment(out_dir, name))
+        for name in names:
+            exp_dir = out_dir / name
+            if args.fresh and (old := _move_aside(exp_dir)) is not None:
+                print(f"== {name}: --fresh: moved the earlier results aside to {old}", flush=True)
+            exp_dir.mkdir(parents=True, exist_ok=True)
+            (exp_dir / CLAIMS_FILE).unlink(missing_ok=True)  # an earlier invocation's: the scoreboard reads this run's
+    except _Busy as err:
+        for lock in locks:
+            lock.close()
+        return _error(str(err))
+    except OSError as err:
+        for lock in locks:
+            lock.close()
+        where = f" {err.filename}" if err.filename else ""
+        return _error(f"cannot prepare the results directory{where}: {err.strerror or err} (a file in the way?); "
+                      "remove it or choose another --out.")
+    try:
+        return _reproduce_locked(args, names, out_dir, lines)
+    finally:
+        for lock in locks:
+            lock.close()
+
+
+def _reproduce_locked(args: argparse.Namespace, names: list[str], out_dir: Path, lines: list[str]) -> int:
+    """The rest of :func:`_cmd_reproduce`, with the experiments' directories locked and prepared."""
+    experiments = registry.REGISTRY
+    not_run: list[tuple[str, str, str]] = []  # (name, "skipped" | "failed", reason)
     outcomes = _run_experiments([experiments[name] for name in names], out_dir, args.quick, args.jobs)
     sections: list[str] = []
     for name, (report_path, kind, reason) in zip(names, outcomes, strict=True):
@@ -405,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("names", nargs="*", metavar="NAME", help="experiments to run (default: all)")
     rep.add_argument("--quick", action="store_true", help="reduced sizes and seeds (minutes)")
     rep.add_argument(
-        "--out", type=Path, default=Path("results"), metavar="DIR",
+        "--out", type=_out_dir, default=Path("results"), metavar="DIR",
         help="output directory (default: results)",
     )
     rep.add_argument(

@@ -95,3 +95,35 @@ def test_multimnist_quick_form_is_too_short_to_judge(tmp_path: Path) -> None:
     assert [c["measured"] for c in claims] == [c["measured"] for c in _committed("dselect-multimnist")]
     report = (tmp_path / "report.md").read_text(encoding="utf-8")
     assert "too short to judge the claims" in report
+
+
+def test_a_quick_run_after_a_full_run_reports_only_its_own_runs(tmp_path: Path, monkeypatch) -> None:
+    """Quick and full runs into one directory stay apart. The synthetic quick form is the full
+    run's first repetition: it reuses those records and reports them alone (not every recorded
+    seed). Multi-MNIST's quick form trains other sizes: full records are neither resumed from nor
+    reported (here its data is withheld, so with nothing of its own the quick run is skipped)."""
+    import shutil
+
+    from routelab.data.errors import DataUnavailable
+
+    _records("dselect-synthetic")
+    shutil.copy(DOCS / "dselect-synthetic" / "runs.jsonl", tmp_path / "runs.jsonl")
+    synthetic.run_synthetic(tmp_path, synthetic.QUICK)  # nothing to train: seed 0 is recorded
+    rows = (tmp_path / "results.csv").read_text(encoding="utf-8").strip().splitlines()[1:]
+    assert len(rows) == len(synthetic.QUICK.tasks) * len(synthetic.GATES)
+
+    _records("dselect-multimnist")
+    mm = tmp_path / "mm"
+    mm.mkdir()
+    shutil.copy(DOCS / "dselect-multimnist" / "runs.jsonl", mm / "runs.jsonl")
+
+    def withheld(*args, **kwargs):
+        raise DataUnavailable("withheld by the test")
+
+    monkeypatch.setattr(multimnist, "_data", withheld)
+    with pytest.raises(DataUnavailable, match="withheld"):
+        multimnist.run_multimnist(mm, multimnist.QUICK)
+    report = multimnist.run_multimnist(mm, multimnist.FULL)  # the full settings' records: reported
+    assert "Full run" in report.read_text(encoding="utf-8")
+    assert len((mm / "results.csv").read_text(encoding="utf-8").strip().splitlines()) == 1 + len(_records(
+        "dselect-multimnist"))

@@ -26,7 +26,15 @@ from ..kit.experiment import Experiment
 from ..kit.failed_runs import add_failures_to_report
 from ..kit.provenance import software_line
 from ..kit.stats import mean_se
-from ..kit.store import append_jsonl_atomic, atomic_write_text, completed_keys, is_failed, read_jsonl, split_failed
+from ..kit.store import (
+    append_jsonl_atomic,
+    atomic_write_text,
+    completed_keys,
+    is_failed,
+    read_jsonl,
+    settings_key,
+    split_failed,
+)
 from ..kit.tables import md_table
 from . import common
 from .common import (
@@ -157,12 +165,13 @@ def run_multimnist(out_dir: Path, s: MultiMnistSettings) -> Path:
     path = out_dir / "runs.jsonl"
     timer = Timer()
     missing: list[str] = []
-    done = completed_keys(path, ("dataset", "model", "seed"))
+    key = settings_key(s)  # a run's record is reused only under the same settings (quick and full apart)
+    done = completed_keys(path, ("dataset", "model", "seed", "settings"))
     for seed in range(s.reps):
         for name in DATASETS:
             data = None
             for kind in MODELS:
-                if (name, kind, seed) in done:
+                if (name, kind, seed, key) in done:
                     continue
                 if data is None:
                     try:
@@ -188,16 +197,21 @@ def run_multimnist(out_dir: Path, s: MultiMnistSettings) -> Path:
                 label = f"dselect-multimnist rep {seed + 1}/{s.reps} {name} {kind}"
                 rec = train_or_fail(train, {"dataset": name, "model": kind, "seed": seed},
                                     on_fail=lambda why, label=label: log(f"{label}: FAILED, {why}"))
-                append_jsonl_atomic(path, rec)
+                append_jsonl_atomic(path, {**rec, "settings": key})
                 if not is_failed(rec):
                     log(f"{label}: acc {rec['acc1']:.3f}/{rec['acc2']:.3f} experts {rec['experts']} "
                         f"{rec['wall_s']:.0f}s")
-    records = read_jsonl(path)
+    everything = read_jsonl(path)
+    records = [r for r in everything if r["settings"] == key and r["seed"] < s.reps]
     if missing and not records:  # no data set installed, nothing recorded: the experiment is skipped
         raise DataUnavailable("; ".join(sorted(set(missing))))
     ok, failed = split_failed(records)
-    return add_failures_to_report(write_report(out_dir, ok, s, timer(), sorted(set(missing))), failed,
-                                  len(records), ("dataset", "model", "seed"))
+    report = write_report(out_dir, ok, s, timer(), sorted(set(missing)))
+    if len(everything) > len(records):
+        atomic_write_text(report, report.read_text(encoding="utf-8").rstrip("\n") + (
+            f"\n\n- runs.jsonl also holds {len(everything) - len(records)} record(s) of other settings or "
+            "repetitions (e.g. a quick run's), not used here.\n"))
+    return add_failures_to_report(report, failed, len(records), ("dataset", "model", "seed"))
 
 
 def write_report(out_dir: Path, records: list[dict[str, Any]], s: MultiMnistSettings, wall: float,

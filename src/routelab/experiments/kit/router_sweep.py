@@ -21,7 +21,7 @@ import torch
 
 from .divergence import train_or_fail
 from .provenance import load_average
-from .store import append_jsonl_atomic, is_failed, missing_keys, read_jsonl, split_failed
+from .store import ResultsFileError, append_jsonl_atomic, is_failed, missing_keys, read_jsonl, split_failed
 
 __all__ = ["RecordedRuns", "SweepResult", "figures_markdown", "invocations_markdown", "missing_runs_markdown",
            "recorded_runs", "train_router_seeds"]
@@ -134,6 +134,14 @@ def recorded_runs(out_dir: Path, *, key: Any, routers: Sequence[str], seeds: Seq
     order = {(r, s): i for i, (r, s) in enumerate((r, s) for r in routers for s in seeds)}
     records = [r for r in read_jsonl(out_dir / "runs.jsonl")
                if (r.get("router"), r.get("seed")) in order and r.get("settings") == key]
+    seen: dict[tuple[str, int], int] = {}
+    for i, r in enumerate(records):
+        first = seen.setdefault((r["router"], r["seed"]), i)
+        if first != i:  # counted twice, it would narrow the seed spread the claims are judged against
+            raise ResultsFileError(
+                f"{out_dir / 'runs.jsonl'} records router {r['router']!r} seed {r['seed']} twice under these "
+                "settings (two invocations wrote into one directory?); delete one of the two lines, or rerun "
+                "with `--fresh`", out_dir / "runs.jsonl")
     records.sort(key=lambda r: order[(r["router"], r["seed"])])
     ok, failed = split_failed(records)
     invocations = [i for i in read_jsonl(out_dir / "invocations.jsonl") if i.get("settings") == key]

@@ -24,6 +24,7 @@ The functions assume a single writer per file (one sweep at a time).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -41,6 +42,7 @@ __all__ = [
     "is_failed",
     "missing_keys",
     "read_jsonl",
+    "settings_key",
     "split_failed",
 ]
 
@@ -258,6 +260,15 @@ def missing_keys(
 
 
 # ----------------------------------------------------------------------------- failed runs
+
+
+def settings_key(settings: Any, exclude: Sequence[str] = ("reps", "quick")) -> str:
+    """What one run's result depends on, as a string to store in its record: the fields of the
+    dataclass ``settings`` but ``exclude`` (by default the number of repetitions, which only
+    extends a sweep, and the quick flag), as sorted JSON. Records under another key are not
+    resumed from or reported (a quick run and a full run into one directory stay apart)."""
+    fields = {name: value for name, value in dataclasses.asdict(settings).items() if name not in set(exclude)}
+    return json.dumps(fields, sort_keys=True, default=str)
 
 
 def failed_record(key: Mapping[str, Any], reason: str, step: int | None = None) -> dict[str, Any]:
