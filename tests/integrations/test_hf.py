@@ -751,3 +751,24 @@ def test_ernie_vl_padding_does_not_reach_real_tokens():
             return model(input_ids=x, attention_mask=mask, moe_mm_token_type_ids=types).last_hidden_state
 
     torch.testing.assert_close(run(padded)[0, :6], run(full)[0, :6], rtol=1e-5, atol=1e-5)
+
+
+def test_a_gate_that_scores_more_experts_than_the_block_holds_is_refused_by_count():
+    """A gate whose rows include experts the block does not route (shared ones scored with the
+    routed ones) is refused with both counts, not as experts that do not say how many they hold."""
+    from routelab.integrations.hf_blocks import block_problem
+
+    class Experts(torch.nn.Module):
+        num_experts = 4
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return hidden_states
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Linear(8, 5, bias=False)
+            self.experts = Experts()
+
+    why = block_problem(Block())
+    assert "scores 5 experts but its experts (Experts) hold 4" in why

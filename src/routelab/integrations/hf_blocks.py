@@ -67,9 +67,12 @@ def block_problem(block: nn.Module) -> str | None:
     if num is None:
         gate_up = getattr(experts, "gate_up_proj", None)
         num = gate_up.shape[0] if isinstance(gate_up, Tensor) else None
-    if num != E:
+    if num is None:
         return (f"its experts ({type(experts).__name__}) do not say they hold num_experts={E} fused experts "
                 f"(no num_experts attribute or gate_up_proj [E, 2I, d])")
+    if num != E:
+        return (f"its gate ({type(gate).__name__}) scores {E} experts but its experts ({type(experts).__name__}) "
+                f"hold {num}: the gate's rows are not one per routed expert (shared experts scored with them?)")
     inputs = _positional_inputs(type(experts).forward)
     if inputs is not None and len(inputs) < 3:
         return (f"its experts ({type(experts).__name__}) take {inputs}, not (hidden_states, top_k_index, "
