@@ -318,3 +318,13 @@ def test_infeasible_marginals_with_forbidden_pairs_are_a_value_error_on_every_pa
     for dtype in (torch.float32, torch.float64):
         with pytest.raises(ValueError, match="did not converge"):
             sinkhorn(log_p.to(dtype), col_sum=col_sum.to(dtype))
+
+
+def test_col_sum_of_another_batch_shape_is_a_clear_error() -> None:
+    log_p = torch.randn(3, 8, 4)
+    with pytest.raises(ValueError, match=r"col_sum's batch dimensions \(2,\) do not broadcast to the batch \(3,\)"):
+        sinkhorn(log_p, col_sum=torch.full((2, 4), 2.0))
+    with pytest.raises(ValueError, match="do not broadcast to the batch"):  # more batch dimensions than log_p
+        sinkhorn(log_p, col_sum=torch.full((5, 3, 4), 2.0))
+    per_batch = sinkhorn(log_p, col_sum=torch.full((3, 4), 2.0))  # [*batch, k] and [k] both fit
+    torch.testing.assert_close(per_batch, sinkhorn(log_p, col_sum=torch.full((4,), 2.0)))

@@ -277,6 +277,14 @@ def _target_columns(col_sum: float | Tensor | None, log_p: Tensor, n: int, k: in
             target = target.expand(k)
         if target.shape[-1] != k:
             raise ValueError(f"col_sum must be a number or have last dimension k={k}, got shape {tuple(target.shape)}")
+        batch = log_p.shape[:-2]
+        try:
+            fits = torch.broadcast_shapes(target.shape[:-1], batch) == batch
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(f"col_sum's batch dimensions {tuple(target.shape[:-1])} do not broadcast to the batch "
+                             f"{tuple(batch)} of log_p {tuple(log_p.shape)}; give col_sum [k] or [*batch, k]")
     if bool(torch.isnan(target).any()) or bool((target < 0).any()):
         raise ValueError("col_sum must be non-negative and not NaN")
     total = target.sum(-1)
