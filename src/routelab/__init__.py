@@ -20,12 +20,26 @@ Layers (each depends only on the ones above it):
 7. :mod:`routelab.cli` — the ``routelab`` command.
 
 :func:`aux_loss` and :func:`routing_stats` (from :mod:`routelab.routing.record`) read what
-every routelab module of a model routed in its last forward.
+every routelab module of a model routed in its last forward; :func:`patch_moe` (from
+:mod:`routelab.integrations.hf`, imported on first use) puts a routelab router into a transformers
+model.
 """
+
+from typing import Any
 
 from routelab.routes import Routes
 from routelab.routing.record import aux_loss, routing_stats
 
 __version__ = "0.1.0"
 
-__all__ = ["Routes", "__version__", "aux_loss", "routing_stats"]
+__all__ = ["Routes", "__version__", "aux_loss", "patch_moe", "routing_stats"]
+
+
+def __getattr__(name: str) -> Any:
+    """``routelab.patch_moe``: :func:`routelab.integrations.hf.patch_moe`, imported on first use
+    (``import routelab`` stays light)."""
+    if name == "patch_moe":
+        from routelab.integrations.hf import patch_moe
+
+        return patch_moe
+    raise AttributeError(f"module 'routelab' has no attribute {name!r}")

@@ -772,3 +772,15 @@ def test_a_gate_that_scores_more_experts_than_the_block_holds_is_refused_by_coun
 
     why = block_problem(Block())
     assert "scores 5 experts but its experts (Experts) hold 4" in why
+
+
+def test_patch_moe_is_reachable_from_the_package_root():
+    """``routelab.patch_moe`` and ``from routelab import patch_moe`` (imported on first use, so
+    ``import routelab`` does not load the integration)."""
+    import routelab
+    from routelab import patch_moe as from_root
+    from routelab.integrations.hf import patch_moe as from_module
+
+    assert routelab.patch_moe is from_module and from_root is from_module and "patch_moe" in routelab.__all__
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        routelab.no_such_name  # noqa: B018
