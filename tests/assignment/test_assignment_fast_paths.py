@@ -323,3 +323,15 @@ def test_move_arcs_without_slot_tables_equal_the_slot_table_arcs() -> None:
     got = _graph.move_arcs(S, z)
     assert torch.equal(got, expected)
     assert torch.isinf(got[:, k - 1]).all()
+
+
+def test_rank_within_groups_checks_its_arguments() -> None:
+    with pytest.raises(TypeError, match="group must be an integer tensor"):
+        rank_within_groups(torch.tensor([0.0, 1.0]), None, 2)
+    with pytest.raises(ValueError, match=r"group must be 1-D \[N\]"):
+        rank_within_groups(torch.zeros(2, 2, dtype=torch.long), None, 2)
+    with pytest.raises(ValueError, match="priority must be None or a tensor of group's shape"):
+        rank_within_groups(torch.tensor([0, 1]), torch.zeros(3), 2)
+    with pytest.raises(ValueError, match="num_groups must be an integer >= 1"):
+        rank_within_groups(torch.tensor([0, 1]), None, 0)
+    assert rank_within_groups(torch.tensor([1, 0, 1], dtype=torch.int32), None, 2).tolist() == [0, 0, 1]

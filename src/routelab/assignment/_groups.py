@@ -20,7 +20,23 @@ def rank_within_groups(group: Tensor, priority: Tensor | None, num_groups: int, 
 
     Returns:
         ``[N]`` long rank of each item within its group.
+
+    Raises:
+        TypeError, ValueError: naming the argument, for a ``group`` that is not a 1-D integer
+            tensor, a ``priority`` of another shape, or ``num_groups < 1``. The ids' range is not
+            checked (that would take a host synchronisation).
     """
+    if not isinstance(group, Tensor) or group.dtype == torch.bool or group.is_floating_point() or group.is_complex():
+        got = group.dtype if isinstance(group, Tensor) else type(group).__name__
+        raise TypeError(f"group must be an integer tensor [N] of group ids, got {got}")
+    if group.dim() != 1:
+        raise ValueError(f"group must be 1-D [N], got shape {tuple(group.shape)}")
+    if priority is not None and (not isinstance(priority, Tensor) or priority.shape != group.shape):
+        got = tuple(priority.shape) if isinstance(priority, Tensor) else type(priority).__name__
+        raise ValueError(f"priority must be None or a tensor of group's shape {tuple(group.shape)}, got {got}")
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
+        raise ValueError(f"num_groups must be an integer >= 1, got {num_groups!r}")
+    group = group.long()
     if priority is None:
         order = torch.argsort(group, stable=True)
     else:
