@@ -839,16 +839,31 @@ def _measure_hf_fitting(E: int, k: int, cfg: BenchConfig, device: str) -> HFRow:
         row.max_rel_diff[name] = max(_rel_diff(results[name][0][0, same], results["moe"][0][0, same]),
                                      _rel_diff(results[name][1][0, same], results["moe"][1][0, same]))
     del results
+    row.ms, row.runs = time_round_robin(warm, cfg, lambda name: step(name)[0])
+    block.experts.config._experts_implementation = default
+    return row
+
+
+def time_round_robin(warm: dict[str, float], cfg: BenchConfig,
+                     call: Callable[[str], float]) -> tuple[dict[str, float], dict[str, int]]:
+    """Time every implementation of ``warm`` round-robin (a change of load hits all alike).
+
+    Args:
+        warm: seconds of each implementation's warm-up call, by name.
+        cfg: ``repeats`` timed calls each, fewer (at least one) where they would take more than
+            ``budget_s`` by the warm-up's time.
+        call: runs one timed call of an implementation, returns its seconds.
+
+    Returns:
+        ``(median ms by name, timed calls by name)``.
+    """
     runs = {name: max(1, min(cfg.repeats, int(cfg.budget_s / max(t, 1e-9)))) for name, t in warm.items()}
     times: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(max(runs.values())):
         for name in runs:
             if r < runs[name]:
-                times[name].append(step(name)[0])
-    row.ms = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
-    row.runs = runs
-    block.experts.config._experts_implementation = default
-    return row
+                times[name].append(call(name))
+    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}, runs
 
 
 def _same_routes(block: torch.nn.Module, moe: MoE, x: Tensor) -> Tensor:

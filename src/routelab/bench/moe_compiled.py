@@ -27,7 +27,6 @@ call's wall time (compilation included) is reported too.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,6 +51,7 @@ from .moe import (
     _same_routes,
     _sync,
     _tok_s,
+    time_round_robin,
 )
 
 __all__ = ["COMPILE_MODES", "CompiledRow", "benchmark_compiled"]
@@ -219,14 +219,7 @@ def _measure_fitting(E: int, k: int, cfg: BenchConfig, device: str, mode: str) -
         row.max_rel_diff["block"] = max(_rel_diff(results["block"][0][0, same], results["swiglu"][0][0, same]),
                                         _rel_diff(results["block"][1][0, same], results["swiglu"][1][0, same]))
     del results
-
-    runs = {name: max(1, min(cfg.repeats, int(cfg.budget_s / max(t, 1e-9)))) for name, t in warm.items()}
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for r in range(max(runs.values())):
-        for name in runs:
-            if r < runs[name]:
-                times[name].append(timed(name)[0])
-    row.ms = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+    row.ms, _ = time_round_robin(warm, cfg, lambda name: timed(name)[0])
     return row
 
 
