@@ -114,3 +114,17 @@ def test_router_features_of_a_half_precision_input_under_autocast_are_float32() 
         feats = router.features(x)
     assert feats.dtype == torch.float32
     torch.testing.assert_close(feats, router.features(x), rtol=0, atol=0)
+
+
+def test_torch_func_transforms_work_through_it() -> None:
+    """torch.func.grad and vmap, as through F.linear (an autograd.Function needs setup_context
+    and a vmap rule for them)."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 8, dtype=torch.bfloat16)
+    w = torch.randn(3, 8)
+    grad_w = torch.func.grad(lambda weight: float32_linear(x, weight).square().sum())(w)
+    wr = w.clone().requires_grad_(True)
+    _reference(x, wr, None).square().sum().backward()
+    torch.testing.assert_close(grad_w, wr.grad)
+    per_row = torch.func.vmap(lambda row: float32_linear(row, w))(x)
+    torch.testing.assert_close(per_row, _reference(x, w, None))

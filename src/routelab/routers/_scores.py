@@ -28,13 +28,23 @@ def full_precision(device: torch.device) -> AbstractContextManager[None]:
 
 
 class _Float32Linear(torch.autograd.Function):
-    """``x @ weight.T (+ bias)`` in float32; saves ``x`` and ``weight`` in their own dtypes."""
+    """``x @ weight.T (+ bias)`` in float32; saves ``x`` and ``weight`` in their own dtypes.
+
+    Written with ``setup_context`` and a generated vmap rule, so ``torch.func`` transforms
+    (``grad``, ``vmap``, ``jacrev``) work through it as through ``F.linear``.
+    """
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
+    def forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple[Tensor, Tensor, Tensor | None], output: Tensor) -> None:
+        x, weight, bias = inputs
         ctx.save_for_backward(x, weight)
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # type: ignore[override]
