@@ -142,3 +142,20 @@ def test_half_precision_sums_products_in_float32_on_both_paths(dtype: torch.dtyp
             assert (got.double() - ref).abs().max() <= 2 * info.eps * ref.abs().max() + info.tiny * info.eps
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["buffers", "grouped"])
+def test_torch_func_grad_works_through_the_adjoint_gathers(layout: str) -> None:
+    """torch.func.grad through both autograd functions (setup_context form) gives the plain path's gradients."""
+    plan = _buffers_plan(1) if layout == "buffers" else _grouped_plan(1)
+    x, rows, weight = _inputs(plan, 5, 1)
+
+    def loss(x, rows, weight, adjoint):
+        out_rows = dispatch_rows(x, plan.token_of_row, plan.row_of_slot, adjoint=adjoint)
+        y = combine_rows(rows, weight, plan.row_of_slot, plan.token_of_row, adjoint=adjoint)
+        return out_rows.square().sum() + (y * y.detach().flip(0)).sum()
+
+    got = torch.func.grad(loss, argnums=(0, 1, 2))(x, rows, weight, True)
+    want = torch.func.grad(loss, argnums=(0, 1, 2))(x, rows, weight, False)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)

@@ -44,10 +44,16 @@ def _sum_slots(t: Tensor) -> Tensor:
 
 
 class _Dispatch(torch.autograd.Function):
+    # setup_context form with a generated vmap rule: torch.func transforms work through it.
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, x: Tensor, token_of_row: Tensor, row_of_slot: Tensor) -> Tensor:
-        ctx.save_for_backward(row_of_slot)
+    def forward(x: Tensor, token_of_row: Tensor, row_of_slot: Tensor) -> Tensor:
         return _with_zero_row(x).index_select(0, token_of_row)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
+        ctx.save_for_backward(inputs[2])
 
     @staticmethod
     def backward(ctx, grad_rows: Tensor) -> tuple[Tensor, None, None]:
@@ -66,14 +72,19 @@ class _Combine(torch.autograd.Function):
     # that second derivatives see the rows' dependence (double backward through this function).
     # Products that are summed are formed in float32 or wider: in half precision each would
     # otherwise be rounded (or underflow) before the sum.
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, rows: Tensor, weight: Tensor, row_of_slot: Tensor, token_of_row: Tensor) -> Tensor:
-        ctx.save_for_backward(rows, weight, row_of_slot, token_of_row)
+    def forward(rows: Tensor, weight: Tensor, row_of_slot: Tensor, token_of_row: Tensor) -> Tensor:
         picked = _slot_rows(rows, row_of_slot)
         if picked.shape[1] == 1:  # one product, rounded once
             return picked[:, 0] * weight
         wide = _wide(rows.dtype)
         return (picked.to(wide) * weight.to(wide).unsqueeze(-1)).sum(1).to(rows.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple[Tensor, Tensor, Tensor, Tensor], output: Tensor) -> None:
+        ctx.save_for_backward(*inputs)
 
     @staticmethod
     def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
