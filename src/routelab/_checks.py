@@ -240,6 +240,18 @@ def checks_run() -> bool:
     return not torch.compiler.is_compiling()
 
 
+def check_plain_tensor(x: Tensor, name: str, what: str) -> None:
+    """NotImplementedError for a tensor whose memory cannot be read: inside ``torch.func``
+    transforms (``grad``, ``vmap``) tensors are wrappers without storage, and ``what`` (an exact
+    solver that reads its scores' memory and is not differentiable) cannot run on them."""
+    try:
+        x.data_ptr()
+    except RuntimeError:
+        raise NotImplementedError(
+            f"{what} does not run inside torch.func transforms (grad, vmap): {name} has no storage there. Its "
+            "routes are not differentiable: compute them outside the transform, or use torch.autograd") from None
+
+
 def check_score_matrix(x: Tensor, name: str, *, allow_neg_inf: bool = True, values: bool = True) -> None:
     """Check that ``x`` is a floating tensor ``[..., n, k]`` without NaN or +inf.
 

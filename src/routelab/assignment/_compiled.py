@@ -72,8 +72,16 @@ _OK, _NO_CYCLE, _NO_END, _GENERAL = 0, 1, 2, 3
 
 
 def available(S: Tensor) -> bool:
-    """Whether the compiled path solves ``S`` (``[B, n, k]``): CPU, float32/float64, numba present."""
-    return ENABLED and HAVE_NUMBA and S.device.type == "cpu" and S.dtype in (torch.float32, torch.float64)
+    """Whether the compiled path solves ``S`` (``[B, n, k]``): CPU, float32/float64, numba present,
+    and memory it can read (not a tensor without storage, as inside ``torch.func`` transforms:
+    Sinkhorn then takes its PyTorch path)."""
+    if not (ENABLED and HAVE_NUMBA and S.device.type == "cpu" and S.dtype in (torch.float32, torch.float64)):
+        return False
+    try:
+        S.data_ptr()
+    except RuntimeError:
+        return False
+    return True
 
 
 def solve_scores(scores: Tensor, c: int, stop_after: int = 3) -> tuple[Tensor, Tensor, Tensor, int] | None:

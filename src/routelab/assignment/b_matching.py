@@ -48,7 +48,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import check_k, check_score_matrix, resolve_capacity
+from .._checks import check_k, check_plain_tensor, check_score_matrix, resolve_capacity
 from ._b_start import repair_quotas, start_b_matching
 from ._b_tables import apply_moves, move_table, tables_from_held
 from ._cycles import cycle_tolerance, find_negative_cycles
@@ -110,6 +110,7 @@ def balanced_b_matching(scores: Tensor, k: int, capacity: int | None = None, *, 
             ``capacity * E < k n``, or ``-inf`` entries that leave no feasible b-matching.
     """
     check_score_matrix(scores, name)
+    check_plain_tensor(scores, name, "the balanced b-matching solver")
     n, E = scores.shape[-2], scores.shape[-1]
     check_k(k, E)
     lo, hi = b_matching_quotas(n, E, k, capacity)

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._checks import check_score_matrix, resolve_capacity
+from .._checks import check_plain_tensor, check_score_matrix, resolve_capacity
 from . import _compiled
 from ._cycles import cancel_negative_cycles, cycle_tolerance
 from ._graph import expert_graph, release_weight
@@ -119,6 +119,7 @@ def balanced_assignment(scores: Tensor, capacity: int | None = None, *, k: int =
 def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "scores") -> BalancedSolution:
     """Validate, normalise, solve and certify; returns the flattened :class:`BalancedSolution`."""
     check_score_matrix(scores, name, values=False)
+    check_plain_tensor(scores, name, "the balanced assignment solver")
     n, k = scores.shape[-2], scores.shape[-1]
     c = min(resolve_capacity(n, k, capacity), n)
     flat = scores.detach().reshape(-1, n, k)

@@ -50,6 +50,15 @@ def _aligned(dtype: torch.dtype, widths: Iterable[int]) -> bool:
     return all((w * size) % _ALIGNMENT_BYTES == 0 for w in widths)
 
 
+def _misaligned(t: Tensor) -> bool:
+    """Whether ``t``'s data does not start at a multiple of 16 bytes; True where it cannot be read
+    (a tensor without storage, as inside ``torch.func`` transforms: the buffers layout is then used)."""
+    try:
+        return t.data_ptr() % _ALIGNMENT_BYTES != 0
+    except RuntimeError:
+        return True
+
+
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype, widths: Iterable[int],
                          tensors: Iterable[Tensor] = ()) -> bool:
     """Whether :func:`grouped_mm` runs here, on contiguous operands whose row widths are ``widths``.
@@ -80,7 +89,7 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, widths: Itera
     key = (device.type, device.index, dtype)
     if torch.compiler.is_compiling():  # (storage addresses cannot be read while tracing)
         return dtype == torch.bfloat16 and _PROBED.get(key, True)
-    if any(t.data_ptr() % _ALIGNMENT_BYTES for t in tensors):
+    if any(_misaligned(t) for t in tensors):
         return False
     if key not in _PROBED:
         _PROBED[key] = _probe(device, dtype)
