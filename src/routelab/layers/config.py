@@ -62,9 +62,11 @@ class MoEConfig:
             runs grouped matmuls (``torch._grouped_mm``; no padding, no host sync even dropless;
             the stacked experts only, where grouped matmuls run on the device and dtype),
             ``"buffers"`` gathers them into ``[E, C, d_model]`` buffers (any experts module),
-            ``"auto"`` (the default) picks grouped where it can run and the router proposes
-            exactly ``k`` experts per token (top-k, Switch, BASE, Sinkhorn, Gumbel-Matching),
-            buffers otherwise (batchwise gating's ``E`` masked slots).
+            ``"auto"`` (the default) picks buffers where a capacity factor of at most 1 makes
+            them pad nothing (``E * C <= tokens * k``), else grouped where it can run and the
+            router proposes exactly ``k`` experts per token (top-k, Switch, BASE, Sinkhorn,
+            Gumbel-Matching), else buffers (batchwise gating's ``E`` masked slots;
+            :meth:`routelab.layers.MoE.uses_grouped`).
 
     Raises:
         ValueError: naming the field, for a non-positive width or expert count, an unknown

@@ -20,7 +20,7 @@ from . import FULL, LARGE, QUICK, run_sweep
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m routelab.experiments.lm_routers", description=__doc__.split("\n")[2])
     form = p.add_mutually_exclusive_group()
-    form.add_argument("--quick", action="store_true", help="the quick form (one seed, a tiny model)")
+    form.add_argument("--quick", action="store_true", help="the quick form (3 seeds, 60 steps, a tiny model)")
     form.add_argument("--large", action="store_true", help="the larger form meant for a GPU (see LARGE)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--out", type=Path, default=Path("results/lm-routers"))

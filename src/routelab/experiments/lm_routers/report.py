@@ -3,9 +3,9 @@
 Every comparison of two routers is *paired by seed* (the same seed gives both the same initial
 weights and the same batches): the difference ``d_s`` per seed, its mean and standard error. A claim
 that one router is better holds when the mean difference exceeds two standard errors; "as well as"
-holds when the difference is within two standard errors or in its favour. With one seed (the quick
-form) there is no spread to judge against: those claims are *not measured* (the measured text says what
-the sign alone would say); the exact-balance claim needs no spread and is judged.
+holds when the difference is within two standard errors or in its favour. With one seed there is no
+spread to judge against: those claims are *not measured* (the measured text says what the sign alone
+would say); the exact-balance claim needs no spread and is judged.
 """
 
 from __future__ import annotations
