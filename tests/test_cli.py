@@ -183,3 +183,17 @@ def test_reproduce_errors_clearly_on_a_file_in_the_way_and_an_empty_out(tmp_path
     assert "needs a directory path, got an empty string" in capsys.readouterr().err
     assert cli_module.main(["reproduce", "kool_toy", "--out", str(tmp_path)]) == 2
     assert "'kool_toy' (did you mean 'kool-toy'?)" in capsys.readouterr().err
+
+
+def test_a_file_system_without_locks_runs_unguarded_with_a_warning(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from routelab import cli as cli_module
+
+    def refuse(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(cli_module.fcntl, "flock", refuse)
+    handle = cli_module._lock_experiment(tmp_path, "kool-toy")
+    handle.close()
+    assert "is not locked (its file system refuses locks (No locks available))" in capsys.readouterr().err

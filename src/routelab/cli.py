@@ -146,7 +146,8 @@ def _lock_experiment(out_dir: Path, name: str) -> Any:
     """
     path = out_dir / f".{name}.lock"
     handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open until the invocation ends
-    if fcntl is None:  # no advisory locks on this platform: run unguarded
+    if fcntl is None:  # no advisory locks on this platform
+        _unguarded(out_dir / name, "this platform has no fcntl.flock")
         return handle
     try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -156,11 +157,20 @@ def _lock_experiment(out_dir: Path, name: str) -> Any:
         handle.close()
         raise _Busy(f"{out_dir / name} is being written by {holder}; wait for it to finish, or use another "
                     "--out") from None
+    except OSError as err:  # a file system without locks (some network or FUSE mounts)
+        _unguarded(out_dir / name, f"its file system refuses locks ({err.strerror or err})")
+        return handle
     handle.seek(0)
     handle.truncate()
     handle.write(f"routelab reproduce (pid {os.getpid()}, started {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC)")
     handle.flush()
     return handle
+
+
+def _unguarded(exp_dir: Path, why: str) -> None:
+    """Warn that ``exp_dir`` runs without the one-writer lock."""
+    print(f"routelab: warning: {exp_dir} is not locked ({why}): do not run two invocations into it at once",
+          file=sys.stderr, flush=True)
 
 
 def _out_dir(value: str) -> Path:

@@ -104,3 +104,12 @@ def test_a_negative_share_is_not_judged(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(moe_compiled, "_measure", lambda E, k, cfg, device, mode: next(rows))
     text, _ = moe_compiled.benchmark_compiled(dataclasses.replace(TINY, experts=(4, 8), ks=(1,)))
     assert "(cpu): met (E=8 k=1: 5.0%; not judged at E=4 k=1: the experts alone timed slower" in text
+
+
+def test_another_compiler_error_fails_the_row_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fitting(E, k, cfg, device, mode):
+        raise torch._dynamo.exc.TorchDynamoException("no C++ compiler found\nmore")
+
+    monkeypatch.setattr(moe_compiled, "_measure_fitting", fitting)
+    text, rows = moe_compiled.benchmark_compiled(dataclasses.replace(TINY, experts=(4, 8), ks=(1,)))
+    assert all(r.failed == "compilation failed (TorchDynamoException: no C++ compiler found)" for r in rows)

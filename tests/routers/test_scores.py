@@ -130,3 +130,10 @@ def test_torch_func_transforms_work_through_it() -> None:
     torch.testing.assert_close(grad_w, wr.grad)
     per_row = torch.func.vmap(lambda row: float32_linear(row, w))(x)
     torch.testing.assert_close(per_row, _reference(x, w, None))
+
+
+def test_the_layer_still_runs_on_the_meta_device() -> None:
+    """Shape and memory dry runs on meta tensors (autocast knows no meta device type)."""
+    moe = MoE(16, 32, 4, router="topk", k=2, device="meta", check_finite=False)  # a check reads values
+    y, routes = moe(torch.empty(10, 16, device="meta"))
+    assert y.shape == (10, 16) and y.device.type == "meta" and routes.expert.shape == (10, 2)

@@ -1,4 +1,4 @@
-"""The MoE layer under ``torch.compile`` (``routelab bench moe --compile [--compile-mode MODE]``).
+"""The MoE layer under ``torch.compile`` (``routelab bench moe --compile [MODE]``).
 
 The eager layer issues one kernel per bookkeeping operation (router statistics, capacity, the
 plan), about 180 in a forward + backward, so on a GPU at moderate sizes it is bound by the host's
@@ -132,6 +132,9 @@ def _measure(E: int, k: int, cfg: BenchConfig, device: str, mode: str) -> Compil
         return CompiledRow(experts=E, k=k, failed=f"out of memory ({str(err).splitlines()[0][:120]})")
     except torch._dynamo.exc.Unsupported as err:  # fullgraph=True: a graph break
         return CompiledRow(experts=E, k=k, failed=f"does not compile whole ({str(err).splitlines()[0][:160]})")
+    except torch._dynamo.exc.TorchDynamoException as err:  # another compiler error: this size's row says it
+        first = (str(err).strip().splitlines() or [""])[0][:160]
+        return CompiledRow(experts=E, k=k, failed=f"compilation failed ({type(err).__name__}: {first})")
     finally:
         torch._dynamo.reset()  # the next size compiles afresh (no recompilation limit across sizes)
         _free(device)

@@ -302,11 +302,13 @@ class ExpertParallelMoE(MoE):
         loss does not reach) keeps ``grad = None``, so an optimizer leaves it alone (no weight
         decay or momentum step on a zero gradient).
         """
-        params = [p for p in self.replicated_parameters() if p.requires_grad]
+        params = list(self.replicated_parameters())
         if not params:
             return
-        # Which parameters any rank has a gradient for: one collective for all of them.
-        has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=self._comm_device())
+        # Which parameters any rank has a trainable gradient for: one collective for all of them,
+        # over every parameter, so that the collectives match even where ranks froze different ones.
+        has_grad = torch.tensor([p.requires_grad and p.grad is not None for p in params], dtype=torch.float32,
+                                device=self._comm_device())
         dist.all_reduce(has_grad, op=dist.ReduceOp.SUM, group=self.process_group)
         for p, anywhere in zip(params, has_grad.tolist(), strict=True):
             if not anywhere:

@@ -21,8 +21,9 @@ __all__ = ["float32_linear", "full_precision"]
 
 
 def full_precision(device: torch.device) -> AbstractContextManager[None]:
-    """``torch.autocast`` off on ``device``'s type where it is on (else a no-op context)."""
-    if torch.is_autocast_enabled(device.type):
+    """``torch.autocast`` off on ``device``'s type where it is on (else a no-op context; also on
+    device types autocast does not know, such as ``meta``)."""
+    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
         return torch.autocast(device.type, enabled=False)
     return nullcontext()
 
