@@ -158,16 +158,17 @@ def test_reproduce_refuses_a_second_writer_of_one_experiment(tmp_path, capsys):
     """Two invocations into one --out would train the same runs twice and count both: the second
     is refused, naming the first; the lock goes with the process that held it."""
     from routelab import cli as cli_module
+    from routelab.experiments.kit.lock import lock_results
 
-    held = cli_module._lock_experiment(tmp_path, "kool-toy")
+    held = lock_results(tmp_path / "kool-toy", "routelab reproduce")
     try:
         assert cli_module.main(["reproduce", "kool-toy", "--quick", "--out", str(tmp_path)]) == 2
         err = capsys.readouterr().err
-        assert "kool-toy is being written by routelab reproduce (pid" in err and "use another --out" in err
+        assert "kool-toy is being written by routelab reproduce (pid" in err and "use another output" in err
         assert not (tmp_path / "kool-toy").exists()  # nothing moved, created or run
     finally:
         held.close()
-    again = cli_module._lock_experiment(tmp_path, "kool-toy")  # free again
+    again = lock_results(tmp_path / "kool-toy")  # free again
     again.close()
 
 
@@ -188,12 +189,26 @@ def test_reproduce_errors_clearly_on_a_file_in_the_way_and_an_empty_out(tmp_path
 def test_a_file_system_without_locks_runs_unguarded_with_a_warning(tmp_path, capsys, monkeypatch):
     import errno
 
-    from routelab import cli as cli_module
+    from routelab.experiments.kit import lock
 
     def refuse(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(cli_module.fcntl, "flock", refuse)
-    handle = cli_module._lock_experiment(tmp_path, "kool-toy")
+    monkeypatch.setattr(lock.fcntl, "flock", refuse)
+    handle = lock.lock_results(tmp_path / "kool-toy")
     handle.close()
     assert "is not locked (its file system refuses locks (No locks available))" in capsys.readouterr().err
+
+
+def test_an_experiments_own_command_takes_the_same_lock(tmp_path, capsys):
+    """``python -m routelab.experiments.lm_routers --out DIR`` and ``routelab reproduce lm-routers``
+    into DIR's parent cannot write one directory at once."""
+    from routelab.experiments.kit.lock import lock_results
+    from routelab.experiments.lm_routers.__main__ import main as lm_main
+
+    held = lock_results(tmp_path / "lm-routers", "routelab reproduce")
+    try:
+        assert lm_main(["--quick", "--out", str(tmp_path / "lm-routers")]) == 2
+        assert "lm-routers is being written by routelab reproduce (pid" in capsys.readouterr().err
+    finally:
+        held.close()

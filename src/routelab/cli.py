@@ -29,21 +29,16 @@ import traceback
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import routelab
 from routelab.data.errors import DataUnavailable
 from routelab.experiments import registry
 from routelab.experiments.kit.claims import CLAIMS_FILE
 from routelab.experiments.kit.experiment import Experiment
+from routelab.experiments.kit.lock import ResultsBusy, lock_results
 from routelab.experiments.kit.provenance import software_line
 from routelab.experiments.kit.scoreboard import committed_dir, scoreboard_markdown
 from routelab.experiments.kit.store import ResultsFileError, atomic_write_text
-
-try:
-    import fcntl
-except ImportError:  # not on POSIX: experiment directories are not locked
-    fcntl = None
 
 __all__ = ["main", "build_parser"]
 
@@ -129,48 +124,6 @@ def _one_line(text: str, limit: int = 600) -> str:
     """``text`` on one line (whitespace collapsed), at most ``limit`` characters."""
     line = " ".join(str(text).split())
     return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-class _Busy(Exception):
-    """Another process holds an experiment directory's lock."""
-
-
-def _lock_experiment(out_dir: Path, name: str) -> Any:
-    """Hold ``out_dir/.NAME.lock`` for this process (released when the returned file is closed, or
-    when the process ends, however it ends): two invocations writing one experiment directory would
-    train the same runs twice and count both in the report.
-
-    Raises:
-        _Busy: another process holds it (its pid and start time in the message).
-        OSError: the lock file cannot be created.
-    """
-    path = out_dir / f".{name}.lock"
-    handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open until the invocation ends
-    if fcntl is None:  # no advisory locks on this platform
-        _unguarded(out_dir / name, "this platform has no fcntl.flock")
-        return handle
-    try:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        raise _Busy(f"{out_dir / name} is being written by {holder}; wait for it to finish, or use another "
-                    "--out") from None
-    except OSError as err:  # a file system without locks (some network or FUSE mounts)
-        _unguarded(out_dir / name, f"its file system refuses locks ({err.strerror or err})")
-        return handle
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"routelab reproduce (pid {os.getpid()}, started {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC)")
-    handle.flush()
-    return handle
-
-
-def _unguarded(exp_dir: Path, why: str) -> None:
-    """Warn that ``exp_dir`` runs without the one-writer lock."""
-    print(f"routelab: warning: {exp_dir} is not locked ({why}): do not run two invocations into it at once",
-          file=sys.stderr, flush=True)
 
 
 def _out_dir(value: str) -> Path:
@@ -308,14 +261,14 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     locks = []
     try:
         for name in names:  # every directory locked before anything is moved or run
-            locks.append(_lock_experiment(out_dir, name))
+            locks.append(lock_results(out_dir / name, "routelab reproduce"))
         for name in names:
             exp_dir = out_dir / name
             if args.fresh and (old := _move_aside(exp_dir)) is not None:
                 print(f"== {name}: --fresh: moved the earlier results aside to {old}", flush=True)
             exp_dir.mkdir(parents=True, exist_ok=True)
             (exp_dir / CLAIMS_FILE).unlink(missing_ok=True)  # an earlier invocation's: the scoreboard reads this run's
-    except _Busy as err:
+    except ResultsBusy as err:
         for lock in locks:
             lock.close()
         return _error(str(err))

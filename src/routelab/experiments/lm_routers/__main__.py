@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..kit.cli_options import given_options
+from ..kit.lock import ResultsBusy, lock_results
 from . import FULL, LARGE, QUICK, run_sweep
 
 
@@ -32,8 +33,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     settings = QUICK if args.quick else (LARGE if args.large else FULL)
     changes = {"device": args.device, **given_options(args, "seeds", "steps", "routers")}
-    report = run_sweep(args.out, settings.with_(**changes), data_dir=args.data_dir)
-    print(f"report: {report}")
+    try:
+        lock = lock_results(args.out, p.prog)
+    except ResultsBusy as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        report = run_sweep(args.out, settings.with_(**changes), data_dir=args.data_dir)
+        print(f"report: {report}")
+    finally:
+        lock.close()
     return 0
 
 
