@@ -23,7 +23,11 @@ __all__ = ["float32_linear", "full_precision"]
 def full_precision(device: torch.device) -> AbstractContextManager[None]:
     """``torch.autocast`` off on ``device``'s type where it is on (else a no-op context; also on
     device types autocast does not know, such as ``meta``)."""
-    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
+    # (Dynamo cannot trace the availability query in torch 2.11; the device types it compiles for
+    # all have autocast.)
+    if not torch.compiler.is_compiling() and not torch.amp.is_autocast_available(device.type):
+        return nullcontext()
+    if torch.is_autocast_enabled(device.type):
         return torch.autocast(device.type, enabled=False)
     return nullcontext()
 
