@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
@@ -21,7 +22,7 @@ try:
 except ImportError:  # not on POSIX: results directories are not locked (a warning says so)
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["ResultsBusy", "lock_results"]
+__all__ = ["ResultsBusy", "lock_results", "run_locked"]
 
 
 class ResultsBusy(Exception):
@@ -68,3 +69,19 @@ def lock_results(exp_dir: str | os.PathLike[str], holder: str = "routelab") -> I
     handle.write(f"{holder} (pid {os.getpid()}, started {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC)")
     handle.flush()
     return handle
+
+
+def run_locked(exp_dir: str | os.PathLike[str], holder: str, run: Callable[[], Path]) -> int:
+    """An experiment's own command: ``run()`` (which writes ``exp_dir`` and returns its report)
+    under the directory's lock; prints ``report: PATH`` and returns 0, or prints the holder and
+    returns 2 when another process writes the directory."""
+    try:
+        lock = lock_results(exp_dir, holder)
+    except ResultsBusy as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        print(f"report: {run()}")
+    finally:
+        lock.close()
+    return 0

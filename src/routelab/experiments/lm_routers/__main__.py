@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..kit.cli_options import given_options
-from ..kit.lock import ResultsBusy, lock_results
+from ..kit.lock import run_locked
 from . import FULL, LARGE, QUICK, run_sweep
 
 
@@ -33,17 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     settings = QUICK if args.quick else (LARGE if args.large else FULL)
     changes = {"device": args.device, **given_options(args, "seeds", "steps", "routers")}
-    try:
-        lock = lock_results(args.out, p.prog)
-    except ResultsBusy as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    try:
-        report = run_sweep(args.out, settings.with_(**changes), data_dir=args.data_dir)
-        print(f"report: {report}")
-    finally:
-        lock.close()
-    return 0
+    return run_locked(args.out, p.prog, lambda: run_sweep(args.out, settings.with_(**changes), data_dir=args.data_dir))
 
 
 if __name__ == "__main__":

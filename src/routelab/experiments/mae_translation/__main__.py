@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..kit.cli_options import given_options
-from ..kit.lock import ResultsBusy, lock_results
+from ..kit.lock import run_locked
 from . import CPU, GPU, QUICK, run
 
 
@@ -33,17 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = QUICK if args.quick else (CPU if args.cpu else GPU)
     device = args.device or ("cuda" if settings is GPU else "cpu")
     changes = {"device": device, "data_dir": args.data_dir, **given_options(args, "seeds", "variants")}
-    try:
-        lock = lock_results(args.out, p.prog)
-    except ResultsBusy as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    try:
-        report = run(args.out, settings.with_(**changes))
-        print(f"report: {report}")
-    finally:
-        lock.close()
-    return 0
+    return run_locked(args.out, p.prog, lambda: run(args.out, settings.with_(**changes)))
 
 
 if __name__ == "__main__":
