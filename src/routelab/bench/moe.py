@@ -714,32 +714,43 @@ HF_GROUPED: frozenset[str] = frozenset({"grouped_mm"})
 
 
 @dataclass
-class HFRow:
-    """The routelab layer against transformers' Mixtral sparse block at one size ``(E, k)``.
+class PeerRow:
+    """What every comparison with a peer records at one size ``(E, k)``.
 
     Attributes:
         experts, k: the size.
-        implementations: transformers' experts implementations timed, its default first.
-        default: the one transformers resolves by default for a model.
-        ms: median ms of one forward + backward: ``"moe"`` and one entry per implementation.
-        runs: timed calls by the same keys.
-        max_rel_diff: by implementation, ``max(rel. diff of y, rel. diff of dL/dx)`` of the block
-            against the layer, over the tokens both route to the same experts.
-        route_agreement: the fraction of tokens the block and the layer route to the same experts
-            (1 in float32; in bfloat16 the block's router scores in bfloat16 and routelab's in
-            float32, so a near-tie can go the other way for a few tokens).
+        ms: median ms of one forward + backward, by implementation.
+        max_rel_diff: ``max(rel. diff of y, rel. diff of dL/dx)`` against the reference, by
+            implementation (against transformers' block: over the tokens both route alike).
+        route_agreement: the fraction of tokens transformers' block and the layer route to the
+            same experts (1 in float32; in bfloat16 the block's router scores in bfloat16 and
+            routelab's in float32, so a near-tie can go the other way for a few tokens).
         failed: why the size was not measured (e.g. out of GPU memory), else ``None``.
     """
 
     experts: int
     k: int
-    implementations: tuple[str, ...] = ()
-    default: str = ""
     ms: dict[str, float] = field(default_factory=dict)
-    runs: dict[str, int] = field(default_factory=dict)
     max_rel_diff: dict[str, float] = field(default_factory=dict)
     route_agreement: float = 1.0
     failed: str | None = None
+
+
+@dataclass
+class HFRow(PeerRow):
+    """The routelab layer against transformers' Mixtral sparse block at one size (:class:`PeerRow`;
+    ``ms``: ``"moe"`` and one entry per implementation; ``max_rel_diff`` by implementation, the
+    block against the layer).
+
+    Attributes:
+        implementations: transformers' experts implementations timed, its default first.
+        default: the one transformers resolves by default for a model.
+        runs: timed calls by the keys of ``ms``.
+    """
+
+    implementations: tuple[str, ...] = ()
+    default: str = ""
+    runs: dict[str, int] = field(default_factory=dict)
 
     def peer_ratio(self) -> float | None:
         """The layer's time over the best grouped-GEMM implementation's (``None``: none timed)."""

@@ -41,6 +41,7 @@ from .moe import (
     OVERHEAD_TARGET,
     PEER_TARGET,
     BenchConfig,
+    PeerRow,
     _dtype_name,
     _emitter,
     _free,
@@ -61,32 +62,23 @@ COMPILE_MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune-no
 
 
 @dataclass
-class CompiledRow:
-    """The compiled layer at one size ``(E, k)``.
+class CompiledRow(PeerRow):
+    """The compiled layer at one size (:class:`~routelab.bench.moe.PeerRow`).
+
+    ``ms`` by implementation: ``"eager"``, ``"compiled"``, ``"experts"`` (the compiled experts
+    alone) and, where measured, ``"swiglu"`` (the compiled dropless SwiGLU layer) and ``"block"``
+    (transformers' block, compiled). ``max_rel_diff``: ``"compiled"`` against the eager layer,
+    ``"block"`` the compiled block against the compiled SwiGLU layer on the tokens both route alike.
 
     Attributes:
-        experts, k: the size.
         layout: the layer's dispatch layout (``"buffers"`` or ``"grouped"``).
-        ms: median ms of one forward + backward by implementation: ``"eager"``, ``"compiled"``,
-            ``"experts"`` (the compiled experts alone) and, where measured, ``"swiglu"`` (the
-            compiled dropless SwiGLU layer) and ``"block"`` (transformers' block, compiled).
         first_s: wall seconds of each implementation's first call (compilation included).
-        max_rel_diff: ``"compiled"``: against the eager layer; ``"block"``: the compiled block
-            against the compiled SwiGLU layer, on the tokens both route alike.
-        route_agreement: the fraction of tokens the block and the SwiGLU layer route alike.
         hf_skipped: why transformers' block was not compared, else ``None``.
-        failed: why the size was not measured, else ``None``.
     """
 
-    experts: int
-    k: int
     layout: str = ""
-    ms: dict[str, float] = field(default_factory=dict)
     first_s: dict[str, float] = field(default_factory=dict)
-    max_rel_diff: dict[str, float] = field(default_factory=dict)
-    route_agreement: float = 1.0
     hf_skipped: str | None = None
-    failed: str | None = None
 
     @property
     def overhead(self) -> float | None:
