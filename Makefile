@@ -104,7 +104,8 @@ GPU_PY ?= 3.12
 GPU_PLATFORM ?= manylinux_2_28_x86_64
 PYTEST_ARGS ?=
 # pytest-xdist workers for make test-gpu where xdist is installed (the GPU image has it): the whole
-# suite took about 100 s with 14 workers on the H200 machine (16 cores), 2026-11-26.
+# suite took 212 s (233 s with the install) with 14 workers on the H200 machine (16 cores), 2026-11-26;
+# its three slowest tests compile with inductor (50-72 s each).
 GPU_TEST_WORKERS ?= 14
 GPU_PIP = pip_try() { $(PYTHON) -m pip install "$$@" || $(PYTHON) -m pip install --user "$$@" \
 	|| $(PYTHON) -m pip install --user --break-system-packages "$$@"; }; pip_try

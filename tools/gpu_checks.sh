@@ -3,9 +3,11 @@
 #
 #   bash tools/gpu_checks.sh [SECONDS]     (default 540: one call's time, leaving some for the start)
 #
+# 15 minutes of device time do not fit every step: the suite alone takes about 4 minutes.
+#
 # Writes 8 files to $OUT (or ./gpu-checks when OUT is unset; the device returns at most 8): log.txt,
-# suite.log, bench-compiled-bf16-d1024.md, prof-d4096.txt, bench-compiled-ro-bf16-d1024.md,
-# bench-bf16-d4096.md, bench-fp32-d2048.md, lm.tgz. Each step
+# suite.log, bench-bf16-d4096-e64-k2.md, prof-d4096.txt, bench-fp32-d2048.md,
+# bench-compiled-bf16-d1024.md, bench-compiled-ro-bf16-d1024.md, lm.tgz. Each step
 # gets the time left before the deadline (a step that would start with under 30 s left is skipped
 # and said so), so the most important results come back even when the budget is short.
 # Needs routelab's src on the machine's python3 (make test-gpu installs it --no-deps). The lm-routers
@@ -25,20 +27,25 @@ step() {  # step NAME MAX_SECONDS COMMAND...: run COMMAND under min(MAX, time le
   timeout "$t" "$@"; echo "  rc $?" | tee -a "$L"
 }
 nvidia-smi --query-gpu=name,memory.used --format=csv | tee -a "$L"
-step "whole suite (make test-gpu)" 200 bash -c "make test-gpu > '$out/suite.log' 2>&1"
-tail -25 "$out/suite.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tee -a "$L"
-step "bench moe --compile, bf16 d_model 1024, top-1" 150 \
+# -v names each failure as it happens (a run cut by its deadline still says which tests failed);
+# pytest-timeout (in the GPU image) ends a hung test instead of the whole step.
+targs="-v --durations=40 --tb=short"; python3 -c "import pytest_timeout" 2>/dev/null && targs="$targs --timeout=120"
+step "whole suite (make test-gpu; 233 s on an H200 machine, 2026-11-26)" 300 \
+  bash -c "make test-gpu PYTEST_ARGS='$targs' > '$out/suite.log' 2>&1"
+grep -E "FAILED|ERROR|Timeout|passed|failed" "$out/suite.log" | grep -v " PASSED" | tail -30 | tee -a "$L"
+step "bench moe bf16 d_model 4096, E = 64, top-2 (its transformers row not yet measured)" 150 \
+  bash -c "python3 -m routelab bench moe --device cuda --dtype bfloat16 --d-model 4096 --experts 64 --k 2 \
+> '$out/bench-bf16-d4096-e64-k2.md' 2>>'$L'"
+step "profile at d_model 4096, 64k tokens, E = 64, top-1, with kernel tables" 100 \
+  python3 tools/gpu_layer_profile.py "$out/prof-d4096.txt" --cases 64:1 --d-model 4096 --tokens 65536
+step "bench moe fp32 d_model 2048" 200 \
+  bash -c "python3 -m routelab bench moe --device cuda --dtype float32 --d-model 2048 > '$out/bench-fp32-d2048.md' 2>>'$L'"
+step "bench moe --compile, bf16 d_model 1024, top-1 (measured 2026-11-26)" 150 \
   bash -c "python3 -m routelab bench moe --device cuda --dtype bfloat16 --d-model 1024 --k 1 --compile \
 > '$out/bench-compiled-bf16-d1024.md' 2>>'$L'"
-step "profile at d_model 4096, 64k tokens" 120 \
-  python3 tools/gpu_layer_profile.py "$out/prof-d4096.txt" --brief --d-model 4096 --tokens 65536
-step "bench moe --compile reduce-overhead (CUDA graphs), bf16 d_model 1024, top-1" 150 \
+step "bench moe --compile reduce-overhead (CUDA graphs), bf16 d_model 1024, top-1 (measured 2026-11-26)" 120 \
   bash -c "python3 -m routelab bench moe --device cuda --dtype bfloat16 --d-model 1024 --k 1 \
 --compile reduce-overhead > '$out/bench-compiled-ro-bf16-d1024.md' 2>>'$L'"
-step "bench moe bf16 d_model 4096" 240 \
-  bash -c "python3 -m routelab bench moe --device cuda --dtype bfloat16 --d-model 4096 > '$out/bench-bf16-d4096.md' 2>>'$L'"
-step "bench moe fp32 d_model 2048" 240 \
-  bash -c "python3 -m routelab bench moe --device cuda --dtype float32 --d-model 2048 > '$out/bench-fp32-d2048.md' 2>>'$L'"
 if [ -f data-cache/parallel_text_es_en.jsonl.gz ]; then
   mkdir -p /tmp/lm
   step "lm-routers --large, 1 seed, 100 steps" 200 bash -c "python3 -m routelab.experiments.lm_routers --large \

@@ -1,6 +1,7 @@
 """Where the MoE layer's time goes on a GPU: eager time, host issue time, CUDA-graph replay, kernels.
 
 usage: python tools/gpu_layer_profile.py OUTFILE [--brief] [--fp32] [--d-model N] [--d-hidden N] [--tokens N]
+       [--cases E:K ...]
 
 For E in {8, 64} and top-1/top-2 at d_model 1024, d_hidden 4096, 8192 tokens unless given (bfloat16
 unless --fp32), one forward + backward of: the MoE layer (capacity factor 1, `auto` and each layout
@@ -35,6 +36,8 @@ _parser.add_argument("--fp32", action="store_true", help="float32 instead of bfl
 _parser.add_argument("--d-model", type=int, default=None, help="default 1024 (64 without CUDA)")
 _parser.add_argument("--d-hidden", type=int, default=None, help="default 4096 (128 without CUDA)")
 _parser.add_argument("--tokens", type=int, default=None, help="default 8192 (512 without CUDA)")
+_parser.add_argument("--cases", nargs="+", metavar="E:K", default=None,
+                     help="the (experts, top-k) cases to run, e.g. 64:1 (default 8:1 64:1 64:2; --brief 8:1 64:1)")
 _args = _parser.parse_args()
 out_path = _args.out
 brief = _args.brief
@@ -84,9 +87,17 @@ def issue_ms(fn, reps=10):
 
 
 def graph_ms(module, x, g, reps=10):
-    """Forward+backward replayed from a CUDA graph: the GPU's own time, no launch overhead."""
+    """Forward+backward replayed from a CUDA graph: the GPU's own time, no launch overhead.
+
+    A layer with its finite check on syncs with the host in forward, so it cannot be captured: it
+    is reported as such, not tried. The graph's memory pool (which holds the gradients captured in
+    it) is given back before returning, so the next variant has the whole GPU."""
     if dev != "cuda":
         return None
+    router = getattr(getattr(module, "m", module), "router", None)
+    if getattr(router, "check_finite", False):
+        return "not captured: check_finite=True syncs with the host"
+    graph = None
     try:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -106,6 +117,13 @@ def graph_ms(module, x, g, reps=10):
         return median_ms(graph.replay, reps)
     except Exception as e:  # noqa: BLE001
         return f"capture failed: {type(e).__name__}: {str(e)[:160]}"
+    finally:
+        for p in module.parameters():
+            p.grad = None
+        x.grad = None
+        del graph
+        sync()
+        torch.cuda.empty_cache()
 
 
 def profile(fn, label):
@@ -120,7 +138,9 @@ def profile(fn, label):
         sync()
     ka = prof.key_averages()
     attr = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
-    kernel_us = sum(getattr(e, attr) for e in ka) / 3
+    # Kernels only: operator rows also carry their kernels' time, so summing every row counts it twice.
+    kernels = [e for e in ka if str(getattr(e, "device_type", "")).endswith("CUDA")] if dev == "cuda" else []
+    kernel_us = sum(getattr(e, attr) for e in (kernels or ka)) / 3
     cpu_ops = sum(e.count for e in ka if e.key.startswith("aten::")) / 3
     log(f"  [{label}] device time per step {kernel_us / 1e3:.3f} ms; aten ops per step (incl. nested) {cpu_ops:.0f}")
     if not brief:
@@ -210,6 +230,11 @@ def main() -> None:
     x0 = torch.randn(n, d, generator=gen).to(dev, dt)
     g0 = torch.randn(n, d, generator=gen).to(dev, dt)
     grid = [(8, 1), (64, 1), (64, 2)] if not brief else [(8, 1), (64, 1)]
+    if _args.cases:
+        try:
+            grid = [(int(e), int(k)) for e, k in (case.split(":") for case in _args.cases)]
+        except ValueError:
+            _parser.error(f"--cases takes E:K pairs such as 64:1, got {' '.join(_args.cases)}")
     for E, k in grid:
         log(f"\n=== E={E} k={k} ===")
         for name, mod in variants(E, k).items():

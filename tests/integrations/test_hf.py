@@ -7,7 +7,9 @@ load-balancing loss), the routes' own statistics, the model without activation c
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -374,6 +376,21 @@ def test_aux_loss_sums_the_weighted_router_losses_of_every_block():
     expected = sum(2.0 * b.gate.router(h.reshape(-1, 32)).aux["balance"] for b, h in zip(blocks, inputs, strict=True))
     assert torch.allclose(routelab.aux_loss(model), expected)
     assert float(routelab.aux_loss(model).detach()) > 0
+
+
+def test_a_patched_gate_releases_its_last_record_before_it_routes_again():
+    """As MoE (tests/routing/test_record.py): no autograd node lives on from one step to the next."""
+    model = tiny().train()
+    blocks = patch_moe(model, "topk", router_kwargs={"balance_coef": 0.5})
+    model(ids()).logits.sum().backward()
+    previous = [weakref.ref(b.gate.last_aux["balance"]) for b in blocks]
+    gc.collect()
+    assert all(ref() is not None for ref in previous)
+    released = []
+    for b, ref in zip(blocks, previous, strict=True):
+        b.gate.router.register_forward_pre_hook(lambda module, args, ref=ref: released.append(ref() is None))
+    model(ids())
+    assert released == [True] * len(blocks)
 
 
 def test_bad_input_is_a_clear_error():

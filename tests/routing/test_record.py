@@ -67,6 +67,34 @@ def test_only_the_last_forward_is_kept():
     assert first() is None  # the first forward's loss (and its graph) is gone
 
 
+def test_the_last_record_is_released_before_the_next_forward_routes():
+    """The record goes when the next forward starts, not when it ends: otherwise its graph keeps the
+    router's AccumulateGrad nodes alive from step to step, on the stream of the first step, and a
+    training step captured in a CUDA graph fails in backward (the GPU test in test_moe_dispatch)."""
+    moe = MoE(8, 16, 4, router="topk", k=2)
+    y, routes = moe(torch.randn(12, 8))
+    y.sum().backward()
+    previous = weakref.ref(routes.aux["balance"])
+    del y, routes
+    gc.collect()
+    assert previous() is not None  # the record holds it until the next forward
+    released = []
+    moe.router.register_forward_pre_hook(lambda module, args: released.append(previous() is None))
+    moe(torch.randn(12, 8))
+    assert released == [True]
+    assert "balance" in moe.last_aux  # and the new forward recorded its own
+
+
+def test_a_forward_that_fails_leaves_no_stale_record():
+    moe = MoE(8, 16, 4, router="topk")
+    moe(torch.randn(12, 8))
+    assert moe.last_aux
+    with pytest.raises(ValueError, match="d_model"):
+        moe(torch.randn(12, 5))
+    assert moe.last_aux == {} and moe.last_stats == {}
+    assert float(routelab.aux_loss(moe)) == 0.0
+
+
 def test_checkpointing_gives_the_same_aux_gradients():
     grads = []
     for ckpt in (False, True):

@@ -222,6 +222,7 @@ class RoutedGate(RoutingRecord):
             ``[n, S]`` (float32, or the hidden states' dtype where the model's gate returns them
             so; 0 where not routed) and experts ``[n, S]`` (``E`` where not routed).
         """
+        self.forget_routing()  # the last step's graph goes before this one is built (record.py)
         router = self.router
         E = router.num_experts
         x = hidden_states.reshape(-1, router.d_model)

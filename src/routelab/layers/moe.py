@@ -256,6 +256,7 @@ class MoE(RoutingRecord, nn.Module):
             ``(y [..., d_model], routes)``; ``routes`` is over the flattened tokens (masked
             tokens: ``keep`` False, ``gate`` 0); ``aux`` and ``stats`` cover the real tokens.
         """
+        self.forget_routing()  # the last step's graph goes before this one is built (record.py)
         compute = floating_input(x, "x", self._experts_dtype(x))
         if x.ndim < 1 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [..., d_model={self.d_model}], got {tuple(x.shape)}")

@@ -349,6 +349,7 @@ class ExpertParallelMoE(MoE):
             layer's output on the global batch; ``routes`` covers this rank's tokens (``aux``
             and ``stats`` the global batch).
         """
+        self.forget_routing()  # the last step's graph goes before this one is built (record.py)
         # The dtype policy of MoE: the experts compute (and the ranks exchange tokens) in the
         # experts' dtype whatever each rank's input dtype; the output comes back in x's dtype.
         compute = floating_input(x, "x", self._experts_dtype(x))

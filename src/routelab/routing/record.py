@@ -10,9 +10,14 @@ do, can still train its routers)::
 
     loss = task_loss + routelab.aux_loss(model)
 
-Memory: each module keeps only its *last* forward's record, replaced by the next forward, so at
-most one forward's auxiliary-loss graph is kept alive (the statistics are detached); under
-``torch.no_grad`` the losses carry no graph at all. Activation checkpointing: with non-reentrant
+Memory: each module keeps only its *last* forward's record, released when the next forward starts
+(:meth:`RoutingRecord.forget_routing`), so at most one forward's auxiliary-loss graph is kept
+alive (the statistics are detached); under ``torch.no_grad`` the losses carry no graph at all.
+Releasing it *before* the next forward builds its graph matters on GPUs: a record kept until the
+end of the next forward would keep the router's ``AccumulateGrad`` nodes alive from one step to the
+next, on the stream of the very first step, and a training step captured in a CUDA graph (on its
+own stream) would then fail in backward ("operation would make the legacy stream depend on a
+capturing blocking stream"). Activation checkpointing: with non-reentrant
 checkpointing (``torch.utils.checkpoint(..., use_reentrant=False)``, transformers' default for
 ``gradient_checkpointing_enable()``) the recorded losses carry their gradients as without it; the
 recomputation in backward replaces the record with equal values. Reentrant checkpointing runs the
@@ -47,6 +52,12 @@ class RoutingRecord:
         """
         object.__setattr__(self, "_routelab_record",
                            (dict(aux), {name: value.detach() for name, value in stats.items()}))
+
+    def forget_routing(self) -> None:
+        """Drop the last forward's record (and with it the graph of its losses, unless the caller
+        holds them). Called at the start of each forward, before it builds its own graph, so that
+        no autograd node lives on from one step to the next (see the module docstring)."""
+        object.__setattr__(self, "_routelab_record", None)
 
     def __getstate__(self) -> dict:
         """The module's state for ``copy.deepcopy`` and pickling, with the record's losses detached
