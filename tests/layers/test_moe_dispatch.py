@@ -180,6 +180,28 @@ def test_grouped_where_it_cannot_run_is_a_clear_error() -> None:
     assert moe(torch.randn(5, 6))[0].shape == (5, 6)
 
 
+def test_the_grouped_error_says_why_for_each_cause() -> None:
+    from routelab.layers._grouped import grouped_mm_unsupported_reason
+
+    cpu = torch.device("cpu")
+    assert "multiples of 16 bytes" in grouped_mm_unsupported_reason(cpu, torch.float32, (6, 16))
+    assert "only bfloat16" in grouped_mm_unsupported_reason(torch.device("cuda"), torch.float32, (16, 16))
+    assert "CPU and CUDA devices only" in grouped_mm_unsupported_reason(torch.device("meta"), torch.float32, (16,))
+
+
+@pytest.mark.skipif(not MoE(D, H, E, router="topk", k=2).experts.grouped_supported(torch.device("cpu")),
+                    reason="grouped matmuls do not run on this CPU")
+def test_grouped_float32_under_fullgraph_compile_names_the_cause() -> None:
+    """Eagerly float32 runs grouped on the CPU; traced it cannot, and the error must say that (not
+    blame the widths): Dynamo shows the ValueError's text in its "Observed exception"."""
+    moe = MoE(D, H, E, router="topk", k=2, capacity_factor=None, dispatch="grouped", check_finite=False)
+    x = torch.randn(16, D)
+    moe(x)  # eager: runs
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"(?s)under torch.compile only bfloat16 runs grouped.*dispatch='auto'"):
+        torch.compile(moe, fullgraph=True, backend="eager")(x)
+
+
 class Doubling(nn.Module):
     """A custom experts module with the buffer protocol only."""
 

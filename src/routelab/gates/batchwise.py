@@ -22,8 +22,9 @@ from .._checks import balanced_quotas, check_positive_int, checks_run
 __all__ = ["batchwise_mask", "batchwise_threshold_loss", "threshold_mask"]
 
 
-def _check_scores(scores: Tensor, thresholds: Tensor | None = None) -> None:
-    """Validate ``scores [batch, experts]`` (and ``thresholds [experts]``): one host sync for the NaN checks."""
+def _check_scores(scores: Tensor, thresholds: Tensor | None = None, *, check_nan: bool = True) -> None:
+    """Validate ``scores [batch, experts]`` (and ``thresholds [experts]``): one host sync for the NaN
+    checks, none with ``check_nan=False``."""
     if not isinstance(scores, Tensor):
         raise TypeError(f"scores must be a torch.Tensor [batch, experts], got {type(scores).__name__}")
     if scores.ndim != 2:
@@ -37,7 +38,7 @@ def _check_scores(scores: Tensor, thresholds: Tensor | None = None) -> None:
         if not isinstance(thresholds, Tensor) or thresholds.shape != scores.shape[-1:]:
             got = tuple(thresholds.shape) if isinstance(thresholds, Tensor) else type(thresholds).__name__
             raise ValueError(f"thresholds must be a tensor of shape [experts] = ({scores.shape[-1]},), got {got}")
-    if not checks_run():  # no host sync while torch.compile traces
+    if not check_nan or not checks_run():  # no host sync while torch.compile traces
         return
     checks = [torch.isnan(scores).any()]
     if thresholds is not None:
@@ -49,7 +50,7 @@ def _check_scores(scores: Tensor, thresholds: Tensor | None = None) -> None:
         raise ValueError("thresholds contain NaN; every expert needs a comparable threshold (re-initialise T)")
 
 
-def batchwise_mask(scores: Tensor, k: int) -> Tensor:
+def batchwise_mask(scores: Tensor, k: int, *, check_nan: bool = True) -> Tensor:
     """The batchwise mask of eq. 18: every expert ``i`` keeps its top ``m_i ~ k * batch / experts`` scores.
 
     When ``experts`` divides ``k * batch`` every expert keeps exactly ``m = k * batch / experts``
@@ -62,6 +63,8 @@ def batchwise_mask(scores: Tensor, k: int) -> Tensor:
     Args:
         scores: ``[batch, experts]`` gate values (e.g. softmax probabilities).
         k: average number of experts per example, ``1 <= k <= experts``.
+        check_nan: refuse NaN scores (one host sync); ``False`` where the caller has checked
+            them or opted out (a router with ``check_finite=False``: no host sync).
 
     Returns:
         ``BoolTensor [batch, experts]`` with ``floor`` or ``ceil`` of ``k * batch / experts``
@@ -72,7 +75,7 @@ def batchwise_mask(scores: Tensor, k: int) -> Tensor:
         ValueError: ``k`` out of range, or ``scores`` not a floating ``[batch, experts]`` tensor
             without NaN.
     """
-    _check_scores(scores)
+    _check_scores(scores, check_nan=check_nan)
     batch, n = scores.shape
     check_positive_int("k", k, upper=n, upper_name="experts")
     m, m_hi = balanced_quotas(batch, n, k)
@@ -98,12 +101,13 @@ def batchwise_mask(scores: Tensor, k: int) -> Tensor:
     return mask
 
 
-def threshold_mask(scores: Tensor, thresholds: Tensor) -> Tensor:
+def threshold_mask(scores: Tensor, thresholds: Tensor, *, check_nan: bool = True) -> Tensor:
     """The threshold mask of eq. 19: ``scores[:, i] > thresholds[i]``.
 
     Args:
         scores: ``[batch, experts]`` gate values.
         thresholds: ``[experts]`` per-expert thresholds ``T`` (not NaN).
+        check_nan: refuse NaN in either (one host sync); ``False``: no check, no sync.
 
     Returns:
         ``BoolTensor [batch, experts]``.
@@ -112,11 +116,11 @@ def threshold_mask(scores: Tensor, thresholds: Tensor) -> Tensor:
         ValueError: bad shapes, or NaN in ``scores`` or ``thresholds`` (a NaN threshold would
             silently drop every example from that expert).
     """
-    _check_scores(scores, thresholds)
+    _check_scores(scores, thresholds, check_nan=check_nan)
     return scores > thresholds
 
 
-def batchwise_threshold_loss(scores: Tensor, thresholds: Tensor, mask: Tensor) -> Tensor:
+def batchwise_threshold_loss(scores: Tensor, thresholds: Tensor, mask: Tensor, *, check_nan: bool = True) -> Tensor:
     """The threshold-learning loss of eq. 20, summed over the batch and the experts.
 
     ``L = sum_j sum_i (M_threshold(x_j, T)_i - M_batchwise(X, m)_{j,i}) (X_{j,i} - T_i)``.
@@ -130,11 +134,12 @@ def batchwise_threshold_loss(scores: Tensor, thresholds: Tensor, mask: Tensor) -
         scores: ``[batch, experts]`` gate values ``X``.
         thresholds: ``[experts]`` thresholds ``T`` (differentiable).
         mask: ``BoolTensor [batch, experts]``, the batchwise mask of the same batch.
+        check_nan: refuse NaN scores or thresholds (one host sync); ``False``: no check, no sync.
 
     Returns:
         A scalar tensor.
     """
-    above = threshold_mask(scores, thresholds)
+    above = threshold_mask(scores, thresholds, check_nan=check_nan)
     if not isinstance(mask, Tensor) or mask.shape != scores.shape:
         got = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
         raise ValueError(f"mask must be a tensor with the shape of scores {tuple(scores.shape)}, got {got}")

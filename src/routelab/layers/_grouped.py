@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-__all__ = ["grouped_mm", "grouped_mm_supported"]
+__all__ = ["grouped_mm", "grouped_mm_supported", "grouped_mm_unsupported_reason"]
 
 #: Row strides of every operand must be multiples of this many bytes.
 _ALIGNMENT_BYTES = 16
@@ -77,23 +77,41 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, widths: Itera
         tensors: operands whose storage must start at a multiple of 16 bytes (weights loaded by
             memory-mapping need not; the kernels of some torch versions require it).
     """
-    if _OPERATOR is None or device.type not in ("cpu", "cuda"):
-        return False
+    return grouped_mm_unsupported_reason(device, dtype, widths, tensors) is None
+
+
+def grouped_mm_unsupported_reason(device: torch.device, dtype: torch.dtype, widths: Iterable[int],
+                                  tensors: Iterable[Tensor] = ()) -> str | None:
+    """Why :func:`grouped_mm` does not run here (``None``: it does); the arguments and the checks
+    of :func:`grouped_mm_supported`, whose answer this is."""
+    widths = tuple(widths)
+    if _OPERATOR is None:
+        return f"torch {torch.__version__} has no grouped matmul (torch.nn.functional.grouped_mm or torch._grouped_mm)"
+    if device.type not in ("cpu", "cuda"):
+        return f"grouped matmuls are used on CPU and CUDA devices only, not {device.type}"
     if device.type == "cuda" and dtype != torch.bfloat16:
         # torch's CUDA kernels for grouped matmuls are bfloat16 ones; other dtypes run a per-group
         # fallback that reads the offsets on the host, a synchronisation per call (seen on an H200,
         # torch 2.11), which the grouped layout exists to avoid.
-        return False
+        return (f"on CUDA only bfloat16 runs grouped, not {dtype}: torch's grouped matmul in other dtypes "
+                "reads the group sizes on the host, a synchronisation per call")
     if not _aligned(dtype, widths):
-        return False
+        return (f"d_model and d_hidden must be multiples of {_ALIGNMENT_BYTES} bytes: {widths} x "
+                f"{dtype.itemsize} bytes ({dtype})")
     key = (device.type, device.index, dtype)
+    probe_failed = (f"a tiny grouped product did not match per-expert matmuls on {device.type} in {dtype} "
+                    f"(torch {torch.__version__})")
     if torch.compiler.is_compiling():  # (storage addresses cannot be read while tracing)
-        return dtype == torch.bfloat16 and _PROBED.get(key, True)
+        if dtype != torch.bfloat16:
+            return (f"under torch.compile only bfloat16 runs grouped, not {dtype} "
+                    "(torch's grouped matmul cannot be traced in it)")
+        return None if _PROBED.get(key, True) else probe_failed
     if any(_misaligned(t) for t in tensors):
-        return False
+        return (f"the expert weights' storage must start at a multiple of {_ALIGNMENT_BYTES} bytes "
+                "(memory-mapped weights need not)")
     if key not in _PROBED:
         _PROBED[key] = _probe(device, dtype)
-    return _PROBED[key]
+    return None if _PROBED[key] else probe_failed
 
 
 def _probe(device: torch.device, dtype: torch.dtype) -> bool:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._checks import check_positive_int, floating_input
-from ._grouped import grouped_mm, grouped_mm_supported
+from ._grouped import grouped_mm, grouped_mm_unsupported_reason
 
 __all__ = ["ACTIVATIONS", "GATED_ACTIVATIONS", "StackedExperts"]
 
@@ -202,8 +202,13 @@ class StackedExperts(nn.Module):
         matmuls exist there, accept the dtype, ``d_model`` and ``d_hidden`` are multiples of 16
         bytes and the weights start 16-byte aligned; see
         :func:`routelab.layers._grouped.grouped_mm_supported`)."""
+        return self.grouped_unsupported_reason(device) is None
+
+    def grouped_unsupported_reason(self, device: torch.device) -> str | None:
+        """Why :meth:`forward_grouped` cannot run on ``device`` (``None``: it can), for error messages."""
         weights = [w for w in (self.w1, self.w2, self.w3) if w is not None]
-        return grouped_mm_supported(torch.device(device), self.w1.dtype, (self.d_model, self.d_hidden), weights)
+        return grouped_mm_unsupported_reason(torch.device(device), self.w1.dtype, (self.d_model, self.d_hidden),
+                                             weights)
 
     def forward_grouped(self, rows: Tensor, offsets: Tensor, expert_of_row: Tensor) -> Tensor:
         """Run expert ``e`` on its rows of an expert-sorted matrix (grouped matmuls).

@@ -290,7 +290,7 @@ class MoE(RoutingRecord, nn.Module):
         self.record_routing(routes.aux, routes.stats)
         if index is not None:
             y = y.new_zeros(lead.numel(), self.d_model).index_copy(0, index, y)
-            routes = scatter_routes(routes, index, lead.numel())
+            routes = scatter_routes(routes, index, lead.numel(), check=False)
         return y.reshape(*lead, self.d_model), routes
 
     def _experts_dtype(self, x: Tensor) -> torch.dtype:
@@ -324,10 +324,12 @@ class MoE(RoutingRecord, nn.Module):
         supported = _groups(self.experts) and self.experts.grouped_supported(device)
         if self.dispatch == "grouped":
             if not supported:
-                raise ValueError(
-                    f"dispatch='grouped': grouped matmuls (torch._grouped_mm) do not run here for these experts "
-                    f"(device {device}, dtype {self._experts_dtype(None)}, torch {torch.__version__}; d_model and "
-                    "d_hidden must be multiples of 16 bytes); use dispatch='auto' or 'buffers'")
+                explain = getattr(self.experts, "grouped_unsupported_reason", None)
+                why = explain(device) if callable(explain) else None
+                name = type(self.experts).__name__
+                why = why or (f"{name}.grouped_supported({device}) is False" if _groups(self.experts) else
+                              f"{name} has no grouped form (forward(rows, offsets=, expert_of_row=))")
+                raise ValueError(f"dispatch='grouped' cannot run here: {why}; use dispatch='auto' or 'buffers'")
             return True
         if not (supported and slots == self.router.slots):
             return False

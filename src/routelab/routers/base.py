@@ -158,7 +158,7 @@ class Router(nn.Module):
             index = real_tokens(mask)
             feats = feats.index_select(0, index)
         routes = self.route_features(feats, capacity)
-        return routes if index is None else scatter_routes(routes, index, x.shape[0])
+        return routes if index is None else scatter_routes(routes, index, x.shape[0], check=False)
 
     def route_features(self, features: Tensor, capacity: int | None) -> Routes:
         """:meth:`route` with the router's safeguards: the finite check of the scores (unless

@@ -53,11 +53,13 @@ class BatchwiseRouter(Router):
 
     def mask(self, probs: Tensor) -> Tensor:
         """The mask in use: batchwise in training (or if ``inference="batchwise"``), else threshold."""
-        return batchwise_mask_in_use(probs, self.k, self.thresholds, training=self.training, inference=self.inference)
+        return batchwise_mask_in_use(probs, self.k, self.thresholds, training=self.training, inference=self.inference,
+                                     check_nan=self.check_finite)
 
     def route(self, logits: Tensor, capacity: int | None) -> Routes:
+        # check_finite=False opts out of the NaN checks too (no host sync: capturable in a CUDA graph).
         return batchwise_routes(logits, self.k, self.thresholds, training=self.training, inference=self.inference,
-                                threshold_coef=self.threshold_coef)
+                                threshold_coef=self.threshold_coef, check_nan=self.check_finite)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", inference={self.inference!r}"

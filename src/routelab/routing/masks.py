@@ -41,13 +41,16 @@ def real_tokens(mask: Tensor) -> Tensor:
     return mask.reshape(-1).nonzero().squeeze(-1)
 
 
-def scatter_routes(routes: Routes, index: Tensor, num_tokens: int) -> Routes:
+def scatter_routes(routes: Routes, index: Tensor, num_tokens: int, *, check: bool = True) -> Routes:
     """Routes of the real tokens put back among all ``num_tokens`` tokens.
 
     Args:
         routes: ``Routes [real, slots]`` of the tokens ``index``.
         index: ``LongTensor [real]`` their positions among the tokens (:func:`real_tokens`).
         num_tokens: all tokens, padding included.
+        check: check that ``index`` holds positions in ``[0, num_tokens)`` (one host sync);
+            ``False`` where ``index`` comes from :func:`real_tokens` of a ``[num_tokens]`` mask, as
+            inside routelab's layers and routers, where it cannot be out of range.
 
     Returns:
         ``Routes [num_tokens, slots]``: the real tokens' rows unchanged (``gate`` and ``log_prob``
@@ -68,7 +71,7 @@ def scatter_routes(routes: Routes, index: Tensor, num_tokens: int) -> Routes:
         raise ValueError(f"index must have one entry per routed token ({routes.expert.shape[0]}), got {index.shape[0]}")
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < index.shape[0]:
         raise ValueError(f"num_tokens must be an integer >= the {index.shape[0]} routed tokens, got {num_tokens!r}")
-    if index.numel() and checks_run():
+    if check and index.numel() and checks_run():
         lo, hi = torch.stack([index.min(), index.max()]).tolist()  # one host sync
         if lo < 0 or hi >= num_tokens:
             raise ValueError(f"index must hold token positions in [0, num_tokens={num_tokens}), got {lo} to {hi}")
@@ -111,7 +114,7 @@ def masked_rule(*per_token: str) -> Callable[[Callable[..., Routes]], Callable[.
                 value = bound.arguments.get(name)
                 if isinstance(value, Tensor) and value.ndim >= 1 and value.shape[0] == n:
                     bound.arguments[name] = value.index_select(0, index)
-            return scatter_routes(rule(*bound.args, **bound.kwargs), index, n)
+            return scatter_routes(rule(*bound.args, **bound.kwargs), index, n, check=False)
 
         params: Sequence[inspect.Parameter] = list(signature.parameters.values())
         extra = inspect.Parameter("mask", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Tensor | None")

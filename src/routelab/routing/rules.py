@@ -212,19 +212,20 @@ def noisy_topk_routes(logits: Tensor, noise_std: Tensor, k: int, *, training: bo
 
 
 def batchwise_mask_in_use(probs: Tensor, k: int, thresholds: Tensor, *, training: bool,
-                          inference: str = "threshold") -> Tensor:
+                          inference: str = "threshold", check_nan: bool = True) -> Tensor:
     """The App. F mask: batchwise (eq. 18) in training or with ``inference="batchwise"``, else the
-    threshold mask ``probs > thresholds`` (eq. 19, any batch size)."""
+    threshold mask ``probs > thresholds`` (eq. 19, any batch size). ``check_nan``: refuse NaN
+    (one host sync), as :func:`~routelab.gates.batchwise_mask` does."""
     if inference not in INFERENCE_MASKS:
         raise ValueError(f"inference must be one of {INFERENCE_MASKS}, got {inference!r}")
     if training or inference == "batchwise":
-        return batchwise_mask(probs, k)
-    return threshold_mask(probs, thresholds.detach().to(probs.dtype))
+        return batchwise_mask(probs, k, check_nan=check_nan)
+    return threshold_mask(probs, thresholds.detach().to(probs.dtype), check_nan=check_nan)
 
 
 @masked_rule("logits")
 def batchwise_routes(logits: Tensor, k: int, thresholds: Tensor, *, training: bool = True,
-                     inference: str = "threshold", threshold_coef: float = 1.0) -> Routes:
+                     inference: str = "threshold", threshold_coef: float = 1.0, check_nan: bool = True) -> Routes:
     """App. F gating: ``G = G_sigma * M / sum(G_sigma * M)`` (eq. 16) with ``G_sigma = softmax(logits)``.
 
     Training: ``M`` is the batchwise mask (eq. 18), every expert takes ``k * tokens / E`` tokens
@@ -240,6 +241,8 @@ def batchwise_routes(logits: Tensor, k: int, thresholds: Tensor, *, training: bo
         training: training mode (batchwise mask, threshold loss).
         inference: ``"threshold"`` or ``"batchwise"``.
         threshold_coef: weight of the threshold loss.
+        check_nan: refuse NaN scores and thresholds (host syncs); ``False`` for a router with
+            ``check_finite=False``, whose forward then makes no host sync for them.
 
     Returns:
         ``Routes [tokens, E]``: slot ``e`` is expert ``e``, ``keep`` the mask (a token may use
@@ -249,13 +252,13 @@ def batchwise_routes(logits: Tensor, k: int, thresholds: Tensor, *, training: bo
     check_k(k, E)
     log_p = torch.log_softmax(logits, -1)
     probs = log_p.exp()
-    mask = batchwise_mask_in_use(probs, k, thresholds, training=training, inference=inference)
+    mask = batchwise_mask_in_use(probs, k, thresholds, training=training, inference=inference, check_nan=check_nan)
     masked = probs * mask
     total = masked.sum(-1, keepdim=True)
     gate = torch.where(total > 0, masked / total.clamp(min=torch.finfo(probs.dtype).tiny), torch.zeros_like(masked))
     aux = {}
     if training and n and threshold_coef:
-        loss = batchwise_threshold_loss(probs.detach(), thresholds, mask)
+        loss = batchwise_threshold_loss(probs.detach(), thresholds, mask, check_nan=check_nan)
         aux["threshold"] = threshold_coef * loss / n
     return Routes(expert=expert_grid(n, E, logits.device), gate=gate, keep=mask,
                   weight=torch.ones_like(gate), log_prob=log_p, aux=aux)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from routelab.experiments.kit.router_sweep import recorded_runs
+from routelab.experiments.kit.router_sweep import invocations_markdown, recorded_runs, train_router_seeds
 from routelab.experiments.kit.store import ResultsFileError
 
 
@@ -33,3 +33,38 @@ def test_a_run_recorded_twice_is_refused(tmp_path):
     _write(tmp_path / "runs.jsonl", [record, {**record, "loss": 1.1}])
     with pytest.raises(ResultsFileError, match="records router 'a' seed 0 twice"):
         recorded_runs(tmp_path, key="k", routers=["a"], seeds=[0])
+
+
+def _sweep(tmp_path, train):
+    return train_router_seeds("t", tmp_path, key="k", routers=["a", "b"], seeds=[0, 1], threads=1,
+                              load_data=lambda: None, train=train, summary=lambda r: "ok", progress=False)
+
+
+def test_an_interrupted_invocation_is_recorded_and_the_resuming_one_too(tmp_path):
+    """The report's provenance names every invocation that trained runs, also one stopped midway."""
+    calls = []
+
+    def interrupted(router, seed, data, say):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append((router, seed))
+        return {"router": router, "seed": seed, "loss": 1.0}
+
+    with pytest.raises(KeyboardInterrupt):
+        _sweep(tmp_path, interrupted)
+    first = [json.loads(line) for line in (tmp_path / "invocations.jsonl").read_text().splitlines()]
+    assert len(first) == 1 and first[0]["trained"] == 2 and first[0]["interrupted"] is True
+
+    resumed = _sweep(tmp_path, lambda router, seed, data, say: {"router": router, "seed": seed, "loss": 2.0})
+    assert resumed.resumed == 2
+    runs = recorded_runs(tmp_path, key="k", routers=["a", "b"], seeds=[0, 1])
+    assert runs.total == 4 and [i["trained"] for i in runs.invocations] == [2, 2]
+    assert "interrupted" not in runs.invocations[1]
+    line = invocations_markdown(runs.invocations)[0]
+    assert line.count("2 runs in") == 2 and line.count("(interrupted)") == 1
+
+
+def test_an_invocation_that_trains_nothing_is_not_recorded(tmp_path):
+    _sweep(tmp_path, lambda router, seed, data, say: {"router": router, "seed": seed, "loss": 1.0})
+    _sweep(tmp_path, lambda router, seed, data, say: {"router": router, "seed": seed, "loss": 1.0})
+    assert len((tmp_path / "invocations.jsonl").read_text().splitlines()) == 1

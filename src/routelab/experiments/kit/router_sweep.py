@@ -79,6 +79,7 @@ def train_router_seeds(
                                                   ("router", "seed", "settings"))]
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
+    trained, finished = 0, False
     try:
         data = load_data() if pending else None
         for i, (router, seed) in enumerate(pending, 1):
@@ -95,15 +96,22 @@ def train_router_seeds(
             record["threads"] = torch.get_num_threads()
             record["run_s"] = round(time.perf_counter() - t_run, 1)
             append_jsonl_atomic(runs_path, record)
+            trained += 1
             if not is_failed(record):
                 say(summary(record))
+        finished = True
     finally:
         torch.set_num_threads(old_threads)
+        # Also when interrupted (Ctrl-C, an exception):
+        # the runs it did train are in runs.jsonl, and the report's provenance line must name it.
+        if trained:
+            invocation = {"started": started, "wall_s": round(time.perf_counter() - t_start, 1),
+                          "trained": trained, "settings": key, "load_start": load_start,
+                          "load_end": load_average(), "threads": threads}
+            if not finished:
+                invocation["interrupted"] = True
+            append_jsonl_atomic(out_dir / "invocations.jsonl", invocation)
     wall_s = time.perf_counter() - t_start
-    if pending:
-        append_jsonl_atomic(out_dir / "invocations.jsonl", {
-            "started": started, "wall_s": round(wall_s, 1), "trained": len(pending), "settings": key,
-            "load_start": load_start, "load_end": load_average(), "threads": threads})
     return SweepResult(wall_s=wall_s, resumed=len(plan) - len(pending))
 
 
@@ -154,7 +162,8 @@ def invocations_markdown(invocations: Sequence[dict[str, Any]]) -> list[str]:
     if not trained:
         return []
     return ["- Invocations that trained runs: " + "; ".join(
-        f"{i['started']}: {i['trained']} runs in {i['wall_s']:.0f} s, 1-minute load average "
+        f"{i['started']}: {i['trained']} runs in {i['wall_s']:.0f} s"
+        f"{' (interrupted)' if i.get('interrupted') else ''}, 1-minute load average "
         f"{i['load_start']} at start and {i['load_end']} at the end" for i in trained) + "."]
 
 

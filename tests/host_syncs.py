@@ -1,0 +1,111 @@
+"""Find, on any device (the CPU included), the operations that make a CUDA host wait for its GPU.
+
+A host sync on CUDA is what stops a step from being captured in a CUDA graph and what makes an eager
+layer wait for the GPU. ``torch.cuda.set_sync_debug_mode`` sees them only on a GPU, and CI has none;
+these operations sync because of what they compute, whatever the device, so they can be found where
+they are called:
+
+* dispatcher operators whose CUDA kernels read a value back to size their output or to return a
+  Python number: ``_local_scalar_dense`` (``item()``, ``bool()``, ``int()``, ``float()``),
+  ``nonzero``, ``masked_select``, ``unique``, ``bincount``, ``repeat_interleave`` without
+  ``output_size``, ``equal``, and indexing by a boolean mask (a ``nonzero`` inside);
+* Python-level reads of a tensor's data that bypass the dispatcher on the CPU: ``tolist()``,
+  ``numpy()`` and ``cpu()`` (a copy to the host from a GPU).
+
+Importable from every test directory (pytest puts ``tests/`` on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["HostSync", "record_host_syncs"]
+
+_aten = torch.ops.aten
+
+#: Operators whose CUDA kernels read data back to the host.
+_SYNCING_OPS = {
+    _aten._local_scalar_dense.default, _aten.nonzero.default, _aten.argwhere.default, _aten.masked_select.default,
+    _aten.bincount.default, _aten.equal.default, _aten.is_nonzero.default, _aten.unique_consecutive.default,
+    _aten._unique2.default, _aten.unique_dim.default, _aten.repeat_interleave.Tensor,
+}
+
+#: Indexing operators that sync when an index is a boolean mask.
+_INDEXING_OPS = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default,
+                 _aten._index_put_impl_.default}
+
+#: Tensor methods that read data on the host without a dispatcher call on the CPU.
+_HOST_READS = ("tolist", "numpy", "cpu")
+
+
+@dataclass(frozen=True)
+class HostSync:
+    """One operation that syncs on CUDA: its name and where routelab called it."""
+
+    op: str
+    where: str
+
+    def __str__(self) -> str:
+        return f"{self.op} at {self.where}"
+
+
+def _caller() -> str:
+    """The innermost frame outside torch and this module, as ``file:line``."""
+    for frame in reversed(traceback.extract_stack()[:-1]):
+        name = frame.filename.replace("\\", "/")
+        if "/torch/" not in name and name.rsplit("/", 1)[-1] != "host_syncs.py":
+            return f"{name.rsplit('/src/', 1)[-1]}:{frame.lineno}"
+    return "?"
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, found: list[HostSync]) -> None:
+        super().__init__()
+        self.found = found
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        syncs = func in _SYNCING_OPS
+        if func is _aten.repeat_interleave.Tensor and kwargs.get("output_size") is not None:
+            syncs = False
+        if func in _INDEXING_OPS:
+            indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+            syncs = any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+        if syncs:
+            self.found.append(HostSync(str(func), _caller()))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def record_host_syncs() -> Iterator[list[HostSync]]:
+    """Record every operation inside the block that would sync a CUDA host with its GPU.
+
+    Yields the list the block's syncs are appended to. ``item()``, ``bool()`` and the like are
+    recorded once, as ``_local_scalar_dense``.
+    """
+    found: list[HostSync] = []
+    originals = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
+
+    def recording(name: str):  # noqa: ANN202
+        original = originals[name]
+
+        def read(self: torch.Tensor, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            found.append(HostSync(f"Tensor.{name}", _caller()))
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name in _HOST_READS:
+        setattr(torch.Tensor, name, recording(name))
+    try:
+        with _Recorder(found):
+            yield found
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)

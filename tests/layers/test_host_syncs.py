@@ -1,0 +1,118 @@
+"""Host syncs of the MoE layer's training step, counted on the CPU (CI has no GPU).
+
+A host sync stops a step from being captured in a CUDA graph and makes an eager layer wait for its
+GPU. ``tests/host_syncs.py`` finds the operations that sync on CUDA on any device, so the README's
+promises are checked here on every run: with ``check_finite=False`` a top-k, Switch, noisy top-k,
+softmax or batchwise layer with a capacity factor (and the first four dropless on the grouped
+layout) makes none in forward + backward; the default checks cost two, a token mask one, dropless
+buffers one. Both gather paths are covered: the CPU's default and the adjoint gathers that GPUs use.
+The real CUDA check (``torch.cuda.set_sync_debug_mode``) is in test_moe_dispatch.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import routelab.routing._gather as gather
+from host_syncs import record_host_syncs
+from routelab.layers import MoE
+
+D, H, E, N = 32, 64, 8, 64
+
+SYNC_FREE_ROUTERS = [("topk", {"k": 2}), ("switch", {}), ("noisy_topk", {"k": 2}), ("softmax", {}),
+                     ("batchwise", {"k": 2})]
+
+
+@pytest.fixture(params=["cpu gathers", "gpu gathers"])
+def gather_path(request, monkeypatch) -> str:
+    if request.param == "gpu gathers":
+        monkeypatch.setattr(gather, "_adjoint_by_default", lambda t: True)
+    return request.param
+
+
+def _step_syncs(moe: MoE, mask: torch.Tensor | None = None) -> list:
+    """The host syncs of one forward + backward, after a warm-up step (which may probe once)."""
+    x = torch.randn(N, D, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    moe(x, mask)[0].sum().backward()
+    with record_host_syncs() as found:
+        y, _ = moe(x, mask)
+        y.backward(torch.ones_like(y))
+    return found
+
+
+def test_the_recorder_sees_what_syncs_on_cuda_and_nothing_else() -> None:
+    t = torch.tensor([0.0, 1.0, 2.0])
+    with record_host_syncs() as found:
+        (t * 2 + 1).sort()
+        t.topk(2)
+        torch.zeros(3).scatter_add_(0, torch.tensor([0, 0, 2]), t)
+    assert found == []
+    with record_host_syncs() as found:
+        t.sum().item()
+        bool(t.any())
+        t.nonzero()
+        t[t > 0]
+        t.masked_select(t > 0)
+        t.tolist()
+        t.cpu()
+    assert [s.op.split(".")[0] if s.op.startswith("aten") else s.op for s in found] == [
+        "aten", "aten", "aten", "aten", "aten", "Tensor.tolist", "Tensor.cpu"]
+    assert all("test_host_syncs.py" in s.where for s in found)
+
+
+@pytest.mark.parametrize(("router", "kw"), SYNC_FREE_ROUTERS, ids=[r for r, _ in SYNC_FREE_ROUTERS])
+def test_an_unchecked_layer_with_capacity_makes_no_host_sync(router, kw, gather_path) -> None:
+    torch.manual_seed(0)
+    moe = MoE(D, H, E, router=router, capacity_factor=1.0, check_finite=False, **kw)
+    assert _step_syncs(moe) == []
+
+
+@pytest.mark.parametrize(("router", "kw"), SYNC_FREE_ROUTERS[:4], ids=[r for r, _ in SYNC_FREE_ROUTERS[:4]])
+def test_an_unchecked_dropless_grouped_layer_makes_no_host_sync(router, kw, gather_path) -> None:
+    torch.manual_seed(0)
+    moe = MoE(D, H, E, router=router, capacity_factor=None, check_finite=False, **kw)
+    if not moe.uses_grouped(moe.router.slots, torch.device("cpu")):
+        pytest.skip("grouped matmuls do not run on this CPU: dropless runs on buffers")
+    assert _step_syncs(moe) == []
+
+
+def test_what_each_sync_costs(gather_path) -> None:
+    torch.manual_seed(0)
+    checked = _step_syncs(MoE(D, H, E, router="topk", k=2, capacity_factor=1.0))
+    assert [s.where.split(":")[0] for s in checked] == ["routelab/_checks.py", "routelab/routing/capacity.py"], checked
+    mask = torch.rand(N, generator=torch.Generator().manual_seed(1)) > 0.3
+    masked = _step_syncs(MoE(D, H, E, router="topk", k=2, capacity_factor=1.0, check_finite=False), mask)
+    assert [s.op for s in masked] == ["aten.nonzero.default"], masked
+    dropless = _step_syncs(MoE(D, H, E, router="topk", k=2, capacity_factor=None, check_finite=False,
+                               dispatch="buffers"))
+    assert len(dropless) == 1 and dropless[0].where.startswith("routelab/layers/moe.py"), dropless
+
+
+def test_batchwise_gating_keeps_its_nan_checks_by_default() -> None:
+    """check_finite=False is what turns the batchwise NaN checks off; by default they stay."""
+    torch.manual_seed(0)
+    found = _step_syncs(MoE(D, H, E, router="batchwise", k=2, capacity_factor=1.0))
+    assert any(s.where.startswith("routelab/gates/batchwise.py") for s in found), found
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize(("router", "kw"), SYNC_FREE_ROUTERS, ids=[r for r, _ in SYNC_FREE_ROUTERS])
+def test_the_same_training_step_makes_no_host_sync_on_cuda(router, kw) -> None:
+    """The CUDA truth behind the counts above: torch's sync debug mode turns any sync into an error.
+    bfloat16 (the dtype whose dropless layer runs grouped on CUDA), forward and backward."""
+    for capacity_factor in (1.0, None) if router != "batchwise" else (1.0,):
+        torch.manual_seed(0)
+        moe = MoE(64, 128, E, router=router, capacity_factor=capacity_factor, check_finite=False,
+                  device="cuda", dtype=torch.bfloat16, **kw)
+        moe.router.cuda()
+        x = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        moe(x)[0].sum().backward()  # warm-up (the grouped probe synchronises once)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            y, _ = moe(x)
+            y.backward(torch.ones_like(y))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.isfinite(x.grad).all()
