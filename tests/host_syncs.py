@@ -10,7 +10,10 @@ they are called:
   ``nonzero``, ``masked_select``, ``unique``, ``bincount``, ``repeat_interleave`` without
   ``output_size``, ``equal``, and indexing by a boolean mask (a ``nonzero`` inside);
 * Python-level reads of a tensor's data that bypass the dispatcher on the CPU: ``tolist()``,
-  ``numpy()`` and ``cpu()`` (a copy to the host from a GPU).
+  ``numpy()``, ``cpu()`` and ``to("cpu")`` (a copy to the host from a GPU).
+
+Known over-report: ``F.one_hot(x, num_classes)`` checks its indices' range with ``item()`` on the CPU
+only (its CUDA kernel does not when ``num_classes`` is given), and this recorder sees that check.
 
 Importable from every test directory (pytest puts ``tests/`` on ``sys.path``).
 """
@@ -33,7 +36,7 @@ _aten = torch.ops.aten
 _SYNCING_OPS = {
     _aten._local_scalar_dense.default, _aten.nonzero.default, _aten.argwhere.default, _aten.masked_select.default,
     _aten.bincount.default, _aten.equal.default, _aten.is_nonzero.default, _aten.unique_consecutive.default,
-    _aten._unique2.default, _aten.unique_dim.default, _aten.repeat_interleave.Tensor,
+    _aten._unique2.default, _aten.unique_dim.default, _aten.repeat_interleave.Tensor, _aten.allclose.default,
 }
 
 #: Indexing operators that sync when an index is a boolean mask.
@@ -101,11 +104,20 @@ def record_host_syncs() -> Iterator[list[HostSync]]:
 
         return read
 
+    def to_host(self: torch.Tensor, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        target = kwargs.get("device", args[0] if args else None)
+        if isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu":
+            found.append(HostSync("Tensor.to(cpu)", _caller()))
+        return original_to(self, *args, **kwargs)
+
+    original_to = torch.Tensor.to
     for name in _HOST_READS:
         setattr(torch.Tensor, name, recording(name))
+    torch.Tensor.to = to_host
     try:
         with _Recorder(found):
             yield found
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
+        torch.Tensor.to = original_to

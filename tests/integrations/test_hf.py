@@ -393,6 +393,41 @@ def test_a_patched_gate_releases_its_last_record_before_it_routes_again():
     assert released == [True] * len(blocks)
 
 
+def _routelab_syncs(model, mask=None):
+    """routelab's own host syncs (tests/host_syncs.py) in one training step, after a warm-up step;
+    transformers' own code (its masks, its experts) is not counted."""
+    from host_syncs import record_host_syncs
+
+    model.train()
+    model(ids(), attention_mask=mask).logits.sum().backward()
+    with record_host_syncs() as found:
+        model(ids(), attention_mask=mask).logits.sum().backward()
+    return [s for s in found if s.where.startswith("routelab/")]
+
+
+def test_an_unchecked_dropless_patched_model_routes_without_a_host_sync():
+    """check_finite=False: no finite check, no capacity index check, and the experts learn from the
+    gate (not from the data) that every slot names an expert."""
+    model = tiny()
+    _patch(model, "topk", check_finite=False)
+    assert _routelab_syncs(model) == []
+    checked = tiny()
+    _patch(checked, "topk")
+    assert len(_routelab_syncs(checked)) == 2 * len(sparse_moe_blocks(checked))  # the two checks per block
+    with pytest.raises(TypeError, match="check_finite must be True or False"):
+        patch_moe(tiny(), "topk", check_finite="no")
+
+
+def test_a_patched_block_that_may_drop_still_looks_at_its_slots():
+    """Capacity or batchwise gating can leave a slot without an expert: the experts then check (one
+    sync) and run on the kept pairs only, as before."""
+    for router, options in (("topk", {"capacity_factor": 0.5}), ("batchwise", {})):
+        model = tiny()
+        _patch(model, router, check_finite=False, **options)
+        syncs = _routelab_syncs(model)
+        assert syncs and all(s.where.startswith("routelab/integrations/hf.py") for s in syncs), syncs
+
+
 def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="no sparse MoE block"):
         patch_moe(torch.nn.Sequential(torch.nn.Linear(4, 4)), "topk")

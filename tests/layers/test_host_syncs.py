@@ -54,10 +54,13 @@ def test_the_recorder_sees_what_syncs_on_cuda_and_nothing_else() -> None:
         t.nonzero()
         t[t > 0]
         t.masked_select(t > 0)
+        torch.allclose(t, t)
         t.tolist()
         t.cpu()
+        t.to("cpu")
+        t.to(torch.float64)  # not a copy to the host
     assert [s.op.split(".")[0] if s.op.startswith("aten") else s.op for s in found] == [
-        "aten", "aten", "aten", "aten", "aten", "Tensor.tolist", "Tensor.cpu"]
+        "aten", "aten", "aten", "aten", "aten", "aten", "Tensor.tolist", "Tensor.cpu", "Tensor.to(cpu)"]
     assert all("test_host_syncs.py" in s.where for s in found)
 
 
@@ -94,6 +97,39 @@ def test_batchwise_gating_keeps_its_nan_checks_by_default() -> None:
     torch.manual_seed(0)
     found = _step_syncs(MoE(D, H, E, router="batchwise", k=2, capacity_factor=1.0))
     assert any(s.where.startswith("routelab/gates/batchwise.py") for s in found), found
+
+
+def test_an_unchecked_mae_layer_makes_no_host_sync() -> None:
+    """MAE (Peng et al.) with its gate, as a self-attention block, causal or not: no host sync with
+    check_finite=False; the default check costs one."""
+    from routelab.layers import MixtureOfAttentiveExperts
+
+    x = torch.randn(3, 6, 16, generator=torch.Generator().manual_seed(0))
+    for check, want in ((False, 0), (True, 1)):
+        torch.manual_seed(0)
+        mae = MixtureOfAttentiveExperts(16, 4, batch_first=True, check_finite=check)
+        causal = torch.triu(torch.ones(6, 6, dtype=torch.bool), diagonal=1)
+        for attn_mask, causal_gate in ((None, None), (causal, True)):
+            mae(x, x, x, attn_mask=attn_mask, causal_gate=causal_gate)[0].sum().backward()
+            with record_host_syncs() as found:
+                mae(x, x, x, attn_mask=attn_mask, causal_gate=causal_gate)[0].sum().backward()
+            assert len(found) == want, found
+
+
+def test_a_multigate_moe_skipping_experts_reads_one_flag_vector() -> None:
+    """A list of experts under exact-zero gates: one sync for the input check, one for which
+    experts are needed (it was one per expert)."""
+    from routelab.gates import DSelectK
+    from routelab.layers import MultiGateMoE
+
+    torch.manual_seed(0)
+    experts = [torch.nn.Linear(8, 4) for _ in range(6)]
+    moe = MultiGateMoE(experts, [DSelectK(6, 2), DSelectK(6, 2)])
+    x = torch.randn(5, 8)
+    sum(o.sum() for o in moe(x)).backward()
+    with record_host_syncs() as found:
+        sum(o.sum() for o in moe(x)).backward()
+    assert len(found) == 2, found
 
 
 @pytest.mark.requires_cuda

@@ -202,6 +202,22 @@ def test_grouped_float32_under_fullgraph_compile_names_the_cause() -> None:
         torch.compile(moe, fullgraph=True, backend="eager")(x)
 
 
+def test_a_first_forward_under_checkpointing_probes_grouped_matmuls_outside_it(monkeypatch) -> None:
+    """The grouped probe runs on the first use of a device and dtype. Inside non-reentrant
+    checkpointing its saved tensors were counted with the layer's, and the recomputation (which
+    finds the verdict cached) failed with a CheckpointError."""
+    from torch.utils.checkpoint import checkpoint
+
+    from routelab.layers import _grouped
+
+    monkeypatch.setattr(_grouped, "_PROBED", {})  # as in a fresh process
+    torch.manual_seed(0)
+    moe = MoE(D, H, E, router="topk", k=2, capacity_factor=None)
+    x = torch.randn(16, D, requires_grad=True)
+    checkpoint(lambda t: moe(t)[0], x, use_reentrant=False).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
 class Doubling(nn.Module):
     """A custom experts module with the buffer protocol only."""
 

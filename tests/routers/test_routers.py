@@ -11,6 +11,7 @@ from scipy.optimize import linear_sum_assignment
 
 from routelab.gates import batchwise_mask, batchwise_threshold_loss, threshold_mask
 from routelab.routers import (
+    ROUTERS,
     BASERouter,
     BatchwiseRouter,
     GumbelMatchingRouter,
@@ -276,3 +277,18 @@ def test_base_router_old_name_is_a_deprecated_alias() -> None:
     assert old is BASERouter and routers.ROUTERS["base"] is BASERouter
     with pytest.warns(DeprecationWarning):
         from routelab.routers.balanced import BaseRouter  # noqa: F401
+
+
+@pytest.mark.parametrize("name", sorted(ROUTERS))
+def test_proposes_every_slot_is_true_only_for_routers_that_do(name):
+    """The flag lets a patched transformers block skip a host sync, so it must never be wrong: a
+    router that sets it proposes every slot in training and eval, on skewed and tied scores."""
+    torch.manual_seed(0)
+    router = make_router(name, 16, 8, k=None if name in ("switch", "gumbel_matching", "base", "softmax") else 2)
+    for train in (True, False):
+        router.train(train)
+        for x in (torch.randn(24, 16), torch.randn(24, 16) * 30, torch.zeros(24, 16)):
+            keep = router(x, 6).keep
+            if router.proposes_every_slot:
+                assert bool(keep.all()), (name, train)
+    assert make_router("batchwise", 16, 8, k=2).proposes_every_slot is False

@@ -95,6 +95,23 @@ def test_a_forward_that_fails_leaves_no_stale_record():
     assert float(routelab.aux_loss(moe)) == 0.0
 
 
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_the_record_outlives_a_checkpointed_backward(early_stop):
+    """Non-reentrant checkpointing recomputes the layer inside backward and, by default, stops once
+    it has rebuilt what it needs, possibly before the layer records: the step's record must stay
+    (statistics logged after backward)."""
+    torch.manual_seed(0)
+    norm, moe = torch.nn.LayerNorm(8), MoE(8, 16, 4, router="topk", k=2, dispatch="buffers")
+    h = torch.randn(12, 8, requires_grad=True)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+        y = checkpoint(lambda t: t + moe(norm(t))[0], h, use_reentrant=False)
+        before = routelab.routing_stats(moe)[""]["tokens_per_expert"].clone()
+        loss = routelab.aux_loss(moe)
+        (y.square().mean() + loss).backward()
+    assert torch.equal(routelab.routing_stats(moe)[""]["tokens_per_expert"], before)
+    assert torch.allclose(routelab.aux_loss(moe).detach(), loss.detach())
+
+
 def test_checkpointing_gives_the_same_aux_gradients():
     grads = []
     for ckpt in (False, True):

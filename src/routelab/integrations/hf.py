@@ -167,6 +167,14 @@ class GateProjection(nn.Module):
         return nn.functional.linear(x, self.weight, self.bias)
 
 
+class _BlockState:
+    """What a patched gate tells the experts of its block about its last routing (plain Python values)."""
+
+    def __init__(self) -> None:
+        #: every slot of the gate's last forward names an expert (none dropped, none masked).
+        self.every_slot_routed = False
+
+
 class RoutedGate(RoutingRecord):
     """The routing of a patched transformers gate (mixed into the gate's own class by :func:`patch_moe`).
 
@@ -197,6 +205,7 @@ class RoutedGate(RoutingRecord):
     _routelab_replay: NoiseReplay
     _routelab_takes_mask: bool
     _routelab_generator: torch.Generator | None
+    _routelab_state: _BlockState
 
     def _token_mask(self, num_tokens: int) -> Tensor | None:
         """The token mask of this forward: the model call's, or, when activation checkpointing
@@ -229,7 +238,9 @@ class RoutedGate(RoutingRecord):
         n = x.shape[0]
         mask = self._token_mask(n)
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
-        # Padding takes no capacity: C counts the real tokens (one host sync), as MoE(mask=) does.
+        # Padding takes no capacity: C counts the real tokens. That is one host sync, and the
+        # router's own routing of the real tokens a second (MoE(mask=) needs one: it routes the
+        # real tokens alone).
         real = n if mask is None else int(mask.sum())
         capacity = expert_capacity(real, E, router.slots, factor)
         if mask is not None and self._routelab_takes_mask:
@@ -240,7 +251,8 @@ class RoutedGate(RoutingRecord):
         random = self.drop_policy == "random" and self.training
         with self._routelab_replay.draw(self._routelab_generator if random else None):
             decision = apply_capacity(proposed.expert, candidate, capacity, E, policy=self.drop_policy,
-                                      score=proposed.gate, generator=self._routelab_generator)
+                                      score=proposed.gate, generator=self._routelab_generator,
+                                      check=router.check_finite)
         keep = decision.keep
         combine = proposed.gate.float()
         if self.combine_scale != 1.0:  # the model's routed_scaling_factor (GateRule.scale)
@@ -251,6 +263,10 @@ class RoutedGate(RoutingRecord):
         if self.weights_in_input_dtype and hidden_states.is_floating_point():
             weights = weights.to(hidden_states.dtype)
         experts = torch.where(keep, proposed.expert, torch.full_like(proposed.expert, E))
+        # Known without looking at the data (no host sync): every slot reaches an expert when
+        # nothing drops (no capacity, no mask) and the router proposes every slot.
+        self._routelab_state.every_slot_routed = (
+            mask is None and factor is None and bool(getattr(router, "proposes_every_slot", False)))
         aux = {name: value * self.aux_coef for name, value in proposed.aux.items()}
         self.record_routing(aux, {**proposed.stats, **load_stats(candidate, decision, capacity)})
         # transformers' load-balancing loss (output_router_logits) reads the router logits; one more
@@ -268,11 +284,14 @@ class RoutedExperts:
     """
 
     _routelab_num_experts: int
+    _routelab_state: _BlockState
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         E = self._routelab_num_experts
+        if self._routelab_state.every_slot_routed:  # the gate knows: no sync to find out
+            return super().forward(hidden_states, top_k_index, top_k_weights)  # type: ignore[misc]
         routed = (top_k_index >= 0) & (top_k_index < E)
-        if bool(routed.all()):
+        if bool(routed.all()):  # one host sync
             return super().forward(hidden_states, top_k_index, top_k_weights)  # type: ignore[misc]
         token, slot = routed.nonzero(as_tuple=True)
         if token.numel() == 0:  # nothing routed (e.g. a batch of padding): no expert runs
@@ -351,6 +370,7 @@ def patch_moe(
     router_kwargs: dict[str, Any] | None = None,
     aux_coef: float = 1.0,
     generator: torch.Generator | None = None,
+    check_finite: bool = True,
 ) -> list[nn.Module]:
     """Route every sparse MoE block of a transformers model with a routelab router.
 
@@ -386,6 +406,9 @@ def patch_moe(
         router_kwargs: other options of the router's constructor (e.g. ``balance_coef``).
         aux_coef: multiplies the routers' weighted auxiliary losses seen by ``routelab.aux_loss``.
         generator: randomness of stochastic routers and of ``drop_policy="random"``.
+        check_finite: check the router scores for NaN/inf and the capacity step's indices on
+            every call (two host syncs per block); ``False`` drops both (as ``MoE(check_finite=False)``):
+            a block with a top-k-style router and no capacity or mask then routes without a host sync.
 
     Returns:
         The patched blocks, in module order. Their ``gate.router`` is the routelab router.
@@ -413,6 +436,8 @@ def patch_moe(
     if drop_policy not in DROP_POLICIES:
         raise ValueError(f"drop_policy must be one of {', '.join(DROP_POLICIES)}, got {drop_policy!r}")
     check_generator(generator)
+    if not isinstance(check_finite, bool):
+        raise TypeError(f"check_finite must be True or False, got {check_finite!r}")
     if not (isinstance(aux_coef, (int, float)) and aux_coef >= 0 and aux_coef == aux_coef):
         raise ValueError(f"aux_coef must be a number >= 0 (0 disables routelab's aux losses), got {aux_coef!r}")
     if router_kwargs is not None and not isinstance(router_kwargs, dict):
@@ -479,6 +504,7 @@ def patch_moe(
         gate.weights_in_input_dtype = rule.input_dtype_weights  # and some round their combine weights
         if generator is not None:
             built.generator = generator
+        built.check_finite = check_finite
         built.train(gate.training)
         _swap_class(gate, RoutedGate)
         gate.router = built
@@ -490,7 +516,10 @@ def patch_moe(
         object.__setattr__(gate, "_routelab_replay", NoiseReplay())
         object.__setattr__(gate, "_routelab_generator", generator)
         object.__setattr__(gate, "_routelab_takes_mask", _accepts_mask(built))
+        state = _BlockState()  # what the gate tells the experts of the same block
+        object.__setattr__(gate, "_routelab_state", state)
         _swap_class(experts, RoutedExperts)
         object.__setattr__(experts, "_routelab_num_experts", gate.weight.shape[0])
+        object.__setattr__(experts, "_routelab_state", state)
     model.register_forward_pre_hook(mask.hook, with_kwargs=True)
     return [plan[0] for plan in plans]

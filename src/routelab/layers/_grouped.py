@@ -125,7 +125,11 @@ def _probe(device: torch.device, dtype: torch.dtype) -> bool:
     weight_ref = torch.randn(len(sizes), a, b, generator=gen)
     grad_ref = torch.randn(total, b, generator=gen)
     try:
-        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
+        # Its own autograd graph, out of any caller's: no autocast, and no saved-tensor hooks (a
+        # first forward under activation checkpointing would count the probe's saved tensors, which
+        # the recomputation, finding the verdict cached, does not save again).
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             rows = rows_ref.to(device, dtype).requires_grad_(True)
             weight = weight_ref.to(device, dtype).requires_grad_(True)
             out = grouped_mm(rows, weight, offsets.to(device))

@@ -87,7 +87,7 @@ def head_weights(responsibilities: Tensor, keep: Tensor) -> Tensor:
         ``[..., h]``; all ones for uniform responsibilities (eq. 5).
     """
     num_heads = keep.shape[1]
-    kept = int(keep[0].sum().item())
+    kept = keep[0].sum().to(responsibilities.dtype)  # h - t, on the device (no host sync)
     return (responsibilities @ keep.to(responsibilities.dtype)) * num_heads / kept
 
 
@@ -134,6 +134,8 @@ class MixtureOfAttentiveExperts(nn.Module):
             that position (language modelling; causal, so the gate never sees future tokens).
         dropout: dropout on the attention weights (as in MHA), in training mode only.
         bias: whether the input and output projections have biases (as in MHA).
+        check_finite: check query, key and value for NaN/inf on every call (one host sync);
+            ``False`` drops the check (as ``MoE(check_finite=False)``). Also an attribute.
 
     Attributes:
         in_proj_weight ``[3d, d]``, in_proj_bias ``[3d]``, out_proj (``Linear(d, d)``): the MHA
@@ -147,7 +149,7 @@ class MixtureOfAttentiveExperts(nn.Module):
     Dtypes: query, key and value may be any floating dtype; the module computes in its
     parameters' dtype and returns the output and the responsibilities in the query's dtype (the
     same policy as :class:`~routelab.layers.MoE`). Integer inputs and inputs with NaN/inf raise a
-    ValueError.
+    ValueError (the latter unless ``check_finite=False``).
     """
 
     generator = GeneratorAttribute(
@@ -164,9 +166,12 @@ class MixtureOfAttentiveExperts(nn.Module):
         gate_context: int | None = None,
         dropout: float = 0.0,
         bias: bool = True,
+        check_finite: bool = True,
     ) -> None:
         super().__init__()
         check_positive_int("embed_dim", embed_dim)
+        if not isinstance(check_finite, bool):
+            raise TypeError(f"check_finite must be True or False, got {check_finite!r}")
         check_positive_int("num_heads", num_heads)
         if embed_dim % num_heads:
             raise ValueError(
@@ -186,6 +191,7 @@ class MixtureOfAttentiveExperts(nn.Module):
         self.batch_first = batch_first
         self.gate_context = gate_context
         self.dropout = dropout
+        self.check_finite = check_finite
 
         self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim))
         self.in_proj_bias = nn.Parameter(torch.zeros(3 * embed_dim)) if bias else None
@@ -375,11 +381,13 @@ class MixtureOfAttentiveExperts(nn.Module):
                 f"[batch, seq, num_experts] = {shapes[1]} for one mixture per position), got "
                 f"{got}."
             )
-        if not torch.isfinite(r).all() or (r < 0).any():
-            raise ValueError("responsibilities must be finite and non-negative.")
         sums = r.sum(-1)
-        if not torch.allclose(sums, torch.ones_like(sums), atol=_SUM_TOL, rtol=0):
-            worst = float((sums - 1).abs().max())
+        valid = (torch.isfinite(r) & (r >= 0)).all()
+        off = (sums - 1).abs().amax() if sums.numel() else sums.new_zeros(())
+        valid, worst = torch.stack([valid.to(off.dtype), off]).tolist()  # one host sync for both checks
+        if not valid:
+            raise ValueError("responsibilities must be finite and non-negative.")
+        if not worst <= _SUM_TOL:
             raise ValueError(
                 f"responsibilities must sum to 1 over the experts (last dim); off by up to "
                 f"{worst:.3g}. Normalise them, e.g. r / r.sum(-1, keepdim=True)."
@@ -496,8 +504,9 @@ class MixtureOfAttentiveExperts(nn.Module):
         for t in (q, k, v):
             if all(t is not u for u in distinct):
                 distinct.append(t)
-        check_finite(distinct, "query/key/value",
-                     "the input contains NaN/inf; check the previous layer (or the padding values)")
+        if self.check_finite:
+            check_finite(distinct, "query/key/value",
+                         "the input contains NaN/inf; check the previous layer (or the padding values)")
         return q, k, v
 
     # ------------------------------------------------------------------ cached keys and values
@@ -624,7 +633,7 @@ def _forbids_future(attn_mask: Tensor | None, seq: int, src: int) -> bool:
         return False
     future = torch.triu(torch.ones(seq, src, dtype=torch.bool, device=attn_mask.device), diagonal=1)
     blocked = attn_mask if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask)
-    return bool(blocked[..., future].all())
+    return bool((blocked | ~future).all())  # one host sync (a boolean index would add a second)
 
 
 def _additive_mask(

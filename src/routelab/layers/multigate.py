@@ -119,7 +119,8 @@ class MultiGateMoE(nn.Module):
     towers compute in it, and every floating task output is returned in ``x``'s dtype. A
     non-floating ``x`` (token ids, say) goes to the experts unchanged. ``gate_x`` goes to the
     gates as given (each gate applies the policy itself). A floating ``x`` with NaN/inf entries
-    is a ValueError (one host synchronisation per forward).
+    is a ValueError (one host synchronisation per forward); skipping unneeded experts of a
+    sequence costs one more (which experts every gate left out).
     """
 
     def __init__(self, experts: nn.Module | Sequence[nn.Module], gates: Sequence[nn.Module],
@@ -162,8 +163,9 @@ class MultiGateMoE(nn.Module):
             return self.experts(x)
         outs: list[torch.Tensor | None] = []
         ref: torch.Tensor | None = None
+        use = [True] * len(self.experts) if needed is None else needed.tolist()  # one host sync for all experts
         for i, e in enumerate(self.experts):
-            if needed is not None and not bool(needed[i]):
+            if not use[i]:
                 outs.append(None)
                 continue
             o = e(x)

@@ -38,6 +38,8 @@ class BASERouter(Router):
         eval_balanced: whether inference solves the balanced assignment (default ``False``).
     """
 
+    proposes_every_slot = True
+
     def __init__(self, d_model: int, num_experts: int, *, k: int = 1, eval_balanced: bool = False) -> None:
         super().__init__(d_model, num_experts, k)
         self.k = self.slots
@@ -67,6 +69,8 @@ class SinkhornRouter(Router):
         eval_balanced: balance at inference too.
         balance_coef: weight of the Switch balance loss in ``aux["balance"]``.
     """
+
+    proposes_every_slot = True
 
     def __init__(self, d_model: int, num_experts: int, k: int = 1, *, sweeps: int = 20,
                  renormalize: bool = False, eval_balanced: bool = False, balance_coef: float = 0.0) -> None:
@@ -113,6 +117,7 @@ class GumbelMatchingRouter(Router):
         balance_coef: weight of the Switch balance loss in ``aux["balance"]``.
     """
 
+    proposes_every_slot = True
     stochastic = True
 
     def __init__(self, d_model: int, num_experts: int, *, tau: float = 1.0, method: str = "gumbel_matching_iw",

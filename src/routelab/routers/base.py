@@ -68,11 +68,19 @@ class Router(nn.Module):
         generator: the source of randomness of stochastic routers (``None``: torch's global
             generator); set it for bit-for-bit reproducible runs.
         check_finite: check the router's scores for NaN/inf on every call (one host sync;
-            skipped anyway while ``torch.compile`` traces). ``False`` drops the check.
+            skipped anyway while ``torch.compile`` traces). ``False`` drops the check, and the
+            other value checks of the routing rule that would sync (batchwise gating's NaN checks
+            of its scores and thresholds): a NaN threshold then silently empties its expert.
     """
 
     #: Whether :meth:`route` draws randomness in training (noise replayed under checkpointing).
     stochastic: bool = False
+
+    #: Whether :meth:`route` proposes every slot (``keep`` all True), as every built-in router but
+    #: batchwise gating does. A patched transformers block whose gate routes without capacity or
+    #: mask then knows, without a host sync, that every slot reaches an expert. ``False`` (the safe
+    #: answer: a sync, never a wrong route) for routers that do not say.
+    proposes_every_slot: bool = False
 
     generator = GeneratorAttribute(
         "The source of randomness of stochastic routers (``None``: torch's global generator)."

@@ -23,6 +23,8 @@ class SoftmaxRouter(Router):
         importance_coef: weight of ``CV(sum_x G(x))^2`` in ``aux["importance"]`` (0: no loss).
     """
 
+    proposes_every_slot = True
+
     def __init__(self, d_model: int, num_experts: int, *, importance_coef: float = 0.0) -> None:
         super().__init__(d_model, num_experts, num_experts)
         self.importance_coef = float(importance_coef)

@@ -29,6 +29,8 @@ class TopKRouter(Router):
             ``aux["balance"]`` (Fedus et al. use 0.01; 0 disables it).
     """
 
+    proposes_every_slot = True
+
     def __init__(self, d_model: int, num_experts: int, k: int = 1, *, renormalize: bool = False,
                  balance_coef: float = 0.01) -> None:
         super().__init__(d_model, num_experts, k)
@@ -64,6 +66,7 @@ class NoisyTopKRouter(Router):
     The noise is replayed by activation checkpointing (:class:`~routelab.replay.NoiseReplay`).
     """
 
+    proposes_every_slot = True
     stochastic = True
 
     def __init__(self, d_model: int, num_experts: int, k: int = 2, *, importance_coef: float = 0.1,

@@ -10,8 +10,9 @@ or auxiliary loss, draws no noise, and gets a zero output; the real tokens of a 
 routed exactly as the same tokens without the padding.
 
 Removing tokens is data-dependent: with a mask, one host synchronisation reads the number of
-real tokens and one checks the indices put back (graph breaks under ``torch.compile``; without
-a mask there is none).
+real tokens (a graph break under ``torch.compile``; without a mask there is none).
+:func:`scatter_routes` called on its own checks the indices it puts back (one more), unless told
+they come from :func:`real_tokens`, as routelab's layers and routers do.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ own stream) would then fail in backward ("operation would make the legacy stream
 capturing blocking stream"). Activation checkpointing: with non-reentrant
 checkpointing (``torch.utils.checkpoint(..., use_reentrant=False)``, transformers' default for
 ``gradient_checkpointing_enable()``) the recorded losses carry their gradients as without it; the
-recomputation in backward replaces the record with equal values. Reentrant checkpointing runs the
+recomputation in backward replaces the record with equal values where it runs that far, and
+leaves it in place where it stops earlier. Reentrant checkpointing runs the
 forward under ``no_grad``, so its records carry no gradient: use the non-reentrant form.
 """
 
@@ -30,6 +31,8 @@ from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
+
+from ..replay import in_backward
 
 __all__ = ["RoutingRecord", "aux_loss", "routing_stats"]
 
@@ -56,7 +59,13 @@ class RoutingRecord:
     def forget_routing(self) -> None:
         """Drop the last forward's record (and with it the graph of its losses, unless the caller
         holds them). Called at the start of each forward, before it builds its own graph, so that
-        no autograd node lives on from one step to the next (see the module docstring)."""
+        no autograd node lives on from one step to the next (see the module docstring).
+
+        Not inside a backward pass: there a forward is activation checkpointing's recomputation,
+        which may stop before it records (non-reentrant checkpointing stops once it has rebuilt
+        the tensors it needs), and the record of the step must outlive its backward."""
+        if not torch.compiler.is_compiling() and in_backward():
+            return
         object.__setattr__(self, "_routelab_record", None)
 
     def __getstate__(self) -> dict:
