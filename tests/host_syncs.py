@@ -10,7 +10,7 @@ they are called:
   ``nonzero``, ``masked_select``, ``unique``, ``bincount``, ``repeat_interleave`` without
   ``output_size``, ``equal``, and indexing by a boolean mask (a ``nonzero`` inside);
 * Python-level reads of a tensor's data that bypass the dispatcher on the CPU: ``tolist()``,
-  ``numpy()``, ``cpu()`` and ``to("cpu")`` (a copy to the host from a GPU).
+  ``numpy()``, ``cpu()`` and ``to("cpu")`` with a literal ``"cpu"`` (a copy to the host from a GPU).
 
 Known over-report: ``F.one_hot(x, num_classes)`` checks its indices' range with ``item()`` on the CPU
 only (its CUDA kernel does not when ``num_classes`` is given), and this recorder sees that check.
@@ -105,8 +105,10 @@ def record_host_syncs() -> Iterator[list[HostSync]]:
         return read
 
     def to_host(self: torch.Tensor, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        # Only a literal "cpu": on the CPU, t.to(t.device) or t.to(other) cannot be told from a
+        # copy to the host, and on a GPU they are none.
         target = kwargs.get("device", args[0] if args else None)
-        if isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu":
+        if isinstance(target, str) and torch.device(target).type == "cpu":
             found.append(HostSync("Tensor.to(cpu)", _caller()))
         return original_to(self, *args, **kwargs)
 

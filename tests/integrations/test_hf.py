@@ -428,6 +428,41 @@ def test_a_patched_block_that_may_drop_still_looks_at_its_slots():
         assert syncs and all(s.where.startswith("routelab/integrations/hf.py") for s in syncs), syncs
 
 
+def test_experts_trust_the_gate_only_for_the_indices_it_just_returned():
+    """The sync-free path is for the gate's own tensor, once: experts called on other indices (a
+    direct call, an experts-only recomputation after another forward) still look at them and run
+    on the routed pairs only (batched_mm would index out of range at the sentinel)."""
+    model = tiny().train()
+    try:
+        model.set_experts_implementation("batched_mm")
+    except (ValueError, ImportError) as error:  # pragma: no cover - depends on the torch build
+        pytest.skip(f"batched_mm unavailable: {error}")
+    blocks = _patch(model, "topk", check_finite=False)
+    model(ids())  # a dropless forward: the gate told its experts every slot was routed
+    experts = blocks[0].experts
+    torch.manual_seed(3)
+    hidden = torch.randn(6, 32)
+    index = torch.randint(0, 4, (6, 2))
+    index[1, 0] = index[4, 1] = 4  # the sentinel: no expert
+    weights = torch.rand(6, 2)
+    got = experts(hidden, index, weights)
+    routed = index < 4
+    expected = experts(hidden, torch.where(routed, index, 0), torch.where(routed, weights, 0.0))
+    assert torch.allclose(got, expected, atol=1e-6)
+
+
+def test_a_router_that_may_skip_tokens_is_not_told_fully_routed():
+    """Gumbel-Matching with a skip estimator leaves tokens out in training, without capacity."""
+    model = tiny().train()
+    try:
+        model.set_experts_implementation("batched_mm")
+    except (ValueError, ImportError) as error:  # pragma: no cover - depends on the torch build
+        pytest.skip(f"batched_mm unavailable: {error}")
+    _patch(model, "gumbel_matching", router_kwargs={"method": "sample_skip_iw"}, check_finite=False,
+           generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(model(ids(seq=16)).logits).all()
+
+
 def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="no sparse MoE block"):
         patch_moe(torch.nn.Sequential(torch.nn.Linear(4, 4)), "topk")

@@ -218,6 +218,18 @@ def test_a_first_forward_under_checkpointing_probes_grouped_matmuls_outside_it(m
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
+def test_the_grouped_probe_runs_where_saved_tensor_hooks_are_disabled(monkeypatch) -> None:
+    """vmap and AOTAutograd disable saved-tensor hooks; the probe must not try to push its own
+    there (that raised, and the probe's False verdict stayed for the whole process)."""
+    from routelab.layers import _grouped
+
+    monkeypatch.setattr(_grouped, "_PROBED", {})
+    expected = _grouped._probe(torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(_grouped, "_PROBED", {})
+    with torch.autograd.graph.disable_saved_tensors_hooks("disabled here"):
+        assert _grouped.grouped_mm_supported(torch.device("cpu"), torch.float32, (16, 16)) == expected
+
+
 class Doubling(nn.Module):
     """A custom experts module with the buffer protocol only."""
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ from routelab.routers import (
     TopKRouter,
     make_router,
 )
+from routelab.routers.base import proposes_every_slot
 from routelab.routers.losses import cv_squared, noisy_topk_load
 
 D = 6
@@ -279,12 +282,17 @@ def test_base_router_old_name_is_a_deprecated_alias() -> None:
         from routelab.routers.balanced import BaseRouter  # noqa: F401
 
 
-@pytest.mark.parametrize("name", sorted(ROUTERS))
-def test_proposes_every_slot_is_true_only_for_routers_that_do(name):
+ROUTER_VARIANTS = [(name, {}) for name in sorted(ROUTERS)] + [
+    ("gumbel_matching", {"method": method}) for method in ("sample", "sample_skip", "sample_skip_iw")]
+VARIANT_IDS = [f"{name}-{kw['method']}" if kw else name for name, kw in ROUTER_VARIANTS]
+
+
+@pytest.mark.parametrize(("name", "kw"), ROUTER_VARIANTS, ids=VARIANT_IDS)
+def test_proposes_every_slot_is_true_only_for_routers_that_do(name, kw):
     """The flag lets a patched transformers block skip a host sync, so it must never be wrong: a
     router that sets it proposes every slot in training and eval, on skewed and tied scores."""
     torch.manual_seed(0)
-    router = make_router(name, 16, 8, k=None if name in ("switch", "gumbel_matching", "base", "softmax") else 2)
+    router = make_router(name, 16, 8, k=None if name in ("switch", "gumbel_matching", "base", "softmax") else 2, **kw)
     for train in (True, False):
         router.train(train)
         for x in (torch.randn(24, 16), torch.randn(24, 16) * 30, torch.zeros(24, 16)):
@@ -292,3 +300,23 @@ def test_proposes_every_slot_is_true_only_for_routers_that_do(name):
             if router.proposes_every_slot:
                 assert bool(keep.all()), (name, train)
     assert make_router("batchwise", 16, 8, k=2).proposes_every_slot is False
+    assert proposes_every_slot(router) == router.proposes_every_slot
+
+
+def test_a_subclass_that_reroutes_is_not_trusted_to_propose_every_slot():
+    """A TopKRouter subclass that drops slots in its own route() inherits the class flag; the
+    reading function does not trust it unless the subclass declares it again."""
+
+    class Dropping(TopKRouter):
+        def route(self, logits, capacity):
+            routes = super().route(logits, capacity)
+            return dataclasses.replace(routes, keep=routes.keep & (logits.argmax(-1, keepdim=True) > 0))
+
+    class Declared(Dropping):
+        proposes_every_slot = True
+
+    assert proposes_every_slot(TopKRouter(8, 4, k=2))
+    assert not Dropping(8, 4, k=2)(torch.randn(32, 8)).keep.all()  # it does drop
+    assert not proposes_every_slot(Dropping(8, 4, k=2))
+    assert proposes_every_slot(Declared(8, 4, k=2))
+    assert not proposes_every_slot(BatchwiseRouter(8, 4, k=2))

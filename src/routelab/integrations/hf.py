@@ -59,6 +59,7 @@ from torch import Tensor, nn
 from .._checks import check_capacity_factor, check_generator, check_positive_int
 from ..replay import NoiseReplay, in_backward
 from ..routers import ROUTERS, Router, make_router, router_name
+from ..routers.base import proposes_every_slot
 from ..routing import DROP_POLICIES, RoutingRecord, apply_capacity, expert_capacity, load_stats
 from .hf_blocks import (
     ROUTING_CHILDREN,
@@ -168,11 +169,13 @@ class GateProjection(nn.Module):
 
 
 class _BlockState:
-    """What a patched gate tells the experts of its block about its last routing (plain Python values)."""
+    """What a patched gate tells the experts of its block about the routing it just returned."""
 
     def __init__(self) -> None:
-        #: every slot of the gate's last forward names an expert (none dropped, none masked).
-        self.every_slot_routed = False
+        #: the expert indices ``[n, S]`` the gate last returned, when it knows (without looking at
+        #: them) that every slot names an expert: no capacity, no mask, a router that proposes every
+        #: slot. The experts trust it once, for that very tensor, then forget it.
+        self.fully_routed: Tensor | None = None
 
 
 class RoutedGate(RoutingRecord):
@@ -265,8 +268,8 @@ class RoutedGate(RoutingRecord):
         experts = torch.where(keep, proposed.expert, torch.full_like(proposed.expert, E))
         # Known without looking at the data (no host sync): every slot reaches an expert when
         # nothing drops (no capacity, no mask) and the router proposes every slot.
-        self._routelab_state.every_slot_routed = (
-            mask is None and factor is None and bool(getattr(router, "proposes_every_slot", False)))
+        fully_routed = mask is None and factor is None and proposes_every_slot(router)
+        self._routelab_state.fully_routed = experts if fully_routed else None
         aux = {name: value * self.aux_coef for name, value in proposed.aux.items()}
         self.record_routing(aux, {**proposed.stats, **load_stats(candidate, decision, capacity)})
         # transformers' load-balancing loss (output_router_logits) reads the router logits; one more
@@ -288,7 +291,9 @@ class RoutedExperts:
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         E = self._routelab_num_experts
-        if self._routelab_state.every_slot_routed:  # the gate knows: no sync to find out
+        state = self._routelab_state
+        told, state.fully_routed = state.fully_routed is top_k_index, None
+        if told:  # the gate's own indices, which it knows name an expert in every slot: no sync
             return super().forward(hidden_states, top_k_index, top_k_weights)  # type: ignore[misc]
         routed = (top_k_index >= 0) & (top_k_index < E)
         if bool(routed.all()):  # one host sync

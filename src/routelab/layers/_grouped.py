@@ -13,6 +13,7 @@ over the groups there.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import torch
@@ -127,9 +128,11 @@ def _probe(device: torch.device, dtype: torch.dtype) -> bool:
     try:
         # Its own autograd graph, out of any caller's: no autocast, and no saved-tensor hooks (a
         # first forward under activation checkpointing would count the probe's saved tensors, which
-        # the recomputation, finding the verdict cached, does not save again).
-        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False), \
-                torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        # the recomputation, finding the verdict cached, does not save again). Where hooks are
+        # disabled (vmap, AOTAutograd), pushing one raises: none is pushed, none would run.
+        own_hooks = (torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+                     if torch._C._autograd._saved_tensors_hooks_is_enabled() else contextlib.nullcontext())
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False), own_hooks:
             rows = rows_ref.to(device, dtype).requires_grad_(True)
             weight = weight_ref.to(device, dtype).requires_grad_(True)
             out = grouped_mm(rows, weight, offsets.to(device))

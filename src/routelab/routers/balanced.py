@@ -117,7 +117,7 @@ class GumbelMatchingRouter(Router):
         balance_coef: weight of the Switch balance loss in ``aux["balance"]``.
     """
 
-    proposes_every_slot = True
+    # Not declared: the skip estimators (``method="sample_skip*"``) leave tokens out in training.
     stochastic = True
 
     def __init__(self, d_model: int, num_experts: int, *, tau: float = 1.0, method: str = "gumbel_matching_iw",

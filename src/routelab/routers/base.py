@@ -36,7 +36,7 @@ from ..routing.masks import real_tokens, scatter_routes
 from ..routing.rules import expert_grid
 from ._scores import float32_linear, full_precision
 
-__all__ = ["Router", "check_finite_features", "check_positive_int", "expert_grid"]
+__all__ = ["Router", "check_finite_features", "check_positive_int", "expert_grid", "proposes_every_slot"]
 
 
 def check_finite_features(features: Tensor) -> None:
@@ -76,10 +76,12 @@ class Router(nn.Module):
     #: Whether :meth:`route` draws randomness in training (noise replayed under checkpointing).
     stochastic: bool = False
 
-    #: Whether :meth:`route` proposes every slot (``keep`` all True), as every built-in router but
-    #: batchwise gating does. A patched transformers block whose gate routes without capacity or
-    #: mask then knows, without a host sync, that every slot reaches an expert. ``False`` (the safe
-    #: answer: a sync, never a wrong route) for routers that do not say.
+    #: Whether this class's :meth:`route` proposes every slot (``keep`` all True), as every
+    #: built-in router but batchwise gating does. A patched transformers block whose gate routes
+    #: without capacity or mask then knows, without a host sync, that every slot reaches an expert.
+    #: ``False`` (the safe answer: a sync, never a wrong route) for routers that do not say. Read it
+    #: through :func:`proposes_every_slot`, which does not trust it for a subclass that overrides
+    #: the routing without declaring it again.
     proposes_every_slot: bool = False
 
     generator = GeneratorAttribute(
@@ -195,3 +197,24 @@ class Router(nn.Module):
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, num_experts={self.num_experts}, k={self.slots}"
+def proposes_every_slot(router: nn.Module) -> bool:
+    """Whether ``router``'s routing proposes every slot (``keep`` all True) by its class's own
+    declaration (:attr:`Router.proposes_every_slot`).
+
+    The declaration counts only where the class that makes it defines the routing too, or derives
+    from the class that does: a subclass of :class:`TopKRouter` that overrides :meth:`Router.route`
+    (or ``route_features``, or ``forward``) to leave slots out, without declaring the flag again,
+    gets ``False``.
+    """
+    cls = type(router)
+
+    def first_definer(name: str) -> type | None:
+        return next((c for c in cls.__mro__ if name in c.__dict__), None)
+
+    declared = first_definer("proposes_every_slot")
+    if declared is None or not declared.__dict__["proposes_every_slot"]:
+        return False
+    return all(issubclass(declared, definer) for definer in map(first_definer, ("route", "route_features", "forward"))
+               if definer is not None)
+
+
