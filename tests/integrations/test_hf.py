@@ -463,6 +463,45 @@ def test_a_router_that_may_skip_tokens_is_not_told_fully_routed():
     assert torch.isfinite(model(ids(seq=16)).logits).all()
 
 
+def test_a_gate_hook_that_edits_the_indices_in_place_is_seen():
+    """A forward hook that masks experts in place (as expert parallelism might) keeps the tensor's
+    identity: the experts must notice the edit, not trust the gate's earlier promise."""
+    model = tiny().train()
+    try:
+        model.set_experts_implementation("batched_mm")
+    except (ValueError, ImportError) as error:  # pragma: no cover - depends on the torch build
+        pytest.skip(f"batched_mm unavailable: {error}")
+    reference = copy.deepcopy(model)
+    blocks = _patch(model, "topk", check_finite=False)
+    _patch(reference, "topk", check_finite=False, capacity_factor=None)
+
+    def keep_experts_below_two(module, args, out):
+        out[2].masked_fill_(out[2] >= 2, module.router.num_experts)  # same tensor, edited
+
+    def weights_of_kept(module, args, out):  # the reference: the same edit, out of place
+        index = torch.where(out[2] >= 2, module.router.num_experts, out[2])
+        return out[0], out[1], index
+
+    for b in blocks:
+        b.gate.register_forward_hook(keep_experts_below_two)
+    for b in sparse_moe_blocks(reference):
+        gate_of(b[1]).register_forward_hook(weights_of_kept)
+    x = ids()
+    assert torch.allclose(model(x).logits, reference(x).logits, atol=1e-5)
+
+
+def test_a_patched_model_compiles_whole_with_fullgraph():
+    """No graph break in a patched block (the checks are skipped while tracing; the gate's backward
+    query is not traced): torch.compile(fullgraph=True) runs and equals eager."""
+    model = tiny().train()
+    _patch(model, "topk", check_finite=False)
+    x = ids()
+    expected = model(x).logits
+    torch._dynamo.reset()
+    got = torch.compile(model, fullgraph=True, backend="eager")(x).logits
+    assert torch.allclose(got, expected, atol=1e-6)
+
+
 def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="no sparse MoE block"):
         patch_moe(torch.nn.Sequential(torch.nn.Linear(4, 4)), "topk")

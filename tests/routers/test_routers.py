@@ -320,3 +320,28 @@ def test_a_subclass_that_reroutes_is_not_trusted_to_propose_every_slot():
     assert not proposes_every_slot(Dropping(8, 4, k=2))
     assert proposes_every_slot(Declared(8, 4, k=2))
     assert not proposes_every_slot(BatchwiseRouter(8, 4, k=2))
+
+
+def test_proposes_every_slot_distrusts_whatever_could_change_the_routing():
+    class ByProperty(TopKRouter):
+        @property
+        def proposes_every_slot(self):
+            return False
+
+    class Called(TopKRouter):
+        def __call__(self, *args, **kwargs):
+            return super().__call__(*args, **kwargs)
+
+    assert not proposes_every_slot(ByProperty(8, 4, k=2))
+    assert not proposes_every_slot(Called(8, 4, k=2))
+    opted_out = TopKRouter(8, 4, k=2)
+    opted_out.proposes_every_slot = False
+    assert not proposes_every_slot(opted_out)
+    rerouted = TopKRouter(8, 4, k=2)
+    rerouted.route = lambda logits, capacity: None
+    assert not proposes_every_slot(rerouted)
+    hooked = TopKRouter(8, 4, k=2)
+    handle = hooked.register_forward_hook(lambda module, args, out: out)
+    assert not proposes_every_slot(hooked)
+    handle.remove()
+    assert proposes_every_slot(hooked)

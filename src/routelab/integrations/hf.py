@@ -174,8 +174,10 @@ class _BlockState:
     def __init__(self) -> None:
         #: the expert indices ``[n, S]`` the gate last returned, when it knows (without looking at
         #: them) that every slot names an expert: no capacity, no mask, a router that proposes every
-        #: slot. The experts trust it once, for that very tensor, then forget it.
+        #: slot. The experts trust it once, for that very tensor unchanged, then forget it.
         self.fully_routed: Tensor | None = None
+        #: its version counter then (an in-place change since, by a hook say, voids the promise).
+        self.version = 0
 
 
 class RoutedGate(RoutingRecord):
@@ -213,8 +215,10 @@ class RoutedGate(RoutingRecord):
     def _token_mask(self, num_tokens: int) -> Tensor | None:
         """The token mask of this forward: the model call's, or, when activation checkpointing
         recomputes the gate inside the backward pass, the one its own forward used (recorded per
-        forward, last in first out as backward recomputes), whatever the model ran in between."""
-        if in_backward():
+        forward, last in first out as backward recomputes), whatever the model ran in between.
+        (While torch.compile traces there is no Python recomputation to serve, and the backward
+        query cannot be traced.)"""
+        if not torch.compiler.is_compiling() and in_backward():
             if self._routelab_masks:
                 return self._routelab_masks.pop()
             return self._routelab_mask.tokens(num_tokens)
@@ -269,7 +273,10 @@ class RoutedGate(RoutingRecord):
         # Known without looking at the data (no host sync): every slot reaches an expert when
         # nothing drops (no capacity, no mask) and the router proposes every slot.
         fully_routed = mask is None and factor is None and proposes_every_slot(router)
-        self._routelab_state.fully_routed = experts if fully_routed else None
+        state = self._routelab_state
+        state.fully_routed = experts if fully_routed else None
+        if fully_routed and not torch.compiler.is_compiling():  # (a version is data Dynamo cannot guard)
+            state.version = experts._version
         aux = {name: value * self.aux_coef for name, value in proposed.aux.items()}
         self.record_routing(aux, {**proposed.stats, **load_stats(candidate, decision, capacity)})
         # transformers' load-balancing loss (output_router_logits) reads the router logits; one more
@@ -292,8 +299,10 @@ class RoutedExperts:
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         E = self._routelab_num_experts
         state = self._routelab_state
-        told, state.fully_routed = state.fully_routed is top_k_index, None
-        if told:  # the gate's own indices, which it knows name an expert in every slot: no sync
+        told = state.fully_routed is top_k_index and (
+            torch.compiler.is_compiling() or top_k_index._version == state.version)
+        state.fully_routed = None
+        if told:  # the gate's own indices, unchanged, which it knows name an expert in every slot: no sync
             return super().forward(hidden_states, top_k_index, top_k_weights)  # type: ignore[misc]
         routed = (top_k_index >= 0) & (top_k_index < E)
         if bool(routed.all()):  # one host sync

@@ -197,24 +197,39 @@ class Router(nn.Module):
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, num_experts={self.num_experts}, k={self.slots}"
+
+
+#: The methods through which a router's routing runs (see :func:`proposes_every_slot`).
+_ROUTING_METHODS = ("route", "route_features", "forward", "__call__")
+
+
 def proposes_every_slot(router: nn.Module) -> bool:
     """Whether ``router``'s routing proposes every slot (``keep`` all True) by its class's own
     declaration (:attr:`Router.proposes_every_slot`).
 
-    The declaration counts only where the class that makes it defines the routing too, or derives
-    from the class that does: a subclass of :class:`TopKRouter` that overrides :meth:`Router.route`
-    (or ``route_features``, or ``forward``) to leave slots out, without declaring the flag again,
-    gets ``False``.
+    Anything that could change the routing after the declaration makes the answer ``False`` (a
+    host sync where one could be saved, never a wrong route):
+
+    * a subclass that overrides ``route``, ``route_features``, ``forward`` or ``__call__`` without
+      declaring the flag again (the declaration counts only from the class that defines the
+      routing, or a subclass of it);
+    * a flag that is not the plain value ``True`` on the router (a property, an instance's own
+      ``False``);
+    * routing methods set on the instance, and forward hooks on the router.
     """
+    if getattr(router, "proposes_every_slot", False) is not True:
+        return False
+    if any(name in vars(router) for name in _ROUTING_METHODS):
+        return False
+    if router._forward_hooks or router._forward_pre_hooks:
+        return False
     cls = type(router)
 
     def first_definer(name: str) -> type | None:
         return next((c for c in cls.__mro__ if name in c.__dict__), None)
 
     declared = first_definer("proposes_every_slot")
-    if declared is None or not declared.__dict__["proposes_every_slot"]:
+    if declared is None or declared.__dict__["proposes_every_slot"] is not True:
         return False
-    return all(issubclass(declared, definer) for definer in map(first_definer, ("route", "route_features", "forward"))
-               if definer is not None)
-
-
+    return all(issubclass(declared, definer) for definer in map(first_definer, _ROUTING_METHODS)
+               if definer is not None and definer is not nn.Module)
