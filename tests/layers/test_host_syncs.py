@@ -132,6 +132,26 @@ def test_a_multigate_moe_skipping_experts_reads_one_flag_vector() -> None:
     assert len(found) == 2, found
 
 
+def test_an_unchecked_multigate_moe_with_per_example_gates_reads_only_its_flags() -> None:
+    """check_finite=False on the layer and on its per-example gates: only the one read of which
+    experts are needed is left (both gates give exact zeros a zero gradient, so the layer may skip)."""
+    from routelab.gates import DSelectK, SoftmaxGate
+    from routelab.layers import MultiGateMoE
+
+    torch.manual_seed(0)
+    gates = [DSelectK(6, 2, per_example=True, input_dim=8), SoftmaxGate(6, per_example=True, input_dim=8)]
+    for gate in gates:
+        gate.check_finite = False
+    moe = MultiGateMoE([torch.nn.Linear(8, 4) for _ in range(6)], gates, check_finite=False)
+    x = torch.randn(5, 8)
+    sum(o.sum() for o in moe(x)).backward()
+    with record_host_syncs() as found:
+        sum(o.sum() for o in moe(x)).backward()
+    assert [s.where.split(":")[0] for s in found] == ["routelab/layers/multigate.py"], found
+    with pytest.raises(TypeError, match="check_finite must be True or False"):
+        MultiGateMoE([torch.nn.Linear(8, 4)], [SoftmaxGate(1)], check_finite=None)
+
+
 @pytest.mark.requires_cuda
 @pytest.mark.parametrize(("router", "kw"), SYNC_FREE_ROUTERS, ids=[r for r, _ in SYNC_FREE_ROUTERS])
 def test_the_same_training_step_makes_no_host_sync_on_cuda(router, kw) -> None:

@@ -94,6 +94,11 @@ class MTLGate(nn.Module):
     #: gradient. A straight-through gate (Gumbel-softmax in training) says False.
     exact_zeros: bool = True
 
+    #: Whether a per-example gate checks its scores for NaN/inf on every call (one host sync).
+    #: Set it to False on a gate (``gate.check_finite = False``) to drop the check, e.g. for a step
+    #: without host syncs on a GPU.
+    check_finite: bool = True
+
     def __init__(self, num_experts: int, *, per_example: bool = False,
                  input_dim: int | None = None) -> None:
         super().__init__()

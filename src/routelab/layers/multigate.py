@@ -108,6 +108,8 @@ class MultiGateMoE(nn.Module):
             ``num_experts == n``.
         towers: one module per task mapping the mixture ``[batch, d]`` to the task output, or
             None for identity towers.
+        check_finite: check a floating ``x`` for NaN/inf on every call (one host sync); the
+            gates' own checks are theirs (``gate.check_finite``).
 
     ``forward(x, gate_x=None)`` returns a list with one tensor per task; the gates receive
     ``gate_x`` if given, else ``x.flatten(1)``. After a forward, :attr:`last_weights` holds the
@@ -119,13 +121,17 @@ class MultiGateMoE(nn.Module):
     towers compute in it, and every floating task output is returned in ``x``'s dtype. A
     non-floating ``x`` (token ids, say) goes to the experts unchanged. ``gate_x`` goes to the
     gates as given (each gate applies the policy itself). A floating ``x`` with NaN/inf entries
-    is a ValueError (one host synchronisation per forward); skipping unneeded experts of a
-    sequence costs one more (which experts every gate left out).
+    is a ValueError (one host synchronisation per forward; ``check_finite=False`` drops the check,
+    and each per-example gate has a ``check_finite`` attribute of its own); skipping unneeded
+    experts of a sequence costs one more (which experts every gate left out).
     """
 
     def __init__(self, experts: nn.Module | Sequence[nn.Module], gates: Sequence[nn.Module],
-                 towers: Sequence[nn.Module] | None = None) -> None:
+                 towers: Sequence[nn.Module] | None = None, *, check_finite: bool = True) -> None:
         super().__init__()
+        if not isinstance(check_finite, bool):
+            raise TypeError(f"check_finite must be True or False, got {check_finite!r}")
+        self.check_finite = check_finite
         if isinstance(experts, nn.Module) and not isinstance(experts, nn.ModuleList):
             n = getattr(experts, "num_experts", None)
             if not isinstance(n, int) or n < 1:
@@ -189,7 +195,7 @@ class MultiGateMoE(nn.Module):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor [batch, ...], got {type(x).__name__}")
         out_dtype = x.dtype if x.is_floating_point() else None
-        if out_dtype is not None:
+        if out_dtype is not None and self.check_finite:
             check_finite(x, "x", "the input contains NaN/inf (or a magnitude its dtype cannot hold); fix the "
                                  "previous layer or the data")
         compute = self._compute_dtype()
