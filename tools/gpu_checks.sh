@@ -6,8 +6,8 @@
 # 15 minutes of device time do not fit every step: the suite alone takes about 4 minutes.
 #
 # Writes 8 files to $OUT (or ./gpu-checks when OUT is unset; the device returns at most 8): log.txt,
-# suite.log, bench-bf16-d4096-e64-k2.md, prof-d4096.txt, bench-fp32-d2048.md,
-# bench-compiled-bf16-d1024.md, bench-compiled-ro-bf16-d1024.md, lm.tgz. Each step
+# suite.log, bench-assignment.md, bench-bf16-d4096-e64-k2.md, prof-d4096.txt, bench-fp32-d2048.md,
+# bench-compiled-bf16-d1024.md (default and reduce-overhead), lm.tgz. Each step
 # gets the time left before the deadline (a step that would start with under 30 s left is skipped
 # and said so), so the most important results come back even when the budget is short.
 # Needs routelab's src on the machine's python3 (make test-gpu installs it --no-deps). The lm-routers
@@ -33,6 +33,8 @@ targs="-v --durations=40 --tb=short"; python3 -c "import pytest_timeout" 2>/dev/
 step "whole suite (make test-gpu; 233 s on an H200 machine, 2026-11-26)" 300 \
   bash -c "make test-gpu PYTEST_ARGS='$targs' > '$out/suite.log' 2>&1"
 grep -E "FAILED|ERROR|Timeout|passed|failed" "$out/suite.log" | grep -v " PASSED" | tail -30 | tee -a "$L"
+step "bench assignment on the GPU: the host policy of balanced_assignment (2026-11-26) against on_host=False" 180 \
+  bash -c "python3 -m routelab bench assignment --device cuda > '$out/bench-assignment.md' 2>>'$L'"
 step "bench moe bf16 d_model 4096, E = 64, top-2 (its transformers row not yet measured)" 150 \
   bash -c "python3 -m routelab bench moe --device cuda --dtype bfloat16 --d-model 4096 --experts 64 --k 2 \
 > '$out/bench-bf16-d4096-e64-k2.md' 2>>'$L'"
@@ -45,7 +47,7 @@ step "bench moe --compile, bf16 d_model 1024, top-1 (measured 2026-11-26)" 150 \
 > '$out/bench-compiled-bf16-d1024.md' 2>>'$L'"
 step "bench moe --compile reduce-overhead (CUDA graphs), bf16 d_model 1024, top-1 (measured 2026-11-26)" 120 \
   bash -c "python3 -m routelab bench moe --device cuda --dtype bfloat16 --d-model 1024 --k 1 \
---compile reduce-overhead > '$out/bench-compiled-ro-bf16-d1024.md' 2>>'$L'"
+--compile reduce-overhead >> '$out/bench-compiled-bf16-d1024.md' 2>>'$L'"
 if [ -f data-cache/parallel_text_es_en.jsonl.gz ]; then
   mkdir -p /tmp/lm
   step "lm-routers --large, 1 seed, 100 steps" 200 bash -c "python3 -m routelab.experiments.lm_routers --large \

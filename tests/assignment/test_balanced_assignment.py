@@ -520,16 +520,44 @@ def test_property_invariances(inst, data) -> None:
 # ----------------------------------------------------------------------------- CUDA
 
 
+class TestWhereAGpuSolves:
+    """``on_host``: where scores on a GPU are solved (the CUDA half is in :class:`TestCuda`)."""
+
+    @pytest.mark.parametrize("bad", [1, "yes", 0.0])
+    def test_on_host_must_be_none_or_a_bool(self, bad: object) -> None:
+        with pytest.raises(TypeError, match="on_host must be None"):
+            balanced_assignment(torch.randn(4, 2), on_host=bad)
+
+    @pytest.mark.parametrize("on_host", [None, True, False])
+    @pytest.mark.parametrize("k", [1, 2])
+    def test_cpu_scores_ignore_it(self, on_host: bool | None, k: int) -> None:
+        s = torch.randn(3, 12, 4, generator=torch.Generator().manual_seed(0))
+        assert torch.equal(balanced_assignment(s, k=k, on_host=on_host), balanced_assignment(s, k=k))
+
+    def test_cpu_scores_never_pay_for_a_copy(self) -> None:
+        from routelab.assignment.balanced import host_solve_pays
+
+        assert not host_solve_pays(torch.randn(2, 8, 4))
+
+    def test_the_bound_sits_between_the_measured_sizes(self) -> None:
+        # The two batched sizes measured on an H200 (docs/bench-assignment-gpu.md): the host won at
+        # 64 x 256 x 16 and lost at 64 x 4096 x 64.
+        from routelab.assignment._tuning import TUNING
+
+        assert 64 * 256 * 16 <= TUNING.host_max_scores < 64 * 4096 * 64
+
+
 @pytest.mark.requires_cuda
 class TestCuda:
+    @pytest.mark.parametrize("on_host", [None, False, True], ids=["auto", "device", "host"])
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
     @pytest.mark.parametrize("name", ["gaussian", "integer_ties", "large_scale", "forbidden_pairs"])
-    def test_objective_matches_oracle_on_cuda(self, name: str, dtype: torch.dtype) -> None:
+    def test_objective_matches_oracle_on_cuda(self, name: str, dtype: torch.dtype, on_host: bool | None) -> None:
         gen = torch.Generator().manual_seed(2000 + FAMILIES.index(name))
         for n, k, cap in SHAPES:
             c = n // k if cap is None else min(cap, n)
             s = family(name, 1 if n == 1 else 25, n, k, c, gen).to(dtype)
-            z = balanced_assignment(s.cuda(), capacity=cap)
+            z = balanced_assignment(s.cuda(), capacity=cap, on_host=on_host)
             assert z.is_cuda
             check_optimal(s.cuda(), z, cap)
             # Not compared entry by entry with the CPU answer: where two assignments tie within the
@@ -537,11 +565,36 @@ class TestCuda:
             # (documented in balanced_assignment; found on an H200, gaussian float32).
             check_optimal(s, balanced_assignment(s, capacity=cap), cap)
 
-    def test_infeasible_raises_on_cuda(self) -> None:
+    @pytest.mark.parametrize("on_host", [None, False, True], ids=["auto", "device", "host"])
+    def test_infeasible_raises_on_cuda(self, on_host: bool | None) -> None:
         s = torch.tensor([[0.0, NEG_INF], [1.0, NEG_INF], [2.0, NEG_INF]], device="cuda")
         with pytest.raises(ValueError, match="no feasible assignment"):
-            balanced_assignment(s, capacity=2)
+            balanced_assignment(s, capacity=2, on_host=on_host)
 
-    def test_bad_input_raises_on_cuda(self) -> None:
+    @pytest.mark.parametrize("on_host", [None, False, True], ids=["auto", "device", "host"])
+    def test_bad_input_raises_on_cuda(self, on_host: bool | None) -> None:
         with pytest.raises(ValueError, match="NaN"):
-            balanced_assignment(torch.tensor([[float("nan"), 0.0], [0.0, 0.0]], device="cuda"))
+            balanced_assignment(torch.tensor([[float("nan"), 0.0], [0.0, 0.0]], device="cuda"), on_host=on_host)
+
+    def test_a_small_batch_is_solved_on_the_host_with_two_syncs(self) -> None:
+        from routelab.assignment._compiled import HAVE_NUMBA
+        from routelab.bench.assignment import count_host_syncs
+
+        if not HAVE_NUMBA:
+            pytest.skip("the host path needs numba (the compiled CPU solver)")
+        s = torch.randn(64, 256, 16, generator=torch.Generator().manual_seed(1)).cuda()
+        auto, device = balanced_assignment(s), balanced_assignment(s, on_host=False)
+        check_optimal(s, auto, None)
+        check_optimal(s, device, None)
+        assert count_host_syncs(lambda: balanced_assignment(s), device="cuda") <= 2
+        assert count_host_syncs(lambda: balanced_assignment(s, on_host=False), device="cuda") > 2
+
+    def test_half_precision_and_b_matching_on_the_host(self) -> None:
+        s = torch.randn(4, 32, 8, generator=torch.Generator().manual_seed(2))
+        for dtype in (torch.float16, torch.bfloat16):
+            z = balanced_assignment(s.to("cuda", dtype), on_host=True)
+            assert z.is_cuda
+            check_optimal(s.to(dtype).float().cuda(), z, None)
+        pairs = balanced_assignment(s.cuda(), k=2, on_host=True)
+        assert pairs.is_cuda
+        assert torch.equal(pairs.cpu(), balanced_assignment(s, k=2))

@@ -69,8 +69,9 @@ BATCHED_COLUMNS = ["method", "ms per call", "ms per instance", "ratio to batched
 
 
 def test_batched_section_on_cpu() -> None:
-    """The section the GPU run prints, on CPU with tiny sizes: one table per size, four rows, every
-    solver's result feasible, the exact rows equal in objective, the host row skipped on CPU."""
+    """The section the GPU run prints, on CPU with tiny sizes: one table per size, five rows, every
+    solver's result feasible, the exact rows equal in objective, the on-device and host rows
+    skipped on CPU."""
     out = io.StringIO()
     sizes = [(3, 32, 4), (2, 16, 2)]
     text = bench._batched_section(sizes, repeats=2, budget_s=5.0, device="cpu", out=out)
@@ -80,8 +81,9 @@ def test_batched_section_on_cpu() -> None:
     for (b, n, k), (header, body) in zip(sizes, tables):
         assert f"{b} instances of n={n}, k={k}" in text
         assert header == BATCHED_COLUMNS
-        assert len(body) == 4 and all(len(row) == len(header) for row in body)
-        batched, loop, auction, host = body
+        assert len(body) == 5 and all(len(row) == len(header) for row in body)
+        batched, device, loop, auction, host = body
+        assert "on_host=False" in device[0] and device[1].startswith("skipped (device is cpu")
         assert "one call" in batched[0] and "per instance" in loop[0] and "fairseq_auction" in auction[0]
         for row in (batched, loop, auction):
             assert float(row[1]) > 0 and float(row[2]) > 0
@@ -99,7 +101,7 @@ def test_batched_section_on_cpu() -> None:
 def test_measure_batched_checks_feasibility_and_objectives() -> None:
     size = bench._measure_batched(4, 32, 4, repeats=2, budget_s=5.0, device="cpu", seed=3)
     assert (size.b, size.n, size.k) == (4, 32, 4)
-    assert set(size.methods) == {"batched", "loop", "auction", "host"}
+    assert set(size.methods) == {"batched", "device", "loop", "auction", "host"}
     runs = size.methods["batched"].timing.runs
     assert size.instances == 4 * runs
     assert size.same_optimum and size.auction_above == 0
@@ -107,7 +109,8 @@ def test_measure_batched_checks_feasibility_and_objectives() -> None:
     for key in ("batched", "loop", "auction"):
         m = size.methods[key]
         assert m.feasible is True and m.host_syncs is None and m.timing.runs == runs
-    assert size.methods["host"].timing is None and size.methods["host"].skipped
+    for key in ("device", "host"):
+        assert size.methods[key].timing is None and size.methods[key].skipped
 
 
 def test_an_auction_answer_over_capacity_is_left_out_of_its_gap(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -44,8 +44,8 @@ from ._normalise import _chunk
 from ._workspace import NORMALISED, scratch
 
 __all__ = [
-    "ENABLED", "PHASES", "available", "compiled_phases", "scaling_sinkhorn", "shift_rows", "solve_normalised",
-    "solve_scores",
+    "ENABLED", "PHASES", "available", "compiled_phases", "host_available", "scaling_sinkhorn", "shift_rows",
+    "solve_normalised", "solve_scores",
 ]
 
 #: The switch of the compiled path (``False``: every call takes the PyTorch path).
@@ -76,6 +76,20 @@ def available(S: Tensor) -> bool:
     and memory it can read (not a tensor without storage, as inside ``torch.func`` transforms:
     Sinkhorn then takes its PyTorch path)."""
     if not (ENABLED and HAVE_NUMBA and S.device.type == "cpu" and S.dtype in (torch.float32, torch.float64)):
+        return False
+    try:
+        S.data_ptr()
+    except RuntimeError:
+        return False
+    return True
+
+
+def host_available(S: Tensor) -> bool:
+    """Whether a copy of ``S`` (``[B, n, k]``, any device) on the CPU would take the compiled path:
+    numba present, the switch on, a floating dtype (half precision is widened to float32 for
+    it), and memory that can be read (not a tensor without storage, as inside ``torch.func``
+    transforms)."""
+    if not (ENABLED and HAVE_NUMBA and S.is_floating_point()):
         return False
     try:
         S.data_ptr()

@@ -46,6 +46,16 @@ class SolverTuning:
     ``small_gram`` rows the Hessian's saturated rows are masked rather than selected; reductions
     over at most ``small_k`` experts are done slice by slice (:mod:`._ops`); Bellman-Ford looks
     for predecessor cycles every ``check_every`` sweeps (a look costs about two sweeps).
+
+    **Where a GPU's problems are solved**: scores on a CUDA device with at most
+    ``host_max_scores`` entries in all (batch x tokens x experts) are copied to the host and
+    solved by the compiled CPU solver, when it is available (numba, ``ROUTELAB_PURE_TORCH``
+    unset). The PyTorch path on the GPU makes about a hundred host synchronisations per call
+    whatever the size, the host round trip two. Measured on an H200 machine (16-core Xeon host,
+    float32 ``randn``, docs/bench-assignment-gpu.md): 64 x 256 x 16 (2^18 scores) took 20.6 ms on
+    the GPU and 3.6 ms through the host; 64 x 4096 x 64 (2^24) 72 ms on the GPU and 211 ms through
+    the host; one instance of 256 x 16 ... 16384 x 64 took 5.9-15.6 ms on the GPU. A power law
+    through the two batched sizes puts the crossover near 3.4M scores; ``2^21`` stays below it.
     """
 
     first_temperature: float = 0.3
@@ -65,6 +75,7 @@ class SolverTuning:
     small_gram: int = 1024
     small_k: int = 8
     check_every: int = 3
+    host_max_scores: int = 2**21
 
 
 #: The tuning every solver call uses unless it is given another.

@@ -50,6 +50,7 @@ from ._groups import slot_table
 from ._normalise import compute_dtype, normalise_scores
 from ._prices import approximate_prices
 from ._start import initial_assignment
+from ._tuning import TUNING, SolverTuning
 from ._two_experts import closed_form, two_expert_assignment, two_expert_graph
 from ._workspace import NORMALISED, SCORES_A, scratch
 
@@ -77,7 +78,8 @@ class BalancedSolution:
     rounds: int
 
 
-def balanced_assignment(scores: Tensor, capacity: int | None = None, *, k: int = 1) -> Tensor:
+def balanced_assignment(scores: Tensor, capacity: int | None = None, *, k: int = 1,
+                        on_host: bool | None = None) -> Tensor:
     """The exact maximiser of ``sum_i scores[i, z_i]`` with at most ``capacity`` tokens per expert.
 
     Exact means: no other feasible assignment beats it by more than the rounding of the scores'
@@ -98,6 +100,12 @@ def balanced_assignment(scores: Tensor, capacity: int | None = None, *, k: int =
             the exact balanced b-matching of :func:`~routelab.assignment.balanced_b_matching`
             (``k`` distinct experts per token, every expert ``floor`` or ``ceil`` of ``k n / E``
             pairs, or at most ``capacity``; here the experts are ``E``, the last dimension).
+        on_host: where scores on a GPU are solved (keyword). ``None`` (default): on the host
+            when that is faster, i.e. for ``k = 1`` scores of at most ``host_max_scores``
+            entries (2^21, :mod:`._tuning`) with the compiled CPU solver available; ``True``:
+            always on the host (copied there, the result copied back to ``scores.device``);
+            ``False``: on ``scores.device``. The same optimum either way; a GPU solve makes about
+            a hundred host synchronisations, a host solve two. Ignored for CPU scores.
 
     Returns:
         ``[..., n]`` long tensor, the expert of every token; for ``k > 1``, ``[..., n, k]``, the
@@ -108,22 +116,37 @@ def balanced_assignment(scores: Tensor, capacity: int | None = None, *, k: int =
             ``n`` not divisible by ``k`` without an explicit capacity, or a pattern of ``-inf``
             entries that leaves no feasible assignment.
     """
+    if on_host is not None and not isinstance(on_host, bool):
+        raise TypeError(f"on_host must be None (automatic), True or False, got {on_host!r}")
     if isinstance(k, bool) or not isinstance(k, int) or k != 1:
         from .b_matching import balanced_b_matching  # the sibling module builds on this one
 
+        if on_host and isinstance(scores, Tensor) and scores.device.type != "cpu":
+            return balanced_b_matching(scores.to("cpu"), k, capacity).to(scores.device)
         return balanced_b_matching(scores, k, capacity)
-    sol = solve_balanced(scores, capacity)
+    sol = solve_balanced(scores, capacity, on_host=on_host)
     return sol.expert.view(scores.shape[:-1])
 
 
-def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "scores") -> BalancedSolution:
-    """Validate, normalise, solve and certify; returns the flattened :class:`BalancedSolution`."""
+def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "scores",
+                   on_host: bool | None = None, tuning: SolverTuning = TUNING) -> BalancedSolution:
+    """Validate, normalise, solve and certify; returns the flattened :class:`BalancedSolution`
+    on ``scores.device``.
+
+    ``on_host``: as in :func:`balanced_assignment` (``None``: :func:`host_solve_pays` decides, by
+    ``tuning.host_max_scores``).
+    """
     check_score_matrix(scores, name, values=False)
     check_plain_tensor(scores, name, "the balanced assignment solver")
     n, k = scores.shape[-2], scores.shape[-1]
     c = min(resolve_capacity(n, k, capacity), n)
     flat = scores.detach().reshape(-1, n, k)
     B, dev = flat.shape[0], scores.device
+    if dev.type != "cpu" and (host_solve_pays(flat, tuning) if on_host is None else on_host):
+        # The same solve on a host copy (half precision widened exactly, as the solver would).
+        sol = solve_balanced(flat.to(device="cpu", dtype=compute_dtype(flat.dtype)), c, name=name)
+        return BalancedSolution(expert=sol.expert.to(dev), arc_cost=sol.arc_cost.to(dev),
+                                log2_scale=sol.log2_scale.to(dev), capacity=c, rounds=sol.rounds)
     if B and not closed_form(k) and _compiled.available(flat):
         # Steps 0-3 below in one compiled call (the speed machinery, :mod:`._compiled`); None for
         # input with -inf, NaN or +inf entries, which the steps below validate and handle.
@@ -175,6 +198,18 @@ def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "
         # the penalty.
         arc_cost = _graph_of(normalised, z, c, release_weight(S))
     return BalancedSolution(expert=z, arc_cost=arc_cost, log2_scale=log2_scale, capacity=c, rounds=rounds)
+
+
+def host_solve_pays(flat: Tensor, tuning: SolverTuning = TUNING) -> bool:
+    """Whether the ``[B, n, k]`` scores, on a CUDA device, are solved faster on the host.
+
+    Yes when the compiled CPU solver runs there (:func:`._compiled.host_available`), the problem
+    has at most ``tuning.host_max_scores`` entries, and ``torch.compile`` is not tracing (the
+    copy to the host is a graph break; the traced solver stays on the device). The measurements
+    behind the bound are in :class:`._tuning.SolverTuning`.
+    """
+    return (flat.device.type == "cuda" and flat.numel() <= tuning.host_max_scores
+            and not torch.compiler.is_compiling() and _compiled.host_available(flat))
 
 
 def _graph_of(S: Tensor, z: Tensor, c: int, big: Tensor) -> Tensor:

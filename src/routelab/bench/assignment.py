@@ -20,8 +20,11 @@ being measured, and returned whole.
 ``torch.randn(b, n, k)`` (batch ``r`` from seed ``r``, made on the CPU and moved to the device untimed),
 one table with a row per method, each timed call solving a whole batch:
 
-* routelab :func:`~routelab.assignment.balanced_assignment` on the ``[b, n, k]`` batch in one call;
-* routelab on one ``[n, k]`` instance at a time (a Python loop over the batch), on the device;
+* routelab :func:`~routelab.assignment.balanced_assignment` on the ``[b, n, k]`` batch in one call,
+  as a user calls it (``on_host=None``: on a GPU, batches of at most ``host_max_scores`` scores are
+  solved on the host when the compiled CPU solver is there, :mod:`routelab.assignment._tuning`);
+* the same call with ``on_host=False``: the PyTorch solver on the device (the evidence for that bound);
+* routelab on one ``[n, k]`` instance at a time (a Python loop over the batch, ``on_host=None``);
 * the BASE-layers auction :func:`routelab.bench.peers.fairseq_auction` instance by instance on the
   device (it is single-instance; one host sync per round);
 * "host": the batch copied to the CPU, solved there in one batched call, the result copied back,
@@ -63,6 +66,7 @@ from scipy.optimize import linear_sum_assignment
 
 import routelab
 from routelab.assignment import balanced_assignment, gumbel_matching, sinkhorn
+from routelab.assignment._tuning import TUNING
 
 from ..machine import cpu_model as _cpu_model
 from ..machine import load_average
@@ -450,6 +454,10 @@ def _notes(rows: Sequence[Row], *, device: str) -> list[str]:
         f"for n >= {SCIPY_NEVER_N}.",
         f"- gumbel_matching: tau = {GUMBEL_TAU:g}, seeded generator; the time includes sampling "
         "the Gumbel noise, the solve and the conditionals.",
+        *([] if device == "cpu" else [
+            f"- routelab and gumbel_matching as a user calls them: on {device}, a problem of at most "
+            f"{TUNING.host_max_scores:,} scores (every size of this table) is solved on the host when the compiled "
+            "CPU solver is available (`balanced_assignment(on_host=None)`), with its copies in the time."]),
         f"- sinkhorn: input `log_softmax` of the scores, default `col_sum = n/k`, "
         f"tol = {_sci(SINKHORN_TOL)} (not the default 1e-6, to keep the benchmark fast), "
         f"max_iter = {SINKHORN_MAX_ITER}.",
@@ -608,7 +616,7 @@ class BatchedSize:
 
     Attributes:
         b, n, k: instances per batch, tokens, experts (capacity ``n / k``).
-        methods: by key ``"batched"``, ``"loop"``, ``"auction"``, ``"host"``.
+        methods: by key ``"batched"``, ``"device"``, ``"loop"``, ``"auction"``, ``"host"``.
         same_optimum: every exact routelab row (batched, loop, host when run) has, on every
             instance, the batched call's objective to relative :data:`OPTIMUM_RTOL`.
         auction_gap_mean: mean over the instances the auction solved feasibly of ``(opt - auction)
@@ -689,6 +697,7 @@ def _measure_batched(
     size = BatchedSize(b=b, n=n, k=k, requested=repeats)
     methods = {
         "batched": BatchedMethod("routelab `balanced_assignment`, the batch in one call"),
+        "device": BatchedMethod("routelab `balanced_assignment(on_host=False)`, the batch in one call on the device"),
         "loop": BatchedMethod("routelab `balanced_assignment`, one call per instance", per_instance_calls=True),
         "auction": BatchedMethod("BASE-layers auction (`fairseq_auction`), one call per instance",
                                  per_instance_calls=True),
@@ -696,17 +705,21 @@ def _measure_batched(
     }
     fns: dict[str, Callable[[int], Any]] = {
         "batched": lambda r: balanced_assignment(batches[r]),
+        "device": lambda r: balanced_assignment(batches[r], on_host=False),
         "loop": lambda r: _per_instance(balanced_assignment, batches[r]),
         "auction": lambda r: _per_instance(fairseq_auction, batches[r]),
     }
     if device == "cpu":
         methods["host"].skipped = "device is cpu: the same as the first row"
+        methods["device"].skipped = "device is cpu: the same as the first row"
+        del fns["device"]
     else:
         fns["host"] = lambda r: _on_host(batches[r])
     timings, results = _time_paired(fns, repeats=repeats, budget_s=budget_s, device=device)
     one = batches[0]
     counted: dict[str, Callable[[], Any]] = {
         "batched": lambda: balanced_assignment(one),
+        "device": lambda: balanced_assignment(one, on_host=False),
         "loop": lambda: balanced_assignment(one[0]),
         "auction": lambda: fairseq_auction(one[0]),
         "host": lambda: _on_host(one),
@@ -721,7 +734,7 @@ def _measure_batched(
     for r, z_opt in enumerate(results["batched"]):
         opt = _batch_objectives(cpu_batches[r], z_opt.cpu())
         scale = opt.abs().clamp(min=1e-30)
-        for key in ("loop", "host"):
+        for key in ("device", "loop", "host"):
             if key in results:
                 other = _batch_objectives(cpu_batches[r], results[key][r].cpu())
                 size.same_optimum &= bool(((other - opt).abs() <= OPTIMUM_RTOL * scale + 1e-12).all())
@@ -804,8 +817,13 @@ def _batched_notes(sizes: Sequence[BatchedSize], *, device: str) -> list[str]:
         "experts); the auction's gap is (routelab - auction) / |routelab| over the checked instances it "
         "solved within capacity.",
         "- host: includes both copies and the CPU solve with the torch threads of the header."
-        if device != "cpu" else "- host: not run, as on device cpu it is the first row.",
+        if device != "cpu" else "- host and on_host=False: not run, as on device cpu they are the first row.",
     ]
+    if device != "cpu":
+        lines.append(f"- batched and the per-instance rows call `balanced_assignment` as a user does (`on_host=None`): "
+                     f"on {device}, a problem of at most {TUNING.host_max_scores:,} scores is copied to the host and "
+                     "solved there when the compiled CPU solver is available; `on_host=False` keeps every solve on "
+                     "the device.")
     for s in sizes:
         if not s.same_optimum:
             lines.append(f"- b={s.b}, n={s.n}, k={s.k}: the routelab rows' objectives DIFFER (an exactness bug).")

@@ -1,0 +1,160 @@
+"""The memory traffic of the MoE layer outside its experts, counted operator by operator on any device.
+
+usage: python tools/layer_traffic.py [--d-model N] [--d-hidden N] [--tokens N] [--experts E] [--k K]
+       [--dtype bfloat16|float32] [--layout auto|buffers|grouped] [--gather adjoint|plain] [--swiglu-dropless]
+       [--top N]
+
+At d_model 4096 and 64k tokens the layer's non-expert operations are memory-bound on a GPU: each is
+worth about its bytes read plus written over the memory bandwidth. This tool counts those bytes
+without a GPU: it runs one forward + backward of the layer (the benchmark's layer: ``topk`` router,
+capacity factor 1, GELU experts with biases; or with --swiglu-dropless the layer that computes
+transformers' Mixtral block) under a ``TorchDispatchMode`` that adds, per ATen operator, the bytes
+of its tensor arguments (read) and of its outputs (written). Views and metadata operators move
+nothing and are skipped. Operators that run inside the experts (between the hooks that the
+benchmark's non-expert share uses) are counted apart.
+
+It is an estimate, exact in what it counts and approximate in what it means:
+
+* an operator is assumed to read every byte of every tensor argument (a gather reads only the rows
+  it picks: at capacity factor 1 and top-1, about all of them);
+* an in-place operator's output is counted as written, its argument as read;
+* fused or cached reads on the device are not modelled.
+
+--gather adjoint takes the gathers' GPU path (``routelab.routing._gather``'s autograd functions, the
+default on CUDA) on any device; plain takes the CPU's. The default sizes are small enough for the
+CPU (8192 tokens, d_model 1024); the bytes scale with tokens x d_model, so the report also gives
+them per token and per d_model-wide row.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from routelab.layers import MoE, StackedExperts
+from routelab.routing import _gather
+
+_FREE = {"aten::view", "aten::_unsafe_view", "aten::t", "aten::transpose", "aten::permute", "aten::expand",
+         "aten::slice", "aten::select", "aten::unsqueeze", "aten::squeeze", "aten::as_strided", "aten::detach",
+         "aten::alias", "aten::reshape", "aten::split", "aten::unbind", "aten::narrow", "aten::lift_fresh",
+         "aten::_reshape_alias", "aten::split_with_sizes", "aten::chunk", "aten::empty", "aten::empty_like",
+         "aten::new_empty", "aten::empty_strided", "aten::new_empty_strided", "aten::sym_size", "aten::is_same_size",
+         "aten::_to_copy_noop", "aten::result_type"}
+
+
+def _bytes(t: object) -> int:
+    if not isinstance(t, torch.Tensor):
+        return 0
+    return t.numel() * t.element_size()
+
+
+class Traffic(TorchDispatchMode):
+    """Bytes read and written per operator, split by phase ("experts" or "rest")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "rest"
+        self.table: dict[tuple[str, str, str], list[int]] = collections.defaultdict(lambda: [0, 0, 0])
+        self.trace: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func._schema.name
+        if name in _FREE or func.is_view:
+            return out
+        inputs, _ = tree_flatten((args, kwargs or {}))
+        outputs, _ = tree_flatten(out)
+        read = sum(_bytes(t) for t in inputs)
+        written = sum(_bytes(t) for t in outputs)
+        shapes = "x".join(str(list(t.shape)) + str(t.dtype).replace("torch.", "")
+                          for t in outputs if isinstance(t, torch.Tensor))
+        self.trace.append(f"{self.phase:8s} {name} {shapes}")
+        row = self.table[(self.phase, name, shapes)]
+        row[0] += 1
+        row[1] += read
+        row[2] += written
+        return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--d-model", type=int, default=1024)
+    p.add_argument("--d-hidden", type=int, default=4096)
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--k", type=int, default=1)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--layout", default="auto", choices=["auto", "buffers", "grouped"])
+    p.add_argument("--gather", default="adjoint", choices=["adjoint", "plain"])
+    p.add_argument("--swiglu-dropless", action="store_true")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--trace", action="store_true", help="also print every operator in the order it ran")
+    a = p.parse_args()
+    dtype = getattr(torch, a.dtype)
+    torch.manual_seed(0)
+    if a.swiglu_dropless:
+        gate_up = torch.randn(a.experts, 2 * a.d_hidden, a.d_model) * a.d_model ** -0.5
+        down = torch.randn(a.experts, a.d_model, a.d_hidden) * a.d_hidden ** -0.5
+        moe = MoE(a.d_model, a.d_hidden, a.experts, router="topk", k=a.k, router_kwargs={"renormalize": True},
+                  capacity_factor=None, experts=StackedExperts.from_hf_fused(gate_up, down), check_finite=False,
+                  dispatch=a.layout)
+    else:
+        moe = MoE(a.d_model, a.d_hidden, a.experts, router="topk", k=a.k, capacity_factor=1.0, dispatch=a.layout)
+    moe = moe.to(dtype)
+    x = torch.randn(a.tokens, a.d_model, dtype=dtype, requires_grad=True)
+    g = torch.randn(a.tokens, a.d_model, dtype=dtype)
+    adjoint = a.gather == "adjoint"
+    _gather._adjoint_by_default = lambda t: adjoint  # the GPU's path on any device
+    moe(x)[0].backward(g)  # warm-up: probes, caches
+    moe.zero_grad(set_to_none=True)
+    x.grad = None
+
+    mode = Traffic()
+
+    def to(phase):
+        def hook(*_):
+            mode.phase = phase
+        return hook
+
+    def pre(module, args):
+        if args[0].requires_grad:
+            args[0].register_hook(to("rest"))
+        mode.phase = "experts"
+
+    def post(module, args, out):
+        mode.phase = "rest"
+        if out.requires_grad:
+            out.register_hook(to("experts"))
+
+    handles = [moe.experts.register_forward_pre_hook(pre), moe.experts.register_forward_hook(post)]
+    with mode:
+        moe(x)[0].backward(g)
+    for h in handles:
+        h.remove()
+
+    row_bytes = a.tokens * a.d_model * dtype.itemsize
+    totals, calls = collections.Counter(), collections.Counter()
+    for (phase, _, _), (c, r, w) in mode.table.items():
+        totals[phase] += r + w
+        calls[phase] += c
+    print(f"MoE d_model {a.d_model} d_hidden {a.d_hidden} tokens {a.tokens} E {a.experts} k {a.k} {a.dtype} "
+          f"layout {a.layout} gathers {a.gather}{' swiglu-dropless' if a.swiglu_dropless else ''}; "
+          f"one forward + backward; unit = one [tokens, d_model] {a.dtype} tensor = {row_bytes / 2**20:.1f} MiB")
+    for phase in ("experts", "rest"):
+        print(f"  {phase}: {totals[phase] / 2**20:9.1f} MiB read+written = {totals[phase] / row_bytes:6.1f} units, "
+              f"{calls[phase]} operators")
+    if a.trace:
+        print("\nEvery operator in order (phase, operator, outputs):")
+        print("\n".join(mode.trace))
+    print(f"\nThe non-expert operators, largest first (top {a.top}):")
+    print(f"{'calls':>5} {'read MiB':>9} {'written MiB':>11} {'units':>6}  operator  outputs")
+    rest = sorted(((v, k) for k, v in mode.table.items() if k[0] == "rest"), key=lambda t: -(t[0][1] + t[0][2]))
+    for (calls, r, w), (_, name, shapes) in rest[:a.top]:
+        print(f"{calls:5d} {r / 2**20:9.1f} {w / 2**20:11.1f} {(r + w) / row_bytes:6.2f}  {name}  {shapes}")
+
+
+if __name__ == "__main__":
+    main()
