@@ -90,6 +90,9 @@ def main() -> None:
     p.add_argument("--layout", default="auto", choices=["auto", "buffers", "grouped"])
     p.add_argument("--gather", default="adjoint", choices=["adjoint", "plain"])
     p.add_argument("--swiglu-dropless", action="store_true")
+    p.add_argument("--hf", action="store_true",
+                   help="count transformers' Mixtral sparse block instead (its experts module also dispatches and "
+                        "combines, so only the whole block's total compares with the layer's)")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--trace", action="store_true", help="also print every operator in the order it ran")
     a = p.parse_args()
@@ -104,11 +107,26 @@ def main() -> None:
     else:
         moe = MoE(a.d_model, a.d_hidden, a.experts, router="topk", k=a.k, capacity_factor=1.0, dispatch=a.layout)
     moe = moe.to(dtype)
+    forward = lambda: moe(x)[0]  # noqa: E731
+    if a.hf:
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+        config = MixtralConfig(hidden_size=a.d_model, intermediate_size=a.d_hidden, num_local_experts=a.experts,
+                               num_experts_per_tok=a.k, num_hidden_layers=1, num_attention_heads=1,
+                               num_key_value_heads=1, vocab_size=8)
+        config._experts_implementation = "grouped_mm"
+        moe = MixtralSparseMoeBlock(config).to(dtype).train()
+        block = moe
+
+        def forward():
+            out = block(x.unsqueeze(0))
+            return (out[0] if isinstance(out, tuple) else out).squeeze(0)
     x = torch.randn(a.tokens, a.d_model, dtype=dtype, requires_grad=True)
     g = torch.randn(a.tokens, a.d_model, dtype=dtype)
     adjoint = a.gather == "adjoint"
     _gather._adjoint_by_default = lambda t: adjoint  # the GPU's path on any device
-    moe(x)[0].backward(g)  # warm-up: probes, caches
+    forward().backward(g)  # warm-up: probes, caches
     moe.zero_grad(set_to_none=True)
     x.grad = None
 
@@ -131,7 +149,7 @@ def main() -> None:
 
     handles = [moe.experts.register_forward_pre_hook(pre), moe.experts.register_forward_hook(post)]
     with mode:
-        moe(x)[0].backward(g)
+        forward().backward(g)
     for h in handles:
         h.remove()
 
@@ -143,6 +161,8 @@ def main() -> None:
     print(f"MoE d_model {a.d_model} d_hidden {a.d_hidden} tokens {a.tokens} E {a.experts} k {a.k} {a.dtype} "
           f"layout {a.layout} gathers {a.gather}{' swiglu-dropless' if a.swiglu_dropless else ''}; "
           f"one forward + backward; unit = one [tokens, d_model] {a.dtype} tensor = {row_bytes / 2**20:.1f} MiB")
+    print(f"  total: {sum(totals.values()) / 2**20:9.1f} MiB = {sum(totals.values()) / row_bytes:6.1f} units, "
+          f"{sum(calls.values())} operators")
     for phase in ("experts", "rest"):
         print(f"  {phase}: {totals[phase] / 2**20:9.1f} MiB read+written = {totals[phase] / row_bytes:6.1f} units, "
               f"{calls[phase]} operators")

@@ -67,6 +67,29 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _weighted_slot_sum(picked: Tensor, weight: Tensor) -> Tensor:
+    """``sum_s weight[:, s] * picked[:, s]`` (``[n, s, d]``, ``[n, s]`` -> ``[n, d]``), the products
+    and their sum in float32 or wider, rounded once to ``picked``'s dtype.
+
+    Slot by slot, in a fixed order: the float32 operand is the ``[n, 1]`` weight column, so the
+    half-precision rows are widened inside each elementwise kernel (on a GPU) rather than copied to
+    a float32 ``[n, s, d]`` tensor first: one float32 ``[n, d]`` accumulator in all.
+    """
+    wide_weight = weight.to(_wide(picked.dtype))
+    total = picked[:, 0] * wide_weight[:, 0:1]
+    for j in range(1, picked.shape[1]):
+        total = torch.addcmul(total, picked[:, j], wide_weight[:, j:j + 1])
+    return total.to(picked.dtype)
+
+
+def _slot_dots(picked: Tensor, grad_y: Tensor) -> Tensor:
+    """``<picked[:, s], grad_y>`` per slot (``[n, s, d]``, ``[n, d]`` -> ``[n, s]``), the products
+    and their sums in float32 or wider (half precision rounded once, at the end)."""
+    wide_grad = grad_y.to(_wide(grad_y.dtype))
+    dots = [(picked[:, j] * wide_grad).sum(-1) for j in range(picked.shape[1])]
+    return torch.stack(dots, -1).to(picked.dtype)
+
+
 class _Combine(torch.autograd.Function):
     # The inputs themselves are saved (not the gathered rows) and gathered again in backward, so
     # that second derivatives see the rows' dependence (double backward through this function).
@@ -79,8 +102,7 @@ class _Combine(torch.autograd.Function):
         picked = _slot_rows(rows, row_of_slot)
         if picked.shape[1] == 1:  # one product, rounded once
             return picked[:, 0] * weight
-        wide = _wide(rows.dtype)
-        return (picked.to(wide) * weight.to(wide).unsqueeze(-1)).sum(1).to(rows.dtype)
+        return _weighted_slot_sum(picked, weight)
 
     @staticmethod
     def setup_context(ctx, inputs: tuple[Tensor, Tensor, Tensor, Tensor], output: Tensor) -> None:
@@ -96,9 +118,7 @@ class _Combine(torch.autograd.Function):
             weight_of_row = weight.new_zeros(num_rows + 1).scatter(0, row_of_slot.reshape(-1), weight.reshape(-1))
             grad_rows = _with_zero_row(grad_y).index_select(0, token_of_row) * weight_of_row[:num_rows].unsqueeze(-1)
         if ctx.needs_input_grad[1]:
-            wide = _wide(rows.dtype)
-            products = _slot_rows(rows, row_of_slot).to(wide) * grad_y.to(wide).unsqueeze(1)
-            grad_weight = products.sum(-1).to(weight.dtype)
+            grad_weight = _slot_dots(_slot_rows(rows, row_of_slot), grad_y).to(weight.dtype)
         return grad_rows, grad_weight, None, None
 
 
