@@ -66,7 +66,11 @@ def find_negative_cycles(
     run = running.clone()
     gate = run.unsqueeze(-1).expand(B, m).clone()  # labels that may still change
     work = arc
-    stop_collecting = None  # sweep after which instances with a cycle stop looking for more
+    # The sweep after which instances with a cycle stop looking for more: ``extra_sweeps`` after
+    # the first cycle of the batch. Kept on the device (a large number until then), so that a
+    # check costs one host synchronisation, the test whether any instance still runs.
+    never = 4 * m + extra_sweeps + 8
+    stop_collecting = torch.full((), never, dtype=torch.long, device=dev)
     for sweep in range(1, 2 * m + 4 + extra_sweeps):
         cand, arg = relax(dist, work)
         better = (cand < dist - tol) & gate
@@ -79,14 +83,12 @@ def find_negative_cycles(
         run &= moved
         on_cycle = functional_graph_cycles(pred)[:, :m] & gate & run.unsqueeze(-1)
         new = on_cycle.any(-1)
-        if bool(new.any()):
-            found |= new
-            cycle_nodes |= on_cycle
-            work = arc.masked_fill(cycle_nodes.unsqueeze(-1) | cycle_nodes.unsqueeze(-2), float("inf"))
-            if stop_collecting is None:
-                stop_collecting = sweep + extra_sweeps
-        if stop_collecting is not None and sweep >= stop_collecting:
-            run &= ~found
+        found |= new
+        cycle_nodes |= on_cycle
+        # Blocking the cycles' nodes is a no-op for instances without one (a few k x k entries).
+        work = arc.masked_fill(cycle_nodes.unsqueeze(-1) | cycle_nodes.unsqueeze(-2), float("inf"))
+        stop_collecting = torch.where(new.any() & (stop_collecting == never), sweep + extra_sweeps, stop_collecting)
+        run &= ~(found & (sweep >= stop_collecting))
         gate = run.unsqueeze(-1) & ~cycle_nodes
         if not bool(run.any()):
             return optimal, cycle_nodes, pred[:, :m], dist
@@ -146,8 +148,9 @@ def cancel_negative_cycles(
     while True:
         optimal, cycle_nodes, pred, dist = find_negative_cycles(arc, tol, running, dist)
         running &= ~optimal
-        if not bool(running.any()):
-            if bool((counts > c).any()):
+        done, overfull = torch.stack([~running.any(), (counts > c).any()]).tolist()  # one synchronisation
+        if done:
+            if overfull:
                 raise RuntimeError("balanced_assignment: over-full expert left without a negative cycle")
             return z, arc, rounds
         rounds += 1

@@ -272,8 +272,8 @@ def approximate_prices(
     P_full = scratch(SCORES_B, S.shape, S.dtype, S.device)
     # The prices and temperatures live on the host in float64 (k numbers per instance); the
     # tensors the big operations need are made from them once per step.
-    spread_host = spread.view(B).double().cpu().numpy()
-    u_host = u.view(B, k).double().cpu().numpy()
+    host = torch.cat([spread.view(B, 1), u.view(B, k)], dim=1).double().cpu().numpy()  # one copy
+    spread_host, u_host = host[:, 0].copy(), host[:, 1:].copy()
     active: _ActiveSet | None = None
     level, steps, at_level = 0, 0, 0
     while level < len(schedule) and steps < max_steps:
@@ -355,9 +355,11 @@ def _damped_newton_step(
         instance's step was shortened.
     """
     B, k = col.shape
-    col64, grad64 = torch.stack([col, grad]).cpu().numpy().astype(np.float64)  # one conversion
+    # One copy to the host for all three (on a GPU, one synchronisation per step).
+    packed = torch.cat([col, grad, G.reshape(B, k * k)], dim=1).cpu().numpy().astype(np.float64)
+    col64, grad64 = packed[:, :k], packed[:, k:2 * k]
     rhs = grad64 * T[:, None]
-    A = G.cpu().numpy().astype(np.float64)  # becomes the system matrix, in place
+    A = np.ascontiguousarray(packed[:, 2 * k:]).reshape(B, k, k)  # becomes the system matrix, in place
     diag = A.reshape(B, k * k)[:, :: k + 1]  # a view of the diagonals
     rho = (col64.sum(-1) - diag.sum(-1)) / k + 1e-3 * c  # [B]
     if prices is None:
