@@ -335,3 +335,40 @@ def test_rank_within_groups_checks_its_arguments() -> None:
     with pytest.raises(ValueError, match="num_groups must be an integer >= 1"):
         rank_within_groups(torch.tensor([0, 1]), None, 0)
     assert rank_within_groups(torch.tensor([1, 0, 1], dtype=torch.int32), None, 2).tolist() == [0, 0, 1]
+
+
+# ----------------------------------------------------------------------------- host syncs of the PyTorch path
+
+
+def test_the_price_steps_copy_to_the_host_once_each() -> None:
+    """On a GPU every copy to the host is a synchronisation: the Newton steps make one each (the
+    ``k x k`` system is solved on the host), plus one for the starting prices and spreads."""
+    from host_syncs import record_host_syncs
+    from routelab.assignment._prices import approximate_prices
+
+    S = torch.randn(4, 512, 16, generator=torch.Generator().manual_seed(0))
+    for steps in (1, 3, 5):
+        with record_host_syncs() as found:
+            approximate_prices(S, 32, schedule=(0.3, 0.06, 0.012, 0.0024, 0.0005), max_steps=steps)
+        copies = [f for f in found if f.op == "Tensor.cpu"]
+        assert len(copies) == steps + 1, [str(f) for f in found]
+
+
+def test_a_bellman_ford_check_synchronises_once() -> None:
+    """``find_negative_cycles`` tests on the host only whether any instance still runs, once per check."""
+    from host_syncs import record_host_syncs
+    from routelab.assignment._cycles import find_negative_cycles
+    from routelab.assignment._tuning import TUNING
+
+    gen = torch.Generator().manual_seed(1)
+    B, m = 6, 8
+    arc = torch.rand(B, m, m, generator=gen, dtype=torch.float64) - 0.3  # negative cycles in most instances
+    arc.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))
+    tol = torch.full((B, 1), 1e-12, dtype=torch.float64)
+    running = torch.ones(B, dtype=torch.bool)
+    with record_host_syncs() as found:
+        optimal, cycle_nodes, _, _ = find_negative_cycles(arc, tol, running, torch.zeros(B, m, dtype=torch.float64))
+    assert bool((optimal | cycle_nodes.any(-1)).all())  # every instance ended one way or the other
+    sweeps = 2 * m + 4 + 6
+    assert 1 <= len(found) <= sweeps // TUNING.check_every + 1, [str(f) for f in found]
+    assert len({f.where for f in found}) == 1, [str(f) for f in found]  # the one test, once per check
