@@ -182,6 +182,17 @@ def test_noisy_topk_noise_has_the_given_scale() -> None:
     assert abs(rate - want) <= 5 * math.sqrt(want * (1 - want) / n), (rate, want)
 
 
+def test_noisy_topk_keeps_a_nan_noise_scale_visible() -> None:
+    """A NaN noise scale (e.g. a corrupted noise projection) must not turn into a silent 0 logit:
+    the token's noisy scores stay NaN, so its gate does too, where a finite check sees it."""
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.5, 0.4, 0.3]])
+    std = torch.ones(2, 3)
+    std[0, 1] = float("nan")
+    r = noisy_topk_routes(logits, std, 1, generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(r.gate[1]).all()
+    assert not torch.isfinite(r.log_prob[0]).all()
+
+
 # ------------------------------------------------------------------------- batchwise_routes
 
 

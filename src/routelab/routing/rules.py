@@ -191,9 +191,10 @@ def noisy_topk_routes(logits: Tensor, noise_std: Tensor, k: int, *, training: bo
     if training:
         eps = random_tensor(torch.randn, logits.shape, dtype=logits.dtype, device=logits.device, generator=generator)
         # Logits and noise scales near the dtype's maximum can overflow the sum: keep it at the
-        # largest finite value, so that the gate's softmax never meets inf - inf.
+        # largest finite value, so that the gate's softmax never meets inf - inf. A NaN stays NaN
+        # (never a silent 0): the router's finite check, or the caller's, names it.
         big = torch.finfo(logits.dtype).max
-        noisy = torch.nan_to_num(logits + eps * noise_std, posinf=big, neginf=-big)
+        noisy = torch.nan_to_num(logits + eps * noise_std, nan=float("nan"), posinf=big, neginf=-big)
     else:
         noisy = logits
     top_values, top_index = noisy.topk(min(k + 1, E), dim=-1)
