@@ -11,7 +11,8 @@ Helpers for the layers above (public so that no package reaches into this one's 
 :func:`sinkhorn_balance` (the Sinkhorn iteration without validation, under a fixed budget),
 :func:`rank_within_groups`, :func:`compiled_phases` (the compiled solver stopped after a phase, for
 the benchmark's breakdown), :func:`uses_closed_form` (the one switch of the two-expert closed
-forms), and the last-dimension reductions :func:`amax`, :func:`argmax` and
+forms), :data:`SOLVER_TUNING` (the solver's tuning constants, e.g. ``host_max_scores``, the
+largest GPU problem solved on the host), and the last-dimension reductions :func:`amax`, :func:`argmax` and
 :func:`log_softmax` (torch's, computed slice by slice when there are few experts: faster on CPU).
 
 All functions are batched over leading dimensions (empty ones included), run on CPU and CUDA in
@@ -25,6 +26,7 @@ than the arithmetic); :func:`clear_scratch` frees them.
 from ._compiled import compiled_phases
 from ._groups import rank_within_groups
 from ._ops import amax, argmax, log_softmax
+from ._tuning import TUNING as SOLVER_TUNING
 from ._two_experts import closed_form as uses_closed_form
 from ._workspace import clear as clear_scratch
 from .b_matching import balanced_b_matching
@@ -34,6 +36,7 @@ from .sinkhorn import balance as sinkhorn_balance
 from .sinkhorn import sinkhorn
 
 __all__ = [
+    "SOLVER_TUNING",
     "GumbelMatching",
     "amax",
     "argmax",

@@ -65,8 +65,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 
 import routelab
-from routelab.assignment import balanced_assignment, gumbel_matching, sinkhorn
-from routelab.assignment._tuning import TUNING
+from routelab.assignment import SOLVER_TUNING, balanced_assignment, gumbel_matching, sinkhorn
 
 from ..machine import cpu_model as _cpu_model
 from ..machine import load_average
@@ -456,7 +455,7 @@ def _notes(rows: Sequence[Row], *, device: str) -> list[str]:
         "the Gumbel noise, the solve and the conditionals.",
         *([] if device == "cpu" else [
             f"- routelab and gumbel_matching as a user calls them: on {device}, a problem of at most "
-            f"{TUNING.host_max_scores:,} scores (every size of this table) is solved on the host when the compiled "
+            f"{SOLVER_TUNING.host_max_scores:,} scores is solved on the host when the compiled "
             "CPU solver is available (`balanced_assignment(on_host=None)`), with its copies in the time."]),
         f"- sinkhorn: input `log_softmax` of the scores, default `col_sum = n/k`, "
         f"tol = {_sci(SINKHORN_TOL)} (not the default 1e-6, to keep the benchmark fast), "
@@ -821,9 +820,9 @@ def _batched_notes(sizes: Sequence[BatchedSize], *, device: str) -> list[str]:
     ]
     if device != "cpu":
         lines.append(f"- batched and the per-instance rows call `balanced_assignment` as a user does (`on_host=None`): "
-                     f"on {device}, a problem of at most {TUNING.host_max_scores:,} scores is copied to the host and "
-                     "solved there when the compiled CPU solver is available; `on_host=False` keeps every solve on "
-                     "the device.")
+                     f"on {device}, a problem of at most {SOLVER_TUNING.host_max_scores:,} scores is copied to the "
+                     "host and solved there when the compiled CPU solver is available; `on_host=False` keeps "
+                     "every solve on the device.")
     for s in sizes:
         if not s.same_optimum:
             lines.append(f"- b={s.b}, n={s.n}, k={s.k}: the routelab rows' objectives DIFFER (an exactness bug).")
