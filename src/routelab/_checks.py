@@ -252,6 +252,17 @@ def check_plain_tensor(x: Tensor, name: str, what: str) -> None:
             "routes are not differentiable: compute them outside the transform, or use torch.autograd") from None
 
 
+def check_score_maximum(hi: float, name: str) -> None:
+    """ValueError naming ``name`` unless ``hi``, the largest entry of a score matrix (``amax``,
+    which propagates NaN), is below ``+inf`` and not NaN: the value half of
+    :func:`check_score_matrix`, for a caller that reads the maximum together with other values
+    (one host synchronisation for all)."""
+    if hi != hi:
+        raise ValueError(f"{name} contains NaN; fix the upstream computation (NaN scores have no assignment)")
+    if hi == float("inf"):
+        raise ValueError(f"{name} contains +inf; clamp it to a finite value (only -inf, a forbidden pair, is allowed)")
+
+
 def check_score_matrix(x: Tensor, name: str, *, allow_neg_inf: bool = True, values: bool = True) -> None:
     """Check that ``x`` is a floating tensor ``[..., n, k]`` without NaN or +inf.
 
@@ -275,11 +286,7 @@ def check_score_matrix(x: Tensor, name: str, *, allow_neg_inf: bool = True, valu
     if x.numel() == 0 or not values:
         return
     # One reduction each: amax propagates NaN and reveals +inf; amin reveals -inf.
-    hi = float(x.detach().amax())
-    if hi != hi:
-        raise ValueError(f"{name} contains NaN; fix the upstream computation (NaN scores have no assignment)")
-    if hi == float("inf"):
-        raise ValueError(f"{name} contains +inf; clamp it to a finite value (only -inf, a forbidden pair, is allowed)")
+    check_score_maximum(float(x.detach().amax()), name)
     if not allow_neg_inf and float(x.detach().amin()) == float("-inf"):
         raise ValueError(f"{name} contains -inf, which is not allowed here; clamp it to a finite value")
 

@@ -35,7 +35,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def ldexp(x: Tensor, e: Tensor) -> Tensor:
+def ldexp(x: Tensor, e: Tensor, bound: int | None = None) -> Tensor:
     """``x * 2^e`` per instance, exact until the result leaves the normal range.
 
     ``torch.ldexp`` forms ``2^e`` as one number, which overflows (``0 * inf = NaN``) or underflows
@@ -46,14 +46,18 @@ def ldexp(x: Tensor, e: Tensor) -> Tensor:
     Args:
         x: ``[B, ...]`` floating tensor.
         e: ``[B]`` integer exponents.
+        bound: ``max |e|`` (or more) when the caller knows it on the host; ``None``: read from
+            ``e`` (one host synchronisation when ``e`` is on a GPU).
 
     Returns:
         ``[B, ...]`` tensor of ``x``'s dtype (``x`` itself when every exponent is 0).
     """
     if e.numel() == 0:
         return x
-    lo, hi = torch.stack(torch.aminmax(e.to(torch.long))).tolist()  # one host synchronisation
-    return _ldexp_bounded(x, e, max(-lo, hi))
+    if bound is None:
+        lo, hi = torch.stack(torch.aminmax(e.to(torch.long))).tolist()  # one host synchronisation
+        bound = max(-lo, hi)
+    return _ldexp_bounded(x, e, bound)
 
 
 def _ldexp_bounded(x: Tensor, e: Tensor, bound: int) -> Tensor:

@@ -69,6 +69,8 @@ class BalancedSolution:
             (:func:`routelab.assignment._normalise.normalise_scores`).
         capacity: the capacity ``c``.
         rounds: number of cycle-cancelling rounds that were run.
+        log2_bound: ``max |log2_scale|`` when it is known on the host without reading a GPU
+            tensor (a solve on the host), else ``None``.
     """
 
     expert: Tensor
@@ -76,6 +78,7 @@ class BalancedSolution:
     log2_scale: Tensor
     capacity: int
     rounds: int
+    log2_bound: int | None = None
 
 
 def balanced_assignment(scores: Tensor, capacity: int | None = None, *, k: int = 1,
@@ -145,8 +148,9 @@ def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "
     if dev.type != "cpu" and (host_solve_pays(flat, tuning) if on_host is None else on_host):
         # The same solve on a host copy (half precision widened exactly, as the solver would).
         sol = solve_balanced(flat.to(device="cpu", dtype=compute_dtype(flat.dtype)), c, name=name)
+        bound = int(sol.log2_scale.abs().max()) if sol.log2_scale.numel() else 0  # a host tensor: no sync
         return BalancedSolution(expert=sol.expert.to(dev), arc_cost=sol.arc_cost.to(dev),
-                                log2_scale=sol.log2_scale.to(dev), capacity=c, rounds=sol.rounds)
+                                log2_scale=sol.log2_scale.to(dev), capacity=c, rounds=sol.rounds, log2_bound=bound)
     if B and not closed_form(k) and _compiled.available(flat):
         # Steps 0-3 below in one compiled call (the speed machinery, :mod:`._compiled`); None for
         # input with -inf, NaN or +inf entries, which the steps below validate and handle.

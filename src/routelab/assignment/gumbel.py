@@ -21,7 +21,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._checks import check_generator, check_score_matrix, check_tau, random_tensor, resolve_capacity
+from .._checks import (
+    check_generator,
+    check_score_matrix,
+    check_score_maximum,
+    check_tau,
+    random_tensor,
+    resolve_capacity,
+)
 from ._normalise import compute_dtype, ldexp, perturbed_scores
 from .balanced import solve_balanced
 from .shortest_paths import floyd_warshall
@@ -131,7 +138,7 @@ def gumbel_matching(
         :class:`GumbelMatching` with ``expert`` ``[..., n]`` and ``conditional_log_probs``
         ``[..., n, k]``.
     """
-    check_score_matrix(logits, "logits")
+    check_score_matrix(logits, "logits", values=False)  # its values: with the noise's, in _solver_scores
     t = check_tau(tau)
     check_generator(generator)
     capacity = resolve_capacity(logits.shape[-2], logits.shape[-1], capacity)  # before any work
@@ -151,11 +158,11 @@ def gumbel_matching(
         g = sample_gumbel(logits.shape, dtype=work, device=logits.device, generator=generator)
     n, k = logits.shape[-2], logits.shape[-1]
     batch = logits.shape[:-2]
-    S, A, E = _solver_scores(a.reshape(-1, n, k), t, g.reshape(-1, n, k))
+    S, A, E, e_bound = _solver_scores(a.reshape(-1, n, k), t, g.reshape(-1, n, k))
     sol = solve_balanced(S, capacity, name="logits")
     z = sol.expert  # [B, n]
     # d* in the units of S (the solver normalised S once more by 2^log2_scale).
-    d = ldexp(floyd_warshall(sol.arc_cost), sol.log2_scale)  # [B, k, k], float64
+    d = ldexp(floyd_warshall(sol.arc_cost), sol.log2_scale, sol.log2_bound)  # [B, k, k], float64
     # d_to[b, i, j] = d*[j, z_i]: cheapest way to refill the slot token i leaves.
     d_to = d.transpose(-1, -2).gather(1, z.unsqueeze(-1).expand(-1, -1, k))
     val = A - d_to  # the a / tau - d* of eq. 9, in units of 2^E
@@ -166,13 +173,13 @@ def gumbel_matching(
         # sampled expert is one (the certificate of the solve); others within its rounding guard
         # (relative to the spread of S, about 2^log2_scale) count as ties.
         guard = _TIE_GUARD * (k + 1) * torch.finfo(work).eps
-        hit = shifted >= -ldexp(torch.full_like(top, guard), sol.log2_scale)
+        hit = shifted >= -ldexp(torch.full_like(top, guard), sol.log2_scale, sol.log2_bound)
         hit.scatter_(-1, z.unsqueeze(-1), True)
         log_q = torch.where(
             hit, -torch.log(hit.sum(-1, keepdim=True).to(torch.float64)), torch.full_like(val, float("-inf"))
         )
     else:
-        log_q = torch.log_softmax(ldexp(shifted, E), dim=-1)
+        log_q = torch.log_softmax(ldexp(shifted, E, e_bound), dim=-1)
     return GumbelMatching(
         expert=z.view(*batch, n),
         conditional_log_probs=log_q.to(work).view(*batch, n, k),
@@ -185,8 +192,9 @@ def gumbel_matching(
     )
 
 
-def _solver_scores(a: Tensor, t: float, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """What the solver maximises, the noise-free part of it, and their units.
+def _solver_scores(a: Tensor, t: float, g: Tensor) -> tuple[Tensor, Tensor, Tensor, int | None]:
+    """What the solver maximises, the noise-free part of it, and their units; ValueError for NaN
+    or +inf logits.
 
     The perturbed scores ``a / t + g`` themselves (exponent 0) whenever they are finite at every
     allowed pair: the sample is then exact for the very numbers returned as ``scores``. Where
@@ -199,19 +207,27 @@ def _solver_scores(a: Tensor, t: float, g: Tensor) -> tuple[Tensor, Tensor, Tens
         g: ``[B, n, k]`` the noise (zeros at ``t = 0``).
 
     Returns:
-        ``(S, A, E)``: ``[B, n, k]`` scores to solve, ``[B, n, k]`` float64 ``a / t`` in the same
-        units (shifted per token), ``[B]`` long exponent.
+        ``(S, A, E, bound)``: ``[B, n, k]`` scores to solve, ``[B, n, k]`` float64 ``a / t`` in the
+        same units (shifted per token), ``[B]`` long exponent, and ``max |E|`` where it is known
+        on the host (0 for the literal scores; else ``None``).
     """
     B = a.shape[0]
     literal = a if t == 0.0 else a / t + g
-    if not bool((torch.isinf(literal) & ~torch.isneginf(a)).any()):
+    overflow = (torch.isinf(literal) & ~torch.isneginf(a)).any()
+    if a.numel():
+        # The logits' own check (NaN, +inf) and the overflow test in one host synchronisation.
+        hi, overflowed = torch.stack([a.amax().double(), overflow.double()]).tolist()
+        check_score_maximum(hi, "logits")
+    else:
+        overflowed = False
+    if not overflowed:
         a64 = a.to(torch.float64)
         top = a64.amax(-1, keepdim=True)
         shifted = a64 - torch.where(torch.isfinite(top), top, torch.zeros_like(top))
         A = shifted if t == 0.0 else shifted / t  # finite: |a| / t does not overflow here
-        return literal, A, torch.zeros(B, dtype=torch.long, device=a.device)
+        return literal, A, torch.zeros(B, dtype=torch.long, device=a.device), 0
     S, A, E = perturbed_scores(a, t, g)
-    return S, A.to(torch.float64), E
+    return S, A.to(torch.float64), E, None
 
 
 def base_assignment(logits: Tensor, capacity: int | None = None) -> Tensor:
