@@ -458,3 +458,21 @@ def test_ldexp_with_a_known_bound_reads_nothing() -> None:
         got = ldexp(x, e, 3)
     assert not found
     assert torch.equal(got, ldexp(x, e)) and torch.equal(got, x * 2.0 ** e.view(-1, 1).double().float())
+
+
+@pytest.mark.requires_cuda
+def test_gumbel_matching_on_cuda_equals_the_cpu_sample_with_few_syncs() -> None:
+    """On a GPU a small problem is solved on the host (balanced_assignment's on_host policy): the
+    same sample as the CPU's for the same noise, and few synchronisations (the values' read, the
+    copy to the host; without numba the solve stays on the device and syncs more)."""
+    from routelab.assignment._compiled import HAVE_NUMBA
+    from routelab.bench.assignment import count_host_syncs
+
+    logits = torch.randn(4, 64, 8, generator=torch.Generator().manual_seed(0)).cuda()
+    gm = gumbel_matching(logits, generator=torch.Generator(device="cuda").manual_seed(0))
+    ref = gumbel_matching(logits.cpu(), gumbels=gm.gumbels.cpu())
+    assert gm.expert.is_cuda and torch.equal(gm.expert.cpu(), ref.expert)
+    torch.testing.assert_close(gm.conditional_log_probs.cpu(), ref.conditional_log_probs, rtol=1e-5, atol=1e-6)
+    if HAVE_NUMBA:
+        syncs = count_host_syncs(lambda: gumbel_matching(logits, gumbels=gm.gumbels), device="cuda")
+        assert syncs <= 4, syncs
