@@ -539,6 +539,18 @@ class TestWhereAGpuSolves:
 
         assert not host_solve_pays(torch.randn(2, 8, 4))
 
+    def test_the_results_travel_back_in_one_bit_exact_copy(self) -> None:
+        from routelab.assignment.balanced import _to_device
+
+        expert = torch.arange(6).view(2, 3)
+        arc = torch.randn(2, 4, 4, dtype=torch.float64)
+        arc[0, 0, 0], arc[1, 2, 3], arc[1, 1, 1] = float("inf"), float("-inf"), -0.0
+        scale = torch.tensor([3, -2])
+        got = _to_device((expert, arc, scale), torch.device("cpu"))
+        for a, b in zip(got, (expert, arc, scale)):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(a.view(torch.int64), b.view(torch.int64))  # bit for bit (the sign of -0 too)
+
     def test_the_bound_sits_between_the_measured_sizes(self) -> None:
         # The two batched sizes measured on an H200 (docs/bench-assignment-gpu.md): the host won at
         # 64 x 256 x 16 and lost at 64 x 4096 x 64.

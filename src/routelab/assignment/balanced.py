@@ -149,8 +149,9 @@ def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "
         # The same solve on a host copy (half precision widened exactly, as the solver would).
         sol = solve_balanced(flat.to(device="cpu", dtype=compute_dtype(flat.dtype)), c, name=name)
         bound = int(sol.log2_scale.abs().max()) if sol.log2_scale.numel() else 0  # a host tensor: no sync
-        return BalancedSolution(expert=sol.expert.to(dev), arc_cost=sol.arc_cost.to(dev),
-                                log2_scale=sol.log2_scale.to(dev), capacity=c, rounds=sol.rounds, log2_bound=bound)
+        expert, arc_cost, log2_scale = _to_device((sol.expert, sol.arc_cost, sol.log2_scale), dev)
+        return BalancedSolution(expert=expert, arc_cost=arc_cost, log2_scale=log2_scale, capacity=c,
+                                rounds=sol.rounds, log2_bound=bound)
     if B and not closed_form(k) and _compiled.available(flat):
         # Steps 0-3 below in one compiled call (the speed machinery, :mod:`._compiled`); None for
         # input with -inf, NaN or +inf entries, which the steps below validate and handle.
@@ -202,6 +203,15 @@ def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "
         # the penalty.
         arc_cost = _graph_of(normalised, z, c, release_weight(S))
     return BalancedSolution(expert=z, arc_cost=arc_cost, log2_scale=log2_scale, capacity=c, rounds=rounds)
+
+
+def _to_device(tensors: tuple[Tensor, ...], device: torch.device) -> tuple[Tensor, ...]:
+    """Host tensors of 8-byte dtypes (long, float64) copied to ``device`` in one transfer (a copy
+    from pageable host memory synchronises once; three copies would synchronise three times),
+    bit for bit: the float64 ones travel as their int64 bit patterns."""
+    flat = [t.reshape(-1).view(torch.int64) for t in tensors]
+    moved = torch.cat(flat).to(device).split([f.numel() for f in flat])
+    return tuple(m.view(t.dtype).view(t.shape) for m, t in zip(moved, tensors))
 
 
 def host_solve_pays(flat: Tensor, tuning: SolverTuning = TUNING) -> bool:
