@@ -442,11 +442,29 @@ def test_gumbel_matching_reads_the_values_once_outside_the_solver() -> None:
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_gumbel_matching_still_names_nan_and_inf_logits(bad: float) -> None:
+def test_bad_logits_are_named_first_and_draw_no_noise(bad: float) -> None:
+    """NaN/+inf logits are the first error reported (before a bad tau or bad noise), and the
+    generator is left as it was: nothing was sampled for a call that fails."""
     logits = torch.zeros(8, 2)
     logits[3, 1] = bad
+    gen = torch.Generator().manual_seed(0)
     with pytest.raises(ValueError, match="logits contains"):
-        gumbel_matching(logits, generator=torch.Generator().manual_seed(0))
+        gumbel_matching(logits, generator=gen)
+    assert torch.equal(torch.randn(3, generator=gen), torch.randn(3, generator=torch.Generator().manual_seed(0)))
+    for bad_too in ({"tau": -1.0}, {"gumbels": torch.full((8, 2), float("inf"))}):
+        with pytest.raises(ValueError, match="logits contains"):
+            gumbel_matching(logits, **bad_too)
+
+
+def test_overflowing_perturbed_scores_are_still_found() -> None:
+    """The host-side bound (|a| / tau + |g| below half the range) only skips the overflow test
+    when it cannot fail; logits near float32's maximum at tau < 1 still take the rescaled path."""
+    logits = torch.randn(2, 16, 4, generator=torch.Generator().manual_seed(0)).clamp(-1, 1) * 3e38
+    gm = gumbel_matching(logits, tau=0.5, generator=torch.Generator().manual_seed(1))
+    assert bool((gm.log2_scale > 0).all())
+    lq = gm.conditional_log_probs
+    assert not lq.isnan().any() and not lq.isposinf().any()
+    torch.testing.assert_close(lq.double().logsumexp(-1), torch.zeros(2, 16, dtype=torch.float64), atol=1e-5, rtol=0)
 
 
 def test_ldexp_with_a_known_bound_reads_nothing() -> None:

@@ -114,6 +114,35 @@ def test_the_adjoint_backward_sums_the_slots_in_a_fixed_order() -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_full_precision_rounds_each_product_then_each_sum_in_slot_order(dtype: torch.dtype) -> None:
+    """In float32 and float64 the adjoint combine is ``w_0 r_0 + w_1 r_1 + ...`` with every
+    product and every partial sum rounded, slot by slot: what the plain path and the compiled
+    layer compute (no fused multiply-add, which would round a product and its sum together)."""
+    g = torch.Generator().manual_seed(3)
+    n, s, d = 64, 3, 256
+    row_of_slot = torch.arange(n * s).view(n, s)
+    token_of_row = torch.arange(n * s) // s
+    rows = torch.randn(n * s, d, generator=g, dtype=dtype)
+    weight = torch.randn(n, s, generator=g, dtype=dtype)
+    picked = rows[row_of_slot]
+    expected = picked[:, 0] * weight[:, 0:1]
+    for j in range(1, s):
+        expected = expected + picked[:, j] * weight[:, j:j + 1]
+    assert torch.equal(combine_rows(rows, weight, row_of_slot, token_of_row, adjoint=True), expected)
+
+
+@pytest.mark.parametrize("adjoint", [True, False])
+def test_a_plan_of_no_slots_combines_to_zeros(adjoint: bool) -> None:
+    n, d = 3, 4
+    rows = torch.randn(2, d, requires_grad=True)
+    weight = torch.zeros(n, 0, requires_grad=True)
+    y = combine_rows(rows, weight, torch.zeros(n, 0, dtype=torch.long), torch.full((2,), n), adjoint=adjoint)
+    assert torch.equal(y, torch.zeros(n, d))
+    y.sum().backward()
+    assert torch.equal(rows.grad, torch.zeros(2, d)) and weight.grad.shape == (n, 0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_sums_products_in_float32_on_both_paths(dtype: torch.dtype) -> None:
     """Combine sums the slots' products in float32 and rounds once; its weight gradient sums the

@@ -69,7 +69,7 @@ def find_negative_cycles(
     # The sweep after which instances with a cycle stop looking for more: ``extra_sweeps`` after
     # the first cycle of the batch. Kept on the device (a large number until then), so that a
     # check costs one host synchronisation, the test whether any instance still runs.
-    never = 4 * m + extra_sweeps + 8
+    never = torch.iinfo(torch.long).max  # no sweep number reaches it
     stop_collecting = torch.full((), never, dtype=torch.long, device=dev)
     for sweep in range(1, 2 * m + 4 + extra_sweeps):
         cand, arg = relax(dist, work)

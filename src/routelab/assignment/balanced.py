@@ -30,7 +30,9 @@ uses one, no feasible assignment exists and a ``ValueError`` is raised.
 On CPU (float32/float64, numba installed) the same outline runs as compiled loops
 (:mod:`._compiled`, the speed machinery): an auction start (steps 1-2 in one: bids raise expert
 prices until every token is within ``eps`` of its best expert), then the cycle cancelling of
-step 3 with the same certificate. The PyTorch code below is the reference and the path on CUDA.
+step 3 with the same certificate. The PyTorch code below is the reference, and the path on a GPU
+for problems above ``SolverTuning.host_max_scores`` scores (or with ``on_host=False``); smaller
+GPU problems are copied to the host and solved there (:func:`host_solve_pays`).
 Everything is batched over the leading dimensions; the only Python loops are over rounds of the
 algorithm (never over tokens).
 """
@@ -91,8 +93,9 @@ def balanced_assignment(scores: Tensor, capacity: int | None = None, *, k: int =
     scaled by a power of two (:mod:`routelab.assignment._normalise`), which has the same
     maximisers. float16 and bfloat16 scores are solved in float32 (converted exactly).
     Ties: among equally good assignments one is returned deterministically; which one is
-    unspecified, and on the PyTorch path (CUDA, or ``ROUTELAB_PURE_TORCH=1``) it may depend on the
-    other instances of a batch (their shared warm start), never the total score.
+    unspecified, and on the PyTorch path (a GPU solve, or ``ROUTELAB_PURE_TORCH=1``) it may depend on
+    the other instances of a batch (their shared warm start), never the total score; so on a GPU
+    it may depend on ``on_host`` and, by default, on the problem's size.
 
     Args:
         scores: ``[..., n, k]`` floating scores of ``n`` tokens for ``k`` experts, batched over the
@@ -118,6 +121,7 @@ def balanced_assignment(scores: Tensor, capacity: int | None = None, *, k: int =
         ValueError: NaN or +inf scores, fewer than two dimensions, ``capacity * k < n``,
             ``n`` not divisible by ``k`` without an explicit capacity, or a pattern of ``-inf``
             entries that leaves no feasible assignment.
+        TypeError: ``on_host`` is not ``None``, ``True`` or ``False``.
     """
     if on_host is not None and not isinstance(on_host, bool):
         raise TypeError(f"on_host must be None (automatic), True or False, got {on_host!r}")
@@ -217,8 +221,9 @@ def _to_device(tensors: tuple[Tensor, ...], device: torch.device) -> tuple[Tenso
 def host_solve_pays(flat: Tensor, tuning: SolverTuning = TUNING) -> bool:
     """Whether the ``[B, n, k]`` scores, on a CUDA device, are solved faster on the host.
 
-    Yes when the compiled CPU solver runs there (:func:`._compiled.host_available`), the problem
-    has at most ``tuning.host_max_scores`` entries, and ``torch.compile`` is not tracing (the
+    Yes when the compiled CPU solver runs there (:func:`._compiled.host_available`; with ``k <= 2``
+    experts the host runs the closed forms instead, as fast), the problem has at most
+    ``tuning.host_max_scores`` entries, and ``torch.compile`` is not tracing (the
     copy to the host is a graph break; the traced solver stays on the device). The measurements
     behind the bound are in :class:`._tuning.SolverTuning`.
     """

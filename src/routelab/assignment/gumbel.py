@@ -15,6 +15,7 @@ depend on it. Cost: ``O(nk + k^3)`` per instance on top of the solve, not ``n k`
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from torch import Tensor
 
 from .._checks import (
     check_generator,
+    check_plain_tensor,
     check_score_matrix,
     check_score_maximum,
     check_tau,
@@ -138,7 +140,14 @@ def gumbel_matching(
         :class:`GumbelMatching` with ``expert`` ``[..., n]`` and ``conditional_log_probs``
         ``[..., n, k]``.
     """
-    check_score_matrix(logits, "logits", values=False)  # its values: with the noise's, in _solver_scores
+    check_score_matrix(logits, "logits", values=False)
+    check_plain_tensor(logits, "logits", "gumbel_matching")
+    given = isinstance(gumbels, Tensor) and gumbels.is_floating_point()
+    # One read of every value this function checks (on a GPU, one synchronisation): the logits'
+    # maximum (NaN, +inf), their largest finite magnitude (can a / tau + g overflow?), and for
+    # given noise whether it is finite and its largest magnitude. The errors keep their order.
+    hi, a_top, g_finite, g_top = _value_summary(logits, gumbels if given else None)
+    check_score_maximum(hi, "logits")
     t = check_tau(tau)
     check_generator(generator)
     capacity = resolve_capacity(logits.shape[-2], logits.shape[-1], capacity)  # before any work
@@ -148,7 +157,7 @@ def gumbel_matching(
         if not isinstance(gumbels, Tensor) or gumbels.shape != logits.shape:
             got = tuple(gumbels.shape) if isinstance(gumbels, Tensor) else type(gumbels).__name__
             raise ValueError(f"gumbels must be a tensor with the shape of logits {tuple(logits.shape)}, got {got}")
-        if not gumbels.is_floating_point() or not bool(torch.isfinite(gumbels).all()):
+        if not given or not g_finite:
             raise ValueError("gumbels must be finite floats (sample them with routelab.assignment.sample_gumbel)")
     if t == 0.0:
         g = torch.zeros_like(a)  # the deterministic limit uses no noise
@@ -156,9 +165,13 @@ def gumbel_matching(
         g = gumbels.detach().to(dtype=work, device=logits.device)
     else:
         g = sample_gumbel(logits.shape, dtype=work, device=logits.device, generator=generator)
+        g_top = _GUMBEL_BOUND
+    # The perturbed scores cannot overflow when |a| / tau + |g| stays below half the dtype's range
+    # (decided on the host from the summary); else _solver_scores tests them (a second read).
+    fits = t == 0.0 or a_top / t + g_top <= 0.5 * torch.finfo(work).max
     n, k = logits.shape[-2], logits.shape[-1]
     batch = logits.shape[:-2]
-    S, A, E, e_bound = _solver_scores(a.reshape(-1, n, k), t, g.reshape(-1, n, k))
+    S, A, E, e_bound = _solver_scores(a.reshape(-1, n, k), t, g.reshape(-1, n, k), fits=fits)
     sol = solve_balanced(S, capacity, name="logits")
     z = sol.expert  # [B, n]
     # d* in the units of S (the solver normalised S once more by 2^log2_scale).
@@ -192,9 +205,32 @@ def gumbel_matching(
     )
 
 
-def _solver_scores(a: Tensor, t: float, g: Tensor) -> tuple[Tensor, Tensor, Tensor, int | None]:
-    """What the solver maximises, the noise-free part of it, and their units; ValueError for NaN
-    or +inf logits.
+#: A bound on |g| for :func:`sample_gumbel`'s noise in any dtype (float32: within [-4.5, 16.6];
+#: float64: within [-6.6, 36.1]).
+_GUMBEL_BOUND = 40.0
+
+
+def _value_summary(logits: Tensor, gumbels: Tensor | None) -> tuple[float, float, bool, float]:
+    """``(max logits, largest finite |logit|, gumbels all finite, largest |gumbel|)`` in one host
+    read; the noise entries are ``True, 0.0`` without ``gumbels``, and everything is neutral for
+    an empty batch."""
+    if logits.numel() == 0:
+        return -math.inf, 0.0, True, 0.0
+    def top(x: Tensor) -> Tensor:  # the largest finite magnitude
+        return torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x)).amax().double()
+
+    a = logits.detach()
+    parts = [a.amax().double(), top(a)]
+    if gumbels is not None and gumbels.numel():
+        g = gumbels.detach()
+        parts += [t.to(a.device) for t in (torch.isfinite(g).all().double(), top(g))]
+    hi, a_top, *rest = torch.stack(parts).tolist()
+    g_finite, g_top = (bool(rest[0]), rest[1]) if rest else (True, 0.0)
+    return hi, a_top, g_finite, g_top
+
+
+def _solver_scores(a: Tensor, t: float, g: Tensor, *, fits: bool = False) -> tuple[Tensor, Tensor, Tensor, int | None]:
+    """What the solver maximises, the noise-free part of it, and their units.
 
     The perturbed scores ``a / t + g`` themselves (exponent 0) whenever they are finite at every
     allowed pair: the sample is then exact for the very numbers returned as ``scores``. Where
@@ -205,6 +241,8 @@ def _solver_scores(a: Tensor, t: float, g: Tensor) -> tuple[Tensor, Tensor, Tens
         a: ``[B, n, k]`` logits (``-inf`` forbids a pair).
         t: temperature (``0``: no noise, ``S = a``).
         g: ``[B, n, k]`` the noise (zeros at ``t = 0``).
+        fits: the caller knows that ``a / t + g`` is finite wherever ``a`` is not ``-inf``
+            (no test, no host synchronisation); else it is tested here.
 
     Returns:
         ``(S, A, E, bound)``: ``[B, n, k]`` scores to solve, ``[B, n, k]`` float64 ``a / t`` in the
@@ -213,14 +251,7 @@ def _solver_scores(a: Tensor, t: float, g: Tensor) -> tuple[Tensor, Tensor, Tens
     """
     B = a.shape[0]
     literal = a if t == 0.0 else a / t + g
-    overflow = (torch.isinf(literal) & ~torch.isneginf(a)).any()
-    if a.numel():
-        # The logits' own check (NaN, +inf) and the overflow test in one host synchronisation.
-        hi, overflowed = torch.stack([a.amax().double(), overflow.double()]).tolist()
-        check_score_maximum(hi, "logits")
-    else:
-        overflowed = False
-    if not overflowed:
+    if fits or not bool((torch.isinf(literal) & ~torch.isneginf(a)).any()):
         a64 = a.to(torch.float64)
         top = a64.amax(-1, keepdim=True)
         shifted = a64 - torch.where(torch.isfinite(top), top, torch.zeros_like(top))

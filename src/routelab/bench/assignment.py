@@ -616,7 +616,7 @@ class BatchedSize:
     Attributes:
         b, n, k: instances per batch, tokens, experts (capacity ``n / k``).
         methods: by key ``"batched"``, ``"device"``, ``"loop"``, ``"auction"``, ``"host"``.
-        same_optimum: every exact routelab row (batched, loop, host when run) has, on every
+        same_optimum: every exact routelab row (batched, device, loop, host when run) has, on every
             instance, the batched call's objective to relative :data:`OPTIMUM_RTOL`.
         auction_gap_mean: mean over the instances the auction solved feasibly of ``(opt - auction)
             / |opt|`` (``opt``: routelab batched's objective, float64); nan when there are none.

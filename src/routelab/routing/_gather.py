@@ -73,20 +73,33 @@ def _weighted_slot_sum(picked: Tensor, weight: Tensor) -> Tensor:
 
     Slot by slot, in a fixed order: the float32 operand is the ``[n, 1]`` weight column, so the
     half-precision rows are widened inside each elementwise kernel (on a GPU) rather than copied to
-    a float32 ``[n, s, d]`` tensor first: one float32 ``[n, d]`` accumulator in all.
+    a float32 ``[n, s, d]`` tensor first: one float32 ``[n, d]`` accumulator in all. In half
+    precision each product is exact in float32, so a fused multiply-add (``addcmul``) gives the
+    same sums with one pass less; in float32 and float64 a product and its addition are rounded
+    apart, bit for bit the plain path's and the compiled one's.
     """
+    n, s, d = picked.shape
+    if s == 0:
+        return picked.new_zeros(n, d)
     wide_weight = weight.to(_wide(picked.dtype))
+    exact_products = picked.dtype in (torch.float16, torch.bfloat16)
     total = picked[:, 0] * wide_weight[:, 0:1]
-    for j in range(1, picked.shape[1]):
-        total = torch.addcmul(total, picked[:, j], wide_weight[:, j:j + 1])
+    for j in range(1, s):
+        if exact_products:
+            total = torch.addcmul(total, picked[:, j], wide_weight[:, j:j + 1])
+        else:
+            total = total + picked[:, j] * wide_weight[:, j:j + 1]
     return total.to(picked.dtype)
 
 
 def _slot_dots(picked: Tensor, grad_y: Tensor) -> Tensor:
     """``<picked[:, s], grad_y>`` per slot (``[n, s, d]``, ``[n, d]`` -> ``[n, s]``), the products
     and their sums in float32 or wider (half precision rounded once, at the end)."""
+    n, s, _ = picked.shape
+    if s == 0:
+        return picked.new_zeros(n, 0)
     wide_grad = grad_y.to(_wide(grad_y.dtype))
-    dots = [(picked[:, j] * wide_grad).sum(-1) for j in range(picked.shape[1])]
+    dots = [(picked[:, j] * wide_grad).sum(-1) for j in range(s)]
     return torch.stack(dots, -1).to(picked.dtype)
 
 
