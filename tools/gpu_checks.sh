@@ -1,7 +1,9 @@
 #!/bin/bash
 # The GPU checks still open in issue 18, in priority order, for one device call on a CUDA machine.
 #
-#   bash tools/gpu_checks.sh [SECONDS]     (default 540: one call's time, leaving some for the start)
+#   bash tools/gpu_checks.sh [SECONDS] [FIRST]   (default 540 s: one call's time, leaving some for
+#                                                the start; FIRST: begin at that numbered step, so a
+#                                                second call goes on where the first one stopped)
 #
 # 15 minutes of device time do not fit every step: the suite alone takes about 4 minutes.
 #
@@ -15,12 +17,15 @@
 # data-cache/ along (the device tool's `carry`); without it the step is skipped.
 set -u
 budget=${1:-540}
+first=${2:-1}
+n=0
 out=${OUT:-gpu-checks}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 t0=$(date +%s); L="$out/log.txt"
 left() { echo $(( budget - ($(date +%s) - t0) )); }
 step() {  # step NAME MAX_SECONDS COMMAND...: run COMMAND under min(MAX, time left)
-  local name=$1 max=$2; shift 2
+  local name="$(( ++n )). $1" max=$2; shift 2
+  if (( n < first )); then echo "$name: skipped (starting at step $first)" | tee -a "$L"; return; fi
   local t; t=$(left); (( t > max )) && t=$max
   if (( t < 30 )); then echo "[$(( $(date +%s) - t0 )) s] $name: skipped (${t} s left)" | tee -a "$L"; return; fi
   echo "[$(( $(date +%s) - t0 )) s] $name (up to $t s)" | tee -a "$L"
@@ -32,12 +37,12 @@ nvidia-smi --query-gpu=name,memory.used --format=csv | tee -a "$L"
 targs="-v --durations=40 --tb=short"; python3 -c "import pytest_timeout" 2>/dev/null && targs="$targs --timeout=120"
 step "whole suite (make test-gpu; 233 s on an H200 machine, 2026-11-26)" 300 \
   bash -c "make test-gpu PYTEST_ARGS='$targs' > '$out/suite.log' 2>&1"
-grep -E "FAILED|ERROR|Timeout|passed|failed" "$out/suite.log" | grep -v " PASSED" | tail -30 | tee -a "$L"
-step "bench assignment on the GPU: the host policy of balanced_assignment (2026-11-26) against on_host=False" 180 \
-  bash -c "python3 -m routelab bench assignment --device cuda > '$out/bench-assignment.md' 2>>'$L'"
+[ -f "$out/suite.log" ] && grep -E "FAILED|ERROR|Timeout|passed|failed" "$out/suite.log" | grep -v " PASSED" | tail -30 | tee -a "$L"
 step "bench moe bf16 d_model 4096, E = 64, top-2 (its transformers row not yet measured)" 150 \
   bash -c "python3 -m routelab bench moe --device cuda --dtype bfloat16 --d-model 4096 --experts 64 --k 2 \
 > '$out/bench-bf16-d4096-e64-k2.md' 2>>'$L'"
+step "bench assignment on the GPU: the host policy of balanced_assignment (2026-11-26) against on_host=False" 180 \
+  bash -c "python3 -m routelab bench assignment --device cuda > '$out/bench-assignment.md' 2>>'$L'"
 step "profile at d_model 4096, 64k tokens, E = 64, top-1, with kernel tables" 100 \
   python3 tools/gpu_layer_profile.py "$out/prof-d4096.txt" --cases 64:1 --d-model 4096 --tokens 65536
 step "bench moe fp32 d_model 2048" 200 \
