@@ -133,10 +133,17 @@ def _patch(model, router="topk", **options):
         return patch_moe(model, router, **options)
 
 
+def probe_block(model: torch.nn.Module):
+    """probe_gate of the model's first sparse MoE block's gate, with its block (as patch_moe probes)."""
+    block = sparse_moe_blocks(model)[0][1]
+    return probe_gate(gate_of(block), block=block)
+
+
 def _skip_another_contract(family: str, rule) -> None:
-    """Skip a family whose gate, in this transformers version, returns what its block expects of
-    another contract (the Jamba and GraniteMoE gates of transformers 5.17, the GPU image's):
-    patch_moe refuses those blocks (test_a_gate_of_another_contract_is_refused)."""
+    """Skip a family whose gate, in this transformers version, answers its block in a way patch_moe
+    cannot read (patch_moe refuses those blocks: test_a_gate_of_another_contract_is_refused). The
+    older contracts of transformers 5.17 (the GPU image's) are read: GraniteMoE's reordered outputs,
+    Jamba's logits-only gate routed by its block's route_tokens_to_experts."""
     if rule.contract is not None:
         pytest.skip(f"transformers {tf.__version__}: the {family} gate {rule.contract}")
 
@@ -144,7 +151,7 @@ def _skip_another_contract(family: str, rule) -> None:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_topk_defaults_reproduce_the_unpatched_model(family):
     model = tiny(family)
-    rule = probe_gate(gate_of(sparse_moe_blocks(model)[0][1]))
+    rule = probe_block(model)
     _skip_another_contract(family, rule)
     if rule.differs is not None:
         pytest.skip(f"transformers {tf.__version__}: the {family} gate {rule.differs}")
@@ -578,7 +585,7 @@ def test_probing_a_gate_reads_its_k_and_normalisation(family, k, renormalize):
     model = tiny(family)
     gate = gate_of(sparse_moe_blocks(model)[0][1])
     before = {name: p.detach().clone() for name, p in gate.named_parameters()}
-    rule = probe_gate(gate)
+    rule = probe_block(model)
     assert all(torch.equal(p, before[name]) for name, p in gate.named_parameters())  # the gate is untouched
     _skip_another_contract(family, rule)
     assert (rule.k, rule.renormalize, rule.differs, rule.contract) == (k, renormalize, None, None)
@@ -672,10 +679,112 @@ def test_a_gate_of_another_contract_is_refused():
     block = torch.nn.Module()
     block.gate, block.experts = _LogitsOnlyGate(6, 4), _FusedExperts(6, 4)
     model = torch.nn.Sequential(block)
-    with pytest.raises(ValueError, match=r"_LogitsOnlyGate\) it does not return \(router_logits, weights, experts\)"):
+    with pytest.raises(ValueError, match=r"_LogitsOnlyGate\) it returns its logits alone, and its block has no "
+                                         r"route_tokens_to_experts"):
         patch_moe(model, "topk")
     assert isinstance(block.gate, _LogitsOnlyGate)
     assert probe_gate(block.gate).contract is not None and probe_gate(block.gate).differs is None
+
+
+# --- the older contracts of transformers 5.17, rebuilt here so that every transformers version tests them
+
+
+class _LoopExperts(torch.nn.Module):
+    """Fused SwiGLU experts called as transformers' are: ``(hidden [n, d], index [n, k], weights [n, k])``,
+    skipping the sentinel index ``E``."""
+
+    def __init__(self, d: int, E: int, inner: int = 8) -> None:
+        super().__init__()
+        self.num_experts = E
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * inner, d) * 0.5)
+        self.down_proj = torch.nn.Parameter(torch.randn(E, d, inner) * 0.5)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):
+            token, slot = (top_k_index == e).nonzero(as_tuple=True)
+            gate, up = (hidden_states[token] @ self.gate_up_proj[e].T).chunk(2, -1)
+            y = (torch.nn.functional.silu(gate) * up) @ self.down_proj[e].T
+            out = out.index_add(0, token, y * top_k_weights[token, slot, None].to(y.dtype))
+        return out
+
+
+class _ReorderedGate(torch.nn.Module):
+    """GraniteMoE's router in transformers 5.17: ``(top_k_index, top_k_weights, router_logits)``."""
+
+    def __init__(self, d: int, E: int, k: int) -> None:
+        super().__init__()
+        self.top_k = k
+        self.weight = torch.nn.Parameter(torch.randn(E, d))
+
+    def forward(self, hidden_states):
+        logits = torch.nn.functional.linear(hidden_states, self.weight).float()
+        top, index = logits.topk(self.top_k, dim=-1)
+        return index, top.softmax(-1).type_as(hidden_states), logits
+
+
+class _ReorderedBlock(torch.nn.Module):
+    def __init__(self, d: int = 6, E: int = 4, k: int = 2) -> None:
+        super().__init__()
+        self.router, self.experts = _ReorderedGate(d, E, k), _LoopExperts(d, E)
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        index, weights, _ = self.router(flat)
+        return self.experts(flat, index, weights).view_as(x)
+
+
+class _RoutingBlock(torch.nn.Module):
+    """Jamba's sparse block in transformers 5.17: a logits-only ``nn.Linear`` router, routed by the
+    block's own ``route_tokens_to_experts`` (softmax top-k, not renormalised)."""
+
+    def __init__(self, d: int = 6, E: int = 4, k: int = 2) -> None:
+        super().__init__()
+        self.top_k = k
+        self.router = torch.nn.Linear(d, E, bias=False)
+        torch.nn.init.normal_(self.router.weight)
+        self.experts = _LoopExperts(d, E)
+
+    def route_tokens_to_experts(self, hidden_states, router_logits):
+        weights = router_logits.softmax(-1, dtype=torch.float)
+        top, index = weights.topk(self.top_k, dim=-1)
+        return index, top.to(hidden_states.dtype)
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        logits = self.router(flat)
+        index, weights = self.route_tokens_to_experts(flat, logits)
+        return self.experts(flat, index, weights).view_as(x)
+
+
+@pytest.mark.parametrize("make", [_ReorderedBlock, _RoutingBlock], ids=["reordered-outputs", "logits-only"])
+def test_the_older_gate_contracts_are_read_and_reproduced(make):
+    """The gates of transformers 5.17's GraniteMoE (outputs reordered) and Jamba (logits alone, the
+    block routing them) are patched: router='topk' computes what the unpatched block does, and a
+    balanced router routes through the block's own code."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(make())
+    block = model[0]
+    rule = probe_gate(gate_of(block), block=block)
+    assert rule.contract is None and rule.k == 2
+    assert rule.renormalize is (make is _ReorderedBlock)
+    x = torch.randn(3, 8, 6)
+    expected = model(x)
+    patch_moe(model, "topk")
+    torch.testing.assert_close(model(x), expected)
+    balanced = torch.nn.Sequential(make())
+    patch_moe(balanced, "base")
+    y = balanced(x)
+    assert y.shape == x.shape and torch.isfinite(y).all()
+    (stats,) = routelab.routing_stats(balanced).values()
+    assert stats["tokens_per_expert"].tolist() == [12, 12, 12, 12]  # 24 tokens x the model's k = 2, balanced
+
+
+def test_a_logits_only_gates_block_routes_only_after_its_gate():
+    model = torch.nn.Sequential(_RoutingBlock())
+    patch_moe(model, "topk")
+    with pytest.raises(RuntimeError, match="without its gate routing first"):
+        model[0].route_tokens_to_experts(torch.randn(4, 6), torch.randn(4, 4))
 
 
 def test_routelab_layers_are_not_taken_for_transformers_blocks():
@@ -690,7 +799,7 @@ def test_routelab_layers_are_not_taken_for_transformers_blocks():
 @pytest.mark.parametrize("family", ["gpt_oss", "jamba", "granitemoe", "qwen3_next", "deepseek_v2"])
 def test_a_balanced_router_trains_and_generates_in_every_family(family, monkeypatch):
     model = tiny(family).train()
-    _skip_another_contract(family, probe_gate(gate_of(sparse_moe_blocks(model)[0][1])))
+    _skip_another_contract(family, probe_block(model))
     blocks = patch_moe(model, "base")
     seen = _spy_experts(monkeypatch, model)
     x = ids()
@@ -810,7 +919,7 @@ def test_bfloat16_models_are_reproduced_bit_for_bit(family):
     DeepSeek's gate does), combine weights returned in bfloat16 (Qwen3-MoE, Granite) or float32
     (Mixtral)."""
     model = tiny(family).to(torch.bfloat16).eval()
-    _skip_another_contract(family, probe_gate(gate_of(sparse_moe_blocks(model)[0][1])))
+    _skip_another_contract(family, probe_block(model))
     reference = copy.deepcopy(model)
     _patch(model, "topk")
     x = ids()

@@ -62,6 +62,8 @@ from ..routers import ROUTERS, Router, make_router, router_name
 from ..routers.base import proposes_every_slot
 from ..routing import DROP_POLICIES, RoutingRecord, apply_capacity, expert_capacity, load_stats
 from .hf_blocks import (
+    CONTRACT,
+    ROUTE_METHOD,
     ROUTING_CHILDREN,
     GateRule,
     block_problem,
@@ -169,9 +171,13 @@ class GateProjection(nn.Module):
 
 
 class _BlockState:
-    """What a patched gate tells the experts of its block about the routing it just returned."""
+    """What a patched gate tells the experts of its block about the routing it just returned (and,
+    for a gate that returns its logits alone, the routing itself, for the block's route method)."""
 
     def __init__(self) -> None:
+        #: ``(experts, weights)`` of the last forward of a logits-only gate, until the block's
+        #: route method (:data:`ROUTE_METHOD`) takes them.
+        self.routes: tuple[Tensor, Tensor] | None = None
         #: the expert indices ``[n, S]`` the gate last returned, when it knows (without looking at
         #: them) that every slot names an expert: no capacity, no mask, a router that proposes every
         #: slot. The experts trust it once, for that very tensor unchanged, then forget it.
@@ -211,6 +217,8 @@ class RoutedGate(RoutingRecord):
     _routelab_takes_mask: bool
     _routelab_generator: torch.Generator | None
     _routelab_state: _BlockState
+    #: the roles of the model's gate's outputs, in its order (:attr:`GateRule.outputs`)
+    _routelab_outputs: tuple[str, ...] = CONTRACT
 
     def _token_mask(self, num_tokens: int) -> Tensor | None:
         """The token mask of this forward: the model call's, or, when activation checkpointing
@@ -236,7 +244,9 @@ class RoutedGate(RoutingRecord):
         Returns:
             transformers' router contract: ``router_logits [n, E]`` (float32), combine weights
             ``[n, S]`` (float32, or the hidden states' dtype where the model's gate returns them
-            so; 0 where not routed) and experts ``[n, S]`` (``E`` where not routed).
+            so; 0 where not routed) and experts ``[n, S]`` (``E`` where not routed); in the order
+            of the model's own gate (:attr:`GateRule.outputs`), or the logits alone where its
+            block routes them with :data:`ROUTE_METHOD` (which then returns this routing).
         """
         self.forget_routing()  # the last step's graph goes before this one is built (record.py)
         router = self.router
@@ -281,7 +291,12 @@ class RoutedGate(RoutingRecord):
         self.record_routing(aux, {**proposed.stats, **load_stats(candidate, decision, capacity)})
         # transformers' load-balancing loss (output_router_logits) reads the router logits; one more
         # [n, d] x [d, E] product, small next to the experts' [n k, d] x [d, 2I] ones.
-        return router.logits(x), weights, experts
+        logits = router.logits(x)
+        if self._routelab_outputs == ("logits",):  # the block routes the logits itself: it gets these
+            state.routes = (experts, weights)
+            return logits
+        found = {"logits": logits, "weights": weights, "experts": experts}
+        return tuple(found[role] for role in self._routelab_outputs)
 
 
 class RoutedExperts:
@@ -313,6 +328,22 @@ class RoutedExperts:
         out = super().forward(hidden_states[token], top_k_index[token, slot].unsqueeze(-1),  # type: ignore[misc]
                               top_k_weights[token, slot].unsqueeze(-1))
         return hidden_states.new_zeros(hidden_states.shape).index_add(0, token, out.to(hidden_states.dtype))
+
+
+def _route_from_gate(state: _BlockState, roles: tuple[str, ...]) -> Callable[..., tuple[Tensor, ...]]:
+    """The block's :data:`ROUTE_METHOD` for a logits-only gate: it ignores its inputs (the hidden
+    states, the router logits) and returns the routing its patched gate just computed, in the
+    order of the model's own method (:attr:`GateRule.block_routes`)."""
+
+    def route_tokens_to_experts(*_inputs: Any, **_kwargs: Any) -> tuple[Tensor, ...]:
+        routes, state.routes = state.routes, None
+        if routes is None:
+            raise RuntimeError(f"{ROUTE_METHOD} of a block patched by routelab was called without its gate "
+                               "routing first: the block routes with the routing its patched gate computed")
+        found = dict(zip(("experts", "weights"), routes, strict=True))
+        return tuple(found[role] for role in roles)
+
+    return route_tokens_to_experts
 
 
 _SUBCLASSES: dict[tuple[type, type], type] = {}
@@ -470,7 +501,7 @@ def patch_moe(
         why = block_problem(block)
         if why is None:
             gate = routing_child(block)[1]
-            rules[name] = probe_gate(gate)
+            rules[name] = probe_gate(gate, block=block)
             if rules[name].contract is not None:
                 why = (f"its gate ({type(gate).__name__}) {rules[name].contract}: its block expects another output "
                        "of the gate than routelab's routers give")
@@ -532,6 +563,9 @@ def patch_moe(
         object.__setattr__(gate, "_routelab_takes_mask", _accepts_mask(built))
         state = _BlockState()  # what the gate tells the experts of the same block
         object.__setattr__(gate, "_routelab_state", state)
+        object.__setattr__(gate, "_routelab_outputs", rule.outputs)
+        if rule.block_routes is not None:  # a logits-only gate: the block's route method answers for it
+            object.__setattr__(block, ROUTE_METHOD, _route_from_gate(state, rule.block_routes))
         _swap_class(experts, RoutedExperts)
         object.__setattr__(experts, "_routelab_num_experts", gate.weight.shape[0])
         object.__setattr__(experts, "_routelab_state", state)

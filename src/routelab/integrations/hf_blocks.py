@@ -21,7 +21,18 @@ from torch import Tensor, nn
 from ..routers import Router
 from ..routing import RoutingRecord
 
-__all__ = ["ROUTING_CHILDREN", "GateRule", "probe_gate", "routing_child", "sparse_moe_blocks"]
+__all__ = ["CONTRACT", "ROUTE_METHOD", "ROUTING_CHILDREN", "GateRule", "probe_gate", "routing_child",
+           "sparse_moe_blocks"]
+
+#: What transformers' blocks (5.x) expect of their gate, in this order: ``router_logits [n, E]``,
+#: combine ``weights [n, k]``, ``experts [n, k]``. Older gates answer with the same three in another
+#: order (GraniteMoE in transformers 5.17: experts, weights, logits), or with the logits alone, the
+#: block then routing them with a method of its own (:data:`ROUTE_METHOD`; Jamba in 5.17).
+CONTRACT = ("logits", "weights", "experts")
+
+#: The block method that turns a logits-only gate's ``router_logits`` into ``(experts, weights)``
+#: (in some order), called as ``(hidden_states, router_logits)`` or ``(router_logits)``.
+ROUTE_METHOD = "route_tokens_to_experts"
 
 
 #: The names under which transformers' sparse MoE blocks hold their router module, in the order tried:
@@ -102,10 +113,14 @@ class GateRule:
             afterwards, as GraniteMoE-style gates do), not in float32 (DeepSeek).
         input_dtype_weights: it returns its combine weights in the hidden states' dtype (rounded
             to bfloat16 for a bfloat16 model: Qwen3-MoE, Granite, Aria), not in float32 (Mixtral).
-        contract: why its output is not the ``(router_logits, weights [tokens, k], experts
-            [tokens, k])`` its block expects of a routelab gate (e.g. the gates of Jamba and
-            GraniteMoE in transformers 5.17, which return other things), or None. A block whose
-            gate breaks the contract cannot be patched.
+        contract: why its output cannot be read as ``router_logits``, ``weights [tokens, k]`` and
+            ``experts [tokens, k]`` (in some order, or the logits alone with the block's
+            :data:`ROUTE_METHOD`), or None. A block whose gate breaks the contract cannot be patched.
+        outputs: the roles of the gate's outputs, in its order (:data:`CONTRACT` for transformers
+            5.x; ``("experts", "weights", "logits")`` for GraniteMoE in 5.17; ``("logits",)`` for a
+            gate that returns its logits alone, as Jamba's in 5.17).
+        block_routes: for a logits-only gate, the roles of the outputs of its block's
+            :data:`ROUTE_METHOD` (Jamba 5.17: ``("experts", "weights")``); else None.
     """
 
     k: int | None = None
@@ -117,6 +132,8 @@ class GateRule:
     input_dtype_logits: bool = False
     input_dtype_weights: bool = False
     contract: str | None = None
+    outputs: tuple[str, ...] = CONTRACT
+    block_routes: tuple[str, ...] | None = None
 
 
 def _scale_of(weights: Tensor, reference: Tensor) -> float | None:
@@ -150,7 +167,65 @@ def _fresh_copy(gate: nn.Module, dtype: torch.dtype,
     return probe, fresh
 
 
-def _half_precision_outputs(gate: nn.Module) -> tuple[bool, bool]:
+def _route_method(block: nn.Module | None) -> Callable | None:
+    """The block's :data:`ROUTE_METHOD` as a plain function of ``(block, ...)``, or None."""
+    method = getattr(type(block), ROUTE_METHOD, None) if block is not None else None
+    return method if callable(method) else None
+
+
+def _call_route_method(block: nn.Module, method: Callable, x: Tensor, logits: Tensor) -> object:
+    """``block.route_tokens_to_experts`` on ``(x, logits)`` or ``(logits)``, by its arity."""
+    inputs = _positional_inputs(method)
+    return method(block, logits) if inputs is not None and len(inputs) == 1 else method(block, x, logits)
+
+
+def _roles(out: object, tokens: int, E: int, reference: tuple[Tensor, ...]) -> tuple[str, ...] | str:
+    """The roles (:data:`CONTRACT`'s names) of a gate's three outputs, in their order; a str says why
+    they cannot be read. The experts are the integer tensor; of the two float tensors, the logits
+    are the ``[tokens, E]`` one that is not shaped as the experts, or, where both are (``k = E``),
+    the one equal to a ``reference`` (the logits the gate's weight gives), else the first."""
+    if not (isinstance(out, (tuple, list)) and len(out) == 3 and all(isinstance(t, Tensor) for t in out)):
+        return "it does not return (router_logits, weights, experts) in any order, nor its logits alone"
+    ints = [i for i, t in enumerate(out) if not t.is_floating_point()]
+    floats = [i for i, t in enumerate(out) if t.is_floating_point()]
+    if len(ints) != 1 or len(floats) != 2:
+        return "it does not return one integer tensor (experts) and two float ones (router_logits, weights)"
+    experts = out[ints[0]]
+    if experts.dim() != 2 or experts.shape[0] != tokens:
+        return "it does not return experts of shape [tokens, k]"
+    logits_like = [i for i in floats if tuple(out[i].shape) == (tokens, E)]
+    weights_like = [i for i in floats if out[i].shape == experts.shape]
+    if not logits_like or not weights_like or set(logits_like + weights_like) != set(floats):
+        return "it does not return router_logits [tokens, E] and weights [tokens, k] beside its experts"
+    if len(logits_like) == 1 and weights_like != logits_like:
+        logits = logits_like[0]
+    else:  # k = E: both fit; the logits are the one the gate's weight gives
+        equal = [i for i in floats if any(torch.allclose(out[i].float(), r, rtol=1e-4, atol=1e-5) for r in reference)]
+        logits = equal[0] if len(equal) == 1 else floats[0]
+    roles = ["weights"] * 3
+    roles[ints[0]], roles[logits] = "experts", "logits"
+    return tuple(roles)
+
+
+def _run_gate(gate: nn.Module, probe: nn.Module, x: Tensor, block: nn.Module | None,
+              rule: GateRule) -> tuple[Tensor, Tensor, Tensor] | None:
+    """``(router_logits, weights, experts)`` of the gate copy ``probe`` on ``x``, by the roles of
+    ``rule`` (through the block's :data:`ROUTE_METHOD` for a logits-only gate); None on failure."""
+    try:
+        with torch.no_grad():
+            out = type(gate).forward(probe, x)
+            if rule.block_routes is not None:
+                routed = _call_route_method(block, _route_method(block), x, out)
+                found = dict(zip(rule.block_routes, routed, strict=True)) | {"logits": out}
+            else:
+                found = dict(zip(rule.outputs, out, strict=True))
+    except Exception:  # noqa: BLE001 - not probed
+        return None
+    return found["logits"], found["weights"], found["experts"]
+
+
+def _half_precision_outputs(gate: nn.Module, block: nn.Module | None = None,
+                            rule: GateRule | None = None) -> tuple[bool, bool]:
     """``(logits, weights)``: whether, on bfloat16 hidden states, the gate computes its logits in
     bfloat16 (Mixtral, Qwen, OLMoE, GPT-OSS: ``F.linear`` in bfloat16, also when it casts the result
     to float32 afterwards) rather than in float32 (DeepSeek), and whether it returns its combine
@@ -163,14 +238,10 @@ def _half_precision_outputs(gate: nn.Module) -> tuple[bool, bool]:
         return False, False
     probe, fresh = run
     x = torch.randn(8, gate.weight.shape[1], generator=g).to(torch.bfloat16)
-    try:
-        with torch.no_grad():
-            out = type(gate).forward(probe, x)
-    except Exception:  # noqa: BLE001 - not probed: score in float32
+    got = _run_gate(gate, probe, x, block, rule or GateRule())
+    if got is None:  # not probed: score in float32
         return False, False
-    if not (isinstance(out, (tuple, list)) and len(out) >= 2 and all(isinstance(t, Tensor) for t in out[:2])):
-        return False, False
-    logits, weights = out[0], out[1]
+    logits, weights, _ = got
     weight, bias = fresh["weight"], fresh.get("bias")
     in_half = logits.dtype == torch.bfloat16
     if not in_half and logits.shape == (x.shape[0], weight.shape[0]):
@@ -181,8 +252,12 @@ def _half_precision_outputs(gate: nn.Module) -> tuple[bool, bool]:
     return in_half, weights.dtype == torch.bfloat16
 
 
-def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0) -> GateRule:
+def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0, *, block: nn.Module | None = None) -> GateRule:
     """Run the gate's own ``forward`` on a parameter-fresh copy of it and compare with softmax top-k.
+
+    The gate's outputs are read by their roles (:func:`_roles`), in whatever order it returns
+    them. A gate that returns its logits alone is read through ``block``'s :data:`ROUTE_METHOD`
+    (called on the copy's logits), when ``block`` is given and has one.
 
     The copy shares the gate's attributes (``top_k``, ``norm_topk_prob``, ...) but holds random float32
     CPU parameters and float32 CPU copies of its buffers (zeros for buffers on the meta device), so a
@@ -212,14 +287,35 @@ def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0) -> GateRule:
             out = type(gate).forward(probe, x)
     except Exception:  # noqa: BLE001 - a gate that cannot run on a CPU copy is simply not probed
         return GateRule()
-    if not (isinstance(out, (tuple, list)) and len(out) == 3 and all(isinstance(t, Tensor) for t in out)):
-        return GateRule(contract="it does not return (router_logits, weights, experts)")
-    got_logits, got_weights, got_experts = (t.float() for t in out)
-    if got_experts.dim() != 2 or got_experts.shape[0] != tokens or got_weights.shape != got_experts.shape:
-        return GateRule(contract="it does not return weights and experts of shape [tokens, k]")
-    k, chosen = got_experts.shape[1], got_experts.long()
     bias = fresh.get("bias")
     logits = nn.functional.linear(x, fresh["weight"])
+    reference = (logits,) if not isinstance(bias, Tensor) or bias.shape != (E,) else (logits, logits + bias)
+    shape = dict(outputs=CONTRACT, block_routes=None)
+    method = _route_method(block)
+    if isinstance(out, Tensor) and tuple(out.shape) == (tokens, E) and out.is_floating_point() and method is not None:
+        try:  # logits alone: the block routes them (Jamba in transformers 5.17)
+            with torch.no_grad():
+                routed = _call_route_method(block, method, x, out)
+        except Exception:  # noqa: BLE001
+            routed = None
+        roles = _roles((out, *routed) if isinstance(routed, (tuple, list)) and len(routed) == 2 else None,
+                       tokens, E, reference)
+        if isinstance(roles, str) or roles[0] != "logits":
+            return GateRule(contract=f"it returns its logits alone and its block's {ROUTE_METHOD} does not return "
+                                     "(experts, weights) in any order")
+        shape = dict(outputs=("logits",), block_routes=roles[1:])
+        out = (out, *routed)
+        roles = ("logits", *roles[1:])
+    elif isinstance(out, Tensor) and tuple(out.shape) == (tokens, E):
+        return GateRule(contract=f"it returns its logits alone, and its block has no {ROUTE_METHOD} to route them")
+    else:
+        roles = _roles(out, tokens, E, reference)
+        if isinstance(roles, str):
+            return GateRule(contract=roles)
+        shape["outputs"] = roles
+    found = dict(zip(roles, out, strict=True))
+    got_logits, got_weights, got_experts = (found[r].float() for r in CONTRACT)
+    k, chosen = got_experts.shape[1], got_experts.long()
     logit_bias = False
     if isinstance(bias, Tensor) and bias.shape == (E,) and got_logits.shape == logits.shape:
         logit_bias = torch.allclose(got_logits, logits + bias, rtol=1e-4, atol=1e-5)
@@ -227,16 +323,17 @@ def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0) -> GateRule:
     sums = got_weights.sum(-1)
     constant_sum = float(sums.mean()) if torch.allclose(sums, sums.mean().expand_as(sums), rtol=1e-4) else None
     if k > E or not torch.equal(chosen.sort(-1).values, logits.topk(k, -1).indices.sort(-1).values):
-        return GateRule(k, None, constant_sum or 1.0, logit_bias, "it does not choose the k largest logits")
+        return GateRule(k, None, constant_sum or 1.0, logit_bias, "it does not choose the k largest logits", **shape)
     p = logits.softmax(-1).gather(1, chosen)
     for renormalize, reference in ((True, p / p.sum(-1, keepdim=True)), (False, p)):
         scale = _scale_of(got_weights, reference)
         if scale is not None:
-            in_half_logits, in_half_weights = _half_precision_outputs(gate)
+            in_half_logits, in_half_weights = _half_precision_outputs(gate, block, GateRule(**shape))
             return GateRule(k, renormalize, scale, logit_bias, input_dtype_logits=in_half_logits,
-                            input_dtype_weights=in_half_weights)
+                            input_dtype_weights=in_half_weights, **shape)
     return GateRule(k, None, constant_sum or 1.0, logit_bias,
-                    "its weights are not the softmax of its logits, renormalised over the chosen experts or not")
+                    "its weights are not the softmax of its logits, renormalised over the chosen experts or not",
+                    **shape)
 
 
 def replaced_rule(rule: GateRule, unused: list[str]) -> str | None:
