@@ -780,6 +780,18 @@ def test_the_older_gate_contracts_are_read_and_reproduced(make):
     assert stats["tokens_per_expert"].tolist() == [12, 12, 12, 12]  # 24 tokens x the model's k = 2, balanced
 
 
+def test_a_deep_copy_of_a_patched_logits_only_block_routes_with_its_own_gate():
+    model = torch.nn.Sequential(_RoutingBlock(), _RoutingBlock())
+    patch_moe(model, "topk")
+    twin = copy.deepcopy(model)
+    x = torch.randn(2, 5, 6)
+    torch.testing.assert_close(twin(x), model(x))
+    with torch.no_grad():
+        twin[1].router.weight.mul_(-1)  # the copy's own gate decides its routing
+    assert not torch.allclose(twin(x), model(x))
+    assert twin[0].route_tokens_to_experts.__self__ is twin[0]
+
+
 def test_a_logits_only_gates_block_routes_only_after_its_gate():
     model = torch.nn.Sequential(_RoutingBlock())
     patch_moe(model, "topk")

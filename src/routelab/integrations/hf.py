@@ -52,6 +52,7 @@ on the patched model.
 from __future__ import annotations
 
 import inspect
+import types
 import warnings
 from collections import deque
 from collections.abc import Callable
@@ -334,20 +335,20 @@ class RoutedExperts:
         return hidden_states.new_zeros(hidden_states.shape).index_add(0, token, out.to(hidden_states.dtype))
 
 
-def _route_from_gate(state: _BlockState, roles: tuple[str, ...]) -> Callable[..., tuple[Tensor, ...]]:
-    """The block's :data:`ROUTE_METHOD` for a logits-only gate: it ignores its inputs (the hidden
-    states, the router logits) and returns the routing its patched gate just computed, in the
-    order of the model's own method (:attr:`GateRule.block_routes`)."""
-
-    def route_tokens_to_experts(*_inputs: Any, **_kwargs: Any) -> tuple[Tensor, ...]:
-        routes, state.routes = state.routes, None
-        if routes is None:
-            raise RuntimeError(f"{ROUTE_METHOD} of a block patched by routelab was called without its gate "
-                               "routing first: the block routes with the routing its patched gate computed")
-        found = dict(zip(("experts", "weights"), routes, strict=True))
-        return tuple(found[role] for role in roles)
-
-    return route_tokens_to_experts
+def _route_by_gate(self: nn.Module, *_inputs: Any, **_kwargs: Any) -> tuple[Tensor, ...]:
+    """The :data:`ROUTE_METHOD` of a block whose gate returns its logits alone, bound to the block
+    by :func:`patch_moe`: it ignores its inputs (the hidden states, the router logits) and returns
+    the routing that the block's patched gate just computed, in the order of the model's own
+    method (:attr:`GateRule.block_routes`). It finds the gate through the block at every call, so a
+    deep copy of the model (which rebinds the method to the copied block) routes with its own."""
+    gate = routing_child(self)[1]
+    state = gate._routelab_state
+    routes, state.routes = state.routes, None
+    if routes is None:
+        raise RuntimeError(f"{ROUTE_METHOD} of a block patched by routelab was called without its gate "
+                           "routing first: the block routes with the routing its patched gate computed")
+    found = dict(zip(("experts", "weights"), routes, strict=True))
+    return tuple(found[role] for role in gate._routelab_block_routes)
 
 
 _SUBCLASSES: dict[tuple[type, type], type] = {}
@@ -569,7 +570,8 @@ def patch_moe(
         object.__setattr__(gate, "_routelab_state", state)
         object.__setattr__(gate, "_routelab_outputs", rule.outputs)
         if rule.block_routes is not None:  # a logits-only gate: the block's route method answers for it
-            object.__setattr__(block, ROUTE_METHOD, _route_from_gate(state, rule.block_routes))
+            object.__setattr__(gate, "_routelab_block_routes", rule.block_routes)
+            object.__setattr__(block, ROUTE_METHOD, types.MethodType(_route_by_gate, block))
         _swap_class(experts, RoutedExperts)
         object.__setattr__(experts, "_routelab_num_experts", gate.weight.shape[0])
         object.__setattr__(experts, "_routelab_state", state)
