@@ -679,7 +679,7 @@ def test_a_gate_of_another_contract_is_refused():
     block = torch.nn.Module()
     block.gate, block.experts = _LogitsOnlyGate(6, 4), _FusedExperts(6, 4)
     model = torch.nn.Sequential(block)
-    with pytest.raises(ValueError, match=r"_LogitsOnlyGate\) it returns its logits alone, and its block has no "
+    with pytest.raises(ValueError, match=r"_LogitsOnlyGate\): it returns its logits alone, and its block has no "
                                          r"route_tokens_to_experts"):
         patch_moe(model, "topk")
     assert isinstance(block.gate, _LogitsOnlyGate)

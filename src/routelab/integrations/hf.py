@@ -508,7 +508,7 @@ def patch_moe(
             gate = routing_child(block)[1]
             rules[name] = probe_gate(gate, block=block)
             if rules[name].contract is not None:
-                why = (f"its gate ({type(gate).__name__}) {rules[name].contract}: its block expects another output "
+                why = (f"its gate ({type(gate).__name__}): {rules[name].contract}; its block expects another output "
                        "of the gate than routelab's routers give")
         problems.append((name, why))
     bad = [(name, why) for name, why in problems if why is not None]

@@ -185,7 +185,7 @@ def _roles(out: object, tokens: int, E: int, reference: tuple[Tensor, ...]) -> t
     are the ``[tokens, E]`` one that is not shaped as the experts, or, where both are (``k = E``),
     the one equal to a ``reference`` (the logits the gate's weight gives), else the first."""
     if not (isinstance(out, (tuple, list)) and len(out) == 3 and all(isinstance(t, Tensor) for t in out)):
-        return "it does not return (router_logits, weights, experts) in any order, nor its logits alone"
+        return "it returns neither (router_logits, weights, experts), in some order, nor its logits alone"
     ints = [i for i, t in enumerate(out) if not t.is_floating_point()]
     floats = [i for i, t in enumerate(out) if t.is_floating_point()]
     if len(ints) != 1 or len(floats) != 2:
@@ -296,8 +296,9 @@ def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0, *, block: nn.Mo
         try:  # logits alone: the block routes them (Jamba in transformers 5.17)
             with torch.no_grad():
                 routed = _call_route_method(block, method, x, out)
-        except Exception:  # noqa: BLE001
-            routed = None
+        except Exception as error:  # noqa: BLE001 - said in the refusal
+            return GateRule(contract=f"it returns its logits alone, and its block's {ROUTE_METHOD} failed on the "
+                                     f"probe's random logits ({type(error).__name__}: {str(error)[:120]})")
         roles = _roles((out, *routed) if isinstance(routed, (tuple, list)) and len(routed) == 2 else None,
                        tokens, E, reference)
         if isinstance(roles, str) or roles[0] != "logits":
