@@ -75,13 +75,7 @@ def available(S: Tensor) -> bool:
     """Whether the compiled path solves ``S`` (``[B, n, k]``): CPU, float32/float64, numba present,
     and memory it can read (not a tensor without storage, as inside ``torch.func`` transforms:
     Sinkhorn then takes its PyTorch path)."""
-    if not (ENABLED and HAVE_NUMBA and S.device.type == "cpu" and S.dtype in (torch.float32, torch.float64)):
-        return False
-    try:
-        S.data_ptr()
-    except RuntimeError:
-        return False
-    return True
+    return S.device.type == "cpu" and S.dtype in (torch.float32, torch.float64) and host_available(S)
 
 
 def host_available(S: Tensor) -> bool:
