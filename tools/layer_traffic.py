@@ -125,7 +125,17 @@ def main() -> None:
     x = torch.randn(a.tokens, a.d_model, dtype=dtype, requires_grad=True)
     g = torch.randn(a.tokens, a.d_model, dtype=dtype)
     adjoint = a.gather == "adjoint"
-    _gather._adjoint_by_default = lambda t: adjoint  # the GPU's path on any device
+    default = _gather._adjoint_by_default
+    _gather._adjoint_by_default = lambda t: adjoint  # the GPU's path on any device (restored below)
+    try:
+        mode = _count(moe, forward, x, g)
+    finally:
+        _gather._adjoint_by_default = default
+    _report(a, dtype, mode)
+
+
+def _count(moe, forward, x, g) -> Traffic:
+    """One warm-up, then one counted forward + backward, split at the experts' hooks."""
     forward().backward(g)  # warm-up: probes, caches
     moe.zero_grad(set_to_none=True)
     x.grad = None
@@ -152,7 +162,10 @@ def main() -> None:
         forward().backward(g)
     for h in handles:
         h.remove()
+    return mode
 
+
+def _report(a: argparse.Namespace, dtype: torch.dtype, mode: Traffic) -> None:
     row_bytes = a.tokens * a.d_model * dtype.itemsize
     totals, calls = collections.Counter(), collections.Counter()
     for (phase, _, _), (c, r, w) in mode.table.items():
