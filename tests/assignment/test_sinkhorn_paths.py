@@ -94,3 +94,61 @@ def test_autograd_uses_the_log_domain() -> None:
     q = sinkhorn(log_p, tol=1e-10)
     q.exp()[:, 0].sum().backward()
     assert log_p.grad is not None and torch.isfinite(log_p.grad).all()
+
+
+# ----------------------------------------------------------------------------- convergence reads
+
+
+def _read_every(every: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sinkhorn_module.CHECK_EVERY, "cpu", every)
+
+
+@pytest.mark.parametrize("path", ["pytorch-scaling", "log"])
+@pytest.mark.parametrize("every", [2, 4, 7])
+def test_reading_the_errors_every_few_sweeps_returns_the_same_iterate(path: str, every: int,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the errors are read every few sweeps (one synchronisation each time); the answer is
+    still the first sweep within tol, bit for bit what a read per sweep returns: converged,
+    stopped by max_iter, with -inf entries, batched, and with gradients (the log domain)."""
+    _use(path, monkeypatch)
+    cases = [(log_p, col, tol, max_iter) for log_p, col in _instances(torch.float64)
+             for tol, max_iter in ((1e-9, 10_000), (1e-9, 5), (1e-3, 10_000))]
+    expected = []
+    with monkeypatch.context() as m:
+        _read_every(1, m)
+        for log_p, col, tol, max_iter in cases:
+            expected.append(sinkhorn_module.balance(log_p, _target(log_p, col), tol=tol, max_iter=max_iter))
+    _read_every(every, monkeypatch)
+    for (log_p, col, tol, max_iter), (want, want_err) in zip(cases, expected, strict=True):
+        got, err = sinkhorn_module.balance(log_p, _target(log_p, col), tol=tol, max_iter=max_iter)
+        assert torch.equal(got, want) and err == want_err
+    log_p = _instances(torch.float64)[0][0].clone().requires_grad_(True)
+    out, _ = sinkhorn_module.balance(log_p, _target(log_p, None), tol=1e-9, max_iter=10_000)
+    (grad,) = torch.autograd.grad(out.exp()[:, 0].sum(), log_p)
+    with monkeypatch.context() as m:
+        _read_every(1, m)
+        out1, _ = sinkhorn_module.balance(log_p, _target(log_p, None), tol=1e-9, max_iter=10_000)
+        (grad1,) = torch.autograd.grad(out1.exp()[:, 0].sum(), log_p)
+    assert torch.equal(out, out1) and torch.equal(grad, grad1)
+
+
+def _target(log_p: torch.Tensor, col) -> torch.Tensor:
+    n, k = log_p.shape[-2:]
+    return torch.full((k,), n / k, dtype=log_p.dtype) if col is None else col
+
+
+def test_reading_every_four_sweeps_synchronises_a_quarter_as_often(monkeypatch: pytest.MonkeyPatch) -> None:
+    from host_syncs import record_host_syncs
+
+    _use("pytorch-scaling", monkeypatch)
+    log_p = torch.log_softmax(torch.randn(256, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64), -1)
+    counts = {}
+    for every in (1, 4):
+        with monkeypatch.context() as m:
+            _read_every(every, m)
+            with record_host_syncs() as found:
+                # a tolerance no sweep meets: all 201 sweeps run
+                sinkhorn_module.balance(log_p, _target(log_p, None), tol=1e-300, max_iter=200)
+            counts[every] = sum("sinkhorn.py" in f.where for f in found)
+    setup = counts[1] - 201  # the reads before the sweeps
+    assert counts[4] - setup == 51, counts  # sweeps 0-3, 4-7, ..., 196-199, then 200

@@ -176,7 +176,7 @@ def balance(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) -> tupl
     log_t = log_target.unsqueeze(cols)
     dead_col = dead.unsqueeze(cols)
     got_zero = torch.zeros((), dtype=target.dtype, device=target.device)
-    err = float("inf")
+    stop = _FirstConverged(tol, max_iter, x.device)
     for sweep in range(max_iter + 1):
         # The logsumexp of a dead column reads zeros instead of its -inf entries (finite value,
         # finite gradient); its result is never used.
@@ -185,14 +185,50 @@ def balance(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) -> tupl
         got = col.detach().exp().squeeze(cols).to(target.dtype)
         if any_dead:
             got = torch.where(dead, got_zero, got)
-        err = float((got - target.detach()).abs().amax())
-        if err <= tol or sweep == max_iter:
+        found = stop.check(sweep, (got - target.detach()).abs().amax(), x)
+        if found is not None:
+            x, err = found
             break
         step = log_t - col
         x = x + (torch.where(dead_col, torch.zeros_like(col), step) if any_dead else step)
         row = logsumexp(x.transpose(-1, -2)) if transpose else logsumexp(x)
         x = x - row.unsqueeze(rows)
     return (x.transpose(-1, -2) if transpose else x), err
+
+
+#: Sweeps between two reads of the convergence errors on the host, per device type (others: the
+#: default). Each read is a synchronisation on a GPU; on the CPU it costs nothing, and reading
+#: every sweep computes no sweep past the answer. The answer is the same either way.
+CHECK_EVERY = {"cpu": 1}
+CHECK_EVERY_DEFAULT = 4
+
+
+class _FirstConverged:
+    """The first sweep whose error is within ``tol`` (or the last, ``max_iter``), with the errors
+    read on the host every :data:`CHECK_EVERY` sweeps: the iterates of the sweeps in between are
+    kept until their errors are read, and the first one that converged is the answer, so the
+    result is the one a read per sweep gives (the later sweeps are computed and dropped)."""
+
+    def __init__(self, tol: float, max_iter: int, device: torch.device, *, stop_on_nan: bool = False) -> None:
+        self.tol, self.max_iter, self.stop_on_nan = tol, max_iter, stop_on_nan
+        self.every = CHECK_EVERY.get(device.type, CHECK_EVERY_DEFAULT)
+        self.pending: list[tuple[Tensor, object]] = []
+
+    def check(self, sweep: int, err: Tensor, state: object) -> tuple[object, float] | None:
+        """Record sweep ``sweep``'s ``err`` (a 0-d tensor) and ``state``; every few sweeps, and at
+        ``max_iter``, read the errors and return ``(state, err)`` of the first sweep within ``tol``
+        (or of sweep ``max_iter``; with ``stop_on_nan``, or with a NaN error), else None. A NaN
+        error never converges."""
+        self.pending.append((err, state))
+        if len(self.pending) < self.every and sweep < self.max_iter:
+            return None
+        errors = torch.stack([e for e, _ in self.pending]).tolist()  # one host read
+        first = sweep - len(self.pending) + 1
+        for i, value in enumerate(errors):
+            if value <= self.tol or first + i == self.max_iter or (self.stop_on_nan and value != value):
+                return self.pending[i][1], value
+        self.pending.clear()
+        return None
 
 
 #: The scaling domain is used when every finite entry lies within this many nats of its row's
@@ -248,15 +284,20 @@ def _balance_scaling(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int
     t = target.expand(K.shape[:-2] + target.shape[-1:]).unsqueeze(-1).to(K.dtype)  # [..., k, 1]
     a = 1.0 / K.sum(-1, keepdim=True)  # [..., n, 1]: rows sum to 1
     b = torch.ones_like(t)  # [..., k, 1]
-    err = float("inf")
+    stop = _FirstConverged(tol, max_iter, K.device, stop_on_nan=True)
     for sweep in range(max_iter + 1):
         col = b * (Kt @ a)  # [..., k, 1] column sums of diag(a) K diag(b)
-        err = float((col - t).abs().amax())
-        if not err == err or err <= tol or sweep == max_iter:  # (NaN: a scaling left the range)
+        # A scaling that left the range gives a NaN error (never within tol) or non-finite a, b:
+        # the log domain takes over (checked below, once).
+        err = (col - t).abs().amax()
+        in_range = torch.isfinite(a).all() & torch.isfinite(b).all()
+        found = stop.check(sweep, torch.where(in_range, err, torch.full_like(err, float("nan"))), (a, b))
+        if found is not None:
+            (a, b), err = found
             break
         b = b * (t / col)
         a = 1.0 / (K @ b)
-    if not (err == err and bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+    if not err == err:
         return None
     return x + a.log() + b.log().transpose(-1, -2), err
 
