@@ -90,7 +90,7 @@ def two_expert_sinkhorn(log_p: Tensor, target: Tensor, *, tol: float, max_iter: 
         return log_p.clone(), 0.0
     d = log_p[..., 1] - log_p[..., 0]  # [..., n]
     t1 = target[..., 1].expand(d.shape[:-1]) if target.ndim > 1 else target[1].expand(d.shape[:-1])
-    if not bool(torch.isfinite(d).all()) or bool(((t1 <= 0) | (t1 >= n)).any()):
+    if bool(torch.stack([~torch.isfinite(d).all(), ((t1 <= 0) | (t1 >= n)).any()]).any()):  # one read
         return None
     work = torch.float64 if d.dtype == torch.float64 else torch.float32
     d = d.to(work)
