@@ -132,6 +132,59 @@ def test_reading_the_errors_every_few_sweeps_returns_the_same_iterate(path: str,
     assert torch.equal(out, out1) and torch.equal(grad, grad1)
 
 
+@pytest.mark.parametrize("every", [1, 4])
+def test_dead_columns_and_a_scaling_that_leaves_the_range_read_every_few_sweeps_alike(
+        every: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dead columns (target 0, or no finite entry: the scaling path hands over to the log domain)
+    and a float32 problem that does not converge within max_iter (entries near the scaling range's
+    limit, a tiny target) give the same answer whether the errors are read every sweep or every 4."""
+    gen = torch.Generator().manual_seed(5)
+    dead = torch.log_softmax(torch.randn(40, 5, generator=gen), -1)
+    dead[:, 2] = float("-inf")
+    tiny = torch.log_softmax(torch.randn(64, 6, generator=gen) * 6, -1)
+    cases = [(dead, torch.tensor([10.0, 10.0, 0.0, 10.0, 10.0])),
+             (torch.log_softmax(torch.randn(30, 4, generator=gen), -1), torch.tensor([0.0, 10.0, 10.0, 10.0])),
+             (tiny, torch.tensor([1e-30, 12.0, 12.0, 12.0, 12.0, 12.0 - 1e-30]))]
+    results = {}
+    for reads in (1, every):
+        with monkeypatch.context() as m:
+            m.setattr(_compiled, "ENABLED", False)
+            _read_every(reads, m)
+            results[reads] = [sinkhorn_module.balance(p, t, tol=1e-6, max_iter=300) for p, t in cases]
+            results[reads] += [sinkhorn_module._balance_scaling(p, t, tol=1e-6, max_iter=300) for p, t in cases]
+    for a, b in zip(results[1], results[every], strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a[0], b[0]) and (a[1] == b[1] or (a[1] != a[1] and b[1] != b[1]))
+
+
+@pytest.mark.parametrize("every", [1, 3, 4])
+def test_the_first_sweep_within_tol_is_the_answer_whatever_the_reading_interval(every: int) -> None:
+    """``_FirstConverged`` on a known error sequence: the first sweep within tol, or the first NaN
+    where NaN stops (the scaling path), or the last sweep; never a later sweep of the same read."""
+    def run(errors: list[float], stop_on_nan: bool, max_iter: int) -> tuple[object, float]:
+        stop = sinkhorn_module._FirstConverged(0.5, max_iter, torch.device("meta"), stop_on_nan=stop_on_nan)
+        stop.every = every
+        for sweep, e in enumerate(errors[:max_iter + 1]):
+            found = stop.check(sweep, torch.tensor(e, dtype=torch.float64), sweep)
+            if found is not None:
+                return found
+        raise AssertionError("no answer")
+
+    nan = float("nan")
+    assert run([3.0, 2.0, 0.4, 0.1, 0.0, 0.0, 0.0], False, 6) == (2, 0.4)
+    assert run([3.0, nan, 0.4, 0.1, 0.0], False, 4) == (2, 0.4)  # the log domain sweeps on past a NaN
+    sweep, err = run([3.0, nan, 0.4, 0.1, 0.0], True, 4)  # the scaling path stops at it
+    assert sweep == 1 and err != err
+    assert run([3.0, 2.0, 1.0, 0.9, 0.8, 0.7], False, 4) == (4, 0.8)  # max_iter mid-read
+
+
+def test_no_sweep_for_a_negative_budget() -> None:
+    log_p = torch.log_softmax(torch.randn(8, 4, generator=torch.Generator().manual_seed(0)), -1)
+    out, err = sinkhorn_module.balance(log_p, torch.full((4,), 2.0), tol=1e-9, max_iter=-1)
+    assert err == float("inf") and torch.allclose(out.exp().sum(-1), torch.ones(8))
+
+
 def _target(log_p: torch.Tensor, col) -> torch.Tensor:
     n, k = log_p.shape[-2:]
     return torch.full((k,), n / k, dtype=log_p.dtype) if col is None else col

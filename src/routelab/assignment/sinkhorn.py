@@ -177,6 +177,7 @@ def balance(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) -> tupl
     dead_col = dead.unsqueeze(cols)
     got_zero = torch.zeros((), dtype=target.dtype, device=target.device)
     stop = _FirstConverged(tol, max_iter, x.device)
+    err = float("inf")  # (max_iter < 0: no sweep, the iterate as it is)
     for sweep in range(max_iter + 1):
         # The logsumexp of a dead column reads zeros instead of its -inf entries (finite value,
         # finite gradient); its result is never used.
@@ -285,19 +286,18 @@ def _balance_scaling(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int
     a = 1.0 / K.sum(-1, keepdim=True)  # [..., n, 1]: rows sum to 1
     b = torch.ones_like(t)  # [..., k, 1]
     stop = _FirstConverged(tol, max_iter, K.device, stop_on_nan=True)
+    err = float("inf")
     for sweep in range(max_iter + 1):
         col = b * (Kt @ a)  # [..., k, 1] column sums of diag(a) K diag(b)
-        # A scaling that left the range gives a NaN error (never within tol) or non-finite a, b:
-        # the log domain takes over (checked below, once).
-        err = (col - t).abs().amax()
-        in_range = torch.isfinite(a).all() & torch.isfinite(b).all()
-        found = stop.check(sweep, torch.where(in_range, err, torch.full_like(err, float("nan"))), (a, b))
+        # (a NaN error: a scaling left the range; the sweeps stop there)
+        found = stop.check(sweep, (col - t).abs().amax(), (a, b))
         if found is not None:
             (a, b), err = found
             break
         b = b * (t / col)
         a = 1.0 / (K @ b)
-    if not err == err:
+    # Where a scaling left the range, the log domain takes over (one read for both scalings).
+    if not (err == err and bool(torch.stack([torch.isfinite(a).all(), torch.isfinite(b).all()]).all())):
         return None
     return x + a.log() + b.log().transpose(-1, -2), err
 
