@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "gpu_env.py"
+from tool_modules import load_tool
 
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_env", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("gpu_env")
 
 
 def _hide(monkeypatch: pytest.MonkeyPatch, module: ModuleType, *names: str) -> None:

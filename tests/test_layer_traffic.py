@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "layer_traffic.py"
+from tool_modules import load_tool
 
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("layer_traffic", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("layer_traffic")
 
 
 def test_an_operator_counts_its_arguments_read_and_its_outputs_written_and_a_view_nothing() -> None:
