@@ -8,7 +8,8 @@ the adjoint of each gather is again a gather, by the other map:
 * dispatch ``rows[r] = x[token_of_row[r]]`` has the adjoint ``grad_x[t] = sum_s
   grad_rows[row_of_slot[t, s]]``;
 * combine ``y[t] = sum_s w[t, s] * rows[row_of_slot[t, s]]`` has the adjoints ``grad_rows[r] =
-  w[pair of r] * grad_y[token_of_row[r]]`` and ``grad_w[t, s] = <rows[row_of_slot[t, s]], grad_y[t]>``.
+  w[pair of r] * grad_y[token_of_row[r]]`` and ``grad_w[t, s] = <rows[row_of_slot[t, s]], grad_y[t]>``,
+  i.e. the dot of row ``r`` with the same gathered ``grad_y[token_of_row[r]]``, read by its slot.
 
 Autograd's own backward of an index is an ``index_put`` with accumulation: a sort of the
 indices and a serialised sum on CUDA, and many small host-side operations. The adjoint gathers
@@ -92,15 +93,17 @@ def _weighted_slot_sum(picked: Tensor, weight: Tensor) -> Tensor:
     return total.to(picked.dtype)
 
 
-def _slot_dots(picked: Tensor, grad_y: Tensor) -> Tensor:
-    """``<picked[:, s], grad_y>`` per slot (``[n, s, d]``, ``[n, d]`` -> ``[n, s]``), the products
-    and their sums in float32 or wider (half precision rounded once, at the end)."""
-    n, s, _ = picked.shape
-    if s == 0:
-        return picked.new_zeros(n, 0)
-    wide_grad = grad_y.to(_wide(grad_y.dtype))
-    dots = [(picked[:, j] * wide_grad).sum(-1) for j in range(s)]
-    return torch.stack(dots, -1).to(picked.dtype)
+def _row_dots(rows: Tensor, grad_of_row: Tensor) -> Tensor:
+    """``<rows[r], grad_of_row[r]>`` per row (``[R, d]``, ``[R, d]`` -> ``[R]``), the products and
+    their sum in float32 or wider.
+
+    The products are formed by ``addcmul`` onto a ``[1, 1]`` zero of the wide dtype: type promotion
+    widens both half-precision operands inside the kernel (on a GPU), so neither is copied to a
+    float32 tensor first, and each product is exact there (half-precision significands multiply
+    exactly in float32). In float32 and float64, ``0 + a * b`` is the plain product's rounding.
+    """
+    zero = rows.new_zeros(1, 1, dtype=_wide(rows.dtype))
+    return torch.addcmul(zero, rows, grad_of_row).sum(-1)
 
 
 class _Combine(torch.autograd.Function):
@@ -125,13 +128,19 @@ class _Combine(torch.autograd.Function):
     def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
         rows, weight, row_of_slot, token_of_row = ctx.saved_tensors
         grad_rows = grad_weight = None
+        num_rows = token_of_row.shape[0]
+        # Every row's token's gradient (zeros for a row of no pair): both adjoints read it.
+        grad_of_row = _with_zero_row(grad_y).index_select(0, token_of_row)
         if ctx.needs_input_grad[0]:
-            num_rows = token_of_row.shape[0]
             # The weight of every row's pair; the dropped pairs (weight 0) all land on the sentinel.
             weight_of_row = weight.new_zeros(num_rows + 1).scatter(0, row_of_slot.reshape(-1), weight.reshape(-1))
-            grad_rows = _with_zero_row(grad_y).index_select(0, token_of_row) * weight_of_row[:num_rows].unsqueeze(-1)
+            grad_rows = grad_of_row * weight_of_row[:num_rows].unsqueeze(-1)
         if ctx.needs_input_grad[1]:
-            grad_weight = _slot_dots(_slot_rows(rows, row_of_slot), grad_y).to(weight.dtype)
+            # grad_weight[t, s] = <rows[r], grad_y[t]> for r = row_of_slot[t, s]: one dot per row,
+            # read by the slots (a dropped pair's sentinel reads the appended 0). The rows of no
+            # pair (uninitialised after a grouped matmul) give dots that no slot reads.
+            dots = F.pad(_row_dots(rows, grad_of_row), (0, 1))
+            grad_weight = dots.index_select(0, row_of_slot.reshape(-1)).view(row_of_slot.shape).to(weight.dtype)
         return grad_rows, grad_weight, None, None
 
 
