@@ -80,15 +80,17 @@ def check_k(k: Any, num_experts: int) -> int:
 
 
 def check_nonneg(name: str, v: Any) -> float:
-    """``v`` as a float if it is a finite number ``>= 0``, else a ValueError naming ``name``."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+    """``v`` as a float if it is a finite real number ``>= 0`` (a Python or numpy scalar, not a
+    bool), else a ValueError naming ``name``."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
         raise ValueError(f"{name} must be a finite number >= 0, got {v!r}.")
     return float(v)
 
 
 def check_pos(name: str, v: Any) -> float:
-    """``v`` as a float if it is a finite number ``> 0``, else a ValueError naming ``name``."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+    """``v`` as a float if it is a finite real number ``> 0`` (a Python or numpy scalar, not a
+    bool), else a ValueError naming ``name``."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {v!r}.")
     return float(v)
 

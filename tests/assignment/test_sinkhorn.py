@@ -328,3 +328,16 @@ def test_col_sum_of_another_batch_shape_is_a_clear_error() -> None:
         sinkhorn(log_p, col_sum=torch.full((5, 3, 4), 2.0))
     per_batch = sinkhorn(log_p, col_sum=torch.full((3, 4), 2.0))  # [*batch, k] and [k] both fit
     torch.testing.assert_close(per_batch, sinkhorn(log_p, col_sum=torch.full((4,), 2.0)))
+
+
+def test_no_convergence_says_why_by_the_inputs_pattern() -> None:
+    """A sharp but all-finite log_p (feasible marginals, slow sweeps) is not blamed on an -inf
+    pattern; one with -inf entries is told that pattern may make the marginals infeasible."""
+    sharp = torch.randn(16, 4, generator=torch.Generator().manual_seed(1)) * 30
+    with pytest.raises(ValueError, match="finite, so the marginals are feasible") as raised:
+        sinkhorn(sharp, max_iter=3)
+    assert "-inf pattern" not in str(raised.value)
+    holes = sharp.clone()
+    holes[0, 1:] = float("-inf")
+    with pytest.raises(ValueError, match="-inf pattern"):
+        sinkhorn(holes, max_iter=3)

@@ -555,6 +555,33 @@ def _router_grad(routes: Routes, logits: torch.Tensor, loss: torch.Tensor, basel
     return g
 
 
+@pytest.mark.parametrize(("method", "dtype", "scale"), [
+    ("gumbel_matching_iw", torch.float16, 6e4), ("gumbel_matching", torch.float16, 6e4),
+    ("gumbel_matching_iw", torch.float32, 3e38), ("gumbel_matching", torch.bfloat16, 3e38),
+])
+def test_reinforce_of_a_route_of_probability_zero_is_finite(method: str, dtype: torch.dtype, scale: float) -> None:
+    """A balanced sample can force a token onto an expert whose log-probability is -inf in the
+    logits' dtype (here both tokens prefer expert 0 and capacity 1 sends one to expert 1). The
+    score-function term ``log p - stopgrad(log p)`` was ``-inf - (-inf) = NaN``; it is 0 in value,
+    and the gradient is the one a float64 computation of the same objective gives."""
+    logits = torch.tensor([[scale, -scale], [scale, -scale]], dtype=dtype, requires_grad=True)
+    routes = sample_routes(logits, method, generator=torch.Generator().manual_seed(0))
+    assert torch.isneginf(routes.log_prob).any()
+    loss = torch.tensor([1.0, 2.0], dtype=dtype)
+    objective = reinforce_objective(routes, loss, 0.5)
+    (grad,) = torch.autograd.grad(objective, logits)
+    assert torch.isfinite(objective) and torch.isfinite(grad).all()
+    # float64 reference: the same routes, weights and losses; log p from the logits in float64 (finite).
+    wide = logits.detach().double().requires_grad_(True)
+    log_p = torch.log_softmax(wide, -1).gather(-1, routes.expert)[..., 0]
+    w = routes.weight.double()[..., 0] * routes.keep[..., 0]
+    advantage = loss.double() - 0.5
+    reference = (w * (loss.double() + advantage * (log_p - log_p.detach()))).mean()
+    (want,) = torch.autograd.grad(reference, wide)
+    torch.testing.assert_close(objective.double(), reference.detach(), rtol=1e-3, atol=0)
+    torch.testing.assert_close(grad.double(), want, rtol=1e-3, atol=1e-6)
+
+
 def test_reinforce_baseline_shapes_agree() -> None:
     """A number, a [...] tensor (one per run), a [..., 1] tensor and a full [..., n] tensor holding
     the same values give the same router gradient (the baseline acts only through the gradient)."""

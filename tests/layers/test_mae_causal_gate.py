@@ -35,12 +35,17 @@ def _causal_mask(length: int, kind: str, batch: int) -> torch.Tensor:
         return future
     if kind == "float":
         return torch.zeros(length, length).masked_fill(future, float("-inf"))
+    if kind == "finfo_min":  # transformers' convention
+        return torch.zeros(length, length).masked_fill(future, torch.finfo(torch.float32).min)
+    if kind == "minus_1e9":
+        return torch.zeros(length, length).masked_fill(future, -1e9)
     return future.expand(batch * H, length, length).clone()  # [N*h, L, S]
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 10_000), length=st.integers(2, 7), batch=st.integers(1, 3),
-       kind=st.sampled_from(["bool", "float", "3d"]), drop=st.sampled_from([1, 2]), data=st.data())
+       kind=st.sampled_from(["bool", "float", "finfo_min", "minus_1e9", "3d"]), drop=st.sampled_from([1, 2]),
+       data=st.data())
 def test_self_attention_gate_at_t_ignores_later_positions(seed, length, batch, kind, drop, data) -> None:
     t = data.draw(st.integers(0, length - 2), label="t")
     mae = _mae(seed, drop)
@@ -178,3 +183,54 @@ def test_attend_over_projected_keys_values_equals_the_forward() -> None:
         mae.attend(q, kv, kv, r)
     with pytest.raises(ValueError, match="key and value"):
         mae.project_keys_values(kv, kv[:, :2])
+
+
+@pytest.mark.parametrize("kind", ["finfo_min", "minus_1e9"])
+def test_a_finite_causal_mask_routes_as_the_minus_inf_one(kind: str) -> None:
+    """transformers writes forbidden keys as ``finfo(dtype).min``, older code as ``-1e9``: both
+    forbid the key (its softmax weight is exactly 0), so the gate is causal as with ``-inf``."""
+    mae = _mae(3)
+    x = torch.randn(2, 6, D, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out, r = mae(x, x, x, attn_mask=_causal_mask(6, kind, 2))
+        out_inf, r_inf = mae(x, x, x, attn_mask=_causal_mask(6, "float", 2))
+    assert r.shape == (2, 6, mae.num_experts)
+    torch.testing.assert_close(r, r_inf)
+    torch.testing.assert_close(out, out_inf)
+
+
+def test_a_mildly_negative_bias_is_not_taken_for_a_causal_mask() -> None:
+    mae = _mae(0)
+    x = torch.randn(2, 5, D)
+    bias = torch.zeros(5, 5).masked_fill(torch.triu(torch.ones(5, 5, dtype=torch.bool), 1), -50.0)
+    with torch.no_grad():
+        assert mae(x, x, x, attn_mask=bias)[1].shape == (2, mae.num_experts)
+
+
+@pytest.mark.parametrize("how", ["padding", "mask"])
+def test_a_query_with_no_key_gets_zero_heads_and_finite_gradients(how: str) -> None:
+    """Every key padded (or forbidden) for some queries: those queries' head outputs are zero (as
+    torch's scaled_dot_product_attention gives), the others are as if computed alone, and the
+    gradients are finite (a softmax over -inf alone was NaN in value and gradient)."""
+    torch.manual_seed(0)
+    mae = MixtureOfAttentiveExperts(D, H, batch_first=True).eval()
+    with torch.no_grad():
+        mae.out_proj.bias.normal_()
+    x = torch.randn(2, 5, D, requires_grad=True)
+    if how == "padding":
+        kwargs = {"key_padding_mask": torch.tensor([[True] * 5, [False, False, True, True, True]])}
+        blind = (slice(0, 1), slice(None))  # batch 0, every query
+    else:
+        forbid = torch.zeros(5, 5, dtype=torch.bool)
+        forbid[1] = True  # query 1 may attend to no key
+        kwargs = {"attn_mask": forbid}
+        blind = (slice(None), slice(1, 2))
+    out, _ = mae(x, x, x, **kwargs)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[blind], mae.out_proj.bias.expand_as(out[blind]))  # zero heads: the bias alone
+    out.square().sum().backward()
+    assert torch.isfinite(x.grad).all()
+    assert all(torch.isfinite(p.grad).all() for p in mae.parameters() if p.grad is not None)
+    if how == "padding":  # batch 1 equals itself computed alone
+        alone, _ = mae(x[1:], x[1:], x[1:], key_padding_mask=kwargs["key_padding_mask"][1:])
+        torch.testing.assert_close(out[1:], alone)

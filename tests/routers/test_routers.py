@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import numpy as np
 import pytest
@@ -245,6 +246,28 @@ def test_gumbel_matching_router_is_the_estimator_of_sample_routes() -> None:
         assert torch.equal(r.expert, ref.expert) and torch.equal(r.keep, ref.keep)
         torch.testing.assert_close(r.weight, ref.weight)
         torch.testing.assert_close(r.log_prob, ref.log_prob)
+
+
+@pytest.mark.parametrize(("name", "argument"), [
+    ("topk", "balance_coef"), ("noisy_topk", "importance_coef"), ("noisy_topk", "load_coef"),
+    ("noisy_topk", "noise_epsilon"), ("softmax", "importance_coef"), ("batchwise", "threshold_coef"),
+    ("sinkhorn", "balance_coef"), ("gumbel_matching", "balance_coef"),
+])
+def test_loss_coefficients_are_checked_at_construction(name: str, argument: str) -> None:
+    """A NaN, infinite, negative or non-numeric coefficient is refused naming the argument (it
+    made the auxiliary loss NaN or negative, or failed in the forward blaming the input)."""
+    if argument not in inspect.signature(ROUTERS[name].__init__).parameters:
+        pytest.skip(f"{name} has no {argument}")
+    k = 1 if name in ("softmax", "gumbel_matching") else 2
+    kwargs = {} if name == "softmax" else {"k": k}
+    bad = [float("nan"), float("inf"), -1.0, "0.1", True]
+    if argument == "noise_epsilon":
+        bad.append(0.0)
+    for value in bad:
+        with pytest.raises(ValueError, match=argument):
+            make_router(name, D, 4, **kwargs, **{argument: value})
+    router = make_router(name, D, 4, **kwargs, **{argument: np.float32(0.5)})  # numpy scalars are numbers
+    assert getattr(router, argument) == 0.5
 
 
 def test_make_router_validation() -> None:

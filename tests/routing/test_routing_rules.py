@@ -402,6 +402,20 @@ def test_sinkhorn_routes_choose_top_k_of_the_balanced_matrix(n, E, k, renormaliz
     assert plain.expert.tolist() == [sorted_topk(row, k) for row in p.tolist()]
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_sinkhorn_renormalised_gates_stay_finite_where_probabilities_underflow(k: int) -> None:
+    """Balancing can send a token to experts whose float32 probability underflows to 0 (a logit
+    gap above ~104): the renormalised gate is then still p_i / sum_j p_j over the chosen experts,
+    computed here in float64 from the logits (it was 0 / 0 = NaN)."""
+    logits = torch.tensor([[200.0, 0.0, 1.0], [300.0, 0.0, 2.0], [250.0, 3.0, 0.0]], requires_grad=True)
+    r = sinkhorn_routes(logits, k, sweeps=50, renormalize=True)
+    assert torch.isfinite(r.gate).all()
+    chosen = logits.detach().double().gather(-1, r.expert)
+    torch.testing.assert_close(r.gate.detach().double(), torch.softmax(chosen, -1), rtol=1e-6, atol=1e-12)
+    (torch.randn(r.gate.shape, generator=torch.Generator().manual_seed(0)) * r.gate).sum().backward()
+    assert torch.isfinite(logits.grad).all()
+
+
 def test_sinkhorn_balancing_changes_the_choice() -> None:
     """A shared preference for expert 0: unbalanced top-1 sends every token there, the balanced
     choice spreads them, one per expert here (each column of q sums to 1)."""

@@ -74,7 +74,7 @@ def sinkhorn(
     if lo > float("-inf"):
         # Every entry finite (the usual case): no row or column can be dead or stranded (the
         # targets add up to n > 0), so the checks below have nothing to find.
-        return _balanced_or_raise(log_p, target, tol, max_iter, out_dtype, top)
+        return _balanced_or_raise(log_p, target, tol, max_iter, out_dtype, top, spread=hi - lo)
     finite = torch.isfinite(log_p)
     dead_row = ~finite.any(-1)
     dead_col = (~finite.any(-2)) & (target > 0)
@@ -95,14 +95,16 @@ def sinkhorn(
             f"col_sum > 0"
         )
 
-    return _balanced_or_raise(log_p, target, tol, max_iter, out_dtype, top)
+    return _balanced_or_raise(log_p, target, tol, max_iter, out_dtype, top, spread=None)
 
 
 def _balanced_or_raise(
-    log_p: Tensor, target: Tensor, tol: float, max_iter: int, out_dtype: torch.dtype, top: float | None = None
+    log_p: Tensor, target: Tensor, tol: float, max_iter: int, out_dtype: torch.dtype, top: float | None = None,
+    *, spread: float | None = None,
 ) -> Tensor:
     """:func:`balance` at the floored tolerance; the result in ``out_dtype``, or ValueError.
-    ``top``: the largest target when the caller knows it (else read from ``target``)."""
+    ``top``: the largest target when the caller knows it (else read from ``target``). ``spread``:
+    ``max - min`` of an all-finite ``log_p`` (``None``: it has ``-inf`` entries), for the message."""
     n = log_p.shape[-2]
     # Below a few rounding errors of a sum of n terms of size up to max(1, target) the output
     # dtype cannot resolve column errors, so the tolerance is floored there.
@@ -114,9 +116,17 @@ def _balanced_or_raise(
     x, err = balance(log_p, target, tol=eff_tol, max_iter=max_iter)
     if err <= eff_tol:
         return x if x.dtype == out_dtype else x.to(out_dtype)
+    if spread is None:
+        why = "The -inf pattern may make the marginals infeasible; otherwise raise max_iter or tol"
+    else:
+        # All entries finite: the marginals are feasible and the sweeps converge, but slowly when
+        # p is sharp (each sweep moves mass between columns in proportion to the small entries).
+        why = (f"Every entry is finite, so the marginals are feasible, but log_p spreads over {spread:.3g}: "
+               f"the sharper p is, the slower the sweeps converge. Raise max_iter or tol, or balance "
+               f"log_p / T for a temperature T > 1")
     raise ValueError(
         f"sinkhorn did not converge in max_iter={max_iter} sweeps: column sums are off by up to {err:.3g} "
-        f"(tol={eff_tol:g}). The -inf pattern may make the marginals infeasible; otherwise raise max_iter or tol"
+        f"(tol={eff_tol:g}). {why}"
     )
 
 

@@ -50,6 +50,32 @@ class EMABaseline:
         return current
 
 
+class _ScoreFunction(torch.autograd.Function):
+    """Zero in value, the identity in gradient: ``log_prob - log_prob.detach()`` without its
+    ``-inf - (-inf) = NaN`` where a sampled route has ``p = 0`` (a balanced sample can force a token
+    onto an expert whose probability underflows, and in half precision ``log p < -65504`` is
+    ``-inf``). The gradient ``d log p`` of such a route stays the finite one autograd computes."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(log_prob: Tensor) -> Tensor:  # type: ignore[override]
+        return torch.zeros_like(log_prob)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple[Tensor], output: Tensor) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return grad
+
+
+def _score_function(log_prob: Tensor) -> Tensor:
+    """``[...]`` zeros whose gradient is ``log_prob``'s (the score-function term of eq. 2)."""
+    return _ScoreFunction.apply(log_prob) if log_prob.requires_grad else torch.zeros_like(log_prob)
+
+
 def reinforce_objective(routes: Routes, loss: Tensor, baseline: Tensor | float = 0.0) -> Tensor:
     """The off-policy REINFORCE surrogate of eq. 2, importance weighted.
 
@@ -82,7 +108,7 @@ def reinforce_objective(routes: Routes, loss: Tensor, baseline: Tensor | float =
             f"a number, one per run {tuple(loss.shape[:-1])}, or a tensor broadcastable to {tuple(loss.shape)}"
         )
     advantage = (loss - b).detach()
-    return (w * (loss + advantage * (log_prob - log_prob.detach()))).mean(-1)
+    return (w * (loss + advantage * _score_function(log_prob))).mean(-1)
 
 
 def gating_objective(routes: Routes, loss: Tensor, *, use_weights: bool = True) -> Tensor:

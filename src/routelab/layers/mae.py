@@ -413,7 +413,9 @@ class MixtureOfAttentiveExperts(nn.Module):
             key, value: ``[S, N, d]`` (``[N, S, d]`` if ``batch_first``), or ``[S, d]``.
             key_padding_mask: ``[N, S]`` (``[S]`` unbatched); bool True = ignore that key, or
                 float added to the scores (MHA semantics). When ``query is key`` (self-attention)
-                it also removes the padded positions from the gate's mean.
+                it also removes the padded positions from the gate's mean. A query left with no
+                key to attend to (all padded or forbidden) gets zero head outputs, as torch's
+                ``scaled_dot_product_attention`` gives, not NaN.
             attn_mask: ``[L, S]`` or ``[N * h, L, S]``; bool True = not allowed, or float added
                 (MHA semantics; e.g. ``nn.Transformer.generate_square_subsequent_mask``).
             responsibilities: ``[N, E]`` (or ``[N, L, E]``), rows summing to 1; overrides the
@@ -421,7 +423,9 @@ class MixtureOfAttentiveExperts(nn.Module):
             causal_gate: whether the queries attend causally, so that the gate of query ``t``
                 must not depend on later queries. ``None`` (default): causal exactly when
                 ``attn_mask`` forbids every key after its query (``L == S``, e.g. a decoder's
-                self-attention with ``generate_square_subsequent_mask``). Pass True for a causal
+                self-attention with ``generate_square_subsequent_mask``; a float entry forbids
+                its key at ``-inf`` or at most :data:`FORBIDDING`, such as transformers'
+                ``torch.finfo(dtype).min``). Pass True for a causal
                 decoder's cross-attention (its queries are target positions under teacher
                 forcing, but its ``attn_mask`` is None), False to force one gate per instance.
                 With ``gate_context`` set the gate is causal anyway. A causal gate is one per
@@ -599,9 +603,17 @@ class MixtureOfAttentiveExperts(nn.Module):
         q = F.linear(query, w_q, b_q).view(batch, seq, h, hd).transpose(1, 2)
         mask = _additive_mask(key_padding_mask, attn_mask, batch, h, seq, src, query.dtype)
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
+        blind = None
         if mask is not None:
             scores = scores + mask
+            # A query that may attend to no key (every key padded or forbidden) gets a zero output,
+            # as torch's scaled_dot_product_attention gives it; a softmax over -inf alone is NaN,
+            # in value and in gradient, so those rows are softmaxed as zeros and then zeroed.
+            blind = torch.isneginf(scores).all(-1, keepdim=True)
+            scores = scores.masked_fill(blind, 0.0)
         attn = torch.softmax(scores, dim=-1)
+        if blind is not None:
+            attn = attn.masked_fill(blind, 0.0)
         if self.training and self.dropout > 0:
             attn = F.dropout(attn, p=self.dropout)
         return attn @ v
@@ -625,14 +637,22 @@ class MixtureOfAttentiveExperts(nn.Module):
         )
 
 
+#: An additive attention-mask entry at or below this forbids its key: ``-inf`` (torch's masks),
+#: ``torch.finfo(dtype).min`` (transformers') and the classic ``-1e4`` and ``-1e9`` all do. The
+#: key's softmax weight ``exp(score + entry - max)`` is then exactly 0 in float32 and in half
+#: precision unless the scores spread over more than ~9900.
+FORBIDDING = -1e4
+
+
 def _forbids_future(attn_mask: Tensor | None, seq: int, src: int) -> bool:
     """Whether ``attn_mask`` (MHA semantics, ``[L, S]`` or ``[N*h, L, S]``) forbids every key
-    ``s > t`` to query ``t``: the queries attend causally. Needs ``L == S``; a mask of the wrong
-    shape is left to :func:`_additive_mask` to reject."""
+    ``s > t`` to query ``t`` (True in a boolean mask, at most :data:`FORBIDDING` in a float one):
+    the queries attend causally. Needs ``L == S``; a mask of the wrong shape is left to
+    :func:`_additive_mask` to reject."""
     if attn_mask is None or seq != src or seq < 2 or attn_mask.shape[-2:] != (seq, src):
         return False
     future = torch.triu(torch.ones(seq, src, dtype=torch.bool, device=attn_mask.device), diagonal=1)
-    blocked = attn_mask if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask)
+    blocked = attn_mask if attn_mask.dtype == torch.bool else attn_mask <= FORBIDDING
     return bool((blocked | ~future).all())  # one host sync (a boolean index would add a second)
 
 

@@ -6,7 +6,7 @@ import warnings
 
 from torch import Tensor
 
-from .._checks import check_positive_int, check_tau
+from .._checks import check_nonneg, check_positive_int, check_tau
 from ..estimators.rule import gumbel_matching_routes
 from ..estimators.sampling import METHODS
 from ..routes import Routes
@@ -79,7 +79,7 @@ class SinkhornRouter(Router):
         self.sweeps = check_positive_int("sweeps", sweeps)
         self.renormalize = bool(renormalize)
         self.eval_balanced = bool(eval_balanced)
-        self.balance_coef = float(balance_coef)
+        self.balance_coef = check_nonneg("balance_coef", balance_coef)
 
     def balanced_log_probs(self, log_p: Tensor) -> Tensor:
         """``[tokens, E]`` log of the Sinkhorn-balanced probabilities (detached)."""
@@ -127,7 +127,7 @@ class GumbelMatchingRouter(Router):
             raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         self.tau, self.method, self.sinkhorn = check_tau(tau, positive=True), method, bool(sinkhorn)
         self.eval_balanced = bool(eval_balanced)
-        self.balance_coef = float(balance_coef)
+        self.balance_coef = check_nonneg("balance_coef", balance_coef)
 
     def route(self, logits: Tensor, capacity: int | None) -> Routes:
         return gumbel_matching_routes(logits, capacity, method=self.method, tau=self.tau, sinkhorn=self.sinkhorn,

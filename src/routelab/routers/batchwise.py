@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .._checks import check_nonneg
 from ..routes import Routes
 from ..routing.rules import INFERENCE_MASKS, batchwise_mask_in_use, batchwise_routes
 from .base import Router
@@ -44,7 +45,7 @@ class BatchwiseRouter(Router):
         if inference not in INFERENCE_MASKS:
             raise ValueError(f"inference must be one of {INFERENCE_MASKS}, got {inference!r}")
         self.inference = inference
-        self.threshold_coef = float(threshold_coef)
+        self.threshold_coef = check_nonneg("threshold_coef", threshold_coef)
         # Start at the uniform gate value: the median score of an untrained router. With one
         # expert every score is exactly 1 and the strict mask G > T would drop every token: start
         # that threshold below it.

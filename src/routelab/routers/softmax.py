@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from .._checks import check_nonneg
 from ..routes import Routes
 from ..routing.rules import softmax_routes
 from .base import Router
@@ -27,7 +28,7 @@ class SoftmaxRouter(Router):
 
     def __init__(self, d_model: int, num_experts: int, *, importance_coef: float = 0.0) -> None:
         super().__init__(d_model, num_experts, num_experts)
-        self.importance_coef = float(importance_coef)
+        self.importance_coef = check_nonneg("importance_coef", importance_coef)
 
     def route(self, logits: Tensor, capacity: int | None) -> Routes:
         return softmax_routes(logits, importance_coef=self.importance_coef)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._checks import check_nonneg, check_pos
 from ..routes import Routes
 from ..routing.rules import noisy_topk_routes, topk_routes
 from ._scores import float32_linear
@@ -36,7 +37,7 @@ class TopKRouter(Router):
         super().__init__(d_model, num_experts, k)
         self.k = self.slots
         self.renormalize = bool(renormalize)
-        self.balance_coef = float(balance_coef)
+        self.balance_coef = check_nonneg("balance_coef", balance_coef)
 
     def route(self, logits: Tensor, capacity: int | None) -> Routes:
         return topk_routes(logits, self.k, renormalize=self.renormalize, balance_coef=self.balance_coef)
@@ -76,10 +77,9 @@ class NoisyTopKRouter(Router):
         self.noise = nn.Linear(d_model, num_experts, bias=False)
         nn.init.zeros_(self.proj.weight)
         nn.init.zeros_(self.noise.weight)
-        if not noise_epsilon > 0:
-            raise ValueError(f"noise_epsilon must be > 0, got {noise_epsilon!r}")
-        self.importance_coef, self.load_coef = float(importance_coef), float(load_coef)
-        self.noise_epsilon = float(noise_epsilon)
+        self.importance_coef = check_nonneg("importance_coef", importance_coef)
+        self.load_coef = check_nonneg("load_coef", load_coef)
+        self.noise_epsilon = check_pos("noise_epsilon", noise_epsilon)
 
     def features(self, x: Tensor) -> Tensor:
         """``[tokens, 2E]``: the clean logits, then the noise scales ``softplus(x W_noise) + eps``."""

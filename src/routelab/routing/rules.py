@@ -345,9 +345,9 @@ def sinkhorn_routes(logits: Tensor, k: int, *, sweeps: int = 20, balanced: bool 
     select = sinkhorn_balanced_log_probs(log_p, sweeps) if (n and balanced) else log_p.detach()
     expert = select.topk(k, dim=-1).indices
     log_prob = log_p.gather(-1, expert)
-    gate = log_prob.exp()
-    if renormalize:
-        gate = gate / gate.sum(-1, keepdim=True)
+    # Renormalised: p_i / sum_j p_j over the chosen experts, as a softmax of their log-probabilities
+    # (balancing can choose experts whose probability underflows to 0: the quotient would be 0 / 0).
+    gate = torch.softmax(log_prob, -1) if renormalize else log_prob.exp()
     keep = torch.ones_like(expert, dtype=torch.bool)
     aux = {}
     if balance_coef and n:
