@@ -139,6 +139,21 @@ def test_position_policy_equals_loop_reference(n, s, E, C, cand_p, seed) -> None
     check_decision(d, expert, candidate, want, C, E)
 
 
+@FAST
+@given(n=st.integers(0, 12), s=st.integers(1, 3), E=st.integers(1, 4), extra=st.sampled_from((0, 5)),
+       policy=st.sampled_from(("position", "score", "random")), seed=st.integers(0, 2**31 - 1))
+def test_a_capacity_of_every_pair_drops_nothing_on_every_policy(n, s, E, extra, policy, seed) -> None:
+    """``C >= n * s`` (the dropless layers' limit) skips the dropping steps: the decision is the
+    loop reference's, duplicate experts per token included (random: every candidate kept)."""
+    expert, candidate = routing_problem(seed, n, s, E, 0.7)
+    C = n * s + extra
+    score = torch.randn(n, s, generator=torch.Generator().manual_seed(seed))
+    d = apply_capacity(expert, candidate, C, E, policy=policy, score=score,
+                       generator=torch.Generator().manual_seed(seed))
+    check_decision(d, expert, candidate, candidate.tolist(), C, E)
+    assert d.skip_weight.dtype == torch.float32
+
+
 def test_position_policy_is_slot_major_not_token_major() -> None:
     """Token 0's second choice competes after token 1's first choice (a token-major bug keeps it)."""
     expert = torch.tensor([[1, 0], [0, 1]])

@@ -271,8 +271,10 @@ class RoutedGate(RoutingRecord):
             proposed = router(x, capacity)
         candidate = proposed.keep if mask is None else proposed.keep & mask.unsqueeze(-1)
         random = self.drop_policy == "random" and self.training
+        # Dropless: no limit at all (every proposed pair), planned without the dropping steps.
+        limit = candidate.numel() if factor is None else capacity
         with self._routelab_replay.draw(self._routelab_generator if random else None):
-            decision = apply_capacity(proposed.expert, candidate, capacity, E, policy=self.drop_policy,
+            decision = apply_capacity(proposed.expert, candidate, limit, E, policy=self.drop_policy,
                                       score=proposed.gate, generator=self._routelab_generator,
                                       check=router.check_finite)
         keep = decision.keep

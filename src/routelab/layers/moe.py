@@ -353,8 +353,11 @@ class MoE(RoutingRecord, nn.Module):
         """
         E = self.num_experts
         random = self.drop_policy == "random"
+        # Dropless: no limit at all (every proposed pair), which apply_capacity plans without
+        # the dropping steps. (``capacity`` itself, the token count, is what the router was told.)
+        limit = proposed.expert.numel() if self.active_capacity_factor is None else capacity
         with self._replay.draw(self.generator if random else None):
-            decision = apply_capacity(proposed.expert, proposed.keep, capacity, E, policy=self.drop_policy,
+            decision = apply_capacity(proposed.expert, proposed.keep, limit, E, policy=self.drop_policy,
                                       score=proposed.gate, generator=self.generator, check=self.router.check_finite)
         keep = decision.keep
         weight = proposed.weight * decision.skip_weight.to(proposed.weight.dtype)

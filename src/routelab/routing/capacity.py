@@ -158,7 +158,8 @@ def apply_capacity(
             ``[0, num_experts)`` (any integer dtype is accepted and read as long).
         candidate: ``BoolTensor [tokens, slots]`` the router's own selection (False: the slot is
             not used at all, e.g. outside a batchwise mask).
-        capacity: ``C >= 0`` pairs per expert (an integer; ValueError otherwise).
+        capacity: ``C >= 0`` pairs per expert (an integer; ValueError otherwise). ``C >= tokens *
+            slots`` drops nothing (dropless: pass ``expert.numel()``), in fewer operations.
         num_experts: ``E``, an integer ``>= 1``.
         policy: one of :data:`DROP_POLICIES`.
         score: ``[tokens, slots]`` priority for ``policy="score"`` (larger kept first; no NaN).
@@ -221,13 +222,21 @@ def apply_capacity(
     else:
         priority = score.detach().t().reshape(-1).to(torch.float64)
         rank = rank_within_groups(group, priority, num_experts + 1, counts=counts)
-    keep_flat = flat_cand & (rank < capacity)
     load = counts[:num_experts]
-    kept = load.clamp(max=capacity)  # (a Python bound: no host-to-device copy, no sync)
-    # The factor of every group, the non-candidates' group E included (their keep is False, so
-    # it is multiplied by 0): one gather by the group, no clamp of the index.
-    factor = skip_correction(counts.to(torch.float32), capacity)
-    skip_flat = factor[group] * keep_flat
+    if capacity >= n * s:
+        # No expert can be proposed more than the n * s pairs: nothing drops and every skip
+        # factor is 1. The values of the general case below, in one operation instead of nine
+        # (the dropless layers' case, whose caller passes n * s).
+        keep_flat = flat_cand
+        kept = load
+        skip_flat = flat_cand.to(torch.float32)
+    else:
+        keep_flat = flat_cand & (rank < capacity)
+        kept = load.clamp(max=capacity)  # (a Python bound: no host-to-device copy, no sync)
+        # The factor of every group, the non-candidates' group E included (their keep is False,
+        # so it is multiplied by 0): one gather by the group, no clamp of the index.
+        factor = skip_correction(counts.to(torch.float32), capacity)
+        skip_flat = factor[group] * keep_flat
 
     def unflat(t: Tensor) -> Tensor:
         return t.reshape(s, n).t()
