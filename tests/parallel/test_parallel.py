@@ -215,6 +215,47 @@ def test_diverging_decisions_raise_quickly():
         run_workers(_diverging_worker, 2, timeout=30)
 
 
+def _diverging_with_equal_counts_worker(rank: int, world: int) -> None:
+    # Found by a review: two tokens per rank, Gumbel-Matching with rank-seeded generators. The ranks'
+    # plans send the same number of rows between every pair of ranks, but different tokens in them:
+    # the count check passed and the layer returned wrong outputs. The plans' fingerprints differ.
+    gen = torch.Generator().manual_seed(rank)
+    torch.manual_seed(0)
+    moe = MoE(8, 8, 4, router="gumbel_matching", capacity_factor=None, generator=gen)
+    with torch.no_grad():
+        moe.router.proj.weight.normal_(0, 0.01)
+    ep = ExpertParallelMoE.from_moe(moe)
+    torch.manual_seed(10)
+    ep(torch.randn(4, 8)[2 * rank:2 * rank + 2])
+
+
+def test_diverging_decisions_with_equal_counts_raise():
+    with pytest.raises(RuntimeError, match="fingerprints"):
+        run_workers(_diverging_with_equal_counts_worker, 2, timeout=30)
+
+
+def test_the_plan_fingerprint_tells_plans_apart_that_counts_do_not():
+    """Equal plans give equal fingerprints; two rows swapping tokens (the same counts everywhere)
+    or one row changing its token give another."""
+    ep = ExpertParallelMoE.__new__(ExpertParallelMoE)
+    torch.nn.Module.__init__(ep)
+    ep._fingerprint_weights = None
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        tok = torch.randint(0, 40, (24,), generator=g)
+        base = ep._plan_fingerprint(tok)
+        assert ep._plan_fingerprint(tok.clone()) == base
+        i, j = torch.randperm(24, generator=g)[:2].tolist()
+        if tok[i] != tok[j]:
+            swapped = tok.clone()
+            swapped[[i, j]] = tok[[j, i]]
+            assert ep._plan_fingerprint(swapped) != base
+        changed = tok.clone()
+        changed[i] = 40  # empty row
+        if tok[i] != 40:
+            assert ep._plan_fingerprint(changed) != base
+
+
 def _failing_worker(rank: int, world: int) -> None:
     if rank == 1:
         raise ValueError("boom on rank 1")

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_gather_rows", "all_to_all", "exchange_counts", "group_rank", "group_size"]
+__all__ = ["all_gather_rows", "all_to_all", "exchange_counts", "exchange_counts_and_tags", "group_rank", "group_size"]
 
 
 def group_size(group: dist.ProcessGroup | None = None) -> int:
@@ -66,6 +66,33 @@ def exchange_counts(send_counts: Sequence[int] | Tensor, group: dist.ProcessGrou
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     return recv.tolist()
+
+
+def exchange_counts_and_tags(send_counts: Sequence[int] | Tensor, tag: int, group: dist.ProcessGroup | None = None,
+                             *, device: torch.device | str | None = None) -> tuple[list[int], list[int]]:
+    """:func:`exchange_counts` that also hands every rank this rank's ``tag`` (one all-to-all).
+
+    Args:
+        send_counts: ``[world]`` rows this rank sends to each rank.
+        tag: an integer in ``[0, 2**63)`` for every rank to see (e.g. a fingerprint of this
+            rank's plan, to compare with its own).
+        group, device: as in :func:`exchange_counts`.
+
+    Returns:
+        ``(recv_counts, tags)``: ``[world]`` rows this rank receives from each rank, and each
+        rank's ``tag``.
+    """
+    world = group_size(group)
+    if isinstance(send_counts, Tensor):
+        device = device if device is not None else send_counts.device
+    values = _as_splits("send_counts", send_counts, world)
+    if world == 1:
+        return values, [int(tag)]
+    send = torch.tensor([[v, int(tag)] for v in values], dtype=torch.long, device=device)  # [world, 2]
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    counts, tags = recv.t().tolist()
+    return counts, tags
 
 
 class _AllToAll(torch.autograd.Function):

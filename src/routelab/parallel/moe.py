@@ -16,8 +16,8 @@ Each rank holds the router (replicated) and ``E / world`` experts (rank ``r`` ow
    global batch, redundantly on every rank;
 4. each rank sends the rows of its kept (token, slot) pairs to the ranks owning their experts
    (:func:`~routelab.parallel.all_to_all`, uneven splits; the receive counts follow from the
-   global plan, and are also exchanged and checked against it unless
-   ``check_decisions=False``, which catches ranks whose decisions diverged), runs its
+   global plan, and are also exchanged with a fingerprint of the plan and checked against it
+   unless ``check_decisions=False``, which catches ranks whose decisions diverged), runs its
    local experts on ``[E/W, C, d]`` buffers laid out exactly like the single-process buffers,
    and sends the outputs back with the inverse exchange;
 5. outputs are combined in token order with the combine weights of its own tokens.
@@ -45,7 +45,10 @@ from ..routers import Router
 from ..routes import Routes
 from ..routing import DispatchPlan
 from ..routing.masks import real_tokens, scatter_routes
-from .comm import all_gather_rows, all_to_all, exchange_counts
+from .comm import all_gather_rows, all_to_all, exchange_counts, exchange_counts_and_tags
+
+#: The prime of :meth:`ExpertParallelMoE._plan_fingerprint`.
+_FINGERPRINT_PRIME = 2**31 - 1
 
 __all__ = ["ExpertParallelMoE"]
 
@@ -118,9 +121,11 @@ class ExpertParallelMoE(MoE):
         seed: base seed of the experts' initialisation; expert ``e`` is initialised from
             ``seed + e``, so the weights do not depend on the world size. ``None``: drawn on
             rank 0 from torch's global generator and broadcast.
-        check_decisions: exchange the per-rank dispatch counts (one small all-to-all per
-            forward) and raise if they differ from this rank's plan, i.e. if the ranks'
-            routing decisions diverged. ``False`` trusts the plan and saves the exchange.
+        check_decisions: exchange the per-rank dispatch counts and a fingerprint of the global
+            plan (one small all-to-all per forward) and raise if either differs from this
+            rank's, i.e. if the ranks' routing decisions diverged (plans that differ in any row
+            are told apart except with probability about ``2**-31``). ``False`` trusts the plan
+            and saves the exchange.
 
     Shapes:
         input ``x [..., d_model]`` (this rank's tokens, any number, also 0) -> ``[...,
@@ -184,6 +189,7 @@ class ExpertParallelMoE(MoE):
         self._build(config, generator=generator, device="meta", dtype=dtype, router_device=device)
         self.process_group = process_group
         self.check_decisions = bool(check_decisions)
+        self._fingerprint_weights: Tensor | None = None  # (_plan_fingerprint's, cached per plan size)
         self.world_size, self.rank = world, rank
         self.local_experts = num_experts // world
         self.expert_offset = rank * self.local_experts
@@ -405,15 +411,19 @@ class ExpertParallelMoE(MoE):
         order = torch.argsort(recv_src, stable=True)
         recv_rows = torch.arange(rows_per_rank, device=dev)[filled][order]  # receive order: by source rank
         planned = torch.bincount(recv_src, minlength=W).tolist()
+        recv_counts, differ = planned, None
         if self.check_decisions:
-            recv_counts = exchange_counts(send_counts, group, device=self._comm_device())
-        else:
-            recv_counts = planned
-        if recv_counts != planned:
+            mine_tag = self._plan_fingerprint(tok)
+            recv_counts, tags = exchange_counts_and_tags(send_counts, mine_tag, group, device=self._comm_device())
+            if recv_counts != planned:
+                differ = f"receiving {recv_counts} rows per rank, the plan says {planned}"
+            elif any(t != mine_tag for t in tags):
+                differ = f"the plans' fingerprints per rank are {tags}, this rank's {mine_tag}"
+        if differ is not None:
             raise RuntimeError(
-                f"rank {r}: the routing decisions differ across ranks (receiving {recv_counts} rows per rank, the "
-                f"plan says {planned}); stochastic routers and drop_policy='random' need the same generator "
-                "state on every rank (pass generator= with the same seed, or seed torch identically)"
+                f"rank {r}: the routing decisions differ across ranks ({differ}); stochastic routers and "
+                "drop_policy='random' need the same generator state on every rank (pass generator= with the "
+                "same seed, or seed torch identically)"
             )
 
         # Tokens to the experts' ranks; the received ones (in receive order) fill this rank's
@@ -431,6 +441,18 @@ class ExpertParallelMoE(MoE):
         y = returned.combine(back.view(1, send_rows.numel(), back.shape[-1]), combine[lo:lo + n]).to(x.dtype)
         self.record_routing(local_routes.aux, local_routes.stats)
         return y.reshape(*lead, d), local_routes
+
+    def _plan_fingerprint(self, token_of_row: Tensor) -> int:
+        """``sum_r (token_of_row[r] + 1) m_r mod P`` (``P = 2^31 - 1``, ``m_r`` uniform in ``[1, P)`` from
+        a fixed seed): equal on ranks whose plans fill every row with the same token; two plans that
+        differ in any row give the same value with probability about ``1 / P``. One host read."""
+        rows = token_of_row.numel()
+        weights = self._fingerprint_weights
+        if weights is None or weights.numel() != rows or weights.device != token_of_row.device:
+            weights = torch.randint(1, _FINGERPRINT_PRIME, (rows,), generator=torch.Generator().manual_seed(0))
+            weights = self._fingerprint_weights = weights.to(token_of_row.device)
+        terms = (token_of_row.long() % _FINGERPRINT_PRIME + 1) * weights % _FINGERPRINT_PRIME  # < 2^31 each
+        return int(terms.sum() % _FINGERPRINT_PRIME)  # a sum of < 2^32 terms of < 2^31: no overflow
 
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", world_size={self.world_size}, rank={self.rank}, "
