@@ -148,6 +148,40 @@ def test_bench_checks_its_out_path_and_world_size_before_running(tmp_path: Path,
     assert "does not divide" in capsys.readouterr().err
 
 
+def test_bench_refuses_an_out_it_cannot_write_before_running(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review finding: a file where --out's directory should be, or a directory that refuses files,
+    failed with a raw traceback after the whole benchmark had run."""
+    import routelab.cli as cli_module
+
+    monkeypatch.setattr(cli_module, "_run_assignment_benchmark",
+                        lambda **kw: pytest.fail("the benchmark ran before --out was checked"))
+    (tmp_path / "afile").write_text("in the way")
+    assert cli.main(["bench", "assignment", "--quick", "--out", str(tmp_path / "afile" / "x.md")]) == 2
+    assert "cannot create the directory of --out" in capsys.readouterr().err
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(cli_module.tempfile, "NamedTemporaryFile", refuse)
+    assert cli.main(["bench", "assignment", "--quick", "--out", str(tmp_path / "ok" / "x.md")]) == 2
+    assert "cannot write in the directory of --out" in capsys.readouterr().err
+
+
+def test_bench_reports_a_failed_table_write_without_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import routelab.cli as cli_module
+
+    monkeypatch.setattr(cli_module, "_run_assignment_benchmark", lambda **kw: "| a table |")
+
+    def fail(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(cli_module, "atomic_write_text", fail)
+    assert cli.main(["bench", "assignment", "--quick", "--out", str(tmp_path / "x.md")]) == 2
+    assert "cannot write --out" in capsys.readouterr().err
+
+
 def test_bench_threads_is_refused_with_world_size(capsys: pytest.CaptureFixture[str]) -> None:
     """Audit finding: --threads was accepted and silently ignored by the multi-process benchmark."""
     assert cli.main(["bench", "moe", "--world-size", "1", "--threads", "2", "--quick"]) == 2

@@ -20,6 +20,7 @@ re-export the ones that are part of their public API (``routelab.routing.expert_
 
 from __future__ import annotations
 
+import argparse
 import math
 import numbers
 import operator
@@ -93,6 +94,30 @@ def check_pos(name: str, v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {v!r}.")
     return float(v)
+
+
+def is_device_name(text: str) -> bool:
+    """Whether ``text`` is ``cpu``, ``cuda`` or ``cuda:N`` (the devices routelab's commands take)."""
+    kind, _, index = text.partition(":")
+    return kind == "cpu" and not index or kind == "cuda" and (not index or index.isdigit())
+
+
+def positive_int_arg(text: str) -> int:
+    """An argparse ``type``: an integer ``>= 1`` (else a usage error, status 2, before anything runs)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def device_arg(text: str) -> str:
+    """An argparse ``type``: ``cpu``, ``cuda`` or ``cuda:N``."""
+    if not is_device_name(text):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
 
 
 def check_seed(seed: Any, name: str = "seed") -> int:

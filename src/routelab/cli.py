@@ -25,6 +25,7 @@ import os
 import pickle
 import re
 import sys
+import tempfile
 import traceback
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -363,14 +364,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if given and (args.benchmark != "moe" or args.world_size is not None):
         return _error(f"{', '.join(given)} apply to `routelab bench moe` (single process) only.")
     if args.out is not None:  # checked before a benchmark of minutes, not after it
-        out = Path(args.out)
-        if out.is_dir():
-            return _error(f"--out {out} is a directory; give a file path for the table (e.g. {out / 'bench.md'}).")
-        if not out.parent.exists():
-            try:
-                out.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as err:
-                return _error(f"cannot create the directory of --out {out}: {err.strerror or err}; choose another.")
+        problem = _unwritable_table_path(Path(args.out))
+        if problem is not None:
+            return _error(problem)
     if args.benchmark == "moe" and args.world_size is not None and args.threads is not None:
         return _error("--threads does not apply with --world-size: each rank runs one thread.")
     if args.benchmark == "moe" and args.world_size is not None:
@@ -404,9 +400,29 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     else:
         text = _run_assignment_benchmark(quick=args.quick, threads=args.threads, device=args.device)
     if args.out is not None:
-        path = atomic_write_text(args.out, text.rstrip("\n") + "\n")
+        try:
+            path = atomic_write_text(args.out, text.rstrip("\n") + "\n")
+        except OSError as err:  # changed while the benchmark ran: the table is printed above
+            return _error(f"cannot write --out {args.out}: {err.strerror or err}; the table is printed above.")
         print(f"table: {path}")
     return EXIT_OK
+
+
+def _unwritable_table_path(out: Path) -> str | None:
+    """Why a table cannot be written at ``out`` (its directory created if missing), or None: a
+    directory, a parent that is a file, or a directory that refuses a file (tried, then removed)."""
+    if out.is_dir():
+        return f"--out {out} is a directory; give a file path for the table (e.g. {out / 'bench.md'})."
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # (FileExistsError: a file in the way)
+        return f"cannot create the directory of --out {out}: {err.strerror or err}; choose another."
+    try:
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=".routelab-probe-"):
+            pass
+    except OSError as err:
+        return f"cannot write in the directory of --out {out}: {err.strerror or err}; choose another."
+    return None
 
 
 def _cmd_list(args: argparse.Namespace) -> int:

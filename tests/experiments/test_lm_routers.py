@@ -235,12 +235,25 @@ def test_the_command_line_maps_its_options_onto_the_forms(tmp_path, monkeypatch)
     seen, dirs = [], []
     monkeypatch.setattr(cli, "run_sweep",
                         lambda out, s, data_dir=None: seen.append(s) or dirs.append(data_dir) or out / "report.md")
-    cli.main(["--quick", "--out", str(tmp_path), "--seeds", "5", "--steps", "7", "--routers", "top1", "base"])
+    cli.main(["--quick", "--out", str(tmp_path), "--seeds", "5", "--steps", "7", "--routers", "top1_switch", "base"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (the settings are checked before the run)
     cli.main(["--large", "--device", "cuda", "--data-dir", "data-cache"])
     quick, large = seen
-    assert quick == lm.QUICK.with_(device="cpu", seeds=(5,), steps=7, routers=("top1", "base"))
+    assert quick == lm.QUICK.with_(device="cpu", seeds=(5,), steps=7, routers=("top1_switch", "base"))
     assert large == lm.LARGE.with_(device="cuda")
     assert dirs == [None, "data-cache"]
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--routers", "top1"], ["--device", "cuda"]])
+def test_the_command_line_refuses_bad_options_before_running(argv, tmp_path, monkeypatch, capsys) -> None:
+    """Review finding: bad values were raw tracebacks (status 1) from deep inside the sweep."""
+    from routelab.experiments.lm_routers import __main__ as cli
+
+    monkeypatch.setattr(cli, "run_sweep", lambda *a, **k: pytest.fail("the sweep ran"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--quick", "--out", str(tmp_path), *argv])
+    assert stop.value.code == 2 and "error:" in capsys.readouterr().err
 
 
 def test_data_dir_is_where_the_corpus_is_read(tmp_path, monkeypatch) -> None:

@@ -364,6 +364,21 @@ def test_the_committed_report_is_what_its_runs_say() -> None:
     assert rows(claims(runs)) == rows(list(committed))
 
 
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--variants", "bogus"], "invalid choice"), (["--device", "tpu"], "cpu, cuda or cuda:N"),
+    (["--device", "cuda"], "no CUDA device"),
+])
+def test_the_command_line_refuses_bad_options_before_running(argv, says, tmp_path, monkeypatch, capsys) -> None:
+    """Review finding: bad values were raw tracebacks (status 1), the device's only after the data loaded."""
+    from routelab.experiments.mae_translation import __main__ as cli
+
+    monkeypatch.setattr(cli, "run", lambda *a, **k: pytest.fail("the experiment ran"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--quick", "--out", str(tmp_path), *argv])
+    assert stop.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_the_command_line_maps_its_options_onto_the_forms(tmp_path, monkeypatch) -> None:
     from routelab.experiments.mae_translation import __main__ as cli
 
@@ -371,6 +386,7 @@ def test_the_command_line_maps_its_options_onto_the_forms(tmp_path, monkeypatch)
     monkeypatch.setattr(cli, "run", lambda out, s: seen.append((out, s)) or out / "report.md")
     cli.main(["--quick", "--out", str(tmp_path), "--seeds", "3", "4", "--variants", "BASE"])
     cli.main(["--cpu"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (the settings are checked before the run)
     cli.main(["--data-dir", "data-cache"])
     (out, quick), (_, cpu), (_, gpu) = seen
     assert out == tmp_path and quick == mt.QUICK.with_(device="cpu", seeds=(3, 4), variants=("BASE",))

@@ -651,6 +651,18 @@ def test_a_block_with_another_contract_is_refused_before_anything_is_patched(fam
                    for _, b in sparse_moe_blocks(model))
 
 
+def test_a_model_that_routes_without_an_experts_child_is_refused_naming_its_modules():
+    """JetMoE routes with a ``router`` child and holds its experts as ``input_linear``/``output_linear``
+    (a sweep of transformers 5.24's MoE families, tools/hf_family_sweep.py): the refusal names those
+    modules instead of only saying what it looked for."""
+    if not hasattr(tf, "JetMoeForCausalLM"):
+        pytest.skip(f"transformers {tf.__version__} has no JetMoE")
+    model = tf.JetMoeForCausalLM(tf.JetMoeConfig(**_common(intermediate_size=24, num_local_experts=4,
+                                                           num_experts_per_tok=2, kv_channels=8)))
+    with pytest.raises(ValueError, match=r"no sparse MoE block.*JetMoeMoE \(model\.layers\.0\.mlp, child 'router'\)"):
+        patch_moe(model, "topk")
+
+
 class _LogitsOnlyGate(torch.nn.Module):
     """A gate of the older contract (transformers <= 5.17's Jamba and GraniteMoE): logits only."""
 

@@ -51,6 +51,7 @@ import routelab
 from routelab.layers import MoE, MoEConfig
 from routelab.parallel import ExpertParallelMoE, init_distributed, run_workers, under_torchrun
 
+from .._checks import positive_int_arg
 from ..machine import cpu_model as _cpu_model
 
 __all__ = ["FULL", "QUICK", "ParallelBenchConfig", "deepspeed_available", "run_benchmark"]
@@ -289,13 +290,14 @@ def run_benchmark(*, world_sizes: Sequence[int] | None = None, quick: bool = Fal
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m routelab.bench.moe_parallel`` — under torchrun, or spawning local gloo workers."""
     parser = argparse.ArgumentParser(prog="python -m routelab.bench.moe_parallel", description=__doc__.split("\n")[0])
-    parser.add_argument("--world-size", type=int, nargs="+", default=None,
+    parser.add_argument("--world-size", type=positive_int_arg, nargs="+", default=None,
                         help="local gloo workers to start (ignored under torchrun)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-deepspeed", action="store_true")
     parser.add_argument("--out", default=None, help="also write the report to this file (rank 0)")
     for name in ("tokens-per-rank", "d-model", "d-hidden", "experts", "repeats"):
-        parser.add_argument(f"--{name}", type=int, default=None, help="override the size of --quick or the full run")
+        parser.add_argument(f"--{name}", type=positive_int_arg, default=None,
+                            help="override the size of --quick or the full run")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
     overrides = {k: getattr(args, k) for k in ("tokens_per_rank", "d_model", "d_hidden", "experts", "repeats")

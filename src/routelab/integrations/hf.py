@@ -518,8 +518,18 @@ def patch_moe(
         listing = "; ".join(f"{name or '<model>'}: {why}" for name, why in bad[:3])
         raise ValueError(f"patch_moe cannot patch {len(bad)} of the {len(candidates)} sparse MoE blocks ({listing})")
     if not candidates:
+        # Modules that route but hold their experts otherwise (JetMoE's router + input_linear/output_linear):
+        # named, so the refusal says what was found, not only what was looked for.
+        routed = [(name, type(module).__name__, routing_child(module)[0]) for name, module in model.named_modules()
+                  if routing_child(module) is not None]
+        found = ""
+        if routed:
+            listing = ", ".join(f"{cls} ({name or '<model>'}, child {child!r})" for name, cls, child in routed[:3])
+            more = f" and {len(routed) - 3} more" if len(routed) > 3 else ""
+            found = (f"; it has modules with a routing child but no 'experts' child: {listing}{more}. They route by "
+                     f"another contract (experts held otherwise), which patch_moe does not read")
         raise ValueError(f"model ({type(model).__name__}) has no sparse MoE block: patch_moe looks for modules with a "
-                         f"'gate' or 'router' child (weight [E, d]) and an 'experts' child (fused experts)")
+                         f"'gate' or 'router' child (weight [E, d]) and an 'experts' child (fused experts){found}")
     plans, notices = [], {}
     for name, block in candidates:
         _, gate = routing_child(block)

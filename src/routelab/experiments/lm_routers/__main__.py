@@ -13,9 +13,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..._checks import positive_int_arg
 from ..kit.cli_options import given_options
 from ..kit.lock import run_locked
-from . import FULL, LARGE, QUICK, run_sweep
+from . import FULL, LARGE, QUICK, ROUTER_SPECS, run_sweep
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -26,14 +27,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--out", type=Path, default=Path("results/lm-routers"))
     p.add_argument("--seeds", type=int, nargs="+", help="seeds (default: the form's)")
-    p.add_argument("--steps", type=int, help="training steps (default: the form's)")
-    p.add_argument("--routers", nargs="+", help="routers (default: all)")
+    p.add_argument("--steps", type=positive_int_arg, help="training steps (default: the form's)")
+    p.add_argument("--routers", nargs="+", choices=[s.name for s in ROUTER_SPECS], metavar="ROUTER",
+                   help=f"routers (default: all; of {', '.join(s.name for s in ROUTER_SPECS)})")
     p.add_argument("--data-dir", help="cache directory of the parallel text (default: ~/.cache/routelab; "
                                       "make gpu-data writes one to data-cache/)")
     args = p.parse_args(argv)
     settings = QUICK if args.quick else (LARGE if args.large else FULL)
     changes = {"device": args.device, **given_options(args, "seeds", "steps", "routers")}
-    return run_locked(args.out, p.prog, lambda: run_sweep(args.out, settings.with_(**changes), data_dir=args.data_dir))
+    settings = settings.with_(**changes)
+    try:  # every setting checked before anything runs (a CUDA device where there is none, ...)
+        settings.validate()
+    except ValueError as err:
+        p.error(str(err))
+    return run_locked(args.out, p.prog, lambda: run_sweep(args.out, settings, data_dir=args.data_dir))
 
 
 if __name__ == "__main__":

@@ -209,19 +209,25 @@ def train_steps(model: nn.Module, settings: Settings, corpus: CharCorpus, steps:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    from . import QUICK
+    from ..._checks import positive_int_arg
+    from . import QUICK, ROUTER_SPECS
 
     p = argparse.ArgumentParser(prog="python -m routelab.experiments.lm_routers.parallel",
                                 description="Train the lm-routers model with its experts sharded over the torchrun "
                                             "ranks (ExpertParallelMoE + DDP).")
-    p.add_argument("--router", default="top2", help="a router of the experiment (default top2)")
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--router", default="top2", choices=[s.name for s in ROUTER_SPECS], metavar="ROUTER",
+                   help=f"a router of the experiment (default top2; of {', '.join(s.name for s in ROUTER_SPECS)})")
+    p.add_argument("--steps", type=positive_int_arg, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare", action="store_true",
                    help="rank 0 also trains the single-process model and prints the largest loss difference")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = p.parse_args(argv)
-    args.settings = QUICK.with_(steps=max(args.steps, 1), device=args.device, quick=False)
+    args.settings = QUICK.with_(steps=args.steps, device=args.device, quick=False)
+    try:
+        args.settings.validate()
+    except ValueError as err:
+        p.error(str(err))
     return args
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from routelab._checks import is_device_name
 from routelab.data.parallel_text import load_parallel_text
 from routelab.layers.bcd import EVAL_ROUTING, BCDTrainer
 from routelab.layers.mae import set_routing
@@ -40,7 +41,7 @@ from .corpus import TranslationCorpus, build_corpus, length_batches
 from .decode import corpus_bleu, translate
 from .model import Seq2SeqConfig, TranslationLoss, TranslationModel
 
-__all__ = ["CPU", "GPU", "QUICK", "Settings", "run"]
+__all__ = ["CPU", "GPU", "QUICK", "Settings", "check_settings_can_run", "run"]
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,23 @@ def bleu_of(model: TranslationModel, corpus: TranslationCorpus, split: str, s: S
     return corpus_bleu(hyps, corpus.refs[split][:n]), hyps
 
 
+def check_settings_can_run(s: Settings) -> None:
+    """ValueError naming the first setting that cannot run: an unknown variant, no seeds, a device
+    that is not ``cpu``/``cuda[:N]``, or a CUDA device where torch finds none."""
+    names = tuple(v.name for v in VARIANTS)
+    unknown = [n for n in s.variants if n not in names]
+    if unknown:
+        raise ValueError(f"Settings.variants must name variants of {names}; unknown: {unknown}")
+    if not s.variants:
+        raise ValueError(f"Settings.variants must name at least one variant of {names}")
+    if not s.seeds:
+        raise ValueError("Settings.seeds must name at least one seed")
+    if not is_device_name(s.device):
+        raise ValueError(f"Settings.device must be 'cpu', 'cuda' or 'cuda:N', got {s.device!r}")
+    if s.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch finds no CUDA device; run with device='cpu'.")
+
+
 def run(out_dir: Path, s: Settings) -> Path:
     """Train every variant at every seed (seed-major, so that partial results stay paired), score
     them, write the report; returns its path. Resumable (module docstring).
@@ -183,13 +201,8 @@ def run(out_dir: Path, s: Settings) -> Path:
     """
     from .report import machine_name, write_report  # lazy: matplotlib
 
+    check_settings_can_run(s)
     variants = {v.name: v for v in VARIANTS}
-    unknown = [n for n in s.variants if n not in variants]
-    if unknown or not s.seeds:
-        raise ValueError(f"Settings.variants must name variants of {tuple(variants)} (unknown: {unknown}); "
-                         f"seeds must not be empty.")
-    if s.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but torch finds no CUDA device; run with device='cpu'.")
     if s.device == "cpu":
         torch.set_num_threads(1)
     else:
