@@ -332,7 +332,9 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
             out.append(Claim(id="sparse-beats-dense-per-time", text=text, paper=paper,
                              criterion="dense's validation loss after top-2's training time (interpolated on its "
                                        "curve) is above top-2's final one, " + rule_better.replace("lower", "above")
-                                       + ": holds; above within the spread: partly; otherwise does not hold." + note,
+                                       + ": holds; above within the spread: partly; otherwise does not hold. "
+                                       "A wall-clock comparison: the machine's load moves it between identical "
+                                       "runs (the other claims are deterministic)." + note,
                              measured=f"val loss dense@top-2 time − top-2: {_diff(d)}; at equal steps (dense has "
                                       f"{settings.experts}x the expert FLOPs): {_diff(steps_d)}",
                              verdict=HOLDS if d.mean > _bound(d) else (PARTLY if d.mean > 0 else NOT_HOLD)))
