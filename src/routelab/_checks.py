@@ -80,26 +80,38 @@ def check_k(k: Any, num_experts: int) -> int:
     return check_positive_int("k", k, upper=num_experts, upper_name="num_experts")
 
 
+def _real_number(v: Any) -> Any:
+    """``v``, or the number a 0-dim real tensor holds (so a tensor coefficient is checked as a number)."""
+    if isinstance(v, Tensor) and v.dim() == 0 and not v.is_complex() and v.dtype != torch.bool:
+        return v.item()
+    return v
+
+
 def check_nonneg(name: str, v: Any) -> float:
-    """``v`` as a float if it is a finite real number ``>= 0`` (a Python or numpy scalar, not a
-    bool), else a ValueError naming ``name``."""
+    """``v`` as a float if it is a finite real number ``>= 0`` (a Python or numpy scalar or a 0-dim
+    tensor, not a bool), else a ValueError naming ``name``."""
+    v = _real_number(v)
     if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
         raise ValueError(f"{name} must be a finite number >= 0, got {v!r}.")
     return float(v)
 
 
 def check_pos(name: str, v: Any) -> float:
-    """``v`` as a float if it is a finite real number ``> 0`` (a Python or numpy scalar, not a
-    bool), else a ValueError naming ``name``."""
+    """``v`` as a float if it is a finite real number ``> 0`` (a Python or numpy scalar or a 0-dim
+    tensor, not a bool), else a ValueError naming ``name``."""
+    v = _real_number(v)
     if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {v!r}.")
     return float(v)
 
 
 def is_device_name(text: str) -> bool:
-    """Whether ``text`` is ``cpu``, ``cuda`` or ``cuda:N`` (the devices routelab's commands take)."""
-    kind, _, index = text.partition(":")
-    return kind == "cpu" and not index or kind == "cuda" and (not index or index.isdigit())
+    """Whether ``text`` names a CPU or CUDA device as ``torch.device`` reads it (``cpu``, ``cuda``,
+    ``cuda:1``, ``cpu:0``): the devices routelab's commands take."""
+    try:
+        return torch.device(text).type in ("cpu", "cuda")
+    except (RuntimeError, TypeError, ValueError):
+        return False
 
 
 def positive_int_arg(text: str) -> int:
@@ -116,7 +128,7 @@ def positive_int_arg(text: str) -> int:
 def device_arg(text: str) -> str:
     """An argparse ``type``: ``cpu``, ``cuda`` or ``cuda:N``."""
     if not is_device_name(text):
-        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda (or cuda:N), got {text!r}")
     return text
 
 

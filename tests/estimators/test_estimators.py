@@ -582,6 +582,28 @@ def test_reinforce_of_a_route_of_probability_zero_is_finite(method: str, dtype: 
     torch.testing.assert_close(grad.double(), want, rtol=1e-3, atol=1e-6)
 
 
+def test_reinforce_forward_mode_equals_reverse_mode() -> None:
+    """The score-function term is zero in value with log p's derivative in both modes: jvp gives
+    <grad, v> and the Hessian (forward over reverse) runs (a review found the term dropped by jvp)."""
+    from torch.func import grad, hessian, jvp
+
+    g = torch.Generator().manual_seed(0)
+    n, E = 6, 4
+    theta, v = torch.randn(n, E, generator=g, dtype=torch.float64), torch.randn(n, E, generator=g, dtype=torch.float64)
+    expert = torch.randint(0, E, (n, 1), generator=g)
+    loss = torch.rand(n, generator=g, dtype=torch.float64)
+
+    def objective(t: torch.Tensor) -> torch.Tensor:
+        log_prob = torch.log_softmax(t, -1).gather(-1, expert)
+        routes = Routes(expert=expert, gate=log_prob.exp(), keep=torch.ones_like(expert, dtype=torch.bool),
+                        weight=torch.ones_like(log_prob), log_prob=log_prob)
+        return reinforce_objective(routes, loss, 0.3)
+
+    _, forward = jvp(objective, (theta,), (v,))
+    torch.testing.assert_close(forward, (grad(objective)(theta) * v).sum())
+    assert torch.isfinite(hessian(objective)(theta)).all()
+
+
 def test_reinforce_baseline_shapes_agree() -> None:
     """A number, a [...] tensor (one per run), a [..., 1] tensor and a full [..., n] tensor holding
     the same values give the same router gradient (the baseline acts only through the gradient)."""

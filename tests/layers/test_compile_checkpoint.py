@@ -215,6 +215,31 @@ def test_dynamic_shapes_compile_whole(capacity_factor: float | None) -> None:
 
 @pytest.mark.compile
 @needs_compile
+def test_dropless_buffers_of_a_router_naming_an_expert_twice_compile_as_eager() -> None:
+    """A review case: a custom router that names one expert in both slots of every token. Compiled
+    dropless buffers hold C = tokens rows per expert, so the layer must not place more pairs than
+    that in eager mode either (the plan of a capacity of every pair did, and the compiled output
+    then differed by 0.2)."""
+    from routelab.routers import TopKRouter
+    from routelab.routes import Routes
+
+    class Twice(TopKRouter):
+        def route(self, logits, capacity):
+            r = super().route(logits, capacity)
+            return Routes(expert=torch.zeros_like(r.expert), gate=r.gate, keep=r.keep, weight=r.weight,
+                          log_prob=r.log_prob, aux=r.aux, stats=r.stats)
+
+    torch.manual_seed(0)
+    moe = MoE(8, 16, 4, router=Twice(8, 4, 2), capacity_factor=None, dispatch="buffers")
+    x = torch.randn(6, 8)
+    eager_y, _ = moe(x)
+    dynamo.reset()
+    y, _ = torch.compile(moe, backend="eager", fullgraph=True)(x)
+    torch.testing.assert_close(y, eager_y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.compile
+@needs_compile
 def test_dropless_under_compile_uses_the_worst_case_buffer() -> None:
     moe = build("topk", None, capacity_factor=None)
     x = inputs()

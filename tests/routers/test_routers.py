@@ -266,8 +266,9 @@ def test_loss_coefficients_are_checked_at_construction(name: str, argument: str)
     for value in bad:
         with pytest.raises(ValueError, match=argument):
             make_router(name, D, 4, **kwargs, **{argument: value})
-    router = make_router(name, D, 4, **kwargs, **{argument: np.float32(0.5)})  # numpy scalars are numbers
-    assert getattr(router, argument) == 0.5
+    for number in (np.float32(0.5), torch.tensor(0.5)):  # numpy scalars and 0-dim tensors are numbers
+        router = make_router(name, D, 4, **kwargs, **{argument: number})
+        assert getattr(router, argument) == 0.5 and isinstance(getattr(router, argument), float)
 
 
 def test_make_router_validation() -> None:

@@ -70,10 +70,15 @@ class _ScoreFunction(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
         return grad
 
+    @staticmethod
+    def jvp(ctx, tangent: Tensor) -> Tensor:  # type: ignore[override]
+        return tangent  # forward mode (torch.func.jvp, jacfwd, hessian): the same identity
+
 
 def _score_function(log_prob: Tensor) -> Tensor:
-    """``[...]`` zeros whose gradient is ``log_prob``'s (the score-function term of eq. 2)."""
-    return _ScoreFunction.apply(log_prob) if log_prob.requires_grad else torch.zeros_like(log_prob)
+    """``[...]`` zeros whose derivative (reverse and forward mode) is ``log_prob``'s: the
+    score-function term of eq. 2."""
+    return _ScoreFunction.apply(log_prob)
 
 
 def reinforce_objective(routes: Routes, loss: Tensor, baseline: Tensor | float = 0.0) -> Tensor:

@@ -414,8 +414,10 @@ class MixtureOfAttentiveExperts(nn.Module):
             key_padding_mask: ``[N, S]`` (``[S]`` unbatched); bool True = ignore that key, or
                 float added to the scores (MHA semantics). When ``query is key`` (self-attention)
                 it also removes the padded positions from the gate's mean. A query left with no
-                key to attend to (all padded or forbidden) gets zero head outputs, as torch's
-                ``scaled_dot_product_attention`` gives, not NaN.
+                key to attend to (all padded or forbidden by True or ``-inf`` entries) gets zero
+                head outputs, as torch's ``scaled_dot_product_attention`` gives, not NaN; finite
+                entries (``finfo.min``, ``-1e9``) leave finite scores, so such a query averages
+                the values, as in ``nn.MultiheadAttention``.
             attn_mask: ``[L, S]`` or ``[N * h, L, S]``; bool True = not allowed, or float added
                 (MHA semantics; e.g. ``nn.Transformer.generate_square_subsequent_mask``).
             responsibilities: ``[N, E]`` (or ``[N, L, E]``), rows summing to 1; overrides the

@@ -353,9 +353,11 @@ class MoE(RoutingRecord, nn.Module):
         """
         E = self.num_experts
         random = self.drop_policy == "random"
-        # Dropless: no limit at all (every proposed pair), which apply_capacity plans without
-        # the dropping steps. (``capacity`` itself, the token count, is what the router was told.)
-        limit = proposed.expert.numel() if self.active_capacity_factor is None else capacity
+        # Dropless and grouped: no limit at all (every proposed pair; rows are one per pair), which
+        # apply_capacity plans without the dropping steps. Buffers keep the token count: compiled,
+        # they are sized C = tokens, so a router that names an expert twice for a token must not
+        # place more than that. (``capacity``, the token count, is also what the router was told.)
+        limit = proposed.expert.numel() if self.active_capacity_factor is None and grouped else capacity
         with self._replay.draw(self.generator if random else None):
             decision = apply_capacity(proposed.expert, proposed.keep, limit, E, policy=self.drop_policy,
                                       score=proposed.gate, generator=self.generator, check=self.router.check_finite)
