@@ -51,6 +51,22 @@ def test_smooth_step_matches_reference(ts, gamma):
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_value_rounded_to_0_or_1_inside_the_band_has_no_gradient(dtype):
+    """A review case: in float32, S(0.5 - 5e-5) is exactly 1 although the cubic's slope there is
+    3e-4, so a DSelect-k gate looked binary (and its zero weights' experts were skipped) while z
+    still moved. Now every exactly-binary value has a zero gradient, and the others keep theirs."""
+    t = torch.tensor([0.5 - 5e-5, -0.5 + 5e-5, 0.5 - 1e-3, 0.3, -0.49999]).to(dtype).requires_grad_(True)
+    s = smooth_step(t, 1.0)
+    s.sum().backward()
+    binary = (s == 0) | (s == 1)
+    assert binary[:2].all()  # rounded to 0/1 in every one of these dtypes
+    assert (t.grad[binary] == 0).all()
+    assert (t.grad[~binary] > 0).all()
+    exact = smooth_step(t.detach().double(), 1.0)  # the values themselves are unchanged: rounded cubic
+    torch.testing.assert_close(s.detach().double(), exact.to(dtype).double())
+
+
 def test_smooth_step_is_c1_at_band_edges():
     gamma = 2.0
     t = torch.tensor([-1.0, 1.0], dtype=torch.float64, requires_grad=True)

@@ -34,7 +34,9 @@ def smooth_step(t: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
     The cubic is evaluated on ``u = clamp(t, -gamma/2, gamma/2) / gamma`` as ``u (3/2 - 2 u^2) +
     1/2``, so it never sees a large ``t``: value and gradient are exact 0/1 and 0 outside the
     band and finite everywhere, in every dtype (float16 and bfloat16 are computed in float32 and
-    returned in their own dtype). NaN propagates.
+    returned in their own dtype). Where a value inside the band rounds to exactly 0 or 1 in the
+    output dtype, its gradient is 0 too (binary means no gradient, whatever the rounding). NaN
+    propagates.
 
     Args:
         t: any real floating tensor.
@@ -56,4 +58,9 @@ def smooth_step(t: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
     u = work.clamp(-half, half) / gamma
     cubic = u * (1.5 - 2.0 * u * u) + 0.5
     out = torch.where(work <= -half, torch.zeros_like(work), torch.where(work >= half, torch.ones_like(work), cubic))
-    return out if out.dtype == t.dtype else out.to(t.dtype)
+    out = out if out.dtype == t.dtype else out.to(t.dtype)
+    # Just inside the band the value can round to exactly 0 or 1 (float32: within ~1e-4 gamma of
+    # the edge; bfloat16: ~1e-2) while the cubic's slope is not 0. There the derivative is set to 0,
+    # as outside: "S binary means S' = 0" (Sec. 3.1.3) holds in every dtype, so a selector or weight
+    # that is exactly 0 gets no gradient (what skipping its expert assumes).
+    return torch.where((out == 0) | (out == 1), out.detach(), out)

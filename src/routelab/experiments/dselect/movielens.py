@@ -385,12 +385,13 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MovieLensSetti
         f"- Features: user and movie embeddings (dim {s.emb}), standardised age, gender, occupation embedding (4), "
         "19 genre flags — trained with the model.",
         f"- Multi-gate MoE: {EXPERTS} experts (ReLU dense {s.hidden} + dropout 0.5), one gate per task, towers "
-        f"(ReLU dense {s.hidden} + 1 unit) as App. D.1; shared bottom: ReLU dense {s.bottom_units} + dropout 0.5, "
-        "same towers.",
+        f"(ReLU dense {s.hidden} + 1 unit; App. D.1: 256 units); shared bottom: ReLU dense {s.bottom_units} + "
+        "dropout 0.5, same towers.",
         f"- Training: Adam lr {s.lr}, batch {s.batch}, {s.epochs} epochs (paper: Adagrad, tuned lr/epochs/k/γ/λ "
         f"with random grid search). Fixed here: k = {s.k}, γ = {s.gamma}, DSelect-k entropy λ = {s.entropy_reg} "
         "(per-example gate: averaged over the batch), "
-        f"Gumbel-softmax sparsity λ = {s.gumbel_reg}.",
+        f"Gumbel-softmax sparsity λ = {s.gumbel_reg} (fixed: the paper picks the best Gumbel-softmax solution "
+        "with at most 4 expected nonzeros, App. D.1; no such constraint here, so its expert count is in the table).",
         f"- {s.reps} repetitions (new negatives, split and initialisation; paper: 100). "
         "Standard errors over repetitions.",
         "",

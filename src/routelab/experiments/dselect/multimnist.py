@@ -249,8 +249,9 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MultiMnistSett
         "50-50-10; shared bottom = one such CNN with the same towers.",
         f"- Training: Adam lr {s.lr}, batch {s.batch}, {s.epochs} epochs (paper: tuned, 25–100 epochs). "
         f"Fixed: k = {s.k}, γ = {s.gamma}, DSelect-k entropy λ = {s.entropy_reg} "
-        f"(per-example gate: averaged over the batch), Gumbel-softmax λ = {s.gumbel_reg}; per-example gates see "
-        "the flattened image.",
+        f"(per-example gate: averaged over the batch), Gumbel-softmax λ = {s.gumbel_reg} (fixed: the paper picks "
+        "the best Gumbel-softmax solution with at most 4 expected nonzeros, App. D.2; no such constraint here); "
+        "per-example gates see the flattened image.",
         (f"- {s.reps} repetitions (new overlays and initialisation; paper: 100); mean ± standard error." if s.reps > 1
          else "- **One repetition only** (paper: 100): on the shared 2-core CPU one run of an 8-expert model took "
               "minutes, so there are no standard errors; differences of a few points are within run-to-run noise."),
