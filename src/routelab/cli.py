@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import routelab
+from routelab._checks import positive_int_arg
 from routelab.data.errors import DataUnavailable
 from routelab.experiments import registry
 from routelab.experiments.kit.claims import CLAIMS_FILE
@@ -52,17 +53,6 @@ BENCHMARKS: tuple[str, ...] = ("assignment", "moe", "sinkhorn")
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _error(message: str) -> int:
@@ -472,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the exit status nonzero (it is still listed in the report)",
     )
     rep.add_argument(
-        "--jobs", type=_positive_int, default=1, metavar="N",
+        "--jobs", type=positive_int_arg, default=1, metavar="N",
         help="run up to N experiments at once, each in its own process (default: 1; `make run` uses the number "
         "of CPU cores); their output lines start with the experiment's name",
     )
@@ -482,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("benchmark", choices=BENCHMARKS, help="which benchmark")
     bench.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     bench.add_argument(
-        "--threads", type=_positive_int, default=None, metavar="N",
+        "--threads", type=positive_int_arg, default=None, metavar="N",
         help="torch intra-op threads for the timed calls (default: 1, the single-thread comparison with scipy)",
     )
     bench.add_argument(
@@ -493,15 +483,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="moe only: dtype of weights, inputs and gradients (default: float32)",
     )
     bench.add_argument(
-        "--d-model", type=_positive_int, nargs="+", default=None, metavar="N",
+        "--d-model", type=positive_int_arg, nargs="+", default=None, metavar="N",
         help="moe only: measure only the grid's sizes with these d_model (e.g. one GPU size per call)",
     )
     bench.add_argument(
-        "--experts", type=_positive_int, nargs="+", default=None, metavar="E",
+        "--experts", type=positive_int_arg, nargs="+", default=None, metavar="E",
         help="moe only: measure only the grid's sizes with these numbers of experts (default: all: 8 64)",
     )
     bench.add_argument(
-        "--k", type=_positive_int, nargs="+", default=None, metavar="K",
+        "--k", type=positive_int_arg, nargs="+", default=None, metavar="K",
         help="moe only: measure only these top-k values of the grid (default: all: 1 2)",
     )
     bench.add_argument(
@@ -521,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
         "run (install them with the `bench` extra; a missing one is reported)",
     )
     bench.add_argument(
-        "--world-size", type=_positive_int, nargs="+", default=None, metavar="N",
+        "--world-size", type=positive_int_arg, nargs="+", default=None, metavar="N",
         help="moe only: expert-parallel benchmark on N local gloo workers (several: 1 2 4), vs DeepSpeed if installed",
     )
     bench.set_defaults(func=_cmd_bench)
