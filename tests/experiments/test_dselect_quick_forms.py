@@ -49,7 +49,13 @@ def test_synthetic_quick_form_is_the_full_runs_first_repetition_and_agrees(tmp_p
     records = [r for r in _records("dselect-synthetic") if r["seed"] == 0]
     synthetic.write_report(tmp_path, records, synthetic.QUICK, 0.0)
     quick = _claims(tmp_path)
-    assert [c["verdict"] for c in quick] == [c["verdict"] for c in _committed("dselect-synthetic")]
+    committed = _committed("dselect-synthetic")
+    assert [c["id"] for c in quick] == [c["id"] for c in committed]
+    # The same verdict wherever the full run's is clear-cut; a "partly" (a difference within 2 s.e.
+    # over its three repetitions, e.g. claim 3's tie at T = 32) is not reproducible from one.
+    for q, c in zip(quick, committed, strict=True):
+        if c["verdict"] != "partly":
+            assert q["verdict"] == c["verdict"], (c["id"], q["verdict"], c["verdict"])
 
 
 @pytest.mark.parametrize("name", ["dselect-movielens", "dselect-multimnist"])
