@@ -792,6 +792,67 @@ def test_the_older_gate_contracts_are_read_and_reproduced(make):
     assert stats["tokens_per_expert"].tolist() == [12, 12, 12, 12]  # 24 tokens x the model's k = 2, balanced
 
 
+class _BiasedGate(torch.nn.Module):
+    """A gate that takes an input of its own, as MiniMax-M2's: ``gate(hidden, e_score_correction_bias)``,
+    its selection biased; it answers in ``order`` (a permutation of the contract, or four outputs)."""
+
+    def __init__(self, d: int, E: int, k: int, order: str) -> None:
+        super().__init__()
+        self.top_k, self.order = k, order
+        self.weight = torch.nn.Parameter(torch.randn(E, d))
+
+    def forward(self, hidden_states, e_score_correction_bias):
+        logits = torch.nn.functional.linear(hidden_states, self.weight).float()
+        index = (logits + e_score_correction_bias).topk(self.top_k, dim=-1).indices
+        weights = logits.softmax(-1).gather(-1, index)
+        if self.order == "reordered":
+            return index, weights, logits
+        if self.order == "four":
+            return logits, weights, index, logits.sigmoid()
+        return logits, weights, index
+
+
+class _BiasedBlock(torch.nn.Module):
+    def __init__(self, order: str, d: int = 6, E: int = 4, k: int = 2) -> None:
+        super().__init__()
+        self.gate, self.experts = _BiasedGate(d, E, k, order), _LoopExperts(d, E)
+        self.register_buffer("e_score_correction_bias", torch.zeros(E))
+        self.order = order
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        out = self.gate(flat, self.e_score_correction_bias)
+        index, weights = (out[0], out[1]) if self.order == "reordered" else (out[2], out[1])
+        return self.experts(flat, index, weights).view_as(x)
+
+
+@pytest.mark.parametrize("order", ["contract", "reordered"])
+def test_a_gate_with_inputs_of_its_own_is_read_in_its_output_order(order):
+    """A gate that takes inputs of its own is patched with the warning (its rule is replaced), and
+    its outputs are read by their roles on the block's tensors of those names (they used to be
+    assumed in the contract's order): the patched gate answers its block in the gate's order. With a
+    zero bias the gate is softmax top-k, so router='topk' reproduces the block."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_BiasedBlock(order))
+    block = model[0]
+    rule = probe_gate(block.gate, block=block)
+    assert rule.contract is None and rule.inputs == ("e_score_correction_bias",)
+    assert rule.outputs == (("experts", "weights", "logits") if order == "reordered" else
+                            ("logits", "weights", "experts"))
+    x = torch.randn(2, 5, 6)
+    expected = model(x)
+    with pytest.warns(UserWarning, match="inputs of its own"):
+        patch_moe(model, "topk", renormalize=False)
+    torch.testing.assert_close(model(x), expected)
+
+
+def test_a_gate_with_inputs_of_its_own_and_another_contract_is_refused():
+    model = torch.nn.Sequential(_BiasedBlock("four"))
+    with pytest.raises(ValueError, match=r"takes inputs of its own \(e_score_correction_bias\) and it returns neither"):
+        patch_moe(model, "topk")
+    assert isinstance(model[0].gate, _BiasedGate)
+
+
 def test_a_deep_copy_of_a_patched_logits_only_block_routes_with_its_own_gate():
     model = torch.nn.Sequential(_RoutingBlock(), _RoutingBlock())
     patch_moe(model, "topk")

@@ -32,7 +32,8 @@ parameter-fresh copy of it (:func:`probe_gate`): softmax top-k with or without r
 ``routed_scaling_factor``), sets ``patch_moe``'s default ``renormalize`` and the patched gate's
 ``combine_scale``, so ``router="topk"`` reproduces the unpatched model. A gate with a rule of its own
 (PhiMoE's sparsemixer, DeepSeek-V3's bias-corrected sigmoid top-k, MiniMax-M2's selection bias passed
-in by its block) is replaced with a warning saying so. The gate's outputs are read by their roles
+in by its block) is replaced with a warning saying so; such a gate's outputs are read on the block's
+tensors of those inputs' names, where it holds them. The gate's outputs are read by their roles
 (:func:`probe_gate`), so the older contracts of transformers 5.17 are patched too: GraniteMoE's
 gate returns ``(experts, weights, router_logits)`` (the patched gate answers in that order), and
 Jamba's returns its logits alone, which its block routes with ``route_tokens_to_experts`` (the

@@ -207,6 +207,34 @@ def _roles(out: object, tokens: int, E: int, reference: tuple[Tensor, ...]) -> t
     return tuple(roles)
 
 
+def _roles_with_block_inputs(gate: nn.Module, block: nn.Module | None, extras: tuple[str, ...], tokens: int,
+                             seed: int) -> tuple[str, ...] | str | None:
+    """The roles of the outputs of a gate that takes inputs of its own (MiniMax-M2's, HY-V3's and
+    AFMoE's ``e_score_correction_bias``/``expert_bias``), read by running a parameter-fresh copy of it
+    on copies of the block's tensors of those names; a str says why they cannot be read. None when
+    the block does not hold every such input (DeepSeek-V4's ``input_ids``) or the copy cannot run:
+    the outputs are then taken to follow the contract, unread."""
+    if block is None:
+        return None
+    values = [getattr(block, name, None) for name in extras]
+    if not all(isinstance(v, Tensor) and v.is_floating_point() for v in values):
+        return None
+    E, d = gate.weight.shape
+    g = torch.Generator().manual_seed(seed)
+    run = _fresh_copy(gate, torch.float32, g)
+    if run is None:
+        return None
+    probe, fresh = run
+    x = torch.randn(tokens, d, generator=g)
+    copies = [torch.zeros(v.shape) if v.is_meta else v.detach().to("cpu", torch.float32, copy=True) for v in values]
+    try:
+        with torch.no_grad():
+            out = type(gate).forward(probe, x, *copies)
+    except Exception:  # noqa: BLE001 - a gate that cannot run on a CPU copy is simply not read
+        return None
+    return _roles(out, tokens, E, (nn.functional.linear(x, fresh["weight"]),))
+
+
 def _run_gate(gate: nn.Module, probe: nn.Module, x: Tensor, block: nn.Module | None,
               rule: GateRule) -> tuple[Tensor, Tensor, Tensor] | None:
     """``(router_logits, weights, experts)`` of the gate copy ``probe`` on ``x``, by the roles of
@@ -274,7 +302,11 @@ def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0, *, block: nn.Mo
     """
     inputs = _positional_inputs(type(gate).forward)
     if inputs is not None and len(inputs) > 1:
-        return GateRule(inputs=tuple(inputs[1:]))
+        extras = tuple(inputs[1:])
+        roles = _roles_with_block_inputs(gate, block, extras, tokens, seed)
+        if isinstance(roles, str):
+            return GateRule(inputs=extras, contract=f"it takes inputs of its own ({', '.join(extras)}) and {roles}")
+        return GateRule(inputs=extras, outputs=roles or CONTRACT)
     E, d = gate.weight.shape
     g = torch.Generator().manual_seed(seed)
     run = _fresh_copy(gate, torch.float32, g)
