@@ -607,25 +607,19 @@ class MixtureOfAttentiveExperts(nn.Module):
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
         blind = None
         if mask is not None:
-            scores = scores + mask
-            # A query that may attend to no key (every key padded or forbidden) gets a zero output,
-            # as torch's scaled_dot_product_attention gives it; a softmax over -inf alone is NaN,
-            # in value and in gradient, so those rows are softmaxed as zeros and then zeroed. Read
-            # from the mask, smaller than the scores (finite queries and keys: the same rows). On
-            # the CPU, where reading it costs no synchronisation, the two passes are skipped when
-            # no query is blind (the usual case; the passes took a forward + backward from 58 to 67 ms
-            # at N 32, L = S 64, d 256, 8 heads, causal + padding masks, one thread of this project's CPU).
+            # A query that may attend to no key (every key padded or forbidden) gets zero heads, as
+            # torch's scaled_dot_product_attention gives it; a softmax over -inf alone is NaN, in
+            # value and in gradient. Those rows are found and cleared on the mask (smaller than the
+            # scores; finite queries and keys give the same rows), softmaxed as finite, and their
+            # heads zeroed: one pass over [N, h, L, head_dim], no host read.
             blind = torch.isneginf(mask).all(-1, keepdim=True)
-            if blind.device.type == "cpu" and not bool(blind.any()):
-                blind = None
-            else:
-                scores = scores.masked_fill(blind, 0.0)
+            mask = mask.masked_fill(blind, 0.0)
+            scores = scores + mask
         attn = torch.softmax(scores, dim=-1)
-        if blind is not None:
-            attn = attn.masked_fill(blind, 0.0)
         if self.training and self.dropout > 0:
             attn = F.dropout(attn, p=self.dropout)
-        return attn @ v
+        heads = attn @ v
+        return heads if blind is None else heads.masked_fill(blind, 0.0)
 
     def _mix(self, heads: Tensor, resp: Tensor) -> Tensor:
         """``sum_e g_e f_e`` (eq. 6) from the head outputs ``[N, h, L, hd]``: heads weighted by
