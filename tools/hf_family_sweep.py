@@ -92,15 +92,19 @@ def _family(name: str, config: str, model: str, generic: bool = True, tested: bo
     FAMILIES[name] = (config, model, kwargs, generic, tested)
 
 
+def _variant(name: str, base: str, tested: bool = False, **changes) -> None:
+    """Family ``base`` with some config kwargs changed (another routing option of the same model)."""
+    config, model, kwargs, generic, _ = FAMILIES[base]
+    FAMILIES[name] = (config, model, {**kwargs, **changes}, generic, tested)
+
+
 # ---- the 16 tested families (controls), kwargs as in tests/integrations/test_hf.py
 _family("mixtral", "MixtralConfig", "MixtralForCausalLM", False, True, **_TEST_COMMON,
         intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)
 _family("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", False, True, **_TEST_COMMON,
         intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=4,
         num_experts_per_tok=2)
-_family("qwen2_moe_norm", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", False, True, **_TEST_COMMON,
-        intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=4,
-        num_experts_per_tok=2, norm_topk_prob=True)
+_variant("qwen2_moe_norm", "qwen2_moe", True, norm_topk_prob=True)
 _family("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", False, True, **_TEST_COMMON,
         intermediate_size=48, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, head_dim=8)
 _family("olmoe", "OlmoeConfig", "OlmoeForCausalLM", False, True, **_TEST_COMMON,
@@ -125,10 +129,7 @@ _family("deepseek_v2", "DeepseekV2Config", "DeepseekV2ForCausalLM", False, True,
         intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
         kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
         first_k_dense_replace=0, n_group=1, topk_group=1)
-_family("deepseek_v2_scaled", "DeepseekV2Config", "DeepseekV2ForCausalLM", False, True, **_TEST_COMMON,
-        intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-        kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
-        first_k_dense_replace=0, n_group=1, topk_group=1, routed_scaling_factor=16.0)
+_variant("deepseek_v2_scaled", "deepseek_v2", True, routed_scaling_factor=16.0)
 _family("phimoe", "PhimoeConfig", "PhimoeForCausalLM", False, True, **_TEST_COMMON,
         intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)
 _family("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM", False, True, **_TEST_COMMON,
@@ -242,14 +243,10 @@ _family("vitpose_backbone", "VitPoseBackboneConfig", "VitPoseBackbone", False, h
 _family("zaya", "ZayaConfig", "ZayaForCausalLM", router_hidden_size=8, num_experts_per_tok=1)  # ZAYA: k=1 only
 
 # ---- variants: other routing options of the families above
-_family("mixtral_jitter", "MixtralConfig", "MixtralForCausalLM", False, **_TEST_COMMON,
-        intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.1)
-_family("minimax_jitter", "MiniMaxConfig", "MiniMaxForCausalLM", False, **_TEST_COMMON,
-        intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, head_dim=8, router_jitter_noise=0.1)
-_family("mixtral_k_eq_e", "MixtralConfig", "MixtralForCausalLM", False, **_TEST_COMMON,
-        intermediate_size=48, num_local_experts=4, num_experts_per_tok=4)
-_family("olmoe_k_eq_e", "OlmoeConfig", "OlmoeForCausalLM", False, **_TEST_COMMON,
-        intermediate_size=24, num_experts=4, num_experts_per_tok=4)
+_variant("mixtral_jitter", "mixtral", router_jitter_noise=0.1)
+_variant("minimax_jitter", "minimax", router_jitter_noise=0.1)
+_variant("mixtral_k_eq_e", "mixtral", num_experts_per_tok=4)
+_variant("olmoe_k_eq_e", "olmoe", num_experts_per_tok=4)
 _family("cohere2_moe_sigmoid", "Cohere2MoeConfig", "Cohere2MoeForCausalLM", sliding_window=8, sliding_window_pattern=2,
         expert_selection_fn="sigmoid")
 _family("flex_olmo_norm", "FlexOlmoConfig", "FlexOlmoForCausalLM", norm_topk_prob=True)
