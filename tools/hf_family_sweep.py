@@ -80,7 +80,7 @@ GENERIC = dict(
     pad_token_id=0,  # inside the tiny vocabulary
 )
 
-#: Controls: the 16 families of tests/integrations/test_hf.py, with its kwargs (FAMILIES, OWN_RULE, OTHER_CONTRACT).
+#: Controls: the 17 families of tests/integrations/test_hf.py, with its kwargs (FAMILIES, OWN_RULE, OTHER_CONTRACT).
 _TEST_COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=64)
 
@@ -98,7 +98,7 @@ def _variant(name: str, base: str, tested: bool = False, **changes) -> None:
     FAMILIES[name] = (config, model, {**kwargs, **changes}, generic, tested)
 
 
-# ---- the 16 tested families (controls), kwargs as in tests/integrations/test_hf.py
+# ---- the 17 tested families (controls), kwargs as in tests/integrations/test_hf.py
 _family("mixtral", "MixtralConfig", "MixtralForCausalLM", False, True, **_TEST_COMMON,
         intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)
 _family("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", False, True, **_TEST_COMMON,
@@ -130,6 +130,8 @@ _family("deepseek_v2", "DeepseekV2Config", "DeepseekV2ForCausalLM", False, True,
         kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
         first_k_dense_replace=0, n_group=1, topk_group=1)
 _variant("deepseek_v2_scaled", "deepseek_v2", True, routed_scaling_factor=16.0)
+_family("hunyuan_v1_moe", "HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", False, True, **_TEST_COMMON,
+        intermediate_size=48, head_dim=8, num_experts=4, moe_topk=2, pad_token_id=0)
 _family("phimoe", "PhimoeConfig", "PhimoeForCausalLM", False, True, **_TEST_COMMON,
         intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)
 _family("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM", False, True, **_TEST_COMMON,
@@ -183,7 +185,6 @@ _family("granitemoe_swa", "GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", int
         sliding_window=8)
 _family("granitemoehybrid", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", intermediate_size=24,
         layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_state=4, mamba_d_head=16, mamba_chunk_size=8)
-_family("hunyuan_v1_moe", "HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM")
 _family("hy_v3", "HYV3Config", "HYV3ForCausalLM", num_shared_experts=1)
 _family("hy_v4", "HYV4Config", "HYV4ForCausalLM", hc_mult=2)
 _family("hy_v4_vl", "HYV4VLTextConfig", "HYV4VLTextModel", hc_mult=2,
@@ -422,6 +423,7 @@ def run_family(family: str, other_router: str = "base") -> dict:
 
     import routelab
     from routelab.integrations.hf import patch_moe, routing_child, sparse_moe_blocks
+    from routelab.integrations.hf_blocks import scorer_parameter
 
     result: dict = {"family": family, "tested": FAMILIES[family][4]}
     try:
@@ -432,7 +434,7 @@ def run_family(family: str, other_router: str = "base") -> dict:
         with torch.no_grad():
             for _, block in blocks:
                 child = routing_child(block)[1]
-                for p in child.parameters(recurse=False):
+                for p in child.parameters():  # its scoring Linear child's too (HunYuan's wg, DBRX's layer)
                     p.normal_()
                 for p in block.experts.parameters():
                     if p.dim() > 1 and float(p.abs().max()) < 1e-6:  # left uninitialised (torch.empty) by the model
@@ -446,7 +448,7 @@ def run_family(family: str, other_router: str = "base") -> dict:
         rolled, sensitivity = copy.deepcopy(model), None
         with torch.no_grad():
             for _, block in sparse_moe_blocks(rolled):
-                weight = getattr(routing_child(block)[1], "weight", None)
+                weight = scorer_parameter(routing_child(block)[1], "weight")
                 if isinstance(weight, torch.Tensor) and weight.dim() == 2:
                     weight.copy_(weight.roll(1, 0))
                     sensitivity = 0.0

@@ -161,7 +161,9 @@ def random_tensor(sample: Any, shape: Any, *, dtype: torch.dtype, device: Any,
     tensors draws on the CPU and the result is moved, so the same seed gives the same numbers on
     every device; a generator of ``device`` draws there directly.
     """
-    if generator is None or generator.device.type == torch.device(device if device is not None else "cpu").type:
+    if generator is None:  # no generator= keyword: that overload rejects the symbolic shapes of torch.compile(dynamic)
+        return sample(shape, dtype=dtype, device=device)
+    if generator.device.type == torch.device(device if device is not None else "cpu").type:
         return sample(shape, dtype=dtype, device=device, generator=generator)
     return sample(shape, dtype=dtype, device=generator.device, generator=generator).to(device)
 

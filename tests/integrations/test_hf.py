@@ -74,6 +74,9 @@ FAMILIES = {
                     dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2,
                          n_shared_experts=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
                          v_head_dim=8, first_k_dense_replace=0, n_group=1, topk_group=1)),
+    # Its gate scores with a Linear child (``wg``), not a weight of its own.
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM",
+                       dict(intermediate_size=48, head_dim=8, num_experts=4, moe_topk=2, pad_token_id=0)),
     # DeepSeek-V2's weights carry its routed_scaling_factor (16 in the released model).
     "deepseek_v2_scaled": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
                            dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4,

@@ -249,3 +249,23 @@ def test_dropless_under_compile_uses_the_worst_case_buffer() -> None:
     torch.testing.assert_close(y, eager_y, rtol=1e-5, atol=1e-6)
     assert int(routes.stats["capacity"]) == x.shape[0] * x.shape[1]  # C = tokens, no host sync
     assert int(eager_routes.stats["capacity"]) == int(eager_routes.stats["tokens_per_expert"].max())
+
+
+@pytest.mark.compile
+@needs_compile
+@pytest.mark.parametrize("case", sorted(STOCHASTIC))
+def test_stochastic_routers_without_a_generator_compile_for_every_token_count(case: str) -> None:
+    """A review case: noisy top-k and the random drop policy drew with ``generator=None`` passed
+    explicitly, an overload that rejects the symbolic shapes Dynamo switches to at the second token
+    count (a crash there). Drawn from the global generator, the compiled layer equals the eager
+    one under the same seed at every count."""
+    name, options = STOCHASTIC[case]
+    moe = build(name, None, **options)
+    dynamo.reset()
+    compiled = torch.compile(lambda t: moe(t)[0], backend="eager")
+    for n in (12, 20, 28):
+        x = torch.randn(n, D, generator=torch.Generator().manual_seed(n))
+        torch.manual_seed(n)
+        got = compiled(x)
+        torch.manual_seed(n)
+        torch.testing.assert_close(got, moe(x)[0], rtol=1e-5, atol=1e-6)

@@ -118,3 +118,22 @@ def test_check_finite_false_skips_the_check() -> None:
         MoE(D, H, E)(x)
     y, _ = MoE(D, H, E, check_finite=False)(x)  # no error: the caller opted out of the check
     assert y.shape == x.shape
+
+
+def test_a_layer_built_from_another_layers_config_has_a_router_of_its_own() -> None:
+    """A review case: ``config`` described a router built by name by the instance, so
+    ``MoE.from_config(layer.config)`` shared it (tied parameters) and dropped ``k`` and
+    ``router_kwargs`` (``config.replace(router="base")`` went to k = 1)."""
+    config = MoEConfig(D, H, E, router="noisy_topk", k=2, router_kwargs={"load_coef": 0.5})
+    moe = MoE.from_config(config)
+    assert moe.config == config
+    clone = MoE.from_config(moe.config)
+    assert clone.router is not moe.router and clone.router.proj.weight is not moe.router.proj.weight
+    assert clone.router.k == 2 and clone.router.load_coef == 0.5
+    assert MoE.from_config(moe.config.replace(router="topk", router_kwargs=None)).router.k == 2
+    moe.router.check_finite = False  # a change since construction is described
+    assert moe.config.check_finite is False
+    own = MoE(D, H, E, router=moe.router)  # an instance is described as the instance (and shared)
+    assert own.config.router is moe.router
+    moe.router = clone.router  # assigned since: the instance
+    assert moe.config.router is clone.router

@@ -369,3 +369,17 @@ def test_proposes_every_slot_distrusts_whatever_could_change_the_routing():
     assert not proposes_every_slot(hooked)
     handle.remove()
     assert proposes_every_slot(hooked)
+
+
+def test_an_option_a_router_does_not_take_is_named_with_those_it_does():
+    """A review case: an unknown router_kwargs key was the constructor's TypeError, naming neither
+    router_kwargs nor the options; also through MoE and patch_moe, which build routers by name."""
+    from routelab.layers import MoE
+    from routelab.routers import router_options
+
+    assert router_options("noisy_topk") == ("importance_coef", "load_coef", "noise_epsilon")
+    with pytest.raises(ValueError, match=r"router 'topk' takes no option 'zzz' \(router_kwargs\); its options: "
+                                         r"renormalize, balance_coef"):
+        make_router("topk", 8, 4, k=2, zzz=1)
+    with pytest.raises(ValueError, match="router 'noisy_topk' takes no option 'balance_coef'"):
+        MoE(8, 16, 4, router="noisy_topk", router_kwargs={"balance_coef": 0.1})

@@ -122,3 +122,68 @@ def test_checkpointing_gives_the_same_aux_gradients():
         grads.append([p.grad.clone() for p in net.parameters()])
     for g0, g1 in zip(*grads, strict=True):
         assert torch.allclose(g0, g1, atol=1e-6)
+
+
+class OnePerTask(torch.nn.Module):
+    """One MoE layer per task: each step runs one of them (as LayerDrop or a skipped encoder would)."""
+
+    def __init__(self, ckpt: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = MoE(8, 16, 4, router="noisy_topk", k=2), MoE(8, 16, 4, router="noisy_topk", k=2)
+        self.ckpt = ckpt
+
+    def forward(self, x, task: int):
+        layer = self.a if task == 0 else self.b
+        return checkpoint(layer, x, use_reentrant=False)[0] if self.ckpt else layer(x)[0]
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_a_layer_that_did_not_run_this_step_adds_nothing(ckpt):
+    """A review case: a layer that did not run kept its earlier step's record, whose graph that
+    step's backward had freed, so the next aux_loss's backward failed ("backward through the graph
+    a second time"). Oracle: each step's aux_loss is the aux of the layer that ran, and after
+    backward (for logging) still is; the gradients equal those of that layer's returned aux."""
+    net = OnePerTask(ckpt)
+    x = torch.randn(12, 8, generator=torch.Generator().manual_seed(1))
+    for task in (0, 1, 0, 1, 1):
+        layer = net.a if task == 0 else net.b
+        net.zero_grad()
+        y = net(x, task)
+        expected = sum(layer.last_aux.values())
+        loss = routelab.aux_loss(net)
+        torch.testing.assert_close(loss, expected)
+        (y.square().mean() + loss).backward()
+        torch.testing.assert_close(routelab.aux_loss(net), expected.detach())  # logging after backward
+        idle = net.b if task == 0 else net.a
+        assert all(p.grad is None or not p.grad.abs().sum() for p in idle.parameters())
+        assert layer.router.proj.weight.grad.abs().sum() > 0
+
+
+def test_records_consumed_by_a_backward_release_their_graph():
+    net = OnePerTask()
+    y = net(torch.randn(12, 8), 0)
+    loss = routelab.aux_loss(net)
+    (y.sum() + loss).backward()
+    assert net.a.last_aux and not any(v.requires_grad for v in net.a.last_aux.values())
+
+
+def test_reentrant_checkpointing_warns_that_aux_loss_trains_nothing():
+    """Reentrant checkpointing runs the forward under no_grad: the recorded losses have no graph,
+    which aux_loss says (the losses each call returns, routes.aux, keep theirs). An eval forward
+    under no_grad is not warned about."""
+    torch.manual_seed(0)
+    moe = MoE(8, 16, 4, router="noisy_topk", k=2)
+    x = torch.randn(12, 8, requires_grad=True)
+    out = checkpoint(lambda t: moe(t)[0], x, use_reentrant=True)
+    with pytest.warns(UserWarning, match="without gradient.*use_reentrant=False"):
+        assert not routelab.aux_loss(moe).requires_grad
+    out.sum().backward()
+    moe.eval()
+    with torch.no_grad():
+        moe(x)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        routelab.aux_loss(moe)

@@ -15,6 +15,6 @@ def test_a_layer_deep_copies_after_a_training_forward_and_backward():
     y, _ = moe(torch.randn(12, 8))
     snapshot = copy.deepcopy(moe)  # raised: the record's aux losses carry a graph
     assert torch.equal(routelab.aux_loss(snapshot), routelab.aux_loss(moe).detach())
+    assert routelab.aux_loss(moe).requires_grad  # the original keeps its differentiable record
     (y.sum() + routelab.aux_loss(moe)).backward()
     copy.deepcopy(moe)
-    assert routelab.aux_loss(moe).requires_grad  # the original keeps its differentiable record

@@ -7,8 +7,9 @@ DeepSeek-V2, GPT-OSS, Jamba, GraniteMoE, PhiMoE and others from two modules, cal
     router_logits, routing_weights, selected_experts = block.gate(hidden_states)   # [n, E], [n, k], [n, k]
     out = block.experts(hidden_states, selected_experts, routing_weights)          # [n, d]
 
-with the routing module named ``gate`` or ``router`` (:data:`ROUTING_CHILDREN`), its only parameters
+with the routing module named ``gate`` or ``router`` (:data:`ROUTING_CHILDREN`), scoring with
 ``weight [E, d]`` and optionally ``bias [E]`` (``router_logits = hidden_states @ weight.T + bias``),
+held by the gate itself or by its one ``nn.Linear`` child (HunYuan's ``wg``, DBRX's ``layer``),
 and ``experts`` fused experts (``gate_up_proj``, ``down_proj``) that skip the index ``E``
 (transformers' sentinel for "no expert"). :func:`patch_moe` keeps the block, its ``forward``
 (shared experts, jitter noise and all), its experts and its router weight, and changes only what the
@@ -39,7 +40,7 @@ gate returns ``(experts, weights, router_logits)`` (the patched gate answers in 
 Jamba's returns its logits alone, which its block routes with ``route_tokens_to_experts`` (the
 patched block's method then returns the patched gate's routing). Blocks that route by another
 contract are refused with a ValueError naming the block and the reason: experts not called with
-the routing (Llama-4), a routing module without a ``weight`` of its own (HunYuan).
+the routing (Llama-4), a routing module without a ``weight [E, d]``, of its own or in one child.
 
 Both modules keep their class's name, parameters, buffers and hooks: the patch swaps their class
 for a subclass (as ``torch.nn.utils.parametrize`` does), so transformers' ``output_router_logits``
@@ -64,7 +65,7 @@ from torch import Tensor, nn
 
 from .._checks import check_capacity_factor, check_generator, check_positive_int
 from ..replay import NoiseReplay, in_backward
-from ..routers import ROUTERS, Router, make_router, router_name
+from ..routers import ROUTERS, Router, make_router, router_name, router_options
 from ..routers.base import proposes_every_slot
 from ..routing import DROP_POLICIES, RoutingRecord, apply_capacity, expert_capacity, load_stats
 from .hf_blocks import (
@@ -73,9 +74,12 @@ from .hf_blocks import (
     ROUTING_CHILDREN,
     GateRule,
     block_problem,
+    gate_scorer,
     probe_gate,
     replaced_rule,
     routing_child,
+    scorer_key,
+    scorer_parameter,
     sparse_moe_blocks,
 )
 
@@ -149,7 +153,8 @@ def _accepts_mask(router: Router) -> bool:
 
 
 class GateProjection(nn.Module):
-    """The ``proj`` of a routelab router inside a patched gate: its ``weight`` (and ``bias``) *are* the gate's.
+    """The ``proj`` of a routelab router inside a patched gate: its ``weight`` (and ``bias``) *are* the gate's
+    (those of the module the gate scores with: the gate itself or its one Linear child, :func:`gate_scorer`).
 
     They are read through the gate at every access instead of being registered twice, so no module
     conversion can untie them (``to_empty`` from the meta device makes a new parameter per
@@ -157,20 +162,22 @@ class GateProjection(nn.Module):
     loads into a patched model as into the unpatched one.
     """
 
-    def __init__(self, gate: nn.Module, with_bias: bool) -> None:
+    def __init__(self, scorer: nn.Module, with_bias: bool) -> None:
+        """``scorer``: the module holding the gate's ``weight`` (the gate, or its Linear child);
+        ``with_bias``: its ``bias`` enters the logits."""
         super().__init__()
-        object.__setattr__(self, "_gate", gate)  # not a submodule: the gate holds this module
+        object.__setattr__(self, "_scorer", scorer)  # not a submodule: the model holds it already
         self._with_bias = bool(with_bias)
 
     @property
     def weight(self) -> Tensor:
         """The gate's ``weight [E, d]``."""
-        return self._gate.weight
+        return self._scorer.weight
 
     @property
     def bias(self) -> Tensor | None:
         """The gate's ``bias [E]`` when its logits include it (GPT-OSS), else None."""
-        return self._gate.bias if self._with_bias else None
+        return self._scorer.bias if self._with_bias else None
 
     def forward(self, x: Tensor) -> Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
@@ -310,7 +317,8 @@ class RoutedGate(RoutingRecord):
 class RoutedExperts:
     """Fused transformers experts that run only on kept pairs (mixed into their class by :func:`patch_moe`).
 
-    ``forward(hidden_states [n, d], top_k_index [n, S], top_k_weights [n, S]) -> [n, d]``: when
+    ``forward(hidden_states [n, d], top_k_index [n, S], top_k_weights [n, S]) -> [n, d]`` (or the
+    hidden states as ``[batch, seq, d]``, for experts that flatten them themselves, as DBRX's): when
     every slot holds an expert, the experts' own forward runs unchanged; otherwise it runs on the
     ``P`` kept pairs (``hidden_states[token]``, one expert each) and the outputs are summed per
     token, so the compute is proportional to ``P`` whatever implementation the experts use.
@@ -333,9 +341,22 @@ class RoutedExperts:
         token, slot = routed.nonzero(as_tuple=True)
         if token.numel() == 0:  # nothing routed (e.g. a batch of padding): no expert runs
             return hidden_states.new_zeros(hidden_states.shape)
-        out = super().forward(hidden_states[token], top_k_index[token, slot].unsqueeze(-1),  # type: ignore[misc]
-                              top_k_weights[token, slot].unsqueeze(-1))
-        return hidden_states.new_zeros(hidden_states.shape).index_add(0, token, out.to(hidden_states.dtype))
+        # [n, d]; DBRX's experts take and return the block's [batch, seq, d] and flatten it themselves
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        try:
+            out = super().forward(flat[token], top_k_index[token, slot].unsqueeze(-1),  # type: ignore[misc]
+                                  top_k_weights[token, slot].unsqueeze(-1))
+        except (IndexError, ValueError, RuntimeError) as error:
+            if isinstance(error, torch.OutOfMemoryError):
+                raise
+            raise RuntimeError(
+                f"the experts ({type(self).__name__}) failed on the kept (token, expert) pairs passed one per row "
+                f"(hidden_states [P, d], top_k_index [P, 1]): they do not take one expert per token (LongCat-Flash's "
+                f"cannot), which a patched block needs whenever slots are left out (a padding attention_mask, a "
+                f"capacity_factor, a router that does not propose every slot). Route without those, or with "
+                f"experts that take k = 1: {type(error).__name__}: {error}") from error
+        out = out.reshape(-1, flat.shape[-1]).to(hidden_states.dtype)
+        return flat.new_zeros(flat.shape).index_add(0, token, out).view(hidden_states.shape)
 
 
 def _route_by_gate(self: nn.Module, *_inputs: Any, **_kwargs: Any) -> tuple[Tensor, ...]:
@@ -381,7 +402,7 @@ def _build_router(router: str | RouterFactory, d_model: int, num_experts: int, k
     if isinstance(router, str):
         name = router_name(router)
         kwargs = dict(router_kwargs)
-        if "renormalize" in inspect.signature(ROUTERS[name].__init__).parameters:
+        if "renormalize" in router_options(name):
             kwargs.setdefault("renormalize", renormalize)
         try:
             return make_router(name, d_model, num_experts, k=k, **kwargs)
@@ -453,9 +474,10 @@ def patch_moe(
         drop_policy: which pairs the capacity drops, one of :data:`routelab.routing.DROP_POLICIES`.
         importance_weighting: combine with ``gate * weight`` (importance weights, eq. 3 skip
             correction) instead of ``gate``.
-        renormalize: for routers with that option (``topk``, ``sinkhorn``): combine weights summing
-            to 1 over the chosen experts; default what the model's gate does (:func:`probe_gate`;
-            Mixtral: True, OLMoE: False), else its ``norm_topk_prob``.
+        renormalize: for routers with that option (``topk``, ``switch``, ``sinkhorn``): combine weights
+            summing to 1 over the chosen experts; default what the model's gate does (:func:`probe_gate`;
+            Mixtral: True, OLMoE: False), else its ``norm_topk_prob``. Given for a router without the
+            option (or with a factory), a ValueError.
         router_kwargs: other options of the router's constructor (e.g. ``balance_coef``).
         aux_coef: multiplies the routers' weighted auxiliary losses seen by ``routelab.aux_loss``.
         generator: randomness of stochastic routers and of ``drop_policy="random"``.
@@ -503,6 +525,13 @@ def patch_moe(
             and bool(router_kwargs["renormalize"]) != bool(renormalize):
         raise ValueError(f"renormalize={renormalize} and router_kwargs['renormalize']={router_kwargs['renormalize']} "
                          f"disagree; give it once")
+    if renormalize is not None:  # explicit: a router that cannot take it is an error, as an explicit k is
+        takes = [name for name in ROUTERS if "renormalize" in router_options(name)]
+        if not isinstance(router, str):
+            raise ValueError("renormalize goes with a router name; configure the routers your factory builds directly")
+        if "renormalize" not in router_options(router):
+            raise ValueError(f"router {router_name(router)!r} has no renormalize option (routers with one: "
+                             f"{', '.join(takes)}); leave renormalize=None")
     candidates = sparse_moe_blocks(model)
     problems, rules = [], {}
     for name, block in candidates:
@@ -534,12 +563,12 @@ def patch_moe(
     plans, notices = [], {}
     for name, block in candidates:
         _, gate = routing_child(block)
-        E, d = gate.weight.shape
+        E, d = scorer_parameter(gate, "weight").shape
         rule = rules[name]
-        bias = gate._parameters.get("bias")
+        bias = scorer_parameter(gate, "bias")
         share_bias = isinstance(bias, Tensor) and bias.shape == (E,) and (rule.logit_bias or rule.k is None)
         unused = [n for n, _ in (*gate.named_parameters(), *gate.named_buffers())
-                  if n != "weight" and not (n == "bias" and share_bias)]
+                  if n != scorer_key(gate, "weight") and not (n == scorer_key(gate, "bias") and share_bias)]
         notice = replaced_rule(rule, unused)
         if notice is not None:
             notices.setdefault(type(gate).__name__, notice)
@@ -560,8 +589,9 @@ def patch_moe(
     # every router built: now patch (nothing is half-patched on an error)
     for block, gate, built, share_bias, rule in plans:
         experts = block.experts
-        built = built.to(device=gate.weight.device)
-        built.proj = GateProjection(gate, share_bias)  # the gate's weight (GPT-OSS: and bias), one parameter each
+        scorer = gate_scorer(gate)[1]
+        built = built.to(device=scorer.weight.device)
+        built.proj = GateProjection(scorer, share_bias)  # the gate's weight (GPT-OSS: and bias), one parameter each
         built.logits_in_input_dtype = rule.input_dtype_logits  # a bfloat16 model's gate rounds its logits
         gate.combine_scale = float(rule.scale)
         gate.weights_in_input_dtype = rule.input_dtype_weights  # and some round their combine weights
@@ -586,7 +616,7 @@ def patch_moe(
             object.__setattr__(gate, "_routelab_block_routes", rule.block_routes)
             object.__setattr__(block, ROUTE_METHOD, types.MethodType(_route_by_gate, block))
         _swap_class(experts, RoutedExperts)
-        object.__setattr__(experts, "_routelab_num_experts", gate.weight.shape[0])
+        object.__setattr__(experts, "_routelab_num_experts", scorer.weight.shape[0])
         object.__setattr__(experts, "_routelab_state", state)
     model.register_forward_pre_hook(mask.hook, with_kwargs=True)
     return [plan[0] for plan in plans]

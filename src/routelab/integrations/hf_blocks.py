@@ -43,14 +43,49 @@ ROUTING_CHILDREN = ("gate", "router")
 
 def routing_child(block: nn.Module) -> tuple[str, nn.Module] | None:
     """The ``(attribute name, module)`` through which ``block`` routes (a :data:`ROUTING_CHILDREN` child
-    that holds a 2-D ``weight``, else the first such child), or None when it has none. A routelab
-    :class:`~routelab.routers.Router` child is not one: routelab's own layers are routed already."""
+    that scores with a 2-D ``weight``, :func:`gate_scorer`, else the first such child), or None when it
+    has none. A routelab :class:`~routelab.routers.Router` child is not one: routelab's own layers are
+    routed already."""
     found = [(name, child) for name in ROUTING_CHILDREN
              if isinstance(child := getattr(block, name, None), nn.Module) and not isinstance(child, Router)]
     for name, child in found:
-        if isinstance(getattr(child, "weight", None), Tensor) and child.weight.dim() == 2:
+        if gate_scorer(child) is not None:
             return name, child
     return found[0] if found else None
+
+
+def _own_matrix(module: nn.Module) -> bool:
+    """Whether ``module`` holds a 2-D parameter ``weight`` of its own."""
+    weight = module._parameters.get("weight")
+    return isinstance(weight, Tensor) and weight.dim() == 2
+
+
+def gate_scorer(gate: nn.Module) -> tuple[str, nn.Module] | None:
+    """The module whose ``weight [E, d]`` (and ``bias [E]``) a gate scores the experts with, and its
+    name inside the gate (``""`` for the gate itself), or None.
+
+    That is the gate itself when it holds a 2-D parameter ``weight`` of its own (Mixtral, Qwen, OLMoE,
+    GPT-OSS, ...), else its one child module that does (an ``nn.Linear``: HunYuan's ``wg``, DBRX's
+    ``layer``, AFMoE's ``gate``). None when neither holds one, or several children do (which of them
+    scores cannot be told). Whether the gate's logits are that module's ``x @ weight.T (+ bias)`` is
+    checked by :func:`probe_gate`.
+    """
+    if _own_matrix(gate):
+        return "", gate
+    children = [(name, child) for name, child in gate.named_children() if _own_matrix(child)]
+    return children[0] if len(children) == 1 else None
+
+
+def scorer_parameter(gate: nn.Module, name: str) -> Tensor | None:
+    """The gate's scoring ``weight`` or ``bias`` (``name``; :func:`gate_scorer`), or None."""
+    found = gate_scorer(gate)
+    return None if found is None else found[1]._parameters.get(name)
+
+
+def scorer_key(gate: nn.Module, name: str) -> str:
+    """The qualified name inside ``gate`` of its scoring ``weight`` or ``bias`` (``"weight"``, ``"wg.weight"``)."""
+    found = gate_scorer(gate)
+    return f"{found[0]}.{name}" if found is not None and found[0] else name
 
 
 def _positional_inputs(function: Callable) -> list[str] | None:
@@ -69,10 +104,10 @@ def block_problem(block: nn.Module) -> str | None:
     experts = block.experts
     if isinstance(gate, RoutingRecord):  # a patched gate (RoutedGate) records its routing
         return "it is already patched by routelab"
-    weight = gate._parameters.get("weight")
-    if not isinstance(weight, Tensor) or weight.dim() != 2:
-        return (f"its gate ({type(gate).__name__}) has no [num_experts, hidden] parameter 'weight' of its own "
-                f"for a routelab router to score with")
+    weight = scorer_parameter(gate, "weight")
+    if weight is None:
+        return (f"its gate ({type(gate).__name__}) has no [num_experts, hidden] parameter 'weight', of its own or "
+                f"in one child (a Linear), for a routelab router to score with")
     E = weight.shape[0]
     num = getattr(experts, "num_experts", None)
     if num is None:
@@ -121,6 +156,8 @@ class GateRule:
             gate that returns its logits alone, as Jamba's in 5.17).
         block_routes: for a logits-only gate, the roles of the outputs of its block's
             :data:`ROUTE_METHOD` (Jamba 5.17: ``("experts", "weights")``); else None.
+        training: what it does in ``train()`` mode only (DBRX's jitter: it scales its input in
+            place), which the routelab router does not do; None when it computes the same in both.
     """
 
     k: int | None = None
@@ -134,6 +171,7 @@ class GateRule:
     contract: str | None = None
     outputs: tuple[str, ...] = CONTRACT
     block_routes: tuple[str, ...] | None = None
+    training: str | None = None
 
 
 def _scale_of(weights: Tensor, reference: Tensor) -> float | None:
@@ -142,29 +180,44 @@ def _scale_of(weights: Tensor, reference: Tensor) -> float | None:
     return c if c > 0 and torch.allclose(weights, c * reference, rtol=1e-4, atol=1e-6) else None
 
 
-def _fresh_copy(gate: nn.Module, dtype: torch.dtype,
-                generator: torch.Generator) -> tuple[nn.Module, dict[str, nn.Parameter | None]] | None:
-    """A copy of ``gate`` that shares its attributes but holds random CPU parameters of ``dtype``,
-    copies of its buffers (zeros for buffers on the meta device) and of its submodules, in eval mode
-    and without hooks; with its parameters. None if a submodule cannot be copied."""
+def _fresh_state(module: nn.Module, dtype: torch.dtype,
+                 generator: torch.Generator) -> tuple[dict[str, nn.Parameter | None], dict[str, Tensor | None]]:
+    """Random CPU parameters of ``dtype`` shaped as ``module``'s own, and float32 CPU copies of its own
+    buffers (zeros for buffers on the meta device), as ``(parameters, buffers)`` dicts."""
     fresh = {name: None if p is None else nn.Parameter(torch.randn(p.shape, generator=generator).to(dtype),
                                                        requires_grad=False)
-             for name, p in gate._parameters.items()}  # None entries kept: nn.Linear(bias=False) reads self.bias
+             for name, p in module._parameters.items()}  # None entries kept: nn.Linear(bias=False) reads self.bias
     buffers = {name: None if b is None else  # copies: a forward that updates a buffer must not reach the gate
                (torch.zeros(b.shape, dtype=torch.float32) if b.is_meta else b.detach().to("cpu", torch.float32,
                                                                                            copy=True))
-               for name, b in gate._buffers.items()}
+               for name, b in module._buffers.items()}
+    return fresh, buffers
+
+
+def _fresh_copy(gate: nn.Module, dtype: torch.dtype,
+                generator: torch.Generator) -> tuple[nn.Module, dict[str, nn.Parameter | None]] | None:
+    """A copy of ``gate`` that shares its attributes but holds random CPU parameters of ``dtype`` and
+    copies of its buffers (zeros for buffers on the meta device), its submodules' too (copies of
+    them), in eval mode and without hooks; with its parameters by qualified name (``"weight"``,
+    ``"wg.weight"``). None if a submodule cannot be copied."""
+    fresh, buffers = _fresh_state(gate, dtype, generator)
     try:
         modules = {name: None if m is None else copy.deepcopy(m).eval() for name, m in gate._modules.items()}
     except Exception:  # noqa: BLE001 - a submodule that cannot be copied: the gate is not probed
         return None
+    named = dict(fresh)
+    for child_name, child in modules.items():
+        for path, module in (() if child is None else child.named_modules(prefix=child_name)):
+            params, module._buffers = _fresh_state(module, dtype, generator)
+            module._parameters = params
+            named.update({f"{path}.{name}": p for name, p in params.items()})
     probe = type(gate).__new__(type(gate))
     probe.__dict__.update(gate.__dict__)
     probe.__dict__.update(_parameters=fresh, _buffers=buffers, _modules=modules,
                           _forward_hooks={}, _forward_pre_hooks={}, _backward_hooks={},
                           _forward_hooks_with_kwargs={}, _forward_pre_hooks_with_kwargs={},
                           _forward_hooks_always_called={}, _backward_pre_hooks={}, training=False)
-    return probe, fresh
+    return probe, named
 
 
 def _route_method(block: nn.Module | None) -> Callable | None:
@@ -210,29 +263,39 @@ def _roles(out: object, tokens: int, E: int, reference: tuple[Tensor, ...]) -> t
 def _roles_with_block_inputs(gate: nn.Module, block: nn.Module | None, extras: tuple[str, ...], tokens: int,
                              seed: int) -> tuple[str, ...] | str | None:
     """The roles of the outputs of a gate that takes inputs of its own (MiniMax-M2's, HY-V3's and
-    AFMoE's ``e_score_correction_bias``/``expert_bias``), read by running a parameter-fresh copy of it
-    on copies of the block's tensors of those names; a str says why they cannot be read. None when
-    the block does not hold every such input (DeepSeek-V4's ``input_ids``) or the copy cannot run:
-    the outputs are then taken to follow the contract, unread."""
-    if block is None:
+    AFMoE's ``e_score_correction_bias``/``expert_bias``, NLLB-MoE's ``padding_mask``), read by running
+    a parameter-fresh copy of it on copies of the block's tensors of those names, or, for an input
+    the block does not hold, the input's default (NLLB-MoE's ``None``); a str says why they cannot be
+    read. None when an input is neither (DeepSeek-V4's ``input_ids``) or the copy cannot run: the
+    outputs are then taken to follow the contract, unread."""
+    try:
+        params = inspect.signature(type(gate).forward).parameters
+    except (TypeError, ValueError):
         return None
-    values = [getattr(block, name, None) for name in extras]
-    if not all(isinstance(v, Tensor) and v.is_floating_point() for v in values):
-        return None
-    E, d = gate.weight.shape
+    values = []
+    for name in extras:
+        held = getattr(block, name, None) if block is not None else None
+        if isinstance(held, Tensor) and held.is_floating_point():
+            values.append(torch.zeros(held.shape) if held.is_meta else held.detach().to("cpu", torch.float32,
+                                                                                         copy=True))
+        elif name in params and params[name].default is not inspect.Parameter.empty:
+            values.append(params[name].default)
+        else:
+            return None
+    E, d = scorer_parameter(gate, "weight").shape
     g = torch.Generator().manual_seed(seed)
     run = _fresh_copy(gate, torch.float32, g)
     if run is None:
         return None
     probe, fresh = run
     x = torch.randn(tokens, d, generator=g)
-    copies = [torch.zeros(v.shape) if v.is_meta else v.detach().to("cpu", torch.float32, copy=True) for v in values]
+    copies = values
     try:
         with torch.no_grad():
             out = type(gate).forward(probe, x, *copies)
     except Exception:  # noqa: BLE001 - a gate that cannot run on a CPU copy is simply not read
         return None
-    return _roles(out, tokens, E, (nn.functional.linear(x, fresh["weight"]),))
+    return _roles(out, tokens, E, (nn.functional.linear(x, fresh[scorer_key(gate, "weight")]),))
 
 
 def _run_gate(gate: nn.Module, probe: nn.Module, x: Tensor, block: nn.Module | None,
@@ -265,12 +328,12 @@ def _half_precision_outputs(gate: nn.Module, block: nn.Module | None = None,
     if run is None:
         return False, False
     probe, fresh = run
-    x = torch.randn(8, gate.weight.shape[1], generator=g).to(torch.bfloat16)
+    x = torch.randn(8, scorer_parameter(gate, "weight").shape[1], generator=g).to(torch.bfloat16)
     got = _run_gate(gate, probe, x, block, rule or GateRule())
     if got is None:  # not probed: score in float32
         return False, False
     logits, weights, _ = got
-    weight, bias = fresh["weight"], fresh.get("bias")
+    weight, bias = fresh[scorer_key(gate, "weight")], fresh.get(scorer_key(gate, "bias"))
     in_half = logits.dtype == torch.bfloat16
     if not in_half and logits.shape == (x.shape[0], weight.shape[0]):
         for b in (None, bias) if isinstance(bias, Tensor) else (None,):
@@ -307,7 +370,7 @@ def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0, *, block: nn.Mo
         if isinstance(roles, str):
             return GateRule(inputs=extras, contract=f"it takes inputs of its own ({', '.join(extras)}) and {roles}")
         return GateRule(inputs=extras, outputs=roles or CONTRACT)
-    E, d = gate.weight.shape
+    E, d = scorer_parameter(gate, "weight").shape
     g = torch.Generator().manual_seed(seed)
     run = _fresh_copy(gate, torch.float32, g)
     if run is None:
@@ -319,8 +382,8 @@ def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0, *, block: nn.Mo
             out = type(gate).forward(probe, x)
     except Exception:  # noqa: BLE001 - a gate that cannot run on a CPU copy is simply not probed
         return GateRule()
-    bias = fresh.get("bias")
-    logits = nn.functional.linear(x, fresh["weight"])
+    bias = fresh.get(scorer_key(gate, "bias"))
+    logits = nn.functional.linear(x, fresh[scorer_key(gate, "weight")])
     reference = (logits,) if not isinstance(bias, Tensor) or bias.shape != (E,) else (logits, logits + bias)
     shape = dict(outputs=CONTRACT, block_routes=None)
     method = _route_method(block)
@@ -348,6 +411,7 @@ def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0, *, block: nn.Mo
         shape["outputs"] = roles
     found = dict(zip(roles, out, strict=True))
     got_logits, got_weights, got_experts = (found[r].float() for r in CONTRACT)
+    shape["training"] = _training_difference(gate, probe, x, out[0] if shape["block_routes"] else out)
     k, chosen = got_experts.shape[1], got_experts.long()
     logit_bias = False
     if isinstance(bias, Tensor) and bias.shape == (E,) and got_logits.shape == logits.shape:
@@ -355,6 +419,10 @@ def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0, *, block: nn.Mo
         logits = logits + bias if logit_bias else logits
     sums = got_weights.sum(-1)
     constant_sum = float(sums.mean()) if torch.allclose(sums, sums.mean().expand_as(sums), rtol=1e-4) else None
+    if not torch.allclose(got_logits, logits, rtol=1e-4, atol=1e-5):
+        scorer = scorer_key(gate, "weight").removesuffix("weight") or "its "
+        return GateRule(k, None, constant_sum or 1.0, logit_bias,
+                        f"the router_logits it returns are not hidden_states @ {scorer}weight.T", **shape)
     if k > E or not torch.equal(chosen.sort(-1).values, logits.topk(k, -1).indices.sort(-1).values):
         return GateRule(k, None, constant_sum or 1.0, logit_bias, "it does not choose the k largest logits", **shape)
     p = logits.softmax(-1).gather(1, chosen)
@@ -369,6 +437,32 @@ def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0, *, block: nn.Mo
                     **shape)
 
 
+def _training_difference(gate: nn.Module, probe: nn.Module, x: Tensor, eval_out: object) -> str | None:
+    """What the gate does in training that it does not in eval (the probe's other runs are in eval mode),
+    read by running the parameter-fresh copy ``probe`` in ``train()`` mode on a copy of ``x``: it edits
+    its input in place (DBRX's multiplicative jitter), or its outputs differ from ``eval_out`` (noise,
+    jitter, dropout); None when neither. The global random state is left as it was."""
+    x_train = x.clone()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            out = type(gate).forward(probe.train(), x_train)
+    except Exception:  # noqa: BLE001 - the training mode is simply not read
+        return None
+    finally:
+        probe.eval()
+    edits = not torch.equal(x_train, x)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    evals = eval_out if isinstance(eval_out, (tuple, list)) else (eval_out,)
+    same = len(outs) == len(evals) and all(isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape
+                                           and torch.equal(a, b) for a, b in zip(outs, evals, strict=True))
+    if not (edits or not same):
+        return None
+    said = [*(["edits its input hidden states in place, which its block's experts then see"] if edits else []),
+            *(["routes otherwise than in eval"] if not same else [])]
+    return f"in training it {' and '.join(said)} (random jitter or noise)"
+
+
 def replaced_rule(rule: GateRule, unused: list[str]) -> str | None:
     """What the routelab router replaces of a gate's own routing (for :func:`patch_moe`'s warning), or None."""
     said = []
@@ -376,6 +470,8 @@ def replaced_rule(rule: GateRule, unused: list[str]) -> str | None:
         said.append(f"takes inputs of its own ({', '.join(rule.inputs)}) that the routelab router does not use")
     if rule.differs is not None:
         said.append(f"does not route by softmax top-k ({rule.differs})")
+    if rule.training is not None:
+        said.append(rule.training)
     if unused:
         said.append(f"holds {unused}, which the routelab router does not use")
     if not said:

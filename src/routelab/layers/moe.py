@@ -143,9 +143,9 @@ class MoE(RoutingRecord, nn.Module):
         weights clamped at :data:`routelab.estimators.MAX_WEIGHT`, for the Gumbel-Matching router).
 
     Example:
-        >>> moe = MoE(16, 32, 4, router="topk", k=2)
+        >>> moe = MoE(16, 32, 4, router="topk", k=2, capacity_factor=None)  # dropless
         >>> y, routes = moe(torch.randn(2, 5, 16))
-        >>> y.shape, routes.stats["tokens_per_expert"].sum().item()
+        >>> y.shape, routes.stats["tokens_per_expert"].sum().item()  # 10 tokens x 2 experts, none dropped
         (torch.Size([2, 5, 16]), 20)
     """
 
@@ -195,6 +195,9 @@ class MoE(RoutingRecord, nn.Module):
         self.dispatch = config.dispatch
         self._d_hidden = config.d_hidden
         self.router = config.build_router(device if router_device is _SAME else router_device)
+        # what `config` reports while this router is the layer's: its name and options, not the instance
+        object.__setattr__(self, "_router_spec", None if isinstance(config.router, Router) else
+                           (self.router, config.router, config.k, config.router_kwargs, config.check_finite))
         self.d_model, self.num_experts = config.d_model, config.num_experts
         self.capacity_factor = config.capacity_factor
         self.eval_capacity_factor = config.eval_capacity_factor
@@ -218,20 +221,33 @@ class MoE(RoutingRecord, nn.Module):
 
     @property
     def config(self) -> MoEConfig:
-        """The :class:`~routelab.layers.MoEConfig` of the layer as it is now (its router the
-        layer's router instance; ``capacity_factor`` and the other options as currently set)."""
+        """The :class:`~routelab.layers.MoEConfig` of the layer as it is now (``capacity_factor`` and
+        the other options as currently set).
+
+        A router built by name is described by its name, ``k`` and ``router_kwargs``, so that
+        ``MoE.from_config(layer.config)`` builds a layer with a router of its own (and
+        ``config.replace(router=...)`` keeps ``k``); a router given as an instance, or assigned
+        since, is described by the instance, which a layer built from the config then shares, as
+        it shares a custom ``experts`` module."""
+        spec = self._router_spec
+        if spec is not None and spec[0] is self.router:
+            _, name, k, router_kwargs, check_finite = spec
+            if self.router.check_finite != (True if check_finite is None else check_finite):
+                check_finite = self.router.check_finite
+            router = dict(router=name, k=k, router_kwargs=router_kwargs, check_finite=check_finite)
+        else:
+            router = dict(router=self.router, check_finite=self.router.check_finite)
         if self._custom_experts:
-            return MoEConfig(self.d_model, self._d_hidden, self.num_experts, router=self.router,
+            return MoEConfig(self.d_model, self._d_hidden, self.num_experts, **router,
                              capacity_factor=self.capacity_factor, drop_policy=self.drop_policy,
                              importance_weighting=self.importance_weighting, activation=self._activation,
                              experts=self.experts, eval_capacity_factor=self.eval_capacity_factor,
-                             check_finite=self.router.check_finite, dispatch=self.dispatch)
-        return MoEConfig(self.d_model, self.experts.d_hidden, self.num_experts, router=self.router,
+                             dispatch=self.dispatch)
+        return MoEConfig(self.d_model, self.experts.d_hidden, self.num_experts, **router,
                          capacity_factor=self.capacity_factor, drop_policy=self.drop_policy,
                          importance_weighting=self.importance_weighting, activation=self._activation,
                          bias=self.experts.b1 is not None, gated=self.experts.gated,
-                         eval_capacity_factor=self.eval_capacity_factor, check_finite=self.router.check_finite,
-                         dispatch=self.dispatch)
+                         eval_capacity_factor=self.eval_capacity_factor, dispatch=self.dispatch)
 
     @property
     def active_capacity_factor(self) -> float | None:

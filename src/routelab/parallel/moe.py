@@ -224,7 +224,8 @@ class ExpertParallelMoE(MoE):
         _check_shardable(moe.config)
         ex = moe.experts
         param = ex.w1
-        out = cls(**moe.config.replace(router=router).layer_kwargs(), process_group=process_group,
+        config = moe.config.replace(router=router, k=None, router_kwargs=None)  # the copied instance
+        out = cls(**config.layer_kwargs(), process_group=process_group,
                   generator=moe.generator, device=param.device, dtype=param.dtype, check_decisions=check_decisions,
                   _sync=False)
         lo, hi = out.expert_offset, out.expert_offset + out.local_experts

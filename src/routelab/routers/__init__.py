@@ -16,6 +16,7 @@ changing one argument: ``MoE(..., router="topk")`` -> ``router="base"``. Names:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from routelab.routers.balanced import BASERouter, GumbelMatchingRouter, SinkhornRouter
@@ -37,6 +38,7 @@ __all__ = [
     "TopKRouter",
     "make_router",
     "router_name",
+    "router_options",
 ]
 
 #: Router classes by name (``switch`` is ``topk`` with ``k=1``).
@@ -85,6 +87,14 @@ def router_name(name: str) -> str:
     return key
 
 
+def router_options(name: str) -> tuple[str, ...]:
+    """The options (``router_kwargs``) the router ``name`` takes besides ``d_model``, ``num_experts`` and ``k``."""
+    skip = {"self", "d_model", "num_experts", "k"}
+    params = inspect.signature(ROUTERS[router_name(name)].__init__).parameters.values()
+    return tuple(p.name for p in params if p.name not in skip
+                 and p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+
+
 def make_router(name: str, d_model: int, num_experts: int, *, k: int | None = None, **kwargs: Any) -> Router:
     """Build a router by name.
 
@@ -99,11 +109,16 @@ def make_router(name: str, d_model: int, num_experts: int, *, k: int | None = No
         **kwargs: the router's own options (see its class).
 
     Raises:
-        ValueError: unknown name, or a ``k`` the router cannot use (the message says which ``k``
-            it supports).
+        ValueError: unknown name, an option the router does not take (the message lists those it
+            does), or a ``k`` the router cannot use (the message says which ``k`` it supports).
     """
     name = router_name(name)
     cls = ROUTERS[name]
+    options = router_options(name)
+    unknown = sorted(set(kwargs) - set(options))
+    if unknown:
+        raise ValueError(f"router {name!r} takes no option {', '.join(map(repr, unknown))} (router_kwargs); its "
+                         f"options: {', '.join(options) or 'none'}")
     if name in _FIXED_K:
         fixed = num_experts if name == "softmax" else 1
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k != fixed):

@@ -22,11 +22,22 @@ checkpointing (``torch.utils.checkpoint(..., use_reentrant=False)``, transformer
 ``gradient_checkpointing_enable()``) the recorded losses carry their gradients as without it; the
 recomputation in backward replaces the record with equal values where it runs that far, and
 leaves it in place where it stops earlier. Reentrant checkpointing runs the
-forward under ``no_grad``, so its records carry no gradient: use the non-reentrant form.
+forward under ``no_grad``, so its records carry no gradient: use the non-reentrant form
+(:func:`aux_loss` warns when it finds such records in a training step).
+
+Layers that did not run: a model whose routelab layers do not all run in every step (one MoE per
+task, LayerDrop, an encoder skipped) keeps, in a layer that did not run, the record of the step in
+which it last ran. :func:`aux_loss` leaves those out: a backward pass through one of its results
+marks the records it summed as *consumed* (and detaches their losses, releasing the graph), and a
+later call sums only the records not yet consumed, if there are any (the layers that ran since),
+else those consumed by the latest backward (the losses of the step just taken, for logging after
+``backward()``).
 """
 
 from __future__ import annotations
 
+import itertools
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -45,16 +56,32 @@ class RoutingRecord:
     """
 
     _routelab_record: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
+    #: the number of the backward pass through an :func:`aux_loss` result that consumed the record, or None
+    _routelab_consumed: int | None = None
+    #: the record was made in training mode with gradients off (reentrant activation checkpointing)
+    _routelab_blind: bool = False
 
     def record_routing(self, aux: Mapping[str, Tensor], stats: Mapping[str, Tensor]) -> None:
         """Remember ``aux`` (weighted auxiliary losses, kept differentiable) and ``stats`` (detached).
+
+        Inside a backward pass (activation checkpointing's recomputation) a record that the backward
+        consumed stays consumed, with its losses detached: the recomputed graph of a step's losses
+        is not a new step's.
 
         Args:
             aux: named scalar losses, already multiplied by their coefficients.
             stats: named diagnostics (e.g. ``tokens_per_expert [E]``, ``dropped_fraction``, ``load_cv``).
         """
-        object.__setattr__(self, "_routelab_record",
-                           (dict(aux), {name: value.detach() for name, value in stats.items()}))
+        aux = dict(aux)
+        consumed = None
+        if self._routelab_consumed is not None and not torch.compiler.is_compiling() and in_backward():
+            consumed = self._routelab_consumed
+            aux = {name: value.detach() for name, value in aux.items()}
+        object.__setattr__(self, "_routelab_record", (aux, {name: value.detach() for name, value in stats.items()}))
+        object.__setattr__(self, "_routelab_consumed", consumed)
+        # a training forward without gradient (reentrant checkpointing): its losses train nothing
+        object.__setattr__(self, "_routelab_blind", bool(getattr(self, "training", False))
+                           and not torch.is_grad_enabled())
 
     def forget_routing(self) -> None:
         """Drop the last forward's record (and with it the graph of its losses, unless the caller
@@ -67,6 +94,7 @@ class RoutingRecord:
         if not torch.compiler.is_compiling() and in_backward():
             return
         object.__setattr__(self, "_routelab_record", None)
+        object.__setattr__(self, "_routelab_consumed", None)
 
     def __getstate__(self) -> dict:
         """The module's state for ``copy.deepcopy`` and pickling, with the record's losses detached
@@ -103,8 +131,44 @@ def _device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+#: Numbers the backward passes through :func:`aux_loss` results (which records each one consumed).
+_BACKWARDS = itertools.count(1)
+
+
+def _current_records(model: nn.Module) -> list[tuple[RoutingRecord, tuple]]:
+    """The ``(module, record)`` pairs of ``model`` that :func:`aux_loss` sums: the records no backward
+    has consumed, if any, else those consumed by the latest backward (see the module docstring)."""
+    recorded = [(module, module._routelab_record) for module in model.modules()
+                if isinstance(module, RoutingRecord) and module._routelab_record is not None]
+    fresh = [(module, record) for module, record in recorded if module._routelab_consumed is None]
+    if fresh:
+        return fresh
+    latest = max((module._routelab_consumed for module, _ in recorded), default=None)
+    return [(module, record) for module, record in recorded if module._routelab_consumed == latest]
+
+
+def _warn_without_gradient(records: list[tuple[RoutingRecord, tuple]]) -> None:
+    """Warn when, with gradients on, a module recorded its losses in training mode under ``no_grad``
+    (reentrant activation checkpointing runs the forward so), where they train nothing."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return
+    blind = [type(module).__name__ for module, (aux, _) in records
+             if module._routelab_blind and aux and any(p.requires_grad for p in module.parameters())]
+    if blind:
+        warnings.warn(f"routelab.aux_loss: {len(blind)} routing module(s) ({blind[0]}, ...) in training mode recorded "
+                      "their auxiliary losses without gradient (their forward ran under torch.no_grad, as reentrant "
+                      "activation checkpointing does), so those losses train nothing; use "
+                      "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) (transformers: "
+                      "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}))",
+                      stacklevel=3)
+
+
 def aux_loss(model: nn.Module) -> Tensor:
     """The sum of the weighted auxiliary losses of the last forward of every routelab module in ``model``.
+
+    A module that did not run since the last backward pass through an ``aux_loss`` result (one MoE
+    per task, LayerDrop) is left out: its record is the earlier step's (module docstring). After
+    ``backward()``, before the next forward, the call returns the step's losses again (for logging).
 
     Args:
         model: any module; its submodules (``model`` included) that record routing
@@ -118,17 +182,40 @@ def aux_loss(model: nn.Module) -> Tensor:
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
+
+    Warns:
+        UserWarning: a module in training mode recorded its losses without gradient (reentrant
+        activation checkpointing), while gradients are on.
     """
     _check_model(model)
+    records = _current_records(model)
+    _warn_without_gradient(records)
     total: Tensor | None = None
-    for module in model.modules():
-        if isinstance(module, RoutingRecord):
-            for value in module.last_aux.values():
-                value = value.sum() if value.dim() else value
-                total = value if total is None else total + value
+    for _, (aux, _) in records:
+        for value in aux.values():
+            value = value.sum() if value.dim() else value
+            total = value if total is None else total + value
     if total is None:
         return torch.zeros((), device=_device_of(model))
+    if total.requires_grad and not torch.compiler.is_compiling():
+        total.register_hook(_consume(records))
     return total
+
+
+def _consume(records: list[tuple[RoutingRecord, tuple]]):
+    """The gradient hook of an :func:`aux_loss` result: the backward through it consumes the records
+    it summed (those still in place: a module may have recorded again since), detaching their losses."""
+
+    def hook(grad: Tensor) -> None:
+        number = next(_BACKWARDS)
+        for module, record in records:
+            if module._routelab_record is record:
+                aux, stats = record
+                object.__setattr__(module, "_routelab_record",
+                                   ({name: value.detach() for name, value in aux.items()}, stats))
+                object.__setattr__(module, "_routelab_consumed", number)
+
+    return hook
 
 
 def routing_stats(model: nn.Module) -> dict[str, dict[str, Tensor]]:

@@ -1,0 +1,270 @@
+"""patch_moe on gates and experts of other shapes than Mixtral's.
+
+* A gate that scores with a Linear child instead of a ``weight`` of its own (HunYuan's ``wg``,
+  DBRX's ``layer``, AFMoE's ``gate``): the routelab router scores with that child's weight
+  (:func:`routelab.integrations.hf_blocks.gate_scorer`).
+* Experts that take the block's ``[batch, seq, d]`` hidden states and flatten them themselves (DBRX).
+* A gate that does something in training only (DBRX's jitter, which scales its input in place):
+  patch_moe says the routelab router does not.
+* Experts that cannot take one expert per token (LongCat-Flash's): a clear error when slots are
+  left out, naming the cause.
+
+Synthetic modules test the rules under every transformers version; the tiny transformers models
+(where the installed version has them) test them end to end against the unpatched model.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import transformers as tf
+from torch import nn
+
+import routelab
+from routelab.integrations.hf import RoutedGate, patch_moe, probe_gate, sparse_moe_blocks
+from routelab.integrations.hf_blocks import gate_scorer, routing_child
+
+VOCAB = 64
+
+
+def ids(batch: int = 2, seq: int = 8, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+class _NestedGate(nn.Module):
+    """Mixtral's rule, scoring with a Linear child (as HunYuan's ``wg``)."""
+
+    def __init__(self, d: int, E: int, k: int = 2, children: int = 1) -> None:
+        super().__init__()
+        self.top_k = k
+        self.wg = nn.Linear(d, E, bias=False)
+        if children > 1:
+            self.other = nn.Linear(d, E, bias=False)
+
+    def forward(self, hidden_states):
+        logits = self.wg(hidden_states)
+        weights, experts = logits.softmax(-1).topk(self.top_k, dim=-1)
+        return logits, weights / weights.sum(-1, keepdim=True), experts
+
+
+class _Experts(nn.Module):
+    """Fused experts of the contract (a linear map per expert), skipping the sentinel index E."""
+
+    def __init__(self, d: int, E: int) -> None:
+        super().__init__()
+        self.num_experts = E
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 2, d))
+        self.down_proj = nn.Parameter(torch.randn(E, d, d))
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):
+            token, slot = (top_k_index == e).nonzero(as_tuple=True)
+            y = hidden_states[token] @ self.down_proj[e].T
+            out.index_add_(0, token, y * top_k_weights[token, slot, None])
+        return out
+
+
+class _Block(nn.Module):
+    def __init__(self, gate: nn.Module, d: int = 6, E: int = 4) -> None:
+        super().__init__()
+        self.gate, self.experts = gate, _Experts(d, E)
+
+    def forward(self, x):
+        _, weights, experts = self.gate(x)
+        return self.experts(x, experts, weights)
+
+
+def test_the_scorer_is_the_gates_own_weight_or_its_one_linear_child():
+    own = nn.Linear(6, 4, bias=False)
+    assert gate_scorer(own) == ("", own)
+    nested = _NestedGate(6, 4)
+    assert gate_scorer(nested) == ("wg", nested.wg)
+    assert gate_scorer(_NestedGate(6, 4, children=2)) is None  # which of two scores cannot be told
+    assert gate_scorer(nn.Module()) is None
+
+
+def test_a_gate_that_scores_with_a_linear_child_is_patched_on_that_childs_weight():
+    torch.manual_seed(0)
+    block = _Block(_NestedGate(6, 4))
+    model = nn.Sequential(block)
+    x = torch.randn(10, 6)
+    expected = model(x).detach()
+    rule = probe_gate(block.gate, block=block)
+    assert (rule.k, rule.renormalize, rule.differs, rule.training) == (2, True, None, None)
+    patch_moe(model, "topk")
+    assert isinstance(block.gate, RoutedGate)
+    assert block.gate.router.proj.weight is block.gate.wg.weight  # one parameter, the model's own
+    assert set(dict(model.named_parameters())) >= {"0.gate.wg.weight"}
+    torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+    model(x).sum().backward()
+    assert block.gate.wg.weight.grad is not None and block.gate.wg.weight.grad.abs().sum() > 0
+
+
+def test_a_gate_with_two_linear_children_is_refused_naming_the_reason():
+    block = _Block(_NestedGate(6, 4, children=2))
+    with pytest.raises(ValueError, match=r"no \[num_experts, hidden\] parameter 'weight', of its own or in one child"):
+        patch_moe(nn.Sequential(block), "topk")
+    assert not isinstance(block.gate, RoutedGate)
+
+
+class _JitterGate(_NestedGate):
+    """A gate that scales its input in place in training (DBRX's ``moe_jitter_eps``)."""
+
+    def forward(self, hidden_states):
+        if self.training:
+            hidden_states *= torch.empty_like(hidden_states).uniform_(0.9, 1.1)
+        return super().forward(hidden_states)
+
+
+class _NoisyGate(_NestedGate):
+    """A gate that adds noise to its logits in training only."""
+
+    def forward(self, hidden_states):
+        logits = self.wg(hidden_states)
+        if self.training:
+            logits = logits + torch.randn_like(logits)
+        weights, experts = logits.softmax(-1).topk(self.top_k, dim=-1)
+        return logits, weights / weights.sum(-1, keepdim=True), experts
+
+
+def test_what_a_gate_does_in_training_only_is_named_in_the_warning():
+    gate = _JitterGate(6, 4)
+    rng_before = torch.random.get_rng_state()
+    jitter = probe_gate(gate)
+    assert torch.equal(torch.random.get_rng_state(), rng_before)  # the probe leaves the global random state alone
+    assert "edits its input hidden states in place" in jitter.training
+    assert "routes otherwise" in probe_gate(_NoisyGate(6, 4)).training
+    assert probe_gate(_NestedGate(6, 4)).training is None
+    for gate, said in ((_JitterGate(6, 4), "edits its input"), (_NoisyGate(6, 4), "routes otherwise than in eval")):
+        with pytest.warns(UserWarning, match=f"in training it {said}.*does not reproduce the unpatched model"):
+            patch_moe(nn.Sequential(_Block(gate)), "topk")
+
+
+class _LogitsGate(nn.Module):
+    """DBRX's shape: a Linear child, logits alone, routed by the block's own method."""
+
+    def __init__(self, d: int, E: int) -> None:
+        super().__init__()
+        self.layer = nn.Linear(d, E, bias=False)
+
+    def forward(self, hidden_states):
+        return self.layer(hidden_states.view(-1, hidden_states.shape[-1]))
+
+
+def test_a_linear_child_gate_of_the_logits_only_contract_is_patched():
+    class Block(_Block):
+        top_k = 2
+
+        def route_tokens_to_experts(self, router_logits):
+            p = router_logits.softmax(-1)
+            weights, experts = p.topk(self.top_k, dim=-1)
+            return weights / weights.sum(-1, keepdim=True), experts
+
+        def forward(self, x):
+            weights, experts = self.route_tokens_to_experts(self.gate(x))
+            return self.experts(x, experts, weights)
+
+    torch.manual_seed(0)
+    block = Block(_LogitsGate(6, 4))
+    model = nn.Sequential(block)
+    x = torch.randn(10, 6)
+    expected = model(x).detach()
+    assert probe_gate(block.gate, block=block).block_routes == ("weights", "experts")
+    patch_moe(model, "topk")
+    assert block.gate.router.proj.weight is block.gate.layer.weight
+    torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def _tiny_dbrx(**ffn) -> nn.Module:
+    if not hasattr(tf, "DbrxForCausalLM"):
+        pytest.skip(f"transformers {tf.__version__} has no DBRX")
+    torch.manual_seed(0)
+    config = tf.DbrxConfig(d_model=32, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=VOCAB,
+                           ffn_config={"ffn_hidden_size": 24, "moe_num_experts": 4, "moe_top_k": 2, **ffn},
+                           attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0})
+    model = tf.DbrxForCausalLM(config)
+    with torch.no_grad():
+        for _, block in sparse_moe_blocks(model):
+            for p in routing_child(block)[1].parameters():
+                p.normal_()
+            for p in block.experts.parameters():
+                p.mul_(20)  # large enough that a routing difference shows in the logits
+    return model
+
+
+def test_dbrx_is_reproduced_and_its_padding_reaches_no_expert():
+    """DBRX: a ``router`` whose Linear child scores, logits routed by the block, experts that take
+    ``[batch, seq, d]``. ``topk`` reproduces it in train and eval; with left padding the real
+    tokens' logits equal the unpatched model's (the padded positions route nowhere)."""
+    model = _tiny_dbrx()
+    reference = copy.deepcopy(model)
+    x = ids()
+    mask = torch.ones_like(x)
+    mask[1, :3] = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no rule of its own to warn about
+        blocks = patch_moe(model, "topk")
+    assert len(blocks) == 2 and all(b.router.router.proj.weight is b.router.layer.weight for b in blocks)
+    for mode in ("train", "eval"):
+        with torch.no_grad():
+            torch.testing.assert_close(getattr(model, mode)()(x).logits, getattr(reference, mode)()(x).logits,
+                                       rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        got = model.eval()(x, attention_mask=mask).logits
+        expected = reference.eval()(x, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], rtol=1e-5, atol=1e-5)
+    for layer in routelab.routing_stats(model).values():
+        assert int(layer["tokens_per_expert"].sum()) == 2 * int(mask.sum())
+    model.train()
+    (model(x, labels=x).loss + routelab.aux_loss(model)).backward()
+    assert all(b.router.layer.weight.grad is not None and b.router.layer.weight.grad.abs().sum() > 0 for b in blocks)
+
+
+def test_dbrx_jitter_is_named_in_the_warning():
+    model = _tiny_dbrx(moe_jitter_eps=0.1)
+    with pytest.warns(UserWarning, match="DbrxRouter in training it edits its input hidden states in place"):
+        patch_moe(model, "topk")
+
+
+def test_experts_that_cannot_take_one_expert_per_token_fail_with_the_cause():
+    """LongCat-Flash's experts index ``expert_mask[e].squeeze(0)``, which fails for one expert per
+    token: a block that leaves slots out (padding) says so instead of raising LongCat's own
+    ``not enough values to unpack``."""
+    if not hasattr(tf, "LongcatFlashForCausalLM"):
+        pytest.skip(f"transformers {tf.__version__} has no LongCat-Flash")
+    torch.manual_seed(0)
+    config = tf.LongcatFlashConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=4, max_position_embeddings=64, head_dim=4, n_routed_experts=4,
+                                   moe_topk=2, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                                   v_head_dim=8, pad_token_id=0, ffn_hidden_size=48, expert_ffn_hidden_size=24,
+                                   zero_expert_num=2)
+    model = tf.LongcatFlashForCausalLM(config).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # its bias-corrected choice is replaced
+        patch_moe(model, "topk")
+    x = ids()
+    with torch.no_grad():
+        assert torch.isfinite(model(x).logits).all()  # every slot routed: its experts' own path
+    mask = torch.ones_like(x)
+    mask[1, :3] = 0
+    with pytest.raises(RuntimeError, match=r"LongcatFlashExperts\) failed on the kept .* one expert per token"):
+        with torch.no_grad():
+            model(x, attention_mask=mask)
+
+
+def test_an_explicit_renormalize_for_a_router_without_it_is_refused():
+    """A review case: ``patch_moe(model, "base", renormalize=True)`` was silently ignored (an
+    explicit ``k`` a router cannot take is an error already)."""
+    block = _Block(_NestedGate(6, 4))
+    with pytest.raises(ValueError, match=r"router 'base' has no renormalize option \(routers with one: topk, "
+                                         r"switch, sinkhorn\)"):
+        patch_moe(nn.Sequential(block), "base", renormalize=True)
+    with pytest.raises(ValueError, match="renormalize goes with a router name"):
+        patch_moe(nn.Sequential(block), lambda d, E, k: routelab.routers.TopKRouter(d, E, k), renormalize=False)
+    assert not isinstance(block.gate, RoutedGate)
+    patch_moe(nn.Sequential(block), "sinkhorn", renormalize=False)
+    assert block.gate.router.renormalize is False
