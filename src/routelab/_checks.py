@@ -68,7 +68,7 @@ class ArgumentTypeError(TypeError, ValueError):
 def check_positive_int(name: str, value: Any, *, upper: int | None = None, upper_name: str = "") -> int:
     """``value`` if it is an ``int`` (not a bool) in ``[1, upper]``, else a ValueError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r} ({name} must be a positive integer)")
+        raise ValueError(f"{name} must be a positive integer (an int >= 1), got {value!r}")
     if upper is not None and value > upper:
         raise ValueError(f"{name}={value} is larger than {upper_name}={upper}: {name} must be an integer in "
                          f"[1, {upper}], got {name} = {value}; use {name} <= {upper}")

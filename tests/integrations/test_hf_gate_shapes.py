@@ -268,3 +268,18 @@ def test_an_explicit_renormalize_for_a_router_without_it_is_refused():
     assert not isinstance(block.gate, RoutedGate)
     patch_moe(nn.Sequential(block), "sinkhorn", renormalize=False)
     assert block.gate.router.renormalize is False
+
+
+def test_a_gate_with_an_mlp_is_not_read_as_one_scoring_matrix():
+    """Zaya's router is an MLP (a down projection, then more layers): no one child scores the
+    experts, so the gate is refused as having no scoring weight, not read as its first Linear."""
+
+    class MLPGate(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.down_proj = nn.Linear(6, 3)
+            self.mlp = nn.Sequential(nn.GELU(), nn.Linear(3, 4))
+
+    assert gate_scorer(MLPGate()) is None
+    with pytest.raises(ValueError, match="no \\[num_experts, hidden\\] parameter 'weight'"):
+        patch_moe(nn.Sequential(_Block(MLPGate())), "topk")

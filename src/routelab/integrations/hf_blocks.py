@@ -65,15 +65,16 @@ def gate_scorer(gate: nn.Module) -> tuple[str, nn.Module] | None:
     name inside the gate (``""`` for the gate itself), or None.
 
     That is the gate itself when it holds a 2-D parameter ``weight`` of its own (Mixtral, Qwen, OLMoE,
-    GPT-OSS, ...), else its one child module that does (an ``nn.Linear``: HunYuan's ``wg``, DBRX's
-    ``layer``, AFMoE's ``gate``). None when neither holds one, or several children do (which of them
-    scores cannot be told). Whether the gate's logits are that module's ``x @ weight.T (+ bias)`` is
-    checked by :func:`probe_gate`.
+    GPT-OSS, ...), else its one child module with parameters, when that child holds such a ``weight``
+    (an ``nn.Linear``: HunYuan's ``wg``, DBRX's ``layer``, AFMoE's ``gate``). None otherwise: no such
+    weight, or several children with parameters (an MLP router, as Zaya's: no one matrix scores).
+    Whether the gate's logits are that module's ``x @ weight.T (+ bias)`` is checked by :func:`probe_gate`.
     """
     if _own_matrix(gate):
         return "", gate
-    children = [(name, child) for name, child in gate.named_children() if _own_matrix(child)]
-    return children[0] if len(children) == 1 else None
+    children = [(name, child) for name, child in gate.named_children()
+                if next(child.parameters(), None) is not None]
+    return children[0] if len(children) == 1 and _own_matrix(children[0][1]) else None
 
 
 def scorer_parameter(gate: nn.Module, name: str) -> Tensor | None:
