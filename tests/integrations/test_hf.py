@@ -436,6 +436,21 @@ def test_a_patched_block_that_may_drop_still_looks_at_its_slots():
         _patch(model, router, check_finite=False, **options)
         syncs = _routelab_syncs(model)
         assert syncs and all(s.where.startswith("routelab/integrations/hf.py") for s in syncs), syncs
+        # the README's count: one (was any pair left out), two when one was (which), per block
+        assert len(syncs) == 2 * len(sparse_moe_blocks(model)), syncs
+
+
+def test_a_padding_mask_adds_two_host_syncs_per_block():
+    """The README's count: a padding mask adds two syncs per block (the real tokens' count, the
+    router's selection of them) to the experts' two (padded slots are left out), and the two checks
+    of check_finite come on top."""
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0
+    for check_finite, per_block in ((False, 4), (True, 6)):
+        model = tiny()
+        _patch(model, "topk", check_finite=check_finite)
+        syncs = _routelab_syncs(model, mask)
+        assert len(syncs) == per_block * len(sparse_moe_blocks(model)), syncs
 
 
 def test_experts_trust_the_gate_only_for_the_indices_it_just_returned():
