@@ -151,8 +151,15 @@ def load_parallel_text(
                 f"the parallel-text cache {path} is unreadable ({type(err).__name__}: {err}); "
                 f"delete it or call load_parallel_text(refresh=True) to rebuild it."
             ) from err
-    en = parse_imp(_export(ENGLISH_MODULE))
-    es = parse_imp(_export(SPANISH_MODULE))
+    try:
+        en = parse_imp(_export(ENGLISH_MODULE))
+        es = parse_imp(_export(SPANISH_MODULE))
+    except DataUnavailable as err:
+        if cache_dir is None:
+            raise
+        # a given directory without the cache (a typo?) is said, beside how to build the cache
+        raise DataUnavailable(f"no cached parallel text at {path} (is cache_dir / --data-dir right? `make gpu-data` "
+                              f"writes one to data-cache/), and it cannot be built here: {err}") from err
     pairs = [
         VersePair(book, ch, v, testament, es[(book, ch, v)][1], text)
         for (book, ch, v), (testament, text) in en.items()
