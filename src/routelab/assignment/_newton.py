@@ -1,0 +1,113 @@
+"""Newton's method on Sinkhorn's column dual: the balancing of sharp matrices, where the sweeps crawl.
+
+Balancing ``p = exp(x)`` to rows summing to 1 and columns to ``t`` is the minimisation of the convex
+dual (the columns' potentials ``g [k]``, the rows' eliminated in closed form)::
+
+    F(g) = sum_i logsumexp_j(x_ij - g_j) + sum_j t_j g_j,
+    grad F = t - c(g),     c_j(g) = sum_i q_ij,    q_ij = softmax_j(x_ij - g_j),
+    hess F = sum_i (diag(q_i) - q_i q_i^T)   (positive semidefinite, null along 1).
+
+Sinkhorn's sweeps are coordinate steps on it, slow when ``p`` is sharp (a column gains mass only
+through its small entries); Newton's steps, damped (Levenberg-Marquardt, by the column error) and
+with a backtracking line search on ``F``, converge from any start and quadratically near the
+solution, at ``O(n k^2 + k^3)`` per step. The solution is
+the sweeps' fixed point (the same ``q``), so :func:`~routelab.assignment.sinkhorn.sinkhorn` uses
+this where its sweeps did not reach the tolerance (without autograd).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["newton_balance"]
+
+#: Newton steps at most; each halves its step at most :data:`MAX_HALVINGS` times.
+MAX_STEPS = 100
+MAX_HALVINGS = 60
+#: Armijo's sufficient-decrease constant.
+ARMIJO = 1e-4
+#: The Levenberg-Marquardt damping per unit of column error (measured on sharp 512 x 16 problems:
+#: at logit scales 100-1000 it converges in 7-26 steps, against up to 48 undamped with hundreds of
+#: step halvings).
+DAMPING = 1e-2
+
+
+def _state(x: Tensor, t: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(F [...], log_q [..., n, k], c [..., k])`` at the column potentials ``g [..., k]``."""
+    z = x - g.unsqueeze(-2)
+    lse = torch.logsumexp(z, dim=-1)  # [..., n]
+    log_q = z - lse.unsqueeze(-1)
+    return lse.sum(-1) + (t * g).sum(-1), log_q, log_q.exp().sum(-2)
+
+
+def newton_balance(x: Tensor, target: Tensor, *, tol: float) -> tuple[Tensor, float] | None:
+    """Balance ``exp(x)`` (rows to 1, columns to ``target``) by damped Newton steps on the column dual.
+
+    Args:
+        x: ``[..., n, k]`` log-probabilities, finite or ``-inf`` (impossible pairs), every row with a
+            finite entry; typically the sweeps' last iterate (any row and column scaling of the
+            problem balances to the same result).
+        target: ``[..., k]`` (or ``[k]``) positive column targets adding up to ``n``.
+        tol: the largest column error accepted, judged in ``x``'s dtype.
+
+    Returns:
+        ``(log_q, err)``: the balanced log-matrix in ``x``'s dtype (rows sum to 1 to rounding) and
+        its largest column error, or ``None`` when ``MAX_STEPS`` steps did not reach ``tol`` (the
+        marginals infeasible for the ``-inf`` pattern, or the problem beyond float64) or a Newton
+        system was singular. Computed in float64.
+    """
+    xd = x.detach().to(torch.float64)
+    t = target.detach().to(torch.float64).expand(xd.shape[:-2] + xd.shape[-1:])
+    k = xd.shape[-1]
+    g = torch.zeros_like(t)
+    ones = torch.ones(k, k, dtype=torch.float64, device=xd.device)
+    F, log_q, c = _state(xd, t, g)
+    for _ in range(MAX_STEPS):
+        r = c - t  # [..., k]: minus the gradient
+        err = r.abs().amax(-1)
+        active = err > tol / 4  # a margin for the rounding to x's dtype below
+        if not bool(active.any()):
+            break
+        q = log_q.exp()
+        hess = torch.diag_embed(c) - q.transpose(-1, -2) @ q  # [..., k, k]
+        scale = torch.diagonal(hess, dim1=-2, dim2=-1).mean(-1).clamp_min(1e-300)
+        # Shift the null direction 1 (F is flat along it) to the diagonal's scale (r is orthogonal
+        # to 1), and damp by the error (Levenberg-Marquardt: a sharp p leaves few fractional rows,
+        # so hess is nearly singular far from the solution; the damping vanishes near it).
+        damping = DAMPING * r.abs().sum(-1)
+        system = hess + ones * (scale / k)[..., None, None] + torch.diag_embed(damping.unsqueeze(-1).expand_as(r))
+        step, info = torch.linalg.solve_ex(system, r.unsqueeze(-1))
+        if bool((info != 0).any()):
+            return None
+        step = torch.where(active.unsqueeze(-1), step.squeeze(-1), torch.zeros_like(r))
+        slope = -(r * step).sum(-1)  # grad F . step (< 0 where active)
+        alpha = torch.ones_like(F)
+        accepted = ~active
+        new = (F, log_q, c)
+        norm = r.abs().sum(-1)
+        for _ in range(MAX_HALVINGS):
+            trial = _state(xd, t, g + alpha.unsqueeze(-1) * step)
+            # Armijo's decrease of F; or, where that decrease is below F's rounding (a sharp p
+            # makes F large), a smaller column error
+            ok = (trial[0] <= F + ARMIJO * alpha * slope) | (
+                ((trial[0] - F).abs() <= 64 * torch.finfo(F.dtype).eps * F.abs())
+                & ((trial[2] - t).abs().sum(-1) < norm))
+            take = ok & ~accepted
+            new = tuple(torch.where(_expand(take, a), a, b) for a, b in zip(trial, new, strict=True))
+            g = torch.where(take.unsqueeze(-1), g + alpha.unsqueeze(-1) * step, g)
+            accepted = accepted | ok
+            if bool(accepted.all()):
+                break
+            alpha = torch.where(accepted, alpha, alpha / 2)
+        if not bool(accepted.all()):  # no decrease along a Newton direction: beyond float64
+            return None
+        F, log_q, c = new
+    out = log_q.to(x.dtype)
+    err = float((out.exp().sum(-2) - target.to(x.dtype)).abs().amax()) if out.numel() else 0.0
+    return (out, err) if err <= tol else None
+
+
+def _expand(mask: Tensor, like: Tensor) -> Tensor:
+    """``mask [...]`` broadcast against ``like [..., *rest]``."""
+    return mask.reshape(mask.shape + (1,) * (like.dim() - mask.dim()))

@@ -1,0 +1,115 @@
+"""Sinkhorn balancing of sharp matrices: Newton's steps on the column dual (assignment/_newton.py).
+
+Oracles: the balanced matrix is the unique diagonal scaling of ``p`` with the given marginals, so
+(1) its marginals, (2) ``log q - log p = -f_i - g_j`` (a sum of a row and a column term: its double
+centring vanishes on the finite entries), and (3) the sweeps' own answer where they converge
+(float64, tight tolerance), are independent checks of Newton's result.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from routelab.assignment import sinkhorn
+from routelab.assignment._newton import newton_balance
+from routelab.assignment.sinkhorn import NEWTON_AFTER, balance
+
+
+def _scores(shape: tuple[int, ...], scale: float, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale).to(dtype)
+
+
+def _assert_diagonal_scaling(log_p: torch.Tensor, log_q: torch.Tensor, atol: float) -> None:
+    """``log q - log p`` is ``a_i + b_j`` on the finite entries (``-inf`` where ``p`` is 0)."""
+    finite = torch.isfinite(log_p)
+    assert torch.equal(torch.isfinite(log_q), finite)
+    d = torch.where(finite, log_q.double() - log_p.double(), torch.zeros((), dtype=torch.float64))
+    if bool(finite.all()):
+        centred = d - d.mean(-1, keepdim=True) - d.mean(-2, keepdim=True) + d.mean((-2, -1), keepdim=True)
+        assert float(centred.abs().max()) <= atol
+    else:  # per matrix, the differences of two columns agree on every row where both are finite
+        k = d.shape[-1]
+        for dm, fm in zip(d.reshape(-1, *d.shape[-2:]), finite.reshape(-1, *d.shape[-2:]), strict=True):
+            for j in range(1, k):
+                both = fm[:, 0] & fm[:, j]
+                diff = (dm[:, j] - dm[:, 0])[both]
+                if diff.numel():
+                    assert float(diff.max() - diff.min()) <= atol
+
+
+@pytest.mark.parametrize("scale", [100.0, 300.0, 1000.0])
+@pytest.mark.parametrize(("n", "k"), [(64, 8), (512, 16)])
+def test_sharp_matrices_are_balanced(scale: float, n: int, k: int) -> None:
+    """Logit scales where the sweeps alone did not converge in 1000 sweeps (scale 100 at n = 512,
+    k = 16: off by 9e-3 after them): rows sum to 1, columns to n / k, and the result is a diagonal
+    scaling of p."""
+    log_p = _scores((n, k), scale)
+    log_q = sinkhorn(log_p)
+    q = log_q.double().exp()
+    torch.testing.assert_close(q.sum(-1), torch.ones(n, dtype=torch.float64), rtol=0, atol=1e-5)
+    assert float((q.sum(-2) - n / k).abs().max()) <= 4 * torch.finfo(torch.float32).eps * n**0.5 * (n / k)
+    _assert_diagonal_scaling(log_p, log_q, atol=1e-2 * scale / 100)
+
+
+def test_newton_agrees_with_converged_sweeps() -> None:
+    """Where the sweeps do converge (float64, moderate sharpness, tight tolerance), Newton's answer
+    from the raw matrix is theirs."""
+    log_p = _scores((3, 200, 6), 4.0, dtype=torch.float64)
+    target = torch.tensor([50.0, 30.0, 40.0, 20.0, 35.0, 25.0], dtype=torch.float64)
+    swept, err = balance(log_p, target, tol=1e-10, max_iter=100_000)
+    assert err <= 1e-10
+    newton, err = newton_balance(log_p, target, tol=1e-10)
+    assert err <= 1e-10
+    torch.testing.assert_close(newton, swept, rtol=0, atol=1e-8)
+
+
+def test_impossible_pairs_and_uneven_targets() -> None:
+    log_p = _scores((2, 96, 8), 200.0)
+    log_p[..., ::3, 0] = float("-inf")  # every third token may not use expert 0
+    target = torch.tensor([6.0, 10.0, 14.0, 12.0, 18.0, 8.0, 16.0, 12.0])
+    log_q = sinkhorn(log_p, col_sum=target)
+    q = log_q.double().exp()
+    assert float((q.sum(-2) - target).abs().max()) <= 1e-3
+    _assert_diagonal_scaling(log_p, log_q, atol=5e-2)
+
+
+def test_infeasible_marginals_still_raise() -> None:
+    """Newton cannot meet marginals the -inf pattern rules out: the error stays the sweeps'."""
+    log_p = torch.zeros(6, 3)
+    log_p[:, 0] = float("-inf")
+    log_p[0, 0] = 0.0  # only one token may use expert 0, whose target is 2
+    with pytest.raises(ValueError, match="did not converge"):
+        sinkhorn(log_p, col_sum=torch.tensor([2.0, 2.0, 2.0]))
+
+
+def test_autograd_keeps_the_sweeps_and_their_gradient() -> None:
+    """With autograd the result is the sweeps' (their gradient); Newton runs without it."""
+    log_p = _scores((40, 5), 3.0, dtype=torch.float64).requires_grad_()
+    with_grad = sinkhorn(log_p, tol=1e-9, max_iter=10_000)
+    with torch.no_grad():
+        without = sinkhorn(log_p, tol=1e-9, max_iter=10_000)
+    torch.testing.assert_close(with_grad.detach(), without, rtol=0, atol=1e-7)
+    with_grad[:, 0].sum().backward()
+    assert torch.isfinite(log_p.grad).all()
+
+
+def test_newton_runs_only_after_its_sweeps() -> None:
+    """A matrix the sweeps balance within NEWTON_AFTER sweeps is theirs, unchanged."""
+    log_p = _scores((32, 4), 0.5)
+    resolution = 4 * torch.finfo(torch.float32).eps * 32**0.5 * 8  # sinkhorn's floor of tol (n = 32, n / k = 8)
+    swept, err = balance(log_p, torch.full((4,), 8.0), tol=resolution, max_iter=NEWTON_AFTER)
+    assert err <= resolution
+    assert torch.equal(sinkhorn(log_p), swept)
+
+
+@settings(max_examples=25, deadline=None)
+@given(scale=st.floats(1.0, 1000.0), n=st.integers(2, 80), k=st.integers(3, 9), seed=st.integers(0, 2**16))
+def test_any_sharpness_up_to_1000_is_balanced(scale: float, n: int, k: int, seed: int) -> None:
+    log_p = _scores((n, k), scale, seed)
+    log_q = sinkhorn(log_p)
+    q = log_q.double().exp()
+    assert float((q.sum(-1) - 1).abs().max()) <= 1e-5
+    assert float((q.sum(-2) - n / k).abs().max()) <= 4 * torch.finfo(torch.float32).eps * n**0.5 * max(1.0, n / k)
