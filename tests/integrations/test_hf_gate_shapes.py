@@ -140,7 +140,8 @@ def test_what_a_gate_does_in_training_only_is_named_in_the_warning():
     assert "routes otherwise" in probe_gate(_NoisyGate(6, 4)).training
     assert probe_gate(_NestedGate(6, 4)).training is None
     for gate, said in ((_JitterGate(6, 4), "edits its input"), (_NoisyGate(6, 4), "routes otherwise than in eval")):
-        with pytest.warns(UserWarning, match=f"in training it {said}.*does not reproduce the unpatched model"):
+        with pytest.warns(UserWarning, match=f"does in training what it does not in eval .*: it {said}.*does not "
+                                             f"reproduce the unpatched model"):
             patch_moe(nn.Sequential(_Block(gate)), "topk")
 
 
@@ -226,7 +227,8 @@ def test_dbrx_is_reproduced_and_its_padding_reaches_no_expert():
 
 def test_dbrx_jitter_is_named_in_the_warning():
     model = _tiny_dbrx(moe_jitter_eps=0.1)
-    with pytest.warns(UserWarning, match="DbrxRouter in training it edits its input hidden states in place"):
+    with pytest.warns(UserWarning, match="DbrxRouter does in training what it does not in eval .*: it edits its "
+                                         "input hidden states in place"):
         patch_moe(model, "topk")
 
 
@@ -251,7 +253,8 @@ def test_experts_that_cannot_take_one_expert_per_token_fail_with_the_cause():
         assert torch.isfinite(model(x).logits).all()  # every slot routed: its experts' own path
     mask = torch.ones_like(x)
     mask[1, :3] = 0
-    with pytest.raises(RuntimeError, match=r"LongcatFlashExperts\) failed on the kept .* one expert per token"):
+    with pytest.raises(RuntimeError, match=r"LongcatFlashExperts\) failed on the kept .* cannot take one expert per "
+                                           r"token .* not enough values to unpack"):
         with torch.no_grad():
             model(x, attention_mask=mask)
 
@@ -283,3 +286,28 @@ def test_a_gate_with_an_mlp_is_not_read_as_one_scoring_matrix():
     assert gate_scorer(MLPGate()) is None
     with pytest.raises(ValueError, match="no \\[num_experts, hidden\\] parameter 'weight'"):
         patch_moe(nn.Sequential(_Block(MLPGate())), "topk")
+
+
+def test_integer_buffers_of_a_gates_children_keep_their_dtype_in_the_probe():
+    """A review case: the probe's copy turned a child's index buffer into float32, and a gate that
+    indexes with it could not be read (its rule unknown)."""
+
+    class Order(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("order", torch.arange(4))
+
+    class IndexedGate(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 6))
+            self.table = Order()
+            self.top_k = 2
+
+        def forward(self, x):
+            logits = nn.functional.linear(x, self.weight)[:, self.table.order]
+            weights, experts = logits.softmax(-1).topk(2, dim=-1)
+            return logits, weights / weights.sum(-1, keepdim=True), experts
+
+    rule = probe_gate(IndexedGate())
+    assert (rule.k, rule.renormalize, rule.differs) == (2, True, None)

@@ -137,3 +137,22 @@ def test_a_layer_built_from_another_layers_config_has_a_router_of_its_own() -> N
     assert own.config.router is moe.router
     moe.router = clone.router  # assigned since: the instance
     assert moe.config.router is clone.router
+
+
+def test_a_router_reconfigured_since_construction_is_described_as_it_is() -> None:
+    """A review case: ``config`` described a router built by name by its construction options even
+    after they changed, and ``config.replace(router=instance)`` raised for a config with ``k``."""
+    moe = MoE(D, H, E, router="topk", k=2)
+    moe.router.balance_coef = 0.0
+    assert moe.config.router is moe.router  # changed since: the instance, as it is
+    fresh = MoE(D, H, E, router="topk", k=2)
+    other = MoE(D, H, E, router="topk", k=1).router
+    replaced = fresh.config.replace(router=other)
+    assert replaced.router is other and replaced.k is None and replaced.router_kwargs is None
+
+
+def test_a_layer_pickled_before_router_specs_still_describes_itself() -> None:
+    """A review case: a layer unpickled from a version without ``_router_spec`` had no ``config``."""
+    moe = MoE(D, H, E, router="topk", k=2)
+    del moe.__dict__["_router_spec"]  # as a layer pickled before the attribute existed
+    assert moe.config.router is moe.router

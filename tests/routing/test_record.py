@@ -161,10 +161,14 @@ def test_a_layer_that_did_not_run_this_step_adds_nothing(ckpt):
 
 
 def test_records_consumed_by_a_backward_release_their_graph():
+    """A layer that did not run keeps a consumed record; once another layer has run, aux_loss
+    detaches it (its graph released), and keeps the step's record differentiable until then."""
     net = OnePerTask()
     y = net(torch.randn(12, 8), 0)
-    loss = routelab.aux_loss(net)
-    (y.sum() + loss).backward()
+    (y.sum() + routelab.aux_loss(net)).backward()
+    assert any(v.requires_grad for v in net.a.last_aux.values())  # a retain_graph=True backward may reuse it
+    net(torch.randn(12, 8), 1)
+    routelab.aux_loss(net)
     assert net.a.last_aux and not any(v.requires_grad for v in net.a.last_aux.values())
 
 
@@ -187,3 +191,31 @@ def test_reentrant_checkpointing_warns_that_aux_loss_trains_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         routelab.aux_loss(moe)
+
+
+def test_a_retained_graph_keeps_its_aux_gradient():
+    """A review case: ``autograd.grad(aux_loss, retain_graph=True)`` (GradNorm, logging gradient
+    norms) consumed the records and detached them, so the step's real backward lost the aux
+    gradient. Oracle: the router's gradient with the aux term minus without it equals the aux
+    term's own gradient."""
+    torch.manual_seed(0)
+    moe = MoE(8, 16, 4, router="noisy_topk", k=2)
+    x = torch.randn(12, 8)
+    y, routes = moe(x)
+    w = moe.router.proj.weight
+    (aux_grad,) = torch.autograd.grad(routelab.aux_loss(moe), [w], retain_graph=True)
+    (task_grad,) = torch.autograd.grad(y.sum(), [w], retain_graph=True)
+    second = routelab.aux_loss(moe)
+    assert second.requires_grad
+    (y.sum() + second).backward()
+    torch.testing.assert_close(w.grad, task_grad + aux_grad)
+
+
+def test_results_summed_into_one_loss_are_consumed_by_one_backward():
+    """A review case: two aux_loss results (encoder, decoder) in one loss were numbered as two
+    backward passes, so logging after backward returned the decoder's losses only."""
+    net = Net("noisy_topk", k=2)
+    y, routes = net(torch.randn(12, 8))
+    expected = sum(sum(r.aux.values()) for r in routes).detach()
+    (y.sum() + routelab.aux_loss(net.a) + routelab.aux_loss(net.b)).backward()
+    torch.testing.assert_close(routelab.aux_loss(net), expected)

@@ -347,14 +347,14 @@ class RoutedExperts:
             out = super().forward(flat[token], top_k_index[token, slot].unsqueeze(-1),  # type: ignore[misc]
                                   top_k_weights[token, slot].unsqueeze(-1))
         except (IndexError, ValueError, RuntimeError) as error:
-            if isinstance(error, torch.OutOfMemoryError):
+            if isinstance(error, (torch.OutOfMemoryError, torch.AcceleratorError)):
                 raise
             raise RuntimeError(
                 f"the experts ({type(self).__name__}) failed on the kept (token, expert) pairs passed one per row "
-                f"(hidden_states [P, d], top_k_index [P, 1]): they do not take one expert per token (LongCat-Flash's "
-                f"cannot), which a patched block needs whenever slots are left out (a padding attention_mask, a "
-                f"capacity_factor, a router that does not propose every slot). Route without those, or with "
-                f"experts that take k = 1: {type(error).__name__}: {error}") from error
+                f"(hidden_states [P, d], top_k_index [P, 1]), as a patched block runs them whenever slots are left "
+                f"out (a padding attention_mask, a capacity_factor, a router that does not propose every slot). "
+                f"If they cannot take one expert per token (LongCat-Flash's cannot), route without those; the "
+                f"experts' error: {type(error).__name__}: {error}") from error
         out = out.reshape(-1, flat.shape[-1]).to(hidden_states.dtype)
         return flat.new_zeros(flat.shape).index_add(0, token, out).view(hidden_states.shape)
 

@@ -188,11 +188,16 @@ def _fresh_state(module: nn.Module, dtype: torch.dtype,
     fresh = {name: None if p is None else nn.Parameter(torch.randn(p.shape, generator=generator).to(dtype),
                                                        requires_grad=False)
              for name, p in module._parameters.items()}  # None entries kept: nn.Linear(bias=False) reads self.bias
-    buffers = {name: None if b is None else  # copies: a forward that updates a buffer must not reach the gate
-               (torch.zeros(b.shape, dtype=torch.float32) if b.is_meta else b.detach().to("cpu", torch.float32,
-                                                                                           copy=True))
+    buffers = {name: None if b is None else _buffer_copy(b)  # copies: an update must not reach the gate
                for name, b in module._buffers.items()}
     return fresh, buffers
+
+
+def _buffer_copy(buffer: Tensor) -> Tensor:
+    """A CPU copy of a gate's buffer for the probe: float32 for a floating buffer, its own dtype for
+    an integer or bool one (an index table); zeros for a buffer on the meta device."""
+    dtype = torch.float32 if buffer.is_floating_point() else buffer.dtype
+    return torch.zeros(buffer.shape, dtype=dtype) if buffer.is_meta else buffer.detach().to("cpu", dtype, copy=True)
 
 
 def _fresh_copy(gate: nn.Module, dtype: torch.dtype,
@@ -461,7 +466,7 @@ def _training_difference(gate: nn.Module, probe: nn.Module, x: Tensor, eval_out:
         return None
     said = [*(["edits its input hidden states in place, which its block's experts then see"] if edits else []),
             *(["routes otherwise than in eval"] if not same else [])]
-    return f"in training it {' and '.join(said)} (random jitter or noise)"
+    return f"does in training what it does not in eval (random jitter or noise): it {' and '.join(said)}"
 
 
 def replaced_rule(rule: GateRule, unused: list[str]) -> str | None:

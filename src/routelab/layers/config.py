@@ -148,7 +148,12 @@ class MoEConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def replace(self, **changes: Any) -> MoEConfig:
-        """A copy with ``changes`` (validated again)."""
+        """A copy with ``changes`` (validated again). A router instance given for a config with a
+        router name drops its ``k`` and ``router_kwargs`` (they configure routers built by name),
+        unless they are given too."""
+        if isinstance(changes.get("router"), Router):
+            changes.setdefault("k", None)
+            changes.setdefault("router_kwargs", None)
         return dataclasses.replace(self, **changes)
 
 

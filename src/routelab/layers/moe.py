@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from .._checks import check_generator, checks_run, floating_input, token_mask
 from ..replay import NoiseReplay
-from ..routers import Router
+from ..routers import Router, router_options
 from ..routes import Routes
 from ..routing import DispatchPlan, GroupedPlan, apply_capacity, expert_capacity, load_stats
 from ..routing.masks import real_tokens, scatter_routes
@@ -149,6 +149,10 @@ class MoE(RoutingRecord, nn.Module):
         (torch.Size([2, 5, 16]), 20)
     """
 
+    #: (router, name, k, router_kwargs, check_finite, settings) of a router built by name (None: an
+    #: instance); a class default for layers pickled before it existed
+    _router_spec: tuple | None = None
+
     def __init__(
         self,
         d_model: int,
@@ -195,9 +199,10 @@ class MoE(RoutingRecord, nn.Module):
         self.dispatch = config.dispatch
         self._d_hidden = config.d_hidden
         self.router = config.build_router(device if router_device is _SAME else router_device)
-        # what `config` reports while this router is the layer's: its name and options, not the instance
+        # what `config` reports while this router is the layer's, as built: its name and options
         object.__setattr__(self, "_router_spec", None if isinstance(config.router, Router) else
-                           (self.router, config.router, config.k, config.router_kwargs, config.check_finite))
+                           (self.router, config.router, config.k, config.router_kwargs, config.check_finite,
+                            _router_settings(self.router, config.router)))
         self.d_model, self.num_experts = config.d_model, config.num_experts
         self.capacity_factor = config.capacity_factor
         self.eval_capacity_factor = config.eval_capacity_factor
@@ -224,14 +229,15 @@ class MoE(RoutingRecord, nn.Module):
         """The :class:`~routelab.layers.MoEConfig` of the layer as it is now (``capacity_factor`` and
         the other options as currently set).
 
-        A router built by name is described by its name, ``k`` and ``router_kwargs``, so that
-        ``MoE.from_config(layer.config)`` builds a layer with a router of its own (and
-        ``config.replace(router=...)`` keeps ``k``); a router given as an instance, or assigned
-        since, is described by the instance, which a layer built from the config then shares, as
-        it shares a custom ``experts`` module."""
+        A router built by name, with its options as built, is described by its name, ``k`` and
+        ``router_kwargs``, so that ``MoE.from_config(layer.config)`` builds a layer with a router of
+        its own (and ``config.replace(router=...)`` keeps ``k``); a router given as an instance,
+        assigned since, or whose options (``k``, ``router_kwargs``' names) were changed since, is
+        described by the instance, which a layer built from the config then shares, as it shares
+        a custom ``experts`` module."""
         spec = self._router_spec
-        if spec is not None and spec[0] is self.router:
-            _, name, k, router_kwargs, check_finite = spec
+        if spec is not None and spec[0] is self.router and spec[5] == _router_settings(self.router, spec[1]):
+            _, name, k, router_kwargs, check_finite, _ = spec
             if self.router.check_finite != (True if check_finite is None else check_finite):
                 check_finite = self.router.check_finite
             router = dict(router=name, k=k, router_kwargs=router_kwargs, check_finite=check_finite)
@@ -402,3 +408,9 @@ class MoE(RoutingRecord, nn.Module):
         return (f"capacity_factor={self.capacity_factor}, eval_capacity_factor={self.eval_capacity_factor}, "
                 f"drop_policy={self.drop_policy!r}, "
                 f"importance_weighting={self.importance_weighting}")
+
+
+def _router_settings(router: Router, name: str) -> tuple:
+    """The router's current ``k`` (slots) and the values of its options (those ``router_kwargs``
+    can set), to tell whether it is still configured as built."""
+    return (router.slots, *(repr(getattr(router, option, None)) for option in router_options(name)))

@@ -28,15 +28,18 @@ forward under ``no_grad``, so its records carry no gradient: use the non-reentra
 Layers that did not run: a model whose routelab layers do not all run in every step (one MoE per
 task, LayerDrop, an encoder skipped) keeps, in a layer that did not run, the record of the step in
 which it last ran. :func:`aux_loss` leaves those out: a backward pass through one of its results
-marks the records it summed as *consumed* (and detaches their losses, releasing the graph), and a
-later call sums only the records not yet consumed, if there are any (the layers that ran since),
-else those consumed by the latest backward (the losses of the step just taken, for logging after
-``backward()``).
+marks the records it summed as *consumed* by that pass, and a later call sums only the records not
+yet consumed, if there are any (the layers that ran since; the consumed ones are then detached,
+releasing their graphs), else those consumed by the latest backward pass (the step just taken: for
+logging after ``backward()``, or a second backward after ``retain_graph=True``). Limits: a step in
+which no routelab layer runs sums the previous step's records; under ``torch.compile`` of a step
+that includes ``aux_loss`` nothing is marked (the hook is not traced); one backward over several
+micro-batches that ran different layers sums a layer's record once per call (sum the ``routes.aux``
+each call returns there).
 """
 
 from __future__ import annotations
 
-import itertools
 import warnings
 from collections.abc import Mapping
 
@@ -65,8 +68,7 @@ class RoutingRecord:
         """Remember ``aux`` (weighted auxiliary losses, kept differentiable) and ``stats`` (detached).
 
         Inside a backward pass (activation checkpointing's recomputation) a record that the backward
-        consumed stays consumed, with its losses detached: the recomputed graph of a step's losses
-        is not a new step's.
+        consumed stays consumed: the recomputation of a step's losses is not a new step.
 
         Args:
             aux: named scalar losses, already multiplied by their coefficients.
@@ -75,8 +77,7 @@ class RoutingRecord:
         aux = dict(aux)
         consumed = None
         if self._routelab_consumed is not None and not torch.compiler.is_compiling() and in_backward():
-            consumed = self._routelab_consumed
-            aux = {name: value.detach() for name, value in aux.items()}
+            consumed = self._routelab_consumed  # the recomputation of the step the backward consumed
         object.__setattr__(self, "_routelab_record", (aux, {name: value.detach() for name, value in stats.items()}))
         object.__setattr__(self, "_routelab_consumed", consumed)
         # a training forward without gradient (reentrant checkpointing): its losses train nothing
@@ -131,17 +132,18 @@ def _device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-#: Numbers the backward passes through :func:`aux_loss` results (which records each one consumed).
-_BACKWARDS = itertools.count(1)
-
-
 def _current_records(model: nn.Module) -> list[tuple[RoutingRecord, tuple]]:
     """The ``(module, record)`` pairs of ``model`` that :func:`aux_loss` sums: the records no backward
-    has consumed, if any, else those consumed by the latest backward (see the module docstring)."""
+    has consumed, if any (the consumed ones, stale, are detached), else those consumed by the latest
+    backward pass (see the module docstring)."""
     recorded = [(module, module._routelab_record) for module in model.modules()
                 if isinstance(module, RoutingRecord) and module._routelab_record is not None]
     fresh = [(module, record) for module, record in recorded if module._routelab_consumed is None]
     if fresh:
+        for module, (aux, stats) in recorded:
+            if module._routelab_consumed is not None and any(v.requires_grad for v in aux.values()):
+                object.__setattr__(module, "_routelab_record",
+                                   ({name: value.detach() for name, value in aux.items()}, stats))
         return fresh
     latest = max((module._routelab_consumed for module, _ in recorded), default=None)
     return [(module, record) for module, record in recorded if module._routelab_consumed == latest]
@@ -156,8 +158,9 @@ def _warn_without_gradient(records: list[tuple[RoutingRecord, tuple]]) -> None:
              if module._routelab_blind and aux and any(p.requires_grad for p in module.parameters())]
     if blind:
         warnings.warn(f"routelab.aux_loss: {len(blind)} routing module(s) ({blind[0]}, ...) in training mode recorded "
-                      "their auxiliary losses without gradient (their forward ran under torch.no_grad, as reentrant "
-                      "activation checkpointing does), so those losses train nothing; use "
+                      "their auxiliary losses without gradient (their forward ran under torch.no_grad: reentrant "
+                      "activation checkpointing, or a training-mode forward without gradients), so those losses "
+                      "train nothing; with checkpointing, use "
                       "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) (transformers: "
                       "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}))",
                       stacklevel=3)
@@ -203,16 +206,15 @@ def aux_loss(model: nn.Module) -> Tensor:
 
 
 def _consume(records: list[tuple[RoutingRecord, tuple]]):
-    """The gradient hook of an :func:`aux_loss` result: the backward through it consumes the records
-    it summed (those still in place: a module may have recorded again since), detaching their losses."""
+    """The gradient hook of an :func:`aux_loss` result: the backward pass through it consumes the
+    records it summed (those still in place: a module may have recorded again since), marked with
+    the pass's number (autograd's graph task id: one per ``backward()`` or ``autograd.grad`` call,
+    increasing), so that every result summed into one loss marks its records alike."""
 
     def hook(grad: Tensor) -> None:
-        number = next(_BACKWARDS)
+        number = max(torch._C._current_graph_task_id(), 0)  # (a hook runs inside a pass: never -1)
         for module, record in records:
             if module._routelab_record is record:
-                aux, stats = record
-                object.__setattr__(module, "_routelab_record",
-                                   ({name: value.detach() for name, value in aux.items()}, stats))
                 object.__setattr__(module, "_routelab_consumed", number)
 
     return hook
