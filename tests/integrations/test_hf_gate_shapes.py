@@ -232,10 +232,11 @@ def test_dbrx_jitter_is_named_in_the_warning():
         patch_moe(model, "topk")
 
 
-def test_experts_that_cannot_take_one_expert_per_token_fail_with_the_cause():
+def test_experts_that_cannot_take_one_expert_per_token_get_two_slots():
     """LongCat-Flash's experts index ``expert_mask[e].squeeze(0)``, which fails for one expert per
-    token: a block that leaves slots out (padding) says so instead of raising LongCat's own
-    ``not enough values to unpack``."""
+    row (their own error: ``not enough values to unpack``). A block that leaves slots out (padding)
+    then passes each kept pair as two slots of its expert, weights ``(w, 0)``: the real tokens'
+    logits equal the unpatched model's (its gate's rule, a zero correction bias here, is topk's)."""
     if not hasattr(tf, "LongcatFlashForCausalLM"):
         pytest.skip(f"transformers {tf.__version__} has no LongCat-Flash")
     torch.manual_seed(0)
@@ -245,18 +246,38 @@ def test_experts_that_cannot_take_one_expert_per_token_fail_with_the_cause():
                                    v_head_dim=8, pad_token_id=0, ffn_hidden_size=48, expert_ffn_hidden_size=24,
                                    zero_expert_num=2)
     model = tf.LongcatFlashForCausalLM(config).eval()
+    with torch.no_grad():
+        for _, block in sparse_moe_blocks(model):
+            routing_child(block)[1].classifier.weight.normal_()
+            for p in block.experts.parameters():
+                p.mul_(20)
+    reference = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # its bias-corrected choice is replaced
-        patch_moe(model, "topk")
+        blocks = patch_moe(model, "topk")
     x = ids()
-    with torch.no_grad():
-        assert torch.isfinite(model(x).logits).all()  # every slot routed: its experts' own path
     mask = torch.ones_like(x)
     mask[1, :3] = 0
-    with pytest.raises(RuntimeError, match=r"LongcatFlashExperts\) failed on the kept .* cannot take one expert per "
-                                           r"token .* not enough values to unpack"):
-        with torch.no_grad():
-            model(x, attention_mask=mask)
+    with torch.no_grad():
+        got = model(x, attention_mask=mask).logits
+        expected = reference(x, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], rtol=1e-5, atol=1e-5)
+    assert all(b.experts._routelab_two_slots for b in blocks)
+
+
+def test_experts_that_fail_on_two_slots_too_say_so():
+    class OneTokenExperts(_Experts):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            if hidden_states.shape[0] < 10:
+                raise IndexError("index 3 is out of bounds")
+            return super().forward(hidden_states, top_k_index, top_k_weights)
+
+    block = _Block(_NestedGate(6, 4))
+    block.experts = OneTokenExperts(6, 4)
+    patch_moe(nn.Sequential(block), "topk", capacity_factor=0.25)
+    with pytest.raises(RuntimeError, match=r"OneTokenExperts\) failed on the kept .* as two slots of one expert.*"
+                                           r"IndexError: index 3 is out of bounds"):
+        block(torch.randn(12, 6))
 
 
 def test_an_explicit_renormalize_for_a_router_without_it_is_refused():

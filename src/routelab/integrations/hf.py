@@ -321,7 +321,8 @@ class RoutedExperts:
     hidden states as ``[batch, seq, d]``, for experts that flatten them themselves, as DBRX's): when
     every slot holds an expert, the experts' own forward runs unchanged; otherwise it runs on the
     ``P`` kept pairs (``hidden_states[token]``, one expert each) and the outputs are summed per
-    token, so the compute is proportional to ``P`` whatever implementation the experts use.
+    token, so the compute is proportional to ``P`` whatever implementation the experts use (twice
+    that for experts that cannot take one slot per row: :meth:`_two_slots`).
     """
 
     _routelab_num_experts: int
@@ -343,20 +344,38 @@ class RoutedExperts:
             return hidden_states.new_zeros(hidden_states.shape)
         # [n, d]; DBRX's experts take and return the block's [batch, seq, d] and flatten it themselves
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-        try:
-            out = super().forward(flat[token], top_k_index[token, slot].unsqueeze(-1),  # type: ignore[misc]
-                                  top_k_weights[token, slot].unsqueeze(-1))
-        except (IndexError, ValueError, RuntimeError) as error:
-            if isinstance(error, (torch.OutOfMemoryError, torch.AcceleratorError)):
-                raise
-            raise RuntimeError(
-                f"the experts ({type(self).__name__}) failed on the kept (token, expert) pairs passed one per row "
-                f"(hidden_states [P, d], top_k_index [P, 1]), as a patched block runs them whenever slots are left "
-                f"out (a padding attention_mask, a capacity_factor, a router that does not propose every slot). "
-                f"If they cannot take one expert per token (LongCat-Flash's cannot), route without those; the "
-                f"experts' error: {type(error).__name__}: {error}") from error
+        rows, index, weights = flat[token], top_k_index[token, slot].unsqueeze(-1), top_k_weights[token, slot]
+        if getattr(self, "_routelab_two_slots", False):
+            out = self._two_slots(rows, index, weights)
+        else:
+            try:
+                out = super().forward(rows, index, weights.unsqueeze(-1))  # type: ignore[misc]
+            except (IndexError, ValueError, RuntimeError) as error:
+                if isinstance(error, (torch.OutOfMemoryError, torch.AcceleratorError)):
+                    raise
+                out = self._two_slots(rows, index, weights, error)
         out = out.reshape(-1, flat.shape[-1]).to(hidden_states.dtype)
         return flat.new_zeros(flat.shape).index_add(0, token, out).view(hidden_states.shape)
+
+    def _two_slots(self, rows: Tensor, index: Tensor, weights: Tensor, error: Exception | None = None) -> Tensor:
+        """The kept pairs as rows of two slots, the pair's expert twice with weights ``(w, 0)``: for
+        experts that fail on one slot per row (LongCat-Flash's and NLLB-MoE's ``squeeze(0)`` of an
+        ``[1, P]`` mask), at twice the expert compute. Learnt on the first failure (``error``),
+        which is raised, with the cause said, when two slots fail too."""
+        try:
+            out = super().forward(rows, index.expand(-1, 2),  # type: ignore[misc]
+                                  torch.stack([weights, torch.zeros_like(weights)], dim=-1))
+        except (IndexError, ValueError, RuntimeError) as again:
+            if error is None or isinstance(again, (torch.OutOfMemoryError, torch.AcceleratorError)):
+                raise
+            raise RuntimeError(
+                f"the experts ({type(self).__name__}) failed on the kept (token, expert) pairs, passed one per row "
+                f"(hidden_states [P, d], top_k_index [P, 1]) and as two slots of one expert, as a patched block runs "
+                f"them whenever slots are left out (a padding attention_mask, a capacity_factor, a router that does "
+                f"not propose every slot); the experts' error: {type(error).__name__}: {error}") from error
+        if error is not None:
+            object.__setattr__(self, "_routelab_two_slots", True)
+        return out
 
 
 def _route_by_gate(self: nn.Module, *_inputs: Any, **_kwargs: Any) -> tuple[Tensor, ...]:
