@@ -113,3 +113,51 @@ def test_any_sharpness_up_to_1000_is_balanced(scale: float, n: int, k: int, seed
     q = log_q.double().exp()
     assert float((q.sum(-1) - 1).abs().max()) <= 1e-5
     assert float((q.sum(-2) - n / k).abs().max()) <= 4 * torch.finfo(torch.float32).eps * n**0.5 * max(1.0, n / k)
+
+
+def test_a_col_sum_that_requires_grad_keeps_the_sweeps_and_their_gradient() -> None:
+    """A review case: Newton ran when only col_sum required grad, and the result lost its graph."""
+    log_p = (torch.randn(8, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 5).t()
+    col_sum = torch.tensor([4.0, 6, 8, 10, 12, 8, 8, 8], dtype=torch.float64, requires_grad=True)
+    log_q = sinkhorn(log_p, col_sum=col_sum, tol=1e-10, max_iter=100_000)
+    assert log_q.requires_grad
+    log_q.exp()[:, 0].sum().backward()
+    assert torch.isfinite(col_sum.grad).all()
+
+
+def test_a_balanced_entry_of_a_batch_does_not_stop_newton_for_the_others() -> None:
+    """A review case: an entry already balanced with one-hot rows (its Hessian 0) made the batch's
+    Newton system singular, and the sharp entry beside it failed."""
+    permutation = torch.eye(8) * 1e4
+    sharp = _scores((8, 8), 100.0, seed=3)
+    log_q = sinkhorn(torch.stack([permutation, sharp]))
+    assert float((log_q.double().exp().sum(-2) - 1).abs().max()) <= 1e-4
+    torch.testing.assert_close(log_q[1], sinkhorn(sharp))
+
+
+def test_float64_at_its_rounding_floor() -> None:
+    """A review case: Newton reached tol = 1e-15 (floored to float64's resolution) at some steps
+    but judged only its last iterate, and the call failed."""
+    log_p = _scores((16, 4), 200.0, seed=39, dtype=torch.float64)
+    q = sinkhorn(log_p, tol=1e-15).exp()
+    assert float((q.sum(-2) - 4).abs().max()) <= 4 * torch.finfo(torch.float64).eps * 4 * 4
+
+
+def test_newton_gives_up_early_on_marginals_it_cannot_meet(monkeypatch) -> None:
+    """Infeasible marginals (the -inf pattern): Newton stalls and stops after STALL_STEPS steps or
+    the remaining sweep budget, not after MAX_STEPS with their line searches."""
+    import routelab.assignment._newton as newton
+
+    calls = []
+    original = newton._state
+    monkeypatch.setattr(newton, "_state", lambda *a: calls.append(1) or original(*a))
+    log_p = torch.zeros(6, 3)
+    log_p[:, 0] = float("-inf")
+    log_p[0, 0] = 0.0
+    with pytest.raises(ValueError, match="did not converge"):
+        sinkhorn(log_p, col_sum=torch.tensor([2.0, 2.0, 2.0]))
+    assert len(calls) <= 3 * (newton.STALL_STEPS + 2)
+    calls.clear()
+    with pytest.raises(ValueError, match="did not converge"):
+        sinkhorn(_scores((64, 8), 1e5), max_iter=NEWTON_AFTER + 3)  # three steps left for Newton
+    assert len(calls) <= 4 * (newton.MAX_HALVINGS + 1)

@@ -25,6 +25,10 @@ __all__ = ["newton_balance"]
 #: Newton steps at most; each halves its step at most :data:`MAX_HALVINGS` times.
 MAX_STEPS = 100
 MAX_HALVINGS = 60
+#: Newton gives up when its largest column error has not fallen by a tenth over this many steps.
+STALL_STEPS = 20
+#: Newton runs for at most this many columns (its systems are ``k x k``, its Hessians ``O(n k^2)``).
+MAX_K = 256
 #: Armijo's sufficient-decrease constant.
 ARMIJO = 1e-4
 #: The Levenberg-Marquardt damping per unit of column error (measured on sharp 512 x 16 problems:
@@ -41,7 +45,7 @@ def _state(x: Tensor, t: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return lse.sum(-1) + (t * g).sum(-1), log_q, log_q.exp().sum(-2)
 
 
-def newton_balance(x: Tensor, target: Tensor, *, tol: float) -> tuple[Tensor, float] | None:
+def newton_balance(x: Tensor, target: Tensor, *, tol: float, max_steps: int = MAX_STEPS) -> tuple[Tensor, float] | None:
     """Balance ``exp(x)`` (rows to 1, columns to ``target``) by damped Newton steps on the column dual.
 
     Args:
@@ -50,35 +54,52 @@ def newton_balance(x: Tensor, target: Tensor, *, tol: float) -> tuple[Tensor, fl
             problem balances to the same result).
         target: ``[..., k]`` (or ``[k]``) positive column targets adding up to ``n``.
         tol: the largest column error accepted, judged in ``x``'s dtype.
+        max_steps: most Newton steps (at most :data:`MAX_STEPS`).
 
     Returns:
-        ``(log_q, err)``: the balanced log-matrix in ``x``'s dtype (rows sum to 1 to rounding) and
-        its largest column error, or ``None`` when ``MAX_STEPS`` steps did not reach ``tol`` (the
-        marginals infeasible for the ``-inf`` pattern, or the problem beyond float64) or a Newton
-        system was singular. Computed in float64.
+        ``(log_q, err)``: the first iterate whose largest column error in ``x``'s dtype is within
+        ``tol`` (rows sum to 1 to rounding), or ``None`` when none was within ``max_steps`` steps,
+        when the error stalled (it did not fall by a tenth over :data:`STALL_STEPS` steps: the
+        marginals infeasible for the ``-inf`` pattern, or the problem beyond float64), or when a
+        Newton system was singular. Computed in float64.
     """
     xd = x.detach().to(torch.float64)
     t = target.detach().to(torch.float64).expand(xd.shape[:-2] + xd.shape[-1:])
+    out_target = target.detach().to(x.dtype)
     k = xd.shape[-1]
     g = torch.zeros_like(t)
     ones = torch.ones(k, k, dtype=torch.float64, device=xd.device)
+    eye = torch.eye(k, dtype=torch.float64, device=xd.device)
     F, log_q, c = _state(xd, t, g)
-    for _ in range(MAX_STEPS):
+    worst_seen: list[float] = []
+    for _ in range(min(max_steps, MAX_STEPS) + 1):
         r = c - t  # [..., k]: minus the gradient
         err = r.abs().amax(-1)
-        active = err > tol / 4  # a margin for the rounding to x's dtype below
+        worst = float(err.max())  # one read per step
+        if worst <= tol:  # judged where it counts: in x's dtype
+            out = log_q.to(x.dtype)
+            out_err = float((out.exp().sum(-2) - out_target).abs().amax())
+            if out_err <= tol:
+                return out, out_err
+        worst_seen.append(worst)
+        if len(worst_seen) > max_steps or (len(worst_seen) > STALL_STEPS
+                                           and worst > 0.9 * worst_seen[-1 - STALL_STEPS]):
+            return None
+        active = err > tol / 4  # a margin for the rounding to x's dtype
         if not bool(active.any()):
-            break
+            return None  # within tol in float64 but not after rounding to x's dtype
         q = log_q.exp()
         hess = torch.diag_embed(c) - q.transpose(-1, -2) @ q  # [..., k, k]
         scale = torch.diagonal(hess, dim1=-2, dim2=-1).mean(-1).clamp_min(1e-300)
         # Shift the null direction 1 (F is flat along it) to the diagonal's scale (r is orthogonal
         # to 1), and damp by the error (Levenberg-Marquardt: a sharp p leaves few fractional rows,
-        # so hess is nearly singular far from the solution; the damping vanishes near it).
+        # so hess is nearly singular far from the solution; the damping vanishes near it). A
+        # balanced entry of the batch (perhaps with rows exactly one-hot: hess = 0) solves I.
         damping = DAMPING * r.abs().sum(-1)
         system = hess + ones * (scale / k)[..., None, None] + torch.diag_embed(damping.unsqueeze(-1).expand_as(r))
+        system = torch.where(active[..., None, None], system, eye)
         step, info = torch.linalg.solve_ex(system, r.unsqueeze(-1))
-        if bool((info != 0).any()):
+        if bool(((info != 0) & active).any()):
             return None
         step = torch.where(active.unsqueeze(-1), step.squeeze(-1), torch.zeros_like(r))
         slope = -(r * step).sum(-1)  # grad F . step (< 0 where active)
@@ -103,9 +124,7 @@ def newton_balance(x: Tensor, target: Tensor, *, tol: float) -> tuple[Tensor, fl
         if not bool(accepted.all()):  # no decrease along a Newton direction: beyond float64
             return None
         F, log_q, c = new
-    out = log_q.to(x.dtype)
-    err = float((out.exp().sum(-2) - target.to(x.dtype)).abs().amax()) if out.numel() else 0.0
-    return (out, err) if err <= tol else None
+    return None
 
 
 def _expand(mask: Tensor, like: Tensor) -> Tensor:

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .._checks import check_positive_int, check_score_matrix
-from . import _compiled
+from . import _compiled, _newton
 from ._newton import newton_balance
 from ._ops import SMALL_K, logsumexp
 from ._two_experts import closed_form, two_expert_sinkhorn
@@ -114,15 +114,17 @@ def _balanced_or_raise(
     # (in the dtype of the computation: half precision is balanced, and judged, in float32)
     resolution = 4 * torch.finfo(log_p.dtype).eps * n**0.5 * max(1.0, top)
     eff_tol = max(tol, resolution)
-    newton = not (torch.is_grad_enabled() and log_p.requires_grad) and target.numel() > 0 \
-        and float(target.detach().amin()) > 0 and max_iter > NEWTON_AFTER
+    differentiable = torch.is_grad_enabled() and (log_p.requires_grad or target.requires_grad)
+    newton = not differentiable and 0 < log_p.shape[-1] <= NEWTON_MAX_K and max_iter > NEWTON_AFTER \
+        and float(target.detach().amin()) > 0
     x, err = balance(log_p, target, tol=eff_tol, max_iter=NEWTON_AFTER if newton else max_iter)
     if err > eff_tol and newton:
         # Sharp p: the sweeps crawl. Newton's steps on the column dual finish from their iterate
-        # (the same fixed point; without autograd, whose gradient is that of the sweeps), and the
-        # sweeps take their full budget where they do not.
-        polished = newton_balance(x, target, tol=eff_tol)
-        x, err = polished if polished is not None else balance(log_p, target, tol=eff_tol, max_iter=max_iter)
+        # (the same fixed point; without autograd, whose gradient is that of the sweeps), at most as
+        # many steps as sweeps are left; where they do not, the sweeps go on from that iterate.
+        polished = newton_balance(x, target, tol=eff_tol, max_steps=max_iter - NEWTON_AFTER)
+        x, err = polished if polished is not None else balance(x, target, tol=eff_tol,
+                                                               max_iter=max_iter - NEWTON_AFTER)
     if err <= eff_tol:
         return x if x.dtype == out_dtype else x.to(out_dtype)
     if spread is None:
@@ -219,6 +221,8 @@ def balance(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) -> tupl
 #: Sweeps after which a balancing without autograd that has not converged goes on by Newton's method
 #: (:func:`~routelab.assignment._newton.newton_balance`), the sweeps being slow on sharp matrices.
 NEWTON_AFTER = 16
+#: Newton's method runs for at most this many columns (:data:`routelab.assignment._newton.MAX_K`).
+NEWTON_MAX_K = _newton.MAX_K
 
 
 #: Sweeps between two reads of the convergence errors on the host, per device type (others: the
