@@ -25,7 +25,7 @@ __all__ = ["newton_balance"]
 #: Newton steps at most; each halves its step at most :data:`MAX_HALVINGS` times.
 MAX_STEPS = 100
 MAX_HALVINGS = 60
-#: Newton gives up when its largest column error has not fallen by a tenth over this many steps.
+#: Newton gives up when the best of its largest column errors has not fallen by a tenth over this many steps.
 STALL_STEPS = 20
 #: Newton runs for at most this many columns (its systems are ``k x k``, its Hessians ``O(n k^2)``).
 MAX_K = 256
@@ -59,7 +59,7 @@ def newton_balance(x: Tensor, target: Tensor, *, tol: float, max_steps: int = MA
     Returns:
         ``(log_q, err)``: the first iterate whose largest column error in ``x``'s dtype is within
         ``tol`` (rows sum to 1 to rounding), or ``None`` when none was within ``max_steps`` steps,
-        when the error stalled (it did not fall by a tenth over :data:`STALL_STEPS` steps: the
+        when the error stalled (its best did not fall by a tenth over :data:`STALL_STEPS` steps: the
         marginals infeasible for the ``-inf`` pattern, or the problem beyond float64), or when a
         Newton system was singular. Computed in float64.
     """
@@ -82,8 +82,9 @@ def newton_balance(x: Tensor, target: Tensor, *, tol: float, max_steps: int = MA
             if out_err <= tol:
                 return out, out_err
         worst_seen.append(worst)
-        if len(worst_seen) > max_steps or (len(worst_seen) > STALL_STEPS
-                                           and worst > 0.9 * worst_seen[-1 - STALL_STEPS]):
+        # (the error need not fall at every step: the best of the last steps against the best before)
+        if len(worst_seen) > max_steps or (len(worst_seen) > STALL_STEPS and min(worst_seen[-STALL_STEPS:])
+                                           > 0.9 * min(worst_seen[:-STALL_STEPS])):
             return None
         active = err > tol / 4  # a margin for the rounding to x's dtype
         if not bool(active.any()):

@@ -116,7 +116,7 @@ def _balanced_or_raise(
     eff_tol = max(tol, resolution)
     differentiable = torch.is_grad_enabled() and (log_p.requires_grad or target.requires_grad)
     newton = not differentiable and 0 < log_p.shape[-1] <= NEWTON_MAX_K and max_iter > NEWTON_AFTER \
-        and float(target.detach().amin()) > 0
+        and log_p.numel() > 0 and target.numel() > 0 and float(target.detach().amin()) > 0
     x, err = balance(log_p, target, tol=eff_tol, max_iter=NEWTON_AFTER if newton else max_iter)
     if err > eff_tol and newton:
         # Sharp p: the sweeps crawl. Newton's steps on the column dual finish from their iterate
@@ -286,6 +286,8 @@ def _balance_scaling(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int
     Returns:
         ``(log_q, err)`` as :func:`balance`, or ``None``.
     """
+    if max_iter < 0:  # no sweep: the compiled kernel would leave its row scalings unset; the log domain's iterate
+        return None
     compiled = _compiled.available(log_p) and log_p.is_contiguous()
     positive = float(target.detach().amin()) > 0
     if compiled:
