@@ -78,6 +78,7 @@ def newton_balance(x: Tensor, target: Tensor, *, tol: float, max_steps: int = MA
         worst = float(err.max())  # one read per step
         if worst <= tol:  # judged where it counts: in x's dtype
             out = log_q.to(x.dtype)
+            out = out - torch.logsumexp(out, dim=-1, keepdim=True)  # rows to 1 in x's dtype, as the sweeps end
             out_err = float((out.exp().sum(-2) - out_target).abs().amax())
             if out_err <= tol:
                 return out, out_err
