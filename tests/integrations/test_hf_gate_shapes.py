@@ -252,6 +252,9 @@ def test_experts_that_cannot_take_one_expert_per_token_get_two_slots():
             for p in block.experts.parameters():
                 p.mul_(20)
     reference = copy.deepcopy(model)
+    rule = probe_gate(routing_child(sparse_moe_blocks(model)[0][1])[1])
+    if rule.contract is not None:  # transformers 5.17's LongCat gate answers by another contract: refused
+        pytest.skip(f"transformers {tf.__version__}: the LongCat-Flash gate {rule.contract}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # its bias-corrected choice is replaced
         blocks = patch_moe(model, "topk")
