@@ -84,7 +84,7 @@ def test_low_temperature_takes_the_log_domain_and_stays_exact(monkeypatch: pytes
     log_p = torch.randn(32, 4, generator=gen, dtype=torch.float64)
     log_p[::2, 3] = -1000.0  # far below its row's maximum: exp underflows relative to the row
     q = sinkhorn(log_p, tol=1e-9, max_iter=100_000)
-    assert calls == [True]  # the scaling domain declined
+    assert calls and all(calls)  # the scaling domain declined (each round of sweeps: sinkhorn measures their rate)
     check_marginals(q, None, 1e-7)
     check_scaling_form(q, log_p, 1e-6)
 
