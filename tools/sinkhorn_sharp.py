@@ -40,6 +40,9 @@ def main() -> None:
     parser.add_argument("--max-iter", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    for name in ("n", "k", "max_iter", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
     n, k = args.n, args.k
     print(f"n={n}, k={k}, float32, max_iter={args.max_iter}, default tol, torch threads {torch.get_num_threads()}")
     print("| logit scale | sinkhorn ms | converged | sweeps alone ms | converged | sweeps / sinkhorn |")

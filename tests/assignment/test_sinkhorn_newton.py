@@ -165,3 +165,11 @@ def test_newton_gives_up_early_on_marginals_it_cannot_meet(monkeypatch) -> None:
     with pytest.raises(ValueError, match="did not converge"):
         sinkhorn(_scores((64, 8), 1e5), max_iter=NEWTON_AFTER + 3)  # three steps left for Newton
     assert len(calls) <= 4 * (newton.MAX_HALVINGS + 1)
+
+
+def test_two_experts_keep_their_closed_form_without_rounds() -> None:
+    """A review case: for k = 2 the rounds restarted the closed form's search at every call, and
+    an input db2d5cc balanced within 33 sweeps raised."""
+    log_p = torch.randn(256, 2, generator=torch.Generator().manual_seed(17), dtype=torch.float64) * 1e4
+    q = sinkhorn(log_p, tol=1e-9, max_iter=33).exp()
+    assert float((q.sum(-2) - 128).abs().max()) <= 1e-9

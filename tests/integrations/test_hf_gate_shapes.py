@@ -235,7 +235,7 @@ def test_dbrx_jitter_is_named_in_the_warning():
 def test_experts_that_cannot_take_one_expert_per_token_get_two_slots():
     """LongCat-Flash's experts index ``expert_mask[e].squeeze(0)``, which fails for one expert per
     row (their own error: ``not enough values to unpack``). A block that leaves slots out (padding)
-    then passes each kept pair as two slots of its expert, weights ``(w, 0)``: the real tokens'
+    then passes each kept pair as two slots of its expert, weights ``(w/2, w/2)``: the real tokens'
     logits equal the unpatched model's (its gate's rule, a zero correction bias here, is topk's)."""
     if not hasattr(tf, "LongcatFlashForCausalLM"):
         pytest.skip(f"transformers {tf.__version__} has no LongCat-Flash")
@@ -335,3 +335,31 @@ def test_integer_buffers_of_a_gates_children_keep_their_dtype_in_the_probe():
 
     rule = probe_gate(IndexedGate())
     assert (rule.k, rule.renormalize, rule.differs) == (2, True, None)
+
+
+def test_two_slots_keep_an_infinite_expert_output_infinite():
+    """A review case: weights (w, 0) made 0 * inf = NaN; (w/2, w/2) keep inf, and equal w * y."""
+
+    class SqueezingExperts(_Experts):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            if top_k_index.shape[-1] == 1:
+                raise ValueError("not enough values to unpack (expected 2, got 1)")
+            return super().forward(hidden_states, top_k_index, top_k_weights)
+
+    torch.manual_seed(0)
+    block = _Block(_NestedGate(6, 4))
+    block.experts = SqueezingExperts(6, 4)
+    reference = copy.deepcopy(block.experts)
+    patch_moe(nn.Sequential(block), "topk", capacity_factor=0.5)
+    x = torch.randn(12, 6)
+    y = block(x)
+    _, weights, experts = block.gate(x)
+    kept = experts < 4
+    token, slot = kept.nonzero(as_tuple=True)
+    expected = torch.zeros_like(x).index_add(0, token, torch.stack([
+        x[t] @ reference.down_proj[experts[t, s]].T * weights[t, s] for t, s in zip(token.tolist(), slot.tolist())]))
+    torch.testing.assert_close(y, expected)  # (summed in another order)
+    with torch.no_grad():
+        block.experts.down_proj.abs_().mul_(1e38)  # positive terms: the experts' outputs overflow to +inf
+    y = block(x.abs() + 1)  # (weights well above 0: 0 * inf is NaN in any order)
+    assert not torch.isnan(y).any() and torch.isinf(y).any()

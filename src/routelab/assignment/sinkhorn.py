@@ -116,13 +116,19 @@ def _balanced_or_raise(
     resolution = 4 * torch.finfo(log_p.dtype).eps * n**0.5 * max(1.0, top)
     eff_tol = max(tol, resolution)
     differentiable = torch.is_grad_enabled() and (log_p.requires_grad or target.requires_grad)
-    newton = not differentiable and 0 < log_p.shape[-1] <= NEWTON_MAX_K and max_iter > 2 * NEWTON_AFTER \
+    k = log_p.shape[-1]
+    # (two experts: their closed form restarts its own search at each call, so no rounds there)
+    newton = not differentiable and 2 < k <= NEWTON_MAX_K and max_iter > 2 * NEWTON_AFTER \
         and log_p.numel() > 0 and target.numel() > 0 and float(target.detach().amin()) > 0
     if newton:
         # where the sweeps are cheap (the scaling domain: every entry within 80 nats of its row's
         # maximum, which the spread bounds), they have more room first
         limit = COMPILED_SCALING_RANGE.get(log_p.dtype, 80.0)
-        cheap = spread is not None and (spread <= limit or float((log_p.amax(-1) - log_p.amin(-1)).amax()) <= limit)
+        cheap = spread is not None and spread <= limit
+        if not cheap:  # each row's range over its finite entries (-inf entries are the scaling domain's zeros)
+            top = log_p.amax(-1, keepdim=True)
+            low = torch.where(torch.isneginf(log_p), top, log_p).amin(-1, keepdim=True)
+            cheap = float((top - low).amax()) <= limit
         x, err = _sweeps_then_newton(log_p, target, eff_tol, max_iter, first=16 * NEWTON_AFTER if cheap else None,
                                      room=NEWTON_SWEEPS if cheap else NEWTON_SWEEPS // 8)
     else:

@@ -358,13 +358,14 @@ class RoutedExperts:
         return flat.new_zeros(flat.shape).index_add(0, token, out).view(hidden_states.shape)
 
     def _two_slots(self, rows: Tensor, index: Tensor, weights: Tensor, error: Exception | None = None) -> Tensor:
-        """The kept pairs as rows of two slots, the pair's expert twice with weights ``(w, 0)``: for
-        experts that fail on one slot per row (LongCat-Flash's and NLLB-MoE's ``squeeze(0)`` of an
-        ``[1, P]`` mask), at twice the expert compute. Learnt on the first failure (``error``),
+        """The kept pairs as rows of two slots, the pair's expert twice with weights ``(w/2, w/2)``
+        (halving is exact, so the sum is ``w * y`` to the bit, and an infinite ``y`` stays infinite):
+        for experts that fail on one slot per row (LongCat-Flash's and NLLB-MoE's ``squeeze(0)`` of
+        an ``[1, P]`` mask), at twice the expert compute. Learnt on the first failure (``error``),
         which is raised, with the cause said, when two slots fail too."""
+        half = weights / 2
         try:
-            out = super().forward(rows, index.expand(-1, 2),  # type: ignore[misc]
-                                  torch.stack([weights, torch.zeros_like(weights)], dim=-1))
+            out = super().forward(rows, index.expand(-1, 2), torch.stack([half, half], dim=-1))  # type: ignore[misc]
         except (IndexError, ValueError, RuntimeError) as again:
             if error is None or isinstance(again, (torch.OutOfMemoryError, torch.AcceleratorError)):
                 raise
