@@ -173,3 +173,35 @@ def test_two_experts_keep_their_closed_form_without_rounds() -> None:
     log_p = torch.randn(256, 2, generator=torch.Generator().manual_seed(17), dtype=torch.float64) * 1e4
     q = sinkhorn(log_p, tol=1e-9, max_iter=33).exp()
     assert float((q.sum(-2) - 128).abs().max()) <= 1e-9
+
+
+@pytest.mark.parametrize("scale", [50.0, 1000.0])
+def test_empty_columns_are_zero_and_the_rest_balanced(scale: float) -> None:
+    """A col_sum of 0 (an expert switched off) keeps Newton's finish: that column is exactly -inf,
+    and the others are the balancing of ``p`` without it (the diagonal-scaling identity on them).
+    Before, the sweeps alone ran here: at logit scale 1000 they did not converge in 1000 sweeps."""
+    n, k = 256, 8
+    log_p = _scores((2, n, k), scale).log_softmax(-1)
+    target = torch.full((2, k), n / (k - 2))
+    target[0, [1, 5]] = 0.0
+    target[1, [0, 7]] = 0.0
+    log_q = sinkhorn(log_p, col_sum=target)
+    empty = target == 0
+    assert bool(torch.isneginf(log_q).permute(0, 2, 1)[empty].all())
+    q = log_q.double().exp()
+    torch.testing.assert_close(q.sum(-1), torch.ones(2, n, dtype=torch.float64), rtol=0, atol=1e-5)
+    assert float((q.sum(-2) - target).abs().max()) <= 4 * torch.finfo(torch.float32).eps * n**0.5 * (n / (k - 2))
+    for b in range(2):
+        kept = ~empty[b]
+        _assert_diagonal_scaling(log_p[b][:, kept], log_q[b][:, kept], atol=1e-2 * scale / 100)
+
+
+def test_newton_with_an_empty_column_agrees_with_converged_sweeps() -> None:
+    """The oracle of the converged float64 sweeps, with a column whose target is 0."""
+    log_p = _scores((200, 6), 4.0, dtype=torch.float64)
+    target = torch.tensor([50.0, 0.0, 40.0, 45.0, 40.0, 25.0], dtype=torch.float64)
+    swept, err = balance(log_p, target, tol=1e-10, max_iter=100_000)
+    assert err <= 1e-10
+    newton, err = newton_balance(log_p, target, tol=1e-10)
+    assert err <= 1e-10
+    torch.testing.assert_close(newton, swept, rtol=0, atol=1e-8)

@@ -52,7 +52,9 @@ def newton_balance(x: Tensor, target: Tensor, *, tol: float, max_steps: int = MA
         x: ``[..., n, k]`` log-probabilities, finite or ``-inf`` (impossible pairs), every row with a
             finite entry; typically the sweeps' last iterate (any row and column scaling of the
             problem balances to the same result).
-        target: ``[..., k]`` (or ``[k]``) positive column targets adding up to ``n``.
+        target: ``[..., k]`` (or ``[k]``) non-negative column targets adding up to ``n``; a column
+            whose target is 0 is set to ``-inf`` (its balanced value), and every row needs a finite
+            entry in a column with a positive target.
         tol: the largest column error accepted, judged in ``x``'s dtype.
         max_steps: most Newton steps (at most :data:`MAX_STEPS`).
 
@@ -63,8 +65,9 @@ def newton_balance(x: Tensor, target: Tensor, *, tol: float, max_steps: int = MA
         marginals infeasible for the ``-inf`` pattern, or the problem beyond float64), or when a
         Newton system was singular. Computed in float64.
     """
-    xd = x.detach().to(torch.float64)
-    t = target.detach().to(torch.float64).expand(xd.shape[:-2] + xd.shape[-1:])
+    t = target.detach().to(torch.float64).expand(x.shape[:-2] + x.shape[-1:])
+    empty = t == 0  # [..., k]: columns balanced to zero (-inf); F is flat along each of them
+    xd = x.detach().to(torch.float64).masked_fill(empty.unsqueeze(-2), -torch.inf)
     out_target = target.detach().to(x.dtype)
     k = xd.shape[-1]
     g = torch.zeros_like(t)
@@ -96,9 +99,11 @@ def newton_balance(x: Tensor, target: Tensor, *, tol: float, max_steps: int = MA
         # Shift the null direction 1 (F is flat along it) to the diagonal's scale (r is orthogonal
         # to 1), and damp by the error (Levenberg-Marquardt: a sharp p leaves few fractional rows,
         # so hess is nearly singular far from the solution; the damping vanishes near it). A
-        # balanced entry of the batch (perhaps with rows exactly one-hot: hess = 0) solves I.
+        # balanced entry of the batch (perhaps with rows exactly one-hot: hess = 0) solves I. An
+        # empty column's potential is free as well: its diagonal gets the scale (r = 0 there).
         damping = DAMPING * r.abs().sum(-1)
-        system = hess + ones * (scale / k)[..., None, None] + torch.diag_embed(damping.unsqueeze(-1).expand_as(r))
+        diagonal = damping.unsqueeze(-1) + empty * scale.unsqueeze(-1)
+        system = hess + ones * (scale / k)[..., None, None] + torch.diag_embed(diagonal)
         system = torch.where(active[..., None, None], system, eye)
         step, info = torch.linalg.solve_ex(system, r.unsqueeze(-1))
         if bool(((info != 0) & active).any()):
