@@ -106,13 +106,34 @@ def test_newton_runs_only_after_its_sweeps() -> None:
 
 
 @settings(max_examples=25, deadline=None)
-@given(scale=st.floats(1.0, 300.0), k=st.integers(3, 9), per_column=st.integers(2, 10), seed=st.integers(0, 2**16))
-def test_any_sharpness_up_to_300_is_balanced(scale: float, k: int, per_column: int, seed: int) -> None:
-    """At least two tokens per column (a handful of tokens over more experts at logit scales of
-    hundreds can still defeat Newton's steps, and then raises the sweeps' ValueError)."""
+@given(scale=st.floats(1.0, 1e4), k=st.integers(3, 17), per_column=st.integers(1, 10), seed=st.integers(0, 2**16))
+def test_any_sharpness_is_balanced(scale: float, k: int, per_column: int, seed: int) -> None:
+    """Logit scales up to 1e4, as few as one token per column: a handful of tokens at scales of
+    hundreds left every row one-hot to float64 and defeated Newton's steps from the sweeps' iterate
+    (the sweeps' ValueError; 12 of 20 seeds at 32 x 16, scale 1000); the continuation in the
+    temperature balances them."""
     n = k * per_column
     log_p = _scores((n, k), scale, seed)
-    log_q = sinkhorn(log_p)
+    _assert_balanced(log_p, sinkhorn(log_p), n, k)
+
+
+@pytest.mark.parametrize("scale", [1e3, 1e4])
+@pytest.mark.parametrize(("k", "per_column"), [(4, 1), (8, 2), (16, 2), (16, 3)])
+def test_a_few_tokens_at_extreme_sharpness(scale: float, k: int, per_column: int) -> None:
+    """The sizes where the sweeps and the steps from their iterate failed (measured before the
+    continuation: 2-20 of 20 seeds per case raised), each over 5 seeds, with the diagonal-scaling
+    identity as the oracle."""
+    n = k * per_column
+    for seed in range(5):
+        log_p = _scores((n, k), scale, seed)
+        log_q = sinkhorn(log_p)
+        _assert_balanced(log_p, log_q, n, k)
+        # (float32 rounding of entries up to ~5 scale: the measured deviations are 2e-6 - 1.4e-5 scale)
+        _assert_diagonal_scaling(log_p, log_q, atol=4e-5 * scale)
+
+
+def _assert_balanced(log_p: torch.Tensor, log_q: torch.Tensor, n: int, k: int) -> None:
+    """Rows sum to 1, columns to ``n / k`` within sinkhorn's (floored) default tolerance."""
     q = log_q.double().exp()
     assert float((q.sum(-1) - 1).abs().max()) <= 1e-5
     assert float((q.sum(-2) - n / k).abs().max()) <= max(1e-6, 4 * torch.finfo(torch.float32).eps * n**0.5

@@ -17,10 +17,16 @@ this where its sweeps did not reach the tolerance (without autograd).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 __all__ = ["newton_balance"]
+
+#: What a run of steps returns once its error is within tolerance (``None``: go on).
+Accept = Callable[[Tensor], object]
 
 #: Newton steps at most; each halves its step at most :data:`MAX_HALVINGS` times.
 MAX_STEPS = 100
@@ -56,7 +62,12 @@ def newton_balance(x: Tensor, target: Tensor, *, tol: float, max_steps: int = MA
             whose target is 0 is set to ``-inf`` (its balanced value), and every row needs a finite
             entry in a column with a positive target.
         tol: the largest column error accepted, judged in ``x``'s dtype.
-        max_steps: most Newton steps (at most :data:`MAX_STEPS`).
+        max_steps: most Newton steps in all (each run below takes at most :data:`MAX_STEPS`).
+
+    Newton's steps run from ``x`` itself first. Where they fail and every entry of a kept column is
+    finite (the marginals are then feasible), they run again by continuation in the temperature
+    (:func:`_annealed`): a sharp ``p`` leaves every row one-hot to float64 far from the solution, so
+    the column errors stay at whole numbers while the potentials must move by hundreds of nats.
 
     Returns:
         ``(log_q, err)``: the first iterate whose largest column error in ``x``'s dtype is within
@@ -69,30 +80,76 @@ def newton_balance(x: Tensor, target: Tensor, *, tol: float, max_steps: int = MA
     empty = t == 0  # [..., k]: columns balanced to zero (-inf); F is flat along each of them
     xd = x.detach().to(torch.float64).masked_fill(empty.unsqueeze(-2), -torch.inf)
     out_target = target.detach().to(x.dtype)
-    k = xd.shape[-1]
+
+    def accept(log_q: Tensor) -> tuple[Tensor, float] | None:  # judged where it counts: in x's dtype
+        out = log_q.to(x.dtype)
+        out = out - torch.logsumexp(out, dim=-1, keepdim=True)  # rows to 1 in x's dtype, as the sweeps end
+        out_err = float((out.exp().sum(-2) - out_target).abs().amax())
+        return (out, out_err) if out_err <= tol else None
+
+    budget = [max_steps]
+    found, _ = _steps(xd, t, empty, torch.zeros_like(t), tol, accept, budget)
+    if found is None and bool((torch.isfinite(xd) | empty.unsqueeze(-2)).all()):
+        found = _annealed(xd, t, empty, tol, accept, budget)
+    return found
+
+
+#: Continuation in the temperature starts where every row of ``x / T`` spans at most this many nats.
+ANNEAL_RANGE = 16.0
+#: ... and takes at most this many halvings of ``T``.
+MAX_LEVELS = 64
+
+
+def _annealed(xd: Tensor, t: Tensor, empty: Tensor, tol: float, accept: Accept,
+              budget: list[int]) -> tuple[Tensor, float] | None:
+    """Newton's method by continuation: balance ``x / T`` for ``T = 2^m, ..., 2`` (each to a loose
+    tolerance, from the previous level's potentials doubled, as the potentials scale like ``x / T``),
+    then ``x`` itself from there. ``2^m`` brings every row within :data:`ANNEAL_RANGE` nats."""
+    finite = torch.isfinite(xd)
+    top = xd.amax(-1, keepdim=True)
+    spread = float((top - torch.where(finite, xd, top)).amax())
+    levels = min(MAX_LEVELS, math.ceil(math.log2(spread / ANNEAL_RANGE))) if spread > ANNEAL_RANGE else 0
+    if levels == 0:
+        return None  # x is as soft as the first level: the steps from x already failed on it
+    loose = max(tol, 1e-3 * float(t.amax()))
     g = torch.zeros_like(t)
+    for level in range(levels, 0, -1):
+        temperature = 2.0**level
+        done, g = _steps(xd / temperature, t, empty, g, loose, lambda log_q: True, budget)
+        if done is None:
+            return None
+        g = 2 * g  # the next level's potentials, to first order
+    return _steps(xd, t, empty, g, tol, accept, budget)[0]
+
+
+def _steps(xd: Tensor, t: Tensor, empty: Tensor, g: Tensor, tol: float, accept: Accept,
+           budget: list[int]) -> tuple[object, Tensor]:
+    """Damped Newton steps on ``F`` from the potentials ``g [..., k]`` until the largest column error
+    (float64) is within ``tol`` and ``accept(log_q)`` returns a result. ``budget``: a one-element
+    list of the steps left, shared by the runs of one call. Returns ``(result or None, g)``."""
+    k = xd.shape[-1]
     ones = torch.ones(k, k, dtype=torch.float64, device=xd.device)
     eye = torch.eye(k, dtype=torch.float64, device=xd.device)
     F, log_q, c = _state(xd, t, g)
     worst_seen: list[float] = []
-    for _ in range(min(max_steps, MAX_STEPS) + 1):
+    for _ in range(MAX_STEPS + 1):
         r = c - t  # [..., k]: minus the gradient
         err = r.abs().amax(-1)
         worst = float(err.max())  # one read per step
-        if worst <= tol:  # judged where it counts: in x's dtype
-            out = log_q.to(x.dtype)
-            out = out - torch.logsumexp(out, dim=-1, keepdim=True)  # rows to 1 in x's dtype, as the sweeps end
-            out_err = float((out.exp().sum(-2) - out_target).abs().amax())
-            if out_err <= tol:
-                return out, out_err
+        if worst <= tol:
+            found = accept(log_q)
+            if found is not None:
+                return found, g
         worst_seen.append(worst)
         # (the error need not fall at every step: the best of the last steps against the best before)
-        if len(worst_seen) > max_steps or (len(worst_seen) > STALL_STEPS and min(worst_seen[-STALL_STEPS:])
-                                           > 0.9 * min(worst_seen[:-STALL_STEPS])):
-            return None
+        recent, before = worst_seen[-STALL_STEPS:], worst_seen[:-STALL_STEPS]
+        stalled = bool(before) and min(recent) > 0.9 * min(before)
+        if budget[0] <= 0 or len(worst_seen) > MAX_STEPS or stalled:
+            return None, g
+        budget[0] -= 1
         active = err > tol / 4  # a margin for the rounding to x's dtype
         if not bool(active.any()):
-            return None  # within tol in float64 but not after rounding to x's dtype
+            return None, g  # within tol in float64 but not after rounding to x's dtype
         q = log_q.exp()
         hess = torch.diag_embed(c) - q.transpose(-1, -2) @ q  # [..., k, k]
         scale = torch.diagonal(hess, dim1=-2, dim2=-1).mean(-1).clamp_min(1e-300)
@@ -107,7 +164,7 @@ def newton_balance(x: Tensor, target: Tensor, *, tol: float, max_steps: int = MA
         system = torch.where(active[..., None, None], system, eye)
         step, info = torch.linalg.solve_ex(system, r.unsqueeze(-1))
         if bool(((info != 0) & active).any()):
-            return None
+            return None, g
         step = torch.where(active.unsqueeze(-1), step.squeeze(-1), torch.zeros_like(r))
         slope = -(r * step).sum(-1)  # grad F . step (< 0 where active)
         alpha = torch.ones_like(F)
@@ -129,9 +186,9 @@ def newton_balance(x: Tensor, target: Tensor, *, tol: float, max_steps: int = MA
                 break
             alpha = torch.where(accepted, alpha, alpha / 2)
         if not bool(accepted.all()):  # no decrease along a Newton direction: beyond float64
-            return None
+            return None, g
         F, log_q, c = new
-    return None
+    return None, g
 
 
 def _expand(mask: Tensor, like: Tensor) -> Tensor:
