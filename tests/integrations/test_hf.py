@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
+import pickle
+import subprocess
+import sys
 import warnings
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +31,8 @@ from routelab.integrations.hf import (
 from routelab.routers import TopKRouter
 
 tf = pytest.importorskip("transformers")
+
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 VOCAB = 64
 
@@ -880,7 +887,77 @@ def test_a_deep_copy_of_a_patched_logits_only_block_routes_with_its_own_gate():
     with torch.no_grad():
         twin[1].router.weight.mul_(-1)  # the copy's own gate decides its routing
     assert not torch.allclose(twin(x), model(x))
-    assert twin[0].route_tokens_to_experts.__self__ is twin[0]
+    assert twin[0].route_tokens_to_experts.block is twin[0]
+
+
+def test_a_pickled_logits_only_block_routes_with_its_own_gate():
+    """Pickle finds a patched module's class by its mixin and original class (the class made at
+    patch time has no importable name), and the block's route method goes with its block."""
+    model = torch.nn.Sequential(_RoutingBlock(), _RoutingBlock())
+    patch_moe(model, "sinkhorn", capacity_factor=1.0)
+    x = torch.randn(2, 5, 6)
+    twin = pickle.loads(pickle.dumps(model))
+    assert type(twin[0].router) is type(model[0].router)  # the same patched class, made once
+    torch.testing.assert_close(twin(x), model(x))
+    assert twin[0].route_tokens_to_experts.block is twin[0]
+    assert twin[0].router.router.proj.weight is twin[0].router.weight  # still one parameter
+    with torch.no_grad():
+        twin[1].router.weight.mul_(-1)
+    assert not torch.allclose(twin(x), model(x))
+
+
+_FRESH_PROCESS_LOAD = """
+import sys, torch, routelab
+model = torch.load(sys.argv[1], weights_only=False)
+model.eval()
+with torch.no_grad():
+    torch.save(model(torch.load(sys.argv[2])).logits, sys.argv[3])
+model.train()
+out = model(torch.load(sys.argv[2]), labels=torch.load(sys.argv[2]))
+(out.loss + routelab.aux_loss(model)).backward()
+assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+"""
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_a_patched_model_saves_whole_and_loads_in_a_fresh_process(family, tmp_path):
+    """``torch.save(model)`` of a patched model, after a training step: loaded in a new Python
+    process, it computes the same logits and trains (before, pickle could not find the patched
+    classes by name)."""
+    model = tiny(family)
+    patch_moe(model, "batchwise", k=2, capacity_factor=1.25, generator=torch.Generator().manual_seed(0))
+    out = model(ids(), labels=ids())
+    (out.loss + routelab.aux_loss(model)).backward()
+    torch.save(model, tmp_path / "model.pt")
+    torch.save(ids(seed=2), tmp_path / "ids.pt")
+    model.eval()
+    with torch.no_grad():
+        expected = model(ids(seed=2)).logits
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", _FRESH_PROCESS_LOAD, str(tmp_path / "model.pt"),
+                           str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt")],
+                          capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=0, atol=0)
+
+
+def test_a_deep_copy_after_a_training_step_is_independent_and_keeps_its_ties():
+    model = tiny("mixtral")
+    patch_moe(model, "sinkhorn")
+    model(ids(), labels=ids()).loss.backward()
+    twin = copy.deepcopy(model)
+    for (_, block), (_, twin_block) in zip(sparse_moe_blocks(model), sparse_moe_blocks(twin), strict=True):
+        gate, twin_gate = gate_of(block), gate_of(twin_block)
+        assert twin_gate.router.proj.weight is twin_gate.weight and twin_gate.weight is not gate.weight
+        assert twin_gate._routelab_state is twin_block.experts._routelab_state  # the block's own channel
+    model.eval()
+    twin.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids()).logits, model(ids()).logits, rtol=0, atol=0)
+        for _, block in sparse_moe_blocks(twin):
+            gate_of(block).weight.mul_(-1)
+        assert not torch.allclose(twin(ids()).logits, model(ids()).logits)
 
 
 def test_a_logits_only_gates_block_routes_only_after_its_gate():

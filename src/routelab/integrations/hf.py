@@ -54,7 +54,6 @@ on the patched model.
 from __future__ import annotations
 
 import inspect
-import types
 import warnings
 from collections import deque
 from collections.abc import Callable
@@ -395,17 +394,47 @@ def _route_by_gate(self: nn.Module, *_inputs: Any, **_kwargs: Any) -> tuple[Tens
     return tuple(found[role] for role in gate._routelab_block_routes)
 
 
+class _BlockRoute:
+    """The patched block's :data:`ROUTE_METHOD`: :func:`_route_by_gate` bound to the block, as an
+    object (a bound function would not pickle: pickle looks a bound method up by its name)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+
+    def __call__(self, *inputs: Any, **kwargs: Any) -> tuple[Tensor, ...]:
+        return _route_by_gate(self.block, *inputs, **kwargs)
+
+
 _SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
+def _patched_class(mixin: type, base: type) -> type:
+    """The class ``(mixin, base)`` that :func:`_swap_class` gives a module of class ``base``, made once."""
+    cls = _SUBCLASSES.get((base, mixin))
+    if cls is None:
+        cls = type(base.__name__, (mixin, base), {"__module__": __name__, "__qualname__": base.__qualname__,
+                                                   "__reduce_ex__": _reduce_patched})
+        _SUBCLASSES[(base, mixin)] = cls
+    return cls
 
 
 def _swap_class(module: nn.Module, mixin: type) -> None:
     """Make ``module`` an instance of ``(mixin, type(module))``, named after its class (as parametrize does)."""
-    base = type(module)
-    cls = _SUBCLASSES.get((base, mixin))
-    if cls is None:
-        cls = type(base.__name__, (mixin, base), {"__module__": __name__, "__qualname__": base.__qualname__})
-        _SUBCLASSES[(base, mixin)] = cls
-    module.__class__ = cls
+    module.__class__ = _patched_class(mixin, type(module))
+
+
+def _reduce_patched(module: nn.Module, protocol: int) -> tuple:
+    """Pickle (and deep-copy) a patched module by its mixin and original class, which pickle can
+    find by name, instead of the class made at patch time, which it cannot: a whole patched model
+    then saves (``torch.save(model)``) and loads in a fresh process."""
+    mixin, base = type(module).__bases__
+    return _new_patched, (mixin, base), module.__getstate__()
+
+
+def _new_patched(mixin: type, base: type) -> nn.Module:
+    """An empty instance of the patched class of ``base`` (its state follows: ``nn.Module.__setstate__``)."""
+    cls = _patched_class(mixin, base)
+    return cls.__new__(cls)
 
 
 def _model_norm_topk(gate: nn.Module, model: nn.Module) -> bool:
@@ -634,7 +663,7 @@ def patch_moe(
         object.__setattr__(gate, "_routelab_outputs", rule.outputs)
         if rule.block_routes is not None:  # a logits-only gate: the block's route method answers for it
             object.__setattr__(gate, "_routelab_block_routes", rule.block_routes)
-            object.__setattr__(block, ROUTE_METHOD, types.MethodType(_route_by_gate, block))
+            object.__setattr__(block, ROUTE_METHOD, _BlockRoute(block))
         _swap_class(experts, RoutedExperts)
         object.__setattr__(experts, "_routelab_num_experts", scorer.weight.shape[0])
         object.__setattr__(experts, "_routelab_state", state)
