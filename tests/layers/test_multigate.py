@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 from torch import nn
 
-from routelab.gates import DSelectK, GumbelSoftmaxGate, SoftmaxGate, TopKGate, ablation_entropy
+from routelab.gates import DSelectK, GumbelSoftmaxGate, SoftmaxGate, SoftmaxSelectorGate, TopKGate, ablation_entropy
 from routelab.layers import MultiGateMoE, SharedBottom, StackedLinear
 
 torch.set_num_threads(1)
@@ -159,3 +162,30 @@ def test_experts_are_still_skipped_without_gradients_and_under_exact_zero_gates(
     gate.eval()
     layer(torch.randn(5, 3))
     assert calls[2] == 0 and calls[0] == 2  # eval: the gate's zeros are exact
+
+
+@pytest.mark.parametrize("make_gate", [
+    lambda: DSelectK(5, 2, per_example=True, input_dim=4),  # 5 is no power of 2: the unused-codes penalty
+    lambda: DSelectK(4, 2, per_example=True, input_dim=4, entropy_reg=0.1),
+    lambda: GumbelSoftmaxGate(4, sparsity_reg=0.1),
+    lambda: SoftmaxSelectorGate(4, 2, entropy_reg=0.1),
+], ids=["dselect-unused-codes", "dselect-entropy", "gumbel-sparsity", "selector-entropy"])
+def test_a_model_deep_copies_and_pickles_after_a_training_step(make_gate):
+    """An EMA or best-model snapshot (``copy.deepcopy``, ``torch.save``) after a training step: the
+    gates' last penalties are graph tensors, detached in the copy (a review found the copy raised
+    "Only Tensors created explicitly by the user ..."). The copy computes what the model does."""
+    torch.manual_seed(0)
+    gate = make_gate()
+    model = MultiGateMoE(StackedLinear(gate.num_experts, 4, 6), [gate])
+    x = torch.randn(3, 4)
+    (model(x)[0].sum() + model.regularization()).backward()
+    assert model.regularization().requires_grad
+    twin = copy.deepcopy(model)
+    loaded = pickle.loads(pickle.dumps(model))
+    for other in (twin, loaded):
+        assert not other.regularization().requires_grad
+        torch.testing.assert_close(other.regularization(), model.regularization().detach())
+        model.eval()
+        other.eval()
+        torch.testing.assert_close(other(x)[0], model(x)[0], rtol=0, atol=0)
+        model.train()

@@ -145,6 +145,14 @@ class MTLGate(nn.Module):
         self.aux = out.aux
         self._last_weights = out.scores.detach()
 
+    def __getstate__(self) -> dict:
+        """The gate's state for ``copy.deepcopy`` and pickling, with the last penalties detached (a
+        graph's tensors cannot be deep-copied: an EMA or best-model snapshot of a model after a
+        training step would fail)."""
+        state = dict(super().__getstate__())
+        state["aux"] = {name: value.detach() for name, value in state.get("aux", {}).items()}
+        return state
+
     @staticmethod
     def _output(weights: torch.Tensor, x: torch.Tensor | int) -> torch.Tensor:
         """``weights`` in ``x``'s dtype when ``x`` is a floating tensor (the dtype policy)."""
