@@ -189,3 +189,22 @@ def test_a_model_deep_copies_and_pickles_after_a_training_step(make_gate):
         other.eval()
         torch.testing.assert_close(other(x)[0], model(x)[0], rtol=0, atol=0)
         model.train()
+
+
+@pytest.mark.parametrize("make_gate", [
+    lambda: DSelectK(5, 2, per_example=True, input_dim=4),
+    lambda: DSelectK(4, 2, per_example=True, input_dim=4, entropy_reg=0.1, entropy_reduction="mean"),
+    lambda: DSelectK(4, 2, per_example=True, input_dim=4, entropy_reg=0.1),
+    lambda: TopKGate(4, 2, per_example=True, input_dim=4),
+    lambda: SoftmaxGate(4, per_example=True, input_dim=4),
+], ids=["dselect-unused-codes", "dselect-entropy-mean", "dselect-entropy-sum", "topk", "softmax"])
+def test_a_batch_of_no_examples_has_no_penalty(make_gate):
+    """Zero examples: empty outputs and a regularization of exactly 0 (it was NaN: the mean of an
+    empty penalty), which backward passes through."""
+    gate = make_gate()
+    model = MultiGateMoE(StackedLinear(gate.num_experts, 4, 6), [gate])
+    outs = model(torch.randn(0, 4))
+    assert [tuple(o.shape) for o in outs] == [(0, 6)]
+    penalty = model.regularization()
+    assert float(penalty) == 0.0
+    (sum(o.sum() for o in outs) + penalty).backward()

@@ -277,12 +277,12 @@ class DSelectK(MTLGate):
         rp = r if r.dtype in (torch.float32, torch.float64) else r.float()  # penalties in >= float32
         if self.entropy_reg > 0:
             ent = -(rp * torch.log(rp + ENTROPY_EPS)).sum(dim=-1).sum(dim=-1)   # [B']
-            aux["entropy"] = self.entropy_reg * (ent.sum() if self.entropy_reduction == "sum" else ent.mean())
+            aux["entropy"] = self.entropy_reg * (ent.sum() if self.entropy_reduction == "sum" else _mean(ent))
         if not self.power_of_2 and self.unused_penalty > 0:
             real = rp[..., : self.num_experts].sum(dim=-1)         # [B', k]
             # max(real, floor) in value, d real in gradient: finite where App. B.2 divides by 0.
             floored = real + (UNUSED_FLOOR - real.detach()).clamp(min=0.0)
-            aux["unused_codes"] = self.unused_penalty * (1.0 / floored).sum(dim=-1).mean()
+            aux["unused_codes"] = self.unused_penalty * _mean((1.0 / floored).sum(dim=-1))
         if weights.shape[0] != b:
             weights = weights.expand(b, self.num_experts)
         return GateOutput(self._output(weights, x), aux, {"smooth_step": smooth_step(z.detach(), self.gamma)})
@@ -312,3 +312,9 @@ class DSelectK(MTLGate):
         out["binary"] = self.is_binary()
         out["binary_step"] = self.binary_step
         return out
+
+
+def _mean(t: torch.Tensor) -> torch.Tensor:
+    """The mean of ``t``'s entries, 0 for an empty ``t`` (a batch of no examples: no penalty, where
+    ``t.mean()`` is NaN)."""
+    return t.sum() / max(t.numel(), 1)
