@@ -151,6 +151,38 @@ def test_a_router_reconfigured_since_construction_is_described_as_it_is() -> Non
     assert replaced.router is other and replaced.k is None and replaced.router_kwargs is None
 
 
+@pytest.mark.parametrize("router", ["topk", "noisy_topk", "batchwise", "sinkhorn", "base"])
+def test_setting_a_routers_k_changes_its_routes_capacity_and_config(router: str) -> None:
+    """A review case: ``router.k = 3`` changed the routes but not ``slots``, so the layer sized its
+    capacity for the old ``k`` and ``config`` described the layer by name with ``k=2``
+    (``MoE.from_config(layer.config)`` silently built another layer). ``k`` is ``slots`` now."""
+    moe = MoE(D, H, E, router=router, k=2)
+    moe.router.k = 3
+    assert moe.router.slots == 3 and moe.capacity(64) == MoE(D, H, E, router=router, k=3).capacity(64)
+    assert moe.config.router is moe.router  # reconfigured since: the instance, as it is
+    _, routes = moe(torch.randn(16, D))
+    assert routes.expert.shape[-1] >= 3
+    with pytest.raises(ValueError, match="k must be an integer in"):
+        moe.router.k = E + 1
+
+
+def test_a_config_takes_only_its_routers_options_and_k() -> None:
+    """A review case: ``replace(router=...)`` kept the old router's options and ``k`` and was
+    accepted; only building the layer failed. Now the config refuses them, naming what to pass."""
+    config = MoEConfig(D, H, E, router="batchwise", k=2, router_kwargs={"threshold_coef": 0.5})
+    with pytest.raises(ValueError, match=r"takes no option 'threshold_coef'.*pass k=, router_kwargs="):
+        config.replace(router="topk")
+    assert config.replace(router="topk", router_kwargs=None).k == 2
+    with pytest.raises(ValueError, match=r"got k=2 but supports.*pass k= with it"):
+        MoEConfig(D, H, E, router="topk", k=2).replace(router="softmax")
+    with pytest.raises(ValueError, match="takes no option 'sweeps'"):
+        MoEConfig(D, H, E, router="topk", router_kwargs={"sweeps": 3})
+    with pytest.raises(ValueError, match="k must be an integer in"):
+        MoEConfig(D, H, E, router="topk", k=E + 1)
+    with pytest.raises(ValueError, match="router_kwargs must be a dict"):
+        MoEConfig(D, H, E, router="topk", router_kwargs=[("renormalize", True)])
+
+
 def test_a_layer_pickled_before_router_specs_still_describes_itself() -> None:
     """A review case: a layer unpickled from a version without ``_router_spec`` had no ``config``."""
     moe = MoE(D, H, E, router="topk", k=2)

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_capacity_factor, check_positive_int
-from ..routers import Router, make_router, router_name
+from ..routers import Router, check_router_arguments, make_router
 from ..routing import DROP_POLICIES
 from .experts import resolve_activation
 
@@ -109,7 +109,11 @@ class MoEConfig:
                     f"the layer has d_model={self.d_model}, num_experts={self.num_experts}"
                 )
         elif isinstance(self.router, str):
-            router_name(self.router)
+            if self.router_kwargs is not None and not isinstance(self.router_kwargs, Mapping):
+                raise ValueError(f"router_kwargs must be a dict of router options, got "
+                                 f"{type(self.router_kwargs).__name__}")
+            # the options and k the router takes (a replace(router=...) may carry those of another)
+            check_router_arguments(self.router, self.num_experts, self.k, dict(self.router_kwargs or {}))
         else:
             raise ValueError(f"router must be a router name or a Router instance, got {type(self.router).__name__}")
         check_capacity_factor(self.capacity_factor)
@@ -150,11 +154,19 @@ class MoEConfig:
     def replace(self, **changes: Any) -> MoEConfig:
         """A copy with ``changes`` (validated again). A router instance given for a config with a
         router name drops its ``k`` and ``router_kwargs`` (they configure routers built by name),
-        unless they are given too."""
+        unless they are given too. Another router name keeps them: a ValueError names an option or
+        ``k`` the new router does not take (give ``router_kwargs=`` / ``k=`` with it)."""
         if isinstance(changes.get("router"), Router):
             changes.setdefault("k", None)
             changes.setdefault("router_kwargs", None)
-        return dataclasses.replace(self, **changes)
+        try:
+            return dataclasses.replace(self, **changes)
+        except ValueError as err:
+            kept = [name for name in ("k", "router_kwargs") if name not in changes and getattr(self, name)]
+            if isinstance(changes.get("router"), str) and kept:
+                raise ValueError(f"{err} (replace(router={changes['router']!r}) keeps this config's "
+                                 f"{' and '.join(kept)}: pass {', '.join(f'{n}=' for n in kept)} with it)") from None
+            raise
 
 
 def _groups(experts: nn.Module) -> bool:

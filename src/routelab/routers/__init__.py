@@ -17,8 +17,10 @@ changing one argument: ``MoE(..., router="topk")`` -> ``router="base"``. Names:
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any
 
+from routelab._checks import check_positive_int
 from routelab.routers.balanced import BASERouter, GumbelMatchingRouter, SinkhornRouter
 from routelab.routers.base import Router
 from routelab.routers.batchwise import BatchwiseRouter
@@ -36,6 +38,7 @@ __all__ = [
     "SinkhornRouter",
     "SoftmaxRouter",
     "TopKRouter",
+    "check_router_arguments",
     "make_router",
     "router_name",
     "router_options",
@@ -95,6 +98,25 @@ def router_options(name: str) -> tuple[str, ...]:
                  and p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
 
 
+def check_router_arguments(name: str, num_experts: int, k: int | None, options: Mapping[str, Any]) -> None:
+    """Raise ValueError unless the router ``name`` takes every key of ``options`` (its
+    ``router_kwargs``) and, for a router of one ``k`` (``softmax``, ``switch``, ``gumbel_matching``),
+    ``k`` is that one or ``None``. The message lists the options it takes, or the ``k`` it supports."""
+    name = router_name(name)
+    known = router_options(name)
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"router {name!r} takes no option {', '.join(map(repr, unknown))} (router_kwargs); its "
+                         f"options: {', '.join(known) or 'none'}")
+    if name in _FIXED_K:
+        fixed = num_experts if name == "softmax" else 1
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k != fixed):
+            supported = _FIXED_K[name].replace("k=num_experts", f"k=num_experts={num_experts}")
+            raise ValueError(f"router {name!r} got k={k!r} but supports {supported}")
+    elif k is not None:
+        check_positive_int("k", k, upper=num_experts, upper_name="num_experts")
+
+
 def make_router(name: str, d_model: int, num_experts: int, *, k: int | None = None, **kwargs: Any) -> Router:
     """Build a router by name.
 
@@ -114,16 +136,8 @@ def make_router(name: str, d_model: int, num_experts: int, *, k: int | None = No
     """
     name = router_name(name)
     cls = ROUTERS[name]
-    options = router_options(name)
-    unknown = sorted(set(kwargs) - set(options))
-    if unknown:
-        raise ValueError(f"router {name!r} takes no option {', '.join(map(repr, unknown))} (router_kwargs); its "
-                         f"options: {', '.join(options) or 'none'}")
+    check_router_arguments(name, num_experts, k, kwargs)
     if name in _FIXED_K:
-        fixed = num_experts if name == "softmax" else 1
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k != fixed):
-            supported = _FIXED_K[name].replace("k=num_experts", f"k=num_experts={num_experts}")
-            raise ValueError(f"router {name!r} got k={k!r} but supports {supported}")
         if name == "switch":
             return cls(d_model, num_experts, 1, **kwargs)
         return cls(d_model, num_experts, **kwargs)

@@ -11,12 +11,12 @@ from ..estimators.rule import gumbel_matching_routes
 from ..estimators.sampling import METHODS
 from ..routes import Routes
 from ..routing.rules import balanced_routes, sinkhorn_balanced_log_probs, sinkhorn_routes
-from .base import Router
+from .base import ChoosesK, Router
 
 __all__ = ["BASERouter", "GumbelMatchingRouter", "SinkhornRouter"]
 
 
-class BASERouter(Router):
+class BASERouter(ChoosesK, Router):
     """BASE layers (Lewis et al. 2021): the exact balanced assignment maximising total score.
 
     (Named after the paper's BASE layers; ``BaseRouter``, its old name, is a deprecated alias.)
@@ -42,14 +42,13 @@ class BASERouter(Router):
 
     def __init__(self, d_model: int, num_experts: int, *, k: int = 1, eval_balanced: bool = False) -> None:
         super().__init__(d_model, num_experts, k)
-        self.k = self.slots
         self.eval_balanced = bool(eval_balanced)
 
     def route(self, logits: Tensor, capacity: int | None) -> Routes:
         return balanced_routes(logits, capacity, balanced=self.training or self.eval_balanced, k=self.k)
 
 
-class SinkhornRouter(Router):
+class SinkhornRouter(ChoosesK, Router):
     """Sinkhorn-balanced routing (Kool et al. Sec. 2.3; S-BASE of Clark et al. 2022).
 
     The router probabilities ``p = softmax(x W)`` are balanced by Sinkhorn over the batch (rows
@@ -75,7 +74,6 @@ class SinkhornRouter(Router):
     def __init__(self, d_model: int, num_experts: int, k: int = 1, *, sweeps: int = 20,
                  renormalize: bool = False, eval_balanced: bool = False, balance_coef: float = 0.0) -> None:
         super().__init__(d_model, num_experts, k)
-        self.k = self.slots
         self.sweeps = check_positive_int("sweeps", sweeps)
         self.renormalize = bool(renormalize)
         self.eval_balanced = bool(eval_balanced)

@@ -233,3 +233,21 @@ def proposes_every_slot(router: nn.Module) -> bool:
         return False
     return all(issubclass(declared, definer) for definer in map(first_definer, _ROUTING_METHODS)
                if definer is not None and definer is not nn.Module)
+
+
+class ChoosesK:
+    """Mixin for routers that take any ``k`` experts per token: ``k`` *is* the router's ``slots``.
+
+    One value, read by the routing rule and by the layer that sizes the capacity, so that setting
+    ``router.k`` changes both (two copies went apart: the layer sized its capacity for the old
+    ``k`` and described the router by it in ``MoE.config``).
+    """
+
+    @property
+    def k(self) -> int:
+        """Experts per token (``1 <= k <= num_experts``)."""
+        return self.slots
+
+    @k.setter
+    def k(self, value: int) -> None:
+        self.slots = check_positive_int("k", value, upper=self.num_experts, upper_name="num_experts")

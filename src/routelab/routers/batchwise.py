@@ -8,12 +8,12 @@ from torch import Tensor, nn
 from .._checks import check_nonneg
 from ..routes import Routes
 from ..routing.rules import INFERENCE_MASKS, batchwise_mask_in_use, batchwise_routes
-from .base import Router
+from .base import ChoosesK, Router
 
 __all__ = ["BatchwiseRouter"]
 
 
-class BatchwiseRouter(Router):
+class BatchwiseRouter(ChoosesK, Router):
     """App. F gating: ``G = G_sigma * M / sum(G_sigma * M)`` (eq. 16) with ``G_sigma = softmax(x W_g)``.
 
     * Training: ``M`` is the batchwise mask (eq. 18): every expert takes ``m = k * tokens / E``
@@ -41,7 +41,6 @@ class BatchwiseRouter(Router):
     def __init__(self, d_model: int, num_experts: int, k: int = 1, *, threshold_coef: float = 1.0,
                  inference: str = "threshold") -> None:
         super().__init__(d_model, num_experts, k)
-        self.k = self.slots
         if inference not in INFERENCE_MASKS:
             raise ValueError(f"inference must be one of {INFERENCE_MASKS}, got {inference!r}")
         self.inference = inference

@@ -10,12 +10,12 @@ from .._checks import check_nonneg, check_pos
 from ..routes import Routes
 from ..routing.rules import noisy_topk_routes, topk_routes
 from ._scores import float32_linear
-from .base import Router
+from .base import ChoosesK, Router
 
 __all__ = ["NoisyTopKRouter", "TopKRouter"]
 
 
-class TopKRouter(Router):
+class TopKRouter(ChoosesK, Router):
     """Each token goes to the ``k`` experts with the largest logits.
 
     Args:
@@ -35,7 +35,6 @@ class TopKRouter(Router):
     def __init__(self, d_model: int, num_experts: int, k: int = 1, *, renormalize: bool = False,
                  balance_coef: float = 0.01) -> None:
         super().__init__(d_model, num_experts, k)
-        self.k = self.slots
         self.renormalize = bool(renormalize)
         self.balance_coef = check_nonneg("balance_coef", balance_coef)
 
@@ -43,7 +42,7 @@ class TopKRouter(Router):
         return topk_routes(logits, self.k, renormalize=self.renormalize, balance_coef=self.balance_coef)
 
 
-class NoisyTopKRouter(Router):
+class NoisyTopKRouter(ChoosesK, Router):
     """Noisy top-k gating with the importance and load losses of Shazeer et al. (2017).
 
     ``H(x) = x W_g + eps * softplus(x W_noise)`` with ``eps ~ N(0, 1)`` in training (eq. 4),
@@ -73,7 +72,6 @@ class NoisyTopKRouter(Router):
     def __init__(self, d_model: int, num_experts: int, k: int = 2, *, importance_coef: float = 0.1,
                  load_coef: float = 0.1, noise_epsilon: float = 1e-2) -> None:
         super().__init__(d_model, num_experts, k)
-        self.k = self.slots
         self.noise = nn.Linear(d_model, num_experts, bias=False)
         nn.init.zeros_(self.proj.weight)
         nn.init.zeros_(self.noise.weight)
