@@ -174,8 +174,7 @@ def test_records_consumed_by_a_backward_release_their_graph():
 
 def test_reentrant_checkpointing_warns_that_aux_loss_trains_nothing():
     """Reentrant checkpointing runs the forward under no_grad: the recorded losses have no graph,
-    which aux_loss says (the losses each call returns, routes.aux, keep theirs). An eval forward
-    under no_grad is not warned about."""
+    which aux_loss says. An eval forward under no_grad is not warned about."""
     torch.manual_seed(0)
     moe = MoE(8, 16, 4, router="noisy_topk", k=2)
     x = torch.randn(12, 8, requires_grad=True)
@@ -191,6 +190,34 @@ def test_reentrant_checkpointing_warns_that_aux_loss_trains_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         routelab.aux_loss(moe)
+
+
+def test_under_reentrant_checkpointing_the_aux_losses_train_as_an_output_of_the_checkpoint():
+    """The README's recipe for reentrant checkpointing (a review found its earlier advice, to sum
+    the ``routes.aux`` a call returns, trained nothing: they have no graph there either): the
+    losses' sum returned by the checkpointed function carries the gradient of the plain forward.
+    Oracle: the same step without checkpointing (batchwise gating's thresholds learn from their
+    loss alone)."""
+    torch.manual_seed(0)
+    moe = MoE(8, 16, 4, router="batchwise", k=2)
+    x = torch.randn(16, 8, requires_grad=True)  # (a reentrant checkpoint's outputs need an input that does)
+
+    def step(use_checkpoint: bool) -> dict[str, torch.Tensor]:
+        moe.zero_grad()
+        if use_checkpoint:
+            _, routes = checkpoint(moe, x, use_reentrant=True)
+            assert not any(v.requires_grad for v in routes.aux.values())  # the advice that trained nothing
+            y, aux = checkpoint(lambda t: (lambda y, r: (y, sum(r.aux.values())))(*moe(t)), x, use_reentrant=True)
+        else:
+            y, routes = moe(x)
+            aux = sum(routes.aux.values())
+        (y.square().mean() + aux).backward()
+        return {name: p.grad.clone() for name, p in moe.named_parameters()}
+
+    plain, checkpointed = step(False), step(True)
+    assert plain["router.thresholds"].abs().sum() > 0
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, msg=name)
 
 
 def test_a_retained_graph_keeps_its_aux_gradient():

@@ -22,8 +22,10 @@ checkpointing (``torch.utils.checkpoint(..., use_reentrant=False)``, transformer
 ``gradient_checkpointing_enable()``) the recorded losses carry their gradients as without it; the
 recomputation in backward replaces the record with equal values where it runs that far, and
 leaves it in place where it stops earlier. Reentrant checkpointing runs the
-forward under ``no_grad``, so its records carry no gradient: use the non-reentrant form
-(:func:`aux_loss` warns when it finds such records in a training step).
+forward under ``no_grad``, so its records carry no gradient, nor do the ``routes.aux`` a layer
+returns there: use the non-reentrant form, or return the losses' sum from the checkpointed
+function as an output of its own (:func:`aux_loss` warns when it finds such records in a
+training step).
 
 Layers that did not run: a model whose routelab layers do not all run in every step (one MoE per
 task, LayerDrop, an encoder skipped) keeps, in a layer that did not run, the record of the step in
