@@ -336,9 +336,12 @@ def check_finite(tensors: Tensor | Sequence[Tensor], what: str, fix: str) -> Non
     """ValueError ``"{what} are not finite (NaN or inf): {fix}"`` unless every entry is finite.
 
     One reduction per tensor and a single host synchronisation for all of them together: the
-    only sync such a check adds to a forward pass (it is a graph break under ``torch.compile``,
-    like any data-dependent check). Empty tensors pass.
+    only sync such a check adds to a forward pass. Skipped while ``torch.compile`` traces
+    (:func:`checks_run`: a data-dependent check there is a graph break, an error with
+    ``fullgraph=True``). Empty tensors pass.
     """
+    if not checks_run():
+        return
     if isinstance(tensors, Tensor):
         tensors = (tensors,)
     # The largest magnitude of each: inf for an inf entry, NaN for a NaN one (amax propagates NaN).

@@ -269,3 +269,50 @@ def test_stochastic_routers_without_a_generator_compile_for_every_token_count(ca
         got = compiled(x)
         torch.manual_seed(n)
         torch.testing.assert_close(got, moe(x)[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.compile
+@needs_compile
+@pytest.mark.parametrize("case", ["multigate-dselect", "multigate-topk-gate", "mae"])
+def test_the_other_layers_compile_whole_with_their_default_checks(case: str) -> None:
+    """A review case: MultiGateMoE, the per-example gates and the MAE layer ran their NaN/inf checks
+    while Dynamo traced, a data-dependent branch: ``fullgraph=True`` failed with Dynamo's error,
+    naming no routelab option. The checks are skipped while tracing, as MoE's; eager equality."""
+    from routelab.gates import DSelectK, TopKGate
+    from routelab.layers import MixtureOfAttentiveExperts, MultiGateMoE, StackedLinear
+
+    torch.manual_seed(0)
+    if case == "mae":
+        module = MixtureOfAttentiveExperts(8, 4, batch_first=True).eval()
+        q = torch.randn(2, 5, 8)
+        args = (q, q, q)
+    else:
+        gate = (DSelectK(4, 2, per_example=True, input_dim=D) if case == "multigate-dselect"
+                else TopKGate(4, 2, per_example=True, input_dim=D))
+        module = MultiGateMoE(StackedLinear(4, D, 6), [gate]).eval()
+        args = (torch.randn(3, D),)
+    dynamo.reset()
+    explanation = dynamo.explain(module)(*args)
+    assert explanation.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explanation.break_reasons]
+    dynamo.reset()
+    compiled = torch.compile(module, fullgraph=True, backend="eager")(*args)
+    torch.testing.assert_close(compiled, module(*args), rtol=0, atol=0)
+
+
+@pytest.mark.compile
+@needs_compile
+def test_a_compiled_mae_layer_with_a_mask_asks_for_causal_gate() -> None:
+    """Whether an ``attn_mask`` is causal is read from its values (a host read): under compile the
+    layer asks for ``causal_gate`` instead, and with it compiles whole."""
+    from routelab.layers import MixtureOfAttentiveExperts
+
+    torch.manual_seed(0)
+    mae = MixtureOfAttentiveExperts(8, 4, batch_first=True).eval()
+    q = torch.randn(2, 5, 8)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(5)
+    dynamo.reset()
+    with pytest.raises(Exception, match="pass causal_gate=True"):
+        torch.compile(mae, fullgraph=True, backend="eager")(q, q, q, attn_mask=mask)
+    dynamo.reset()
+    compiled = torch.compile(mae, fullgraph=True, backend="eager")(q, q, q, attn_mask=mask, causal_gate=True)
+    torch.testing.assert_close(compiled, mae(q, q, q, attn_mask=mask), rtol=0, atol=0)

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._checks import GeneratorAttribute, check_finite, check_generator, check_positive_int, floating_input
+from .._checks import GeneratorAttribute, check_finite, check_generator, check_positive_int, checks_run, floating_input
 from ..replay import NoiseReplay
 
 __all__ = [
@@ -479,6 +479,9 @@ class MixtureOfAttentiveExperts(nn.Module):
             )
 
         if causal_gate is None:
+            if attn_mask is not None and not checks_run():
+                raise ValueError("under torch.compile the causal_gate cannot be read from attn_mask's values (a "
+                                 "host read): pass causal_gate=True (causal queries) or False")
             causal_gate = _forbids_future(attn_mask, seq, src)
         elif not isinstance(causal_gate, bool):
             raise TypeError(f"causal_gate must be None, True or False, got {type(causal_gate).__name__}.")

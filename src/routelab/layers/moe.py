@@ -82,7 +82,8 @@ class MoE(RoutingRecord, nn.Module):
     "Batch-level routing and causal language models").
 
     ``torch.compile``: the ``softmax``, ``topk`` and ``noisy_topk`` layers compile without graph
-    breaks (no mask, no host synchronisation; the finite-score check is skipped while tracing).
+    breaks (no mask, no host synchronisation; the finite-score check is skipped while tracing; a
+    router's own ``generator`` is one break per draw, so ``fullgraph=True`` needs ``generator=None``).
     Both layouts have static sizes with a capacity factor. Dropless, a bfloat16 layer compiles on
     the grouped layout; other dtypes compile on buffers sized for the worst case, ``C = tokens``
     per expert (``E`` times the dense size): set a ``capacity_factor`` for compiled training. The solvers of
