@@ -27,6 +27,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -66,9 +67,11 @@ class ArgumentTypeError(TypeError, ValueError):
 
 
 def check_positive_int(name: str, value: Any, *, upper: int | None = None, upper_name: str = "") -> int:
-    """``value`` if it is an ``int`` (not a bool) in ``[1, upper]``, else a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """``value`` as an ``int`` if it is an integer (a Python or NumPy integer, not a bool) in
+    ``[1, upper]``, else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be a positive integer (an int >= 1), got {value!r}")
+    value = int(value)
     if upper is not None and value > upper:
         raise ValueError(f"{name}={value} is larger than {upper_name}={upper}: {name} must be an integer in "
                          f"[1, {upper}], got {name} = {value}; use {name} <= {upper}")
@@ -78,6 +81,14 @@ def check_positive_int(name: str, value: Any, *, upper: int | None = None, upper
 def check_k(k: Any, num_experts: int) -> int:
     """``k`` if it is an int with ``1 <= k <= num_experts``, else a ValueError naming ``k``."""
     return check_positive_int("k", k, upper=num_experts, upper_name="num_experts")
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """``value`` if it is True or False (a Python or NumPy bool), else a TypeError naming ``name``
+    (``bool("False")`` is True: a string or a number is not taken for a flag)."""
+    if not isinstance(value, (bool, np.bool_)):  # (NumPy's bool is no subclass of bool)
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
 
 
 def _real_number(v: Any) -> Any:
@@ -528,7 +539,7 @@ def check_capacity_factor(capacity_factor: Any) -> None:
     """
     if capacity_factor is None or not checks_run():
         return
-    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not (
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real) or not (
         math.isfinite(capacity_factor) and capacity_factor > 0
     ):
         raise ValueError(

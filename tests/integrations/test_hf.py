@@ -555,8 +555,47 @@ def test_bad_input_is_a_clear_error():
         patch_moe(tiny(), "gumbel_matching", k=2)  # an explicit k the router cannot take
     model = tiny()
     patch_moe(model, "topk")
-    with pytest.raises(ValueError, match="already patched"):
+    with pytest.raises(ValueError, match="already patched.*copy.deepcopy of the model taken before patching"):
         patch_moe(model, "topk")
+
+
+def test_options_are_flags_and_numbers_of_any_numeric_type():
+    """A review case: ``bool("False")`` turned importance weighting on, ``aux_coef=inf`` made the aux
+    loss infinite, and NumPy integers and float32 numbers were refused."""
+    import numpy as np
+
+    with pytest.raises(TypeError, match="importance_weighting must be True or False"):
+        patch_moe(tiny(), "topk", importance_weighting="False")
+    with pytest.raises(TypeError, match="renormalize must be True or False"):
+        patch_moe(tiny(), "topk", renormalize="no")
+    with pytest.raises(ValueError, match="aux_coef must be a finite number"):
+        patch_moe(tiny(), "topk", aux_coef=float("inf"))
+    blocks = patch_moe(tiny(), "topk", k=np.int64(1), capacity_factor=np.float32(1.25), aux_coef=np.float32(0.5),
+                       importance_weighting=np.bool_(False))
+    assert all(type(b.gate.router.k) is int and b.gate.router.k == 1 for b in blocks)
+
+
+def test_tokens_dropped_counts_real_tokens_only():
+    """A review case: padding, which takes no expert, counted as dropped tokens (0.133 dropless).
+    Oracle: the real tokens left with no expert, counted from the routes the blocks returned."""
+    x = ids(2, 8)
+    mask = torch.ones_like(x)
+    mask[1, :3] = 0
+    for factor, expect_zero in ((None, True), (0.5, False)):
+        model = tiny()
+        blocks = patch_moe(model, "topk", capacity_factor=factor)
+        seen = []
+        handles = [gate_of(b).register_forward_hook(lambda m, a, out: seen.append(out[2].detach())) for b in blocks]
+        with torch.no_grad():
+            model(x, attention_mask=mask)
+        for h in handles:
+            h.remove()
+        real = mask.reshape(-1).bool()
+        for experts, layer in zip(seen, routelab.routing_stats(model).values(), strict=True):
+            without = (experts == 4).all(-1)  # every slot at the sentinel E: no expert
+            expected = float((without & real).sum()) / float(real.sum())
+            assert float(layer["tokens_dropped"]) == pytest.approx(expected)
+            assert (expected == 0.0) == expect_zero
 
 
 def test_a_gate_with_tensors_of_its_own_is_replaced_and_says_so():

@@ -54,6 +54,8 @@ on the patched model.
 from __future__ import annotations
 
 import inspect
+import math
+import numbers
 import warnings
 from collections import deque
 from collections.abc import Callable
@@ -62,7 +64,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._checks import check_capacity_factor, check_generator, check_positive_int
+from .._checks import check_capacity_factor, check_flag, check_generator, check_positive_int
 from ..replay import NoiseReplay, in_backward
 from ..routers import ROUTERS, Router, make_router, router_name, router_options
 from ..routers.base import proposes_every_slot
@@ -302,7 +304,7 @@ class RoutedGate(RoutingRecord):
         if fully_routed and not torch.compiler.is_compiling():  # (a version is data Dynamo cannot guard)
             state.version = experts._version
         aux = {name: value * self.aux_coef for name, value in proposed.aux.items()}
-        self.record_routing(aux, {**proposed.stats, **load_stats(candidate, decision, capacity)})
+        self.record_routing(aux, {**proposed.stats, **load_stats(candidate, decision, capacity, tokens=mask)})
         # transformers' load-balancing loss (output_router_logits) reads the router logits; one more
         # [n, d] x [d, E] product, small next to the experts' [n k, d] x [d, 2I] ones.
         logits = router.logits(x)
@@ -546,7 +548,7 @@ def patch_moe(
     Note:
         The router reads the gate's ``weight`` (and ``bias``) through :class:`GateProjection`, so
         ``state_dict()`` keeps the model's own keys and checkpoints load before or after patching.
-        A patched model cannot be pickled whole (``torch.save(model)``); save its ``state_dict()``.
+        A patched model also pickles whole (``torch.save(model)``) and deep-copies.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -560,10 +562,13 @@ def patch_moe(
     if drop_policy not in DROP_POLICIES:
         raise ValueError(f"drop_policy must be one of {', '.join(DROP_POLICIES)}, got {drop_policy!r}")
     check_generator(generator)
-    if not isinstance(check_finite, bool):
-        raise TypeError(f"check_finite must be True or False, got {check_finite!r}")
-    if not (isinstance(aux_coef, (int, float)) and aux_coef >= 0 and aux_coef == aux_coef):
-        raise ValueError(f"aux_coef must be a number >= 0 (0 disables routelab's aux losses), got {aux_coef!r}")
+    check_finite = check_flag("check_finite", check_finite)
+    importance_weighting = check_flag("importance_weighting", importance_weighting)
+    if renormalize is not None:
+        renormalize = check_flag("renormalize", renormalize)
+    if isinstance(aux_coef, bool) or not (isinstance(aux_coef, numbers.Real) and math.isfinite(aux_coef)
+                                          and aux_coef >= 0):
+        raise ValueError(f"aux_coef must be a finite number >= 0 (0 disables routelab's aux losses), got {aux_coef!r}")
     if router_kwargs is not None and not isinstance(router_kwargs, dict):
         raise ValueError(f"router_kwargs must be a dict of router options, got {type(router_kwargs).__name__}")
     taken = sorted({"d_model", "num_experts", "k"} & set(router_kwargs or {}))

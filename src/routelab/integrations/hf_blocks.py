@@ -104,7 +104,8 @@ def block_problem(block: nn.Module) -> str | None:
     _, gate = routing_child(block)
     experts = block.experts
     if isinstance(gate, RoutingRecord):  # a patched gate (RoutedGate) records its routing
-        return "it is already patched by routelab"
+        return ("it is already patched by routelab (a patch is not undone: to route with another router, patch a "
+                "fresh model, or a copy.deepcopy of the model taken before patching, and load its state_dict)")
     weight = scorer_parameter(gate, "weight")
     if weight is None:
         return (f"its gate ({type(gate).__name__}) has no [num_experts, hidden] parameter 'weight', of its own or "

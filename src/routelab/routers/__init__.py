@@ -17,6 +17,7 @@ changing one argument: ``MoE(..., router="topk")`` -> ``router="base"``. Names:
 from __future__ import annotations
 
 import inspect
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -110,7 +111,7 @@ def check_router_arguments(name: str, num_experts: int, k: int | None, options: 
                          f"options: {', '.join(known) or 'none'}")
     if name in _FIXED_K:
         fixed = num_experts if name == "softmax" else 1
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k != fixed):
+        if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k != fixed):
             supported = _FIXED_K[name].replace("k=num_experts", f"k=num_experts={num_experts}")
             raise ValueError(f"router {name!r} got k={k!r} but supports {supported}")
     elif k is not None:

@@ -10,7 +10,8 @@ from .capacity import CapacityDecision
 __all__ = ["load_stats"]
 
 
-def load_stats(proposed: Tensor, decision: CapacityDecision, capacity: int | Tensor) -> dict[str, Tensor]:
+def load_stats(proposed: Tensor, decision: CapacityDecision, capacity: int | Tensor,
+               tokens: Tensor | None = None) -> dict[str, Tensor]:
     """The statistics of a routing decision after :func:`~routelab.routing.apply_capacity`.
 
     Args:
@@ -18,6 +19,8 @@ def load_stats(proposed: Tensor, decision: CapacityDecision, capacity: int | Ten
         decision: the capacity decision on those pairs.
         capacity: the capacity it was taken under (the buffer rows per expert); an int, or a
             0-dimensional tensor (a dropless layer's largest load, left on the device).
+        tokens: ``BoolTensor [tokens]``, the real tokens (``None``: all): padding is no token left
+            without an expert (it was never to have one).
 
     Returns:
         ``tokens_per_expert [E]`` (kept pairs per expert), ``load_cv`` (their coefficient of
@@ -34,6 +37,14 @@ def load_stats(proposed: Tensor, decision: CapacityDecision, capacity: int | Ten
         "tokens_per_expert": decision.kept,
         "load_cv": kept.new_zeros(()) if single else kept.std(unbiased=False) / kept.mean().clamp(min=1e-12),
         "dropped_fraction": (proposed_pairs - keep.sum()) / proposed_pairs.clamp(min=1),
-        "tokens_dropped": (~keep.any(-1)).float().mean() if n else kept.new_zeros(()),
+        "tokens_dropped": _tokens_without_expert(keep, tokens) if n else kept.new_zeros(()),
         "capacity": capacity if isinstance(capacity, Tensor) else torch.tensor(capacity),
     }
+
+
+def _tokens_without_expert(keep: Tensor, tokens: Tensor | None) -> Tensor:
+    """The fraction of the (real) tokens with no kept pair (``keep [n, slots]``, ``tokens [n]``)."""
+    without = ~keep.any(-1)
+    if tokens is None:
+        return without.float().mean()
+    return (without & tokens).sum().float() / tokens.sum().clamp(min=1).float()
