@@ -1069,6 +1069,92 @@ def test_checkpointing_recomputes_each_call_under_its_own_padding_mask():
     assert _max_gap(*grads) <= 1e-6
 
 
+def _padded_pair():
+    a, b = ids(2, 8, seed=1), ids(2, 8, seed=2)
+    mask_a, mask_b = torch.ones_like(a), torch.ones_like(b)
+    mask_a[1, :5] = 0
+    mask_b[0, :5] = 0
+    return (a, mask_a), (b, mask_b)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("scenario", ["pair", "eval-forward-between", "earlier-forward"])
+@pytest.mark.parametrize("router", ["topk", "base"])
+def test_checkpointing_recomputes_under_the_mask_of_the_forward_it_recomputes(reentrant, scenario, router):
+    """Review cases: the recomputation took its padding mask from a per-gate stack that every
+    forward with gradients pushed to (an evaluation forward without no_grad, before or between)
+    and reentrant checkpointing's forwards did not, so it routed under another call's mask: a
+    gradient error of 1.8e-2 (largest gradient 0.27). Now each recomputation finds the call of
+    its own forward by its checkpointed inputs. Oracle: the same steps without checkpointing."""
+    base = tiny().train()
+    (a, mask_a), (b, mask_b) = _padded_pair()
+    grads = []
+    for checkpointing in (False, True):
+        model = copy.deepcopy(base)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # reentrant checkpointing's aux-loss warning
+            patch_moe(model, router)
+            if scenario == "earlier-forward":  # an evaluation pass with gradients on, before training
+                model.eval()
+                model(b, attention_mask=mask_b)
+                model.train()
+            if checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            loss = model(a, attention_mask=mask_a, labels=a).loss
+            if scenario == "pair":  # two calls, one backward (DPO's chosen and rejected)
+                loss = loss + model(b, attention_mask=mask_b, labels=b).loss
+            elif scenario == "eval-forward-between":  # a metric forward between forward and backward
+                model.eval()
+                model(b, attention_mask=mask_b)
+                model.train()
+            loss.backward()
+        grads.append(_grads(model))
+    assert _max_gap(*grads) <= 1e-6
+
+
+def test_the_mask_is_the_calls_own_whichever_module_is_called():
+    """Review cases: the mask came from a pre-hook on the patched model alone and was kept until
+    its next call, so a call of the base model (``model.model``) after a padded call reused the old
+    mask, a wrapper calling ``model.forward`` (PEFT's way) routed padding, and a wrapper's
+    ``forward(*args, **kwargs)`` lost a keyword mask. Oracle: the unpatched model."""
+    (a, mask_a), (b, mask_b) = _padded_pair()
+    plain = tiny().eval()
+    model = copy.deepcopy(plain)
+    patch_moe(model, "topk")
+
+    def same(got, want, mask=None):  # at the real tokens (padding gets no expert output, patched)
+        keep = (slice(None),) if mask is None else (mask.bool(),)
+        torch.testing.assert_close(got[keep], want[keep], rtol=1e-5, atol=1e-5)
+
+    with torch.no_grad():
+        model(a, attention_mask=mask_a)
+        same(model.model(b).last_hidden_state, plain.model(b).last_hidden_state)  # no mask: every token
+        same(model.forward(b, attention_mask=mask_b).logits, plain(b, attention_mask=mask_b).logits, mask_b)
+
+        class Wrapper(torch.nn.Module):  # a PEFT-like wrapper, calling the model's forward directly
+            def __init__(self, inner):
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, *args, **kwargs):
+                return self.inner.forward(*args, **kwargs)
+
+        real = mask_b.reshape(-1).bool()
+        for wrapped in (Wrapper(model), model):
+            wrapped(b, attention_mask=mask_b)
+            for layer in routelab.routing_stats(model).values():
+                assert int(layer["tokens_per_expert"].sum()) == 2 * int(real.sum())  # padding routed nowhere
+        wrapper = Wrapper(copy.deepcopy(plain))
+        patch_moe(wrapper, "topk")  # the patched module's forward takes (*args, **kwargs)
+        same(wrapper(b, attention_mask=mask_b).logits, plain(b, attention_mask=mask_b).logits, mask_b)
+
+
+def test_patching_blocks_alone_warns_that_padding_is_routed():
+    model = tiny()
+    with pytest.warns(UserWarning, match="no module of the patched model .* takes an attention_mask"):
+        patch_moe(sparse_moe_blocks(model)[0][1], "topk")
+
+
 def test_checkpointing_replays_random_drops_drawn_from_a_generator():
     base = tiny().train()
     x = ids()
@@ -1157,20 +1243,26 @@ def test_a_block_that_sees_a_subset_of_the_tokens_routes_them_without_the_mask()
     """A block run on part of the call's tokens (Ernie 4.5 VL's text and vision experts) cannot map
     the attention mask to its tokens: it routes them all, with a warning, instead of applying
     another position's mask (which silently dropped real tokens)."""
-    from routelab.integrations.hf import _AttentionMask
+    from routelab.integrations.hf_masks import CallMasks
 
-    mask = _AttentionMask()
+    masks = CallMasks()
     attention = torch.ones(2, 8, dtype=torch.long)
     attention[0, 6:] = 0
-    mask.hook(torch.nn.Module(), (), {"input_ids": torch.zeros(2, 8, dtype=torch.long), "attention_mask": attention})
-    assert torch.equal(mask.tokens(16), attention.reshape(-1).bool())
+    model = torch.nn.Module()
+
+    def call(**kwargs):
+        masks.calls.clear()
+        masks.enter_call(model, (), {"attention_mask": attention, **kwargs})
+
+    call(input_ids=torch.zeros(2, 8, dtype=torch.long))
+    assert torch.equal(masks.tokens(16), attention.reshape(-1).bool())
     with pytest.warns(UserWarning, match="sees 8 tokens, not the call's 2 x 8 tokens"):
-        assert mask.tokens(8) is None
+        assert masks.tokens(8) is None
     # Generation with a cache: one new position per row, the mask covers past + new positions.
-    mask.hook(torch.nn.Module(), (), {"input_ids": torch.zeros(2, 1, dtype=torch.long), "attention_mask": attention})
-    assert torch.equal(mask.tokens(2), attention[:, -1:].reshape(-1).bool())
-    mask.hook(torch.nn.Module(), (), {"inputs_embeds": torch.zeros(2, 3, 4), "attention_mask": attention})
-    assert torch.equal(mask.tokens(6), attention[:, -3:].reshape(-1).bool())
+    call(input_ids=torch.zeros(2, 1, dtype=torch.long))
+    assert torch.equal(masks.tokens(2), attention[:, -1:].reshape(-1).bool())
+    call(inputs_embeds=torch.zeros(2, 3, 4))
+    assert torch.equal(masks.tokens(6), attention[:, -3:].reshape(-1).bool())
 
 
 def test_ernie_vl_padding_does_not_reach_real_tokens():

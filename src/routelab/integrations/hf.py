@@ -47,8 +47,8 @@ for a subclass (as ``torch.nn.utils.parametrize`` does), so transformers' ``outp
 recorder (a hook on the gate class) and its load-balancing loss keep working (that loss is
 transformers' formula on the router logits with the model's top-k, blind to the routelab router's
 decisions; the router's own losses are in ``routelab.aux_loss(model)``). The padding mask
-``attention_mask [batch, seq]`` of the model's call reaches the gates through a forward pre-hook
-on the patched model.
+``attention_mask [batch, seq]`` of the model's call reaches the gates through forward hooks
+(:mod:`routelab.integrations.hf_masks`), also when activation checkpointing recomputes a block.
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ import inspect
 import math
 import numbers
 import warnings
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -65,7 +64,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_capacity_factor, check_flag, check_generator, check_positive_int
-from ..replay import NoiseReplay, in_backward
+from ..replay import NoiseReplay
 from ..routers import ROUTERS, Router, make_router, router_name, router_options
 from ..routers.base import proposes_every_slot
 from ..routing import DROP_POLICIES, RoutingRecord, apply_capacity, expert_capacity, load_stats
@@ -83,65 +82,13 @@ from .hf_blocks import (
     scorer_parameter,
     sparse_moe_blocks,
 )
+from .hf_masks import CallMasks
+from .hf_masks import install as install_masks
 
 __all__ = ["ROUTING_CHILDREN", "GateProjection", "GateRule", "RoutedExperts", "RoutedGate", "patch_moe", "probe_gate",
            "routing_child", "sparse_moe_blocks"]
 
 RouterFactory = Callable[[int, int, int], Router]
-
-
-class _AttentionMask:
-    """The ``attention_mask`` of the patched model's current call, shared by its patched gates.
-
-    It is set by a forward pre-hook on every call of the model (``None`` when the call has none)
-    and kept until the next call, so that activation checkpointing, which recomputes the blocks
-    during the backward pass, routes the recomputation under the same mask.
-    """
-
-    def __init__(self) -> None:
-        self.value: Tensor | None = None
-        self.query_length: int | None = None
-        self._signature: inspect.Signature | None = None
-
-    def hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        arguments = kwargs
-        if args:  # passed by position: bind the call to the model's signature
-            if self._signature is None:
-                self._signature = inspect.signature(module.forward)
-            try:
-                arguments = self._signature.bind_partial(*args, **kwargs).arguments
-            except TypeError:
-                arguments = kwargs
-        mask = arguments.get("attention_mask")
-        self.value = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
-        # The positions of this call: a block that sees batch * that many tokens sees all of them.
-        inputs = arguments.get("input_ids")
-        if not isinstance(inputs, Tensor):
-            inputs = arguments.get("inputs_embeds")
-        self.query_length = inputs.shape[1] if isinstance(inputs, Tensor) and inputs.dim() >= 2 else None
-
-    def tokens(self, num_tokens: int) -> Tensor | None:
-        """``BoolTensor [num_tokens]`` (the block's flattened ``[batch * seq]`` tokens; True = real), or None.
-
-        The model's mask is ``[batch, past + seq]``; the block sees the last ``seq`` positions. A
-        block that sees another number of tokens than ``batch * seq`` of the call (one that runs
-        on a subset of them, as Ernie 4.5 VL's text and vision experts do) cannot be told which
-        are padding: it routes them all, with a warning.
-        """
-        mask = self.value
-        if mask is None or num_tokens == 0:
-            return None
-        batch, total = mask.shape
-        seq = self.query_length
-        if (num_tokens % batch or num_tokens // batch > total
-                or (seq is not None and seq <= total and num_tokens != batch * seq)):
-            grid = f"the call's {batch} x {seq} tokens" if seq is not None else f"attention_mask {tuple(mask.shape)}"
-            warnings.warn(f"a patched MoE block sees {num_tokens} tokens, not {grid} (a block that runs on a subset "
-                          "of the tokens): its padding tokens cannot be told apart, so it routes all of them (they "
-                          "take capacity and enter the balanced solves; the other tokens' routes may change with "
-                          "the padding)", stacklevel=3)
-            return None
-        return mask[:, total - num_tokens // batch:].reshape(-1).bool()
 
 
 def _accepts_mask(router: Router) -> bool:
@@ -225,8 +172,7 @@ class RoutedGate(RoutingRecord):
     aux_coef: float
     combine_scale: float
     weights_in_input_dtype: bool = False
-    _routelab_mask: _AttentionMask
-    _routelab_masks: deque[Tensor | None]
+    _routelab_mask: CallMasks
     _routelab_replay: NoiseReplay
     _routelab_takes_mask: bool
     _routelab_generator: torch.Generator | None
@@ -236,18 +182,9 @@ class RoutedGate(RoutingRecord):
 
     def _token_mask(self, num_tokens: int) -> Tensor | None:
         """The token mask of this forward: the model call's, or, when activation checkpointing
-        recomputes the gate inside the backward pass, the one its own forward used (recorded per
-        forward, last in first out as backward recomputes), whatever the model ran in between.
-        (While torch.compile traces there is no Python recomputation to serve, and the backward
-        query cannot be traced.)"""
-        if not torch.compiler.is_compiling() and in_backward():
-            if self._routelab_masks:
-                return self._routelab_masks.pop()
-            return self._routelab_mask.tokens(num_tokens)
-        mask = self._routelab_mask.tokens(num_tokens)
-        if torch.is_grad_enabled():  # a forward that backward may recompute
-            self._routelab_masks.append(mask)
-        return mask
+        recomputes the gate inside the backward pass, the one of the forward it recomputes
+        (:class:`~routelab.integrations.hf_masks.CallMasks`)."""
+        return self._routelab_mask.tokens(num_tokens)
 
     def forward(self, hidden_states: Tensor, *_own_inputs: Any) -> tuple[Tensor, Tensor, Tensor]:
         """Route ``hidden_states [..., d]`` (flattened to ``[n, d]``) with the routelab router.
@@ -639,7 +576,7 @@ def patch_moe(
         plans.append((block, gate, built, share_bias, rule))
     for gate_class, notice in notices.items():
         warnings.warn(f"the model's gate {gate_class} {notice}", stacklevel=2)
-    mask = _AttentionMask()
+    masks = CallMasks()
     # every router built: now patch (nothing is half-patched on an error)
     for block, gate, built, share_bias, rule in plans:
         experts = block.experts
@@ -658,8 +595,7 @@ def patch_moe(
         gate.capacity_factor, gate.eval_capacity_factor = capacity_factor, eval_capacity_factor
         gate.drop_policy, gate.importance_weighting = drop_policy, bool(importance_weighting)
         gate.aux_coef = float(aux_coef)
-        object.__setattr__(gate, "_routelab_mask", mask)
-        object.__setattr__(gate, "_routelab_masks", deque(maxlen=64))
+        object.__setattr__(gate, "_routelab_mask", masks)
         object.__setattr__(gate, "_routelab_replay", NoiseReplay())
         object.__setattr__(gate, "_routelab_generator", generator)
         object.__setattr__(gate, "_routelab_takes_mask", _accepts_mask(built))
@@ -672,5 +608,9 @@ def patch_moe(
         _swap_class(experts, RoutedExperts)
         object.__setattr__(experts, "_routelab_num_experts", scorer.weight.shape[0])
         object.__setattr__(experts, "_routelab_state", state)
-    model.register_forward_pre_hook(mask.hook, with_kwargs=True)
+    if not install_masks(model, [plan[1] for plan in plans], masks):
+        warnings.warn(f"no module of the patched model ({type(model).__name__}) takes an attention_mask: padding "
+                      "tokens cannot be told apart from real ones, so they are routed (they take capacity and enter "
+                      "the balanced solves). To route without them, patch the model whose call carries the mask",
+                      stacklevel=2)
     return [plan[0] for plan in plans]

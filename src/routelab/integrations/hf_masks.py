@@ -1,0 +1,224 @@
+"""The padding mask of a patched transformers model's call, for its patched gates, also when
+activation checkpointing recomputes a block inside the backward pass.
+
+A gate sees the hidden states ``[batch * seq, d]`` alone; the ``attention_mask [batch, past + seq]``
+is an argument of the model's call. :class:`CallMasks` carries it from one to the other:
+
+* **Sources**: the patched model and every module in it whose ``forward`` takes both an
+  ``attention_mask`` and ``input_ids`` or ``inputs_embeds`` (a transformers model and its base
+  model). A forward pre-hook pushes each call's mask, a forward hook (``always_call``) pops it:
+  the gates route under the innermost call in progress, and a call that passes no source (a
+  decoder layer called alone) routes every token. So ``model.model(ids)`` after a padded
+  ``model(...)`` does not reuse the old mask, and a wrapper that calls ``model.forward`` directly
+  (PEFT) still has its base model's call.
+* **Recomputation.** Checkpointing runs a block's forward again during backward, when no call is
+  in progress, and possibly after other calls (an evaluation forward, the second of a DPO pair).
+  Every module between the model and a gate (the *carriers*) records, at each forward, its first
+  tensor input (by memory address and shape) with the mask of that call. The recomputation calls
+  the checkpointed module with the very inputs of the original forward (the same tensors, or
+  detached aliases of them: the same memory), so the outermost carrier it calls finds its record
+  and the gates under it route under that call's mask, whichever calls ran in between. The inner
+  carriers inherit it (their inputs are recomputed, new tensors, whose addresses may once have
+  held another call's). A recomputation without a record (a checkpointed function entered below
+  every carrier) falls back to the latest call's mask, with a warning where that mask pads.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+import weakref
+from collections import OrderedDict
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from ..replay import in_backward
+
+__all__ = ["CallMasks", "mask_sources"]
+
+#: Carrier records kept (the oldest are forgotten): one per carrier per forward, so at least the
+#: carriers of the calls between a checkpointed forward and its backward.
+MAX_RECORDS = 4096
+
+
+class CallMask(NamedTuple):
+    """One call's ``attention_mask [batch, past + seq]`` (2-D, else None) and its ``seq`` (``None``: unknown)."""
+
+    value: Tensor | None
+    query_length: int | None
+
+
+NO_MASK = CallMask(None, None)
+
+
+def takes_attention_mask(module: nn.Module) -> bool:
+    """Whether ``module.forward`` takes ``attention_mask`` and ``input_ids`` or ``inputs_embeds``
+    (a transformers model, or its base model): a source of the call's padding mask."""
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "attention_mask" in params and ("input_ids" in params or "inputs_embeds" in params)
+
+
+def mask_sources(model: nn.Module) -> list[nn.Module]:
+    """``model`` and the modules in it that take an attention mask (:func:`takes_attention_mask`)."""
+    return [model] + [m for _, m in model.named_modules() if m is not model and takes_attention_mask(m)]
+
+
+class CallMasks:
+    """The padding masks of a patched model's calls, shared by its patched gates (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.calls: list[CallMask] = []            # the source calls in progress, innermost last
+        self.latest: CallMask = NO_MASK            # the latest source call's (a recomputation's fallback)
+        self.records: OrderedDict[tuple, tuple[weakref.ref, CallMask]] = OrderedDict()
+        self.replayed: CallMask | None = None     # the call a recomputation in progress recomputes
+        self._signatures: dict[type, inspect.Signature] = {}
+        self._warned = False
+
+    def __getstate__(self) -> dict:
+        """Nothing: the calls in progress and the records are of this process's tensors (a copy or
+        a pickle starts afresh)."""
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+    # -- sources --------------------------------------------------------------------------------
+    def enter_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook of a source: push its call's mask."""
+        arguments = dict(kwargs)
+        if args:  # passed by position: bind the call to the module's signature (keywords win)
+            signature = self._signatures.get(type(module))
+            if signature is None:
+                signature = self._signatures[type(module)] = inspect.signature(module.forward)
+            try:
+                arguments = {**signature.bind_partial(*args, **kwargs).arguments, **kwargs}
+            except TypeError:
+                pass
+        mask = arguments.get("attention_mask")
+        mask = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
+        # The positions of this call: a block that sees batch * that many tokens sees all of them.
+        inputs = arguments.get("input_ids")
+        if not isinstance(inputs, Tensor):
+            inputs = arguments.get("inputs_embeds")
+        seq = inputs.shape[1] if isinstance(inputs, Tensor) and inputs.dim() >= 2 else None
+        call = CallMask(mask, seq)
+        self.calls.append(call)
+        self.latest = call
+
+    def leave_call(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """Forward hook (``always_call``) of a source: pop its call."""
+        if self.calls:
+            self.calls.pop()
+
+    def current(self) -> CallMask:
+        """The innermost source call in progress, else no mask."""
+        return self.calls[-1] if self.calls else NO_MASK
+
+    # -- carriers -------------------------------------------------------------------------------
+    def enter_carrier(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook of a carrier: in a forward, record its first tensor input with the call's
+        mask; in a recomputation, a record of that very input (alive, at the same address) names
+        the call being recomputed, whose mask the gates then route under."""
+        if torch.compiler.is_compiling():  # (compiled checkpointing recomputes no Python)
+            return
+        tensor, key = _first_tensor(module, args, kwargs)
+        if key is None:
+            return
+        if in_backward():
+            found = self.records.get(key)
+            if found is not None:
+                original = found[0]()
+                if original is not None and _same_memory(original, tensor):
+                    self.replayed = found[1]
+            return
+        self.replayed = None  # a forward: no recomputation in progress
+        self.records[key] = (weakref.ref(tensor), self.current())
+        self.records.move_to_end(key)
+        while len(self.records) > MAX_RECORDS:
+            self.records.popitem(last=False)
+
+    # -- the gates --------------------------------------------------------------------------------
+    def tokens(self, num_tokens: int) -> Tensor | None:
+        """``BoolTensor [num_tokens]`` (a block's flattened ``[batch * seq]`` tokens; True = real),
+        or None, for the gate routing now: under the call in progress, or, in a recomputation,
+        under the call of the forward it recomputes."""
+        call = self.current()
+        if not torch.compiler.is_compiling() and in_backward():
+            replayed = self.replayed
+            if replayed is None:
+                replayed = self.latest
+                if replayed.value is not None and not self._warned:
+                    self._warned = True
+                    warnings.warn("activation checkpointing recomputed a patched MoE block that no recorded forward "
+                                  "matches (a checkpointed function entered below the modules patch_moe hooks): it "
+                                  "routes under the latest call's padding mask, which may be another call's",
+                                  stacklevel=3)
+            call = replayed
+        return _block_tokens(call, num_tokens)
+
+
+def _first_tensor(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Tensor | None, tuple | None]:
+    """A call's first tensor input and its key ``(module, address, shape)`` (``None`` without one)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Tensor):
+            try:
+                return value, (id(module), value.data_ptr(), tuple(value.shape))
+            except (RuntimeError, NotImplementedError):  # a tensor without memory (torch.func's wrappers)
+                return None, None
+    return None, None
+
+
+def _same_memory(a: Tensor, b: Tensor) -> bool:
+    """Whether ``b`` is ``a`` or a detached alias of it (reentrant checkpointing's inputs)."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride())
+
+
+def _block_tokens(call: CallMask, num_tokens: int) -> Tensor | None:
+    """The real tokens among a block's ``num_tokens`` under ``call``'s mask ``[batch, past + seq]``:
+    the block sees the last ``seq`` positions. A block that sees another number of tokens than
+    ``batch * seq`` of the call (one that runs on a subset of them, as Ernie 4.5 VL's text and
+    vision experts do) cannot be told which are padding: it routes them all, with a warning."""
+    mask, seq = call
+    if mask is None or num_tokens == 0:
+        return None
+    batch, total = mask.shape
+    if (num_tokens % batch or num_tokens // batch > total
+            or (seq is not None and seq <= total and num_tokens != batch * seq)):
+        grid = f"the call's {batch} x {seq} tokens" if seq is not None else f"attention_mask {tuple(mask.shape)}"
+        warnings.warn(f"a patched MoE block sees {num_tokens} tokens, not {grid} (a block that runs on a subset "
+                      "of the tokens): its padding tokens cannot be told apart, so it routes all of them (they "
+                      "take capacity and enter the balanced solves; the other tokens' routes may change with "
+                      "the padding)", stacklevel=4)
+        return None
+    return mask[:, total - num_tokens // batch:].reshape(-1).bool()
+
+
+def install(model: nn.Module, gates: list[nn.Module], masks: CallMasks) -> bool:
+    """Hook ``masks`` into ``model``: its sources, and the carriers (each gate, its ancestors up to
+    ``model`` and their children; not the gate's own children: a hook on the router costs it its
+    promise to route every slot). Returns whether ``model`` has a source that takes an attention
+    mask (else padding cannot be told apart)."""
+    sources = mask_sources(model)
+    for source in sources:
+        source.register_forward_pre_hook(masks.enter_call, with_kwargs=True)
+        source.register_forward_hook(masks.leave_call, always_call=True)
+    wanted = {id(gate) for gate in gates}
+    carriers: dict[int, nn.Module] = {}
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        if id(module) not in wanted:
+            continue
+        carriers.setdefault(id(module), module)
+        parts = name.split(".") if name else []
+        for depth in range(len(parts)):  # the gate's ancestors, and their children (a checkpointed
+            ancestor = modules[".".join(parts[:depth])]  # forward's first calls take its inputs)
+            for carrier in (ancestor, *ancestor.children()):
+                carriers.setdefault(id(carrier), carrier)
+    for carrier in carriers.values():
+        carrier.register_forward_pre_hook(masks.enter_carrier, with_kwargs=True)
+    return any(takes_attention_mask(source) for source in sources)
