@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,9 @@ def test_atomic_write_text(tmp_path: Path) -> None:
     atomic_write_text(path, "second\n")
     assert path.read_text(encoding="utf-8") == "second\n"
     assert os.listdir(path.parent) == ["report.md"]  # no temp files left behind
+    # the mode of any new file (a review found 0600, mkstemp's): as open() gives the file beside it
+    (path.parent / "plain.txt").write_text("x")
+    assert stat.S_IMODE(path.stat().st_mode) == stat.S_IMODE((path.parent / "plain.txt").stat().st_mode)
 
 
 def test_atomic_write_keeps_old_file_on_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -220,6 +220,17 @@ def completed_keys(
     return keys
 
 
+def _read_umask() -> int:
+    """The process's umask (read by setting it, as there is no other way, and restored at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+#: The umask at import, read once (reading it sets it for an instant, which another thread could see).
+_UMASK = _read_umask()
+
+
 def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> Path:
     """Write ``text`` to ``path`` atomically: readers see the old file or the new, never half.
 
@@ -234,6 +245,8 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding=encoding, newline="") as f:
+            # mkstemp makes the file 0600: give it the mode any new file gets here (0666 less the umask)
+            os.fchmod(f.fileno(), 0o666 & ~_UMASK)
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
