@@ -352,7 +352,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                 "--compile": args.compile}
     given = [flag for flag, value in moe_only.items() if value is not None]
     if given and (args.benchmark != "moe" or args.world_size is not None):
-        return _error(f"{', '.join(given)} apply to `routelab bench moe` (single process) only.")
+        verb = "applies" if len(given) == 1 else "apply"
+        return _error(f"{', '.join(given)} {verb} to `routelab bench moe` (single process) only.")
     if args.out is not None:  # checked before a benchmark of minutes, not after it
         problem = _unwritable_table_path(Path(args.out))
         if problem is not None:

@@ -161,7 +161,7 @@ def test_cli_bench_moe(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: 
     assert cli.main(["bench", "moe", "--quick", "--dtype", "bfloat16"]) == 0
     assert "dtype bfloat16" in capsys.readouterr().out
     assert cli.main(["bench", "assignment", "--dtype", "bfloat16"]) == 2
-    assert "--dtype apply to `routelab bench moe` (single process) only" in capsys.readouterr().err
+    assert "--dtype applies to `routelab bench moe` (single process) only" in capsys.readouterr().err
     assert cli.main(["bench", "assignment", "--compile", "--k", "1"]) == 2
     assert "--k, --compile apply to `routelab bench moe`" in capsys.readouterr().err
 

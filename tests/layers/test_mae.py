@@ -250,3 +250,18 @@ def test_sampled_routing_with_a_generator_gives_the_eager_gradients_under_checkp
         y.pow(2).sum().backward()
         grads.append(m.in_proj_weight.grad.clone())
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+def test_an_empty_sequence_has_finite_responsibilities() -> None:
+    """A review case: the gate's summary of zero queries was their mean, 0 / 0 (NaN
+    responsibilities). It is the zero summary: the gate's responsibilities of no input."""
+    from routelab.layers import MixtureOfAttentiveExperts
+
+    torch.manual_seed(0)
+    mae = MixtureOfAttentiveExperts(8, 4, batch_first=True)
+    q = torch.randn(2, 0, 8)
+    out, resp = mae(q, q, q)
+    assert out.shape == (2, 0, 8)
+    assert torch.isfinite(resp).all()
+    torch.testing.assert_close(resp.sum(-1), torch.ones(2))
+    torch.testing.assert_close(resp, mae(torch.zeros(2, 1, 8), torch.zeros(2, 1, 8), torch.zeros(2, 1, 8))[1])

@@ -249,6 +249,8 @@ def test_bad_arguments() -> None:
         MoE(D, H, 4)(torch.randn(3, D + 1))
     with pytest.raises(ValueError, match="num_experts must be a positive integer"):
         MoE(D, H, 0)
+    with pytest.raises(ValueError, match="dtype must be a floating dtype"):
+        MoE(D, H, 4, dtype=torch.int32)
     with pytest.raises(ValueError, match="supports k=None or k=1"):
         MoE(D, H, 4, router="gumbel_matching", k=2)
     with pytest.raises(ValueError, match="capacity_factor >= 1"):

@@ -311,8 +311,8 @@ class MixtureOfAttentiveExperts(nn.Module):
                     out = torch.cumsum(query, dim=1) / count.view(1, -1, 1)
                 else:
                     out = torch.cumsum(query * valid, dim=1) / torch.cumsum(valid, dim=1).clamp_min(1.0)
-            elif valid is None:
-                out = query.mean(dim=1)
+            elif valid is None:  # (the mean of no queries is the zero summary, not 0 / 0)
+                out = query.sum(dim=1) / max(query.shape[1], 1)
             else:
                 out = (query * valid).sum(1) / valid.sum(1).clamp_min(1.0)
             return out.to(out_dtype)

@@ -190,6 +190,8 @@ class MoE(RoutingRecord, nn.Module):
                router_device: torch.device | str | None | object = _SAME) -> None:
         """Build the layer's modules from a validated ``config`` (the experts on ``device``, a router
         built by name on ``router_device``, default ``device``)."""
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype must be a floating dtype (of the layer's parameters), got {dtype!r}")
         if config.experts is not None:
             self.experts = config.experts
         else:
