@@ -988,6 +988,49 @@ def test_a_patched_model_saves_whole_and_loads_in_a_fresh_process(family, tmp_pa
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("router", ["batchwise", "noisy_topk"])
+def test_routers_own_state_survives_save_pretrained_and_from_pretrained(router, tmp_path):
+    """A review case: ``from_pretrained`` of a saved patched model drops the routers' own state
+    (App. F's learned thresholds, noisy top-k's W_noise) as unexpected keys, and Mixtral saves them
+    under legacy names, so eval logits moved by 0.24. ``router_state_dict`` /
+    ``load_router_state_dict`` keep them under the patched model's block names. Oracle: the saved
+    model's own eval logits."""
+    from routelab.integrations.hf import load_router_state_dict, router_state_dict
+
+    model = tiny()
+    patch_moe(model, router, k=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(3):
+        loss = model(ids(), labels=ids()).loss + routelab.aux_loss(model)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        expected = model(ids(seed=3)).logits
+    model.save_pretrained(tmp_path / "model")
+    state = router_state_dict(model)
+    assert state and all(".router." in key for key in state)
+    torch.save(state, tmp_path / "routers.pt")
+
+    loaded = type(model).from_pretrained(tmp_path / "model")
+    patch_moe(loaded, router, k=2)
+    loaded.eval()
+    lost = router_state_dict(loaded)
+    assert lost.keys() == state.keys() and any(not torch.equal(lost[key], state[key]) for key in state)
+    load_router_state_dict(loaded, torch.load(tmp_path / "routers.pt"))
+    for key, value in router_state_dict(loaded).items():
+        assert torch.equal(value, state[key]), key
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids(seed=3)).logits, expected, rtol=0, atol=1e-6)
+    other = tiny()
+    patch_moe(other, "topk")
+    with pytest.raises(ValueError, match="does not fit this model's routers"):
+        load_router_state_dict(other, state)
+    with pytest.raises(ValueError, match="no block patched by routelab"):
+        router_state_dict(tiny())
+
+
 def test_a_deep_copy_after_a_training_step_is_independent_and_keeps_its_ties():
     model = tiny("mixtral")
     patch_moe(model, "sinkhorn")

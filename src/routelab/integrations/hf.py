@@ -84,9 +84,10 @@ from .hf_blocks import (
 )
 from .hf_masks import CallMasks
 from .hf_masks import install as install_masks
+from .hf_state import load_router_state_dict, router_state_dict
 
-__all__ = ["ROUTING_CHILDREN", "GateProjection", "GateRule", "RoutedExperts", "RoutedGate", "patch_moe", "probe_gate",
-           "routing_child", "sparse_moe_blocks"]
+__all__ = ["ROUTING_CHILDREN", "GateProjection", "GateRule", "RoutedExperts", "RoutedGate", "load_router_state_dict",
+           "patch_moe", "probe_gate", "router_state_dict", "routing_child", "sparse_moe_blocks"]
 
 RouterFactory = Callable[[int, int, int], Router]
 
