@@ -624,6 +624,21 @@ def test_reinforce_baseline_shapes_agree() -> None:
     torch.testing.assert_close(_router_grad(routes, logits, loss, b.unsqueeze(-1).expand(B, n)), g_run)
 
 
+def test_reinforce_with_an_integer_reward_keeps_a_fractional_baseline() -> None:
+    """A review case: the baseline took the loss's dtype, so with a 0/1 integer reward 0.7 became
+    0 and the gradient silently was the one without baseline. Oracle: the same reward as floats.
+    A NaN baseline is an error (it gave a NaN objective)."""
+    n, k, B = 6, 2, 4
+    logits = torch.randn(B, n, k, dtype=torch.float64, generator=gen(42), requires_grad=True)
+    routes = sample_routes(logits, "sample", tau=0.7, generator=gen(43))
+    reward = torch.randint(0, 2, (B, n), generator=gen(44))
+    expected = _router_grad(routes, logits, reward.double(), 0.7)
+    torch.testing.assert_close(_router_grad(routes, logits, reward, 0.7), expected)
+    assert not torch.allclose(expected, _router_grad(routes, logits, reward.double(), 0.0))
+    with pytest.raises(ValueError, match="baseline values are not finite"):
+        reinforce_objective(routes, reward.double(), baseline=float("nan"))
+
+
 @pytest.mark.parametrize("B", [4, 6])
 def test_reinforce_per_token_baseline(B: int) -> None:
     n, k = 6, 2

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._checks import check_finite
 from ..routes import Routes
 
 __all__ = ["EMABaseline", "reinforce_objective", "gating_objective"]
@@ -98,7 +99,11 @@ def reinforce_objective(routes: Routes, loss: Tensor, baseline: Tensor | float =
     """
     weight, keep, log_prob = _per_token(routes, loss)
     w = weight * keep.to(weight.dtype)
-    b = torch.as_tensor(baseline, dtype=loss.dtype, device=loss.device)
+    # In a floating dtype: an integer loss (a 0/1 reward) would truncate a baseline of 0.7 to 0.
+    dtype = loss.dtype if loss.is_floating_point() else weight.dtype
+    loss = loss.to(dtype)
+    b = torch.as_tensor(baseline, device=loss.device).to(dtype)
+    check_finite(b, "baseline values", "pass a finite baseline (a number, or a tensor without NaN/inf)")
     if 0 < b.ndim < loss.ndim:
         if b.shape != loss.shape[:-1]:
             raise ValueError(
