@@ -226,3 +226,30 @@ def test_newton_with_an_empty_column_agrees_with_converged_sweeps() -> None:
     newton, err = newton_balance(log_p, target, tol=1e-10)
     assert err <= 1e-10
     torch.testing.assert_close(newton, swept, rtol=0, atol=1e-8)
+
+
+def test_a_col_sum_that_requires_grad_alone_keeps_its_gradient() -> None:
+    """A review case: with log_p not requiring grad and k > 2 the scaling sweeps (no autograd) ran,
+    and the result lost its dependence on col_sum. Oracle: central finite differences in float64."""
+    log_p = torch.randn(12, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).log_softmax(-1)
+    col_sum = torch.tensor([3.0, 4.0, 5.0], dtype=torch.float64, requires_grad=True)
+    out = sinkhorn(log_p, col_sum=col_sum, tol=1e-12, max_iter=100_000)
+    assert out.requires_grad
+    probe = torch.randn(12, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    (grad,) = torch.autograd.grad((out.exp() * probe).sum(), col_sum)
+    direction = torch.tensor([1.0, -0.5, -0.5], dtype=torch.float64)  # keeps the total n
+    eps = 1e-6
+
+    def value(c: torch.Tensor) -> float:
+        return float((sinkhorn(log_p, col_sum=c, tol=1e-13, max_iter=100_000).exp() * probe).sum())
+
+    numeric = (value(col_sum.detach() + eps * direction) - value(col_sum.detach() - eps * direction)) / (2 * eps)
+    assert abs(float(grad @ direction) - numeric) <= 1e-5
+
+
+@pytest.mark.parametrize("scale", [1e23, 1e100, 1e300])
+def test_any_float64_spread_is_balanced(scale: float) -> None:
+    """A review case: the continuation took at most 64 halvings of the temperature, so a spread
+    above ~3e20 raised; it now takes as many as float64's range needs (the steps' budget bounds it)."""
+    log_p = _scores((32, 8), 1.0, seed=0, dtype=torch.float64) * scale
+    _assert_balanced(log_p, sinkhorn(log_p), 32, 8)

@@ -96,8 +96,9 @@ def newton_balance(x: Tensor, target: Tensor, *, tol: float, max_steps: int = MA
 
 #: Continuation in the temperature starts where every row of ``x / T`` spans at most this many nats.
 ANNEAL_RANGE = 16.0
-#: ... and takes at most this many halvings of ``T``.
-MAX_LEVELS = 64
+#: ... and takes at most this many halvings of ``T`` (more than any float64 spread needs: its range
+#: is 2^2048; the steps' budget bounds the work).
+MAX_LEVELS = 2100
 
 
 def _annealed(xd: Tensor, t: Tensor, empty: Tensor, tol: float, accept: Accept,

@@ -209,7 +209,7 @@ def balance(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) -> tupl
         fast = two_expert_sinkhorn(log_p, target, tol=tol, max_iter=max_iter)
         if fast is not None:
             return fast
-    if k > 2 and not (torch.is_grad_enabled() and log_p.requires_grad):
+    if k > 2 and not (torch.is_grad_enabled() and (log_p.requires_grad or target.requires_grad)):
         fast = _balance_scaling(log_p, target, tol=tol, max_iter=max_iter)
         if fast is not None:
             return fast
