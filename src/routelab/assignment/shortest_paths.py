@@ -23,13 +23,18 @@ def floyd_warshall(cost: Tensor) -> Tensor:
         ``[..., m, m]`` distances ``d[a, b]`` of the cheapest path from ``a`` to ``b``
         (``+inf`` if ``b`` is unreachable from ``a``).
 
-    ``m`` sequential steps of ``O(m^2)`` vectorised work each (``O(m^3)`` in total).
+    ``m`` sequential steps of ``O(m^2)`` vectorised work each (``O(m^3)`` in total), in place in
+    one result and one scratch tensor: a fresh ``m x m`` pair per step made ``m = 2048`` take 81 s
+    instead of 9 (a review measurement, this project's CPU). In place is exact: step ``via`` leaves
+    row and column ``via`` unchanged (``d[via, via] = 0``). Not differentiable.
     """
     m = cost.shape[-1]
-    d = cost.clone()
+    d = cost.detach().clone()
     d.diagonal(dim1=-2, dim2=-1).clamp_(max=0.0)
+    through = torch.empty_like(d)
     for via in range(m):
-        d = torch.minimum(d, d[..., :, via : via + 1] + d[..., via : via + 1, :])
+        torch.add(d[..., :, via : via + 1], d[..., via : via + 1, :], out=through)
+        torch.minimum(d, through, out=d)
     return d
 
 
