@@ -314,3 +314,11 @@ def test_importance_weight_with_a_forbidden_column_is_p_over_q() -> None:
     p = torch.softmax(lg.double(), -1).gather(-1, expert.unsqueeze(-1)).squeeze(-1)
     q = gm.log_prob_of_sample().double().exp()
     torch.testing.assert_close(weight.double(), p / q, rtol=1e-5, atol=0)
+
+
+def test_a_token_allowed_on_no_expert_is_named() -> None:
+    """A review case: balanced_assignment said "some set of tokens" where sinkhorn names the row."""
+    inf = float("inf")
+    scores = torch.tensor([[0.0, 1.0], [-inf, -inf], [1.0, 0.0], [0.0, 0.0]])
+    with pytest.raises(ValueError, match="row 1 of batch instance 0 is -inf everywhere"):
+        balanced_assignment(scores)

@@ -953,3 +953,16 @@ def test_gumbel_matching_samples_the_sinkhorn_proposal_when_capacity_is_slack():
     se = (got.var(0) / R + want.var(0) / R).sqrt()
     z = (got.mean(0) - want.mean(0)) / se
     assert float(z.abs().max()) < 4.5, z
+
+
+def test_estimator_inputs_of_the_wrong_shape_are_named() -> None:
+    """Review cases: batched logits reached gumbel_matching_routes' unpacking ("too many values to
+    unpack"), and EMABaseline silently broadcast a value of another shape into its average."""
+    from routelab.estimators import EMABaseline, gumbel_matching_routes
+
+    with pytest.raises(ValueError, match=r"logits must have shape \[tokens, E\]"):
+        gumbel_matching_routes(torch.randn(2, 10, 4), generator=gen(45))
+    baseline = EMABaseline()
+    baseline(torch.ones(3))
+    with pytest.raises(ValueError, match=r"got \(2, 3\) after \(3,\)"):
+        baseline(torch.zeros(2, 3))

@@ -197,6 +197,11 @@ def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "
     if forbidden is not None:
         used = forbidden.gather(-1, z.unsqueeze(-1)).squeeze(-1).any(-1)
         if bool(used.any()):
+            stranded = forbidden.all(-1)  # [B, n]: tokens allowed on no expert at all
+            if bool(stranded.any()):
+                b, i = stranded.nonzero()[0].tolist()
+                raise ValueError(f"{name}: row {i} of batch instance {b} is -inf everywhere: that token is allowed "
+                                 "on no expert. Allow it at least one expert")
             raise ValueError(
                 f"{name}: the -inf (forbidden) entries leave no feasible assignment with capacity {c} "
                 f"(batch instance(s) {used.nonzero().flatten().tolist()[:5]}): some set of tokens is allowed "

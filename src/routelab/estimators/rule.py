@@ -9,7 +9,7 @@ from .._checks import check_tau
 from ..routes import Routes
 from ..routing.eager import eager
 from ..routing.masks import masked_rule
-from ..routing.rules import balanced_assignment, balanced_capacity
+from ..routing.rules import _check_logits, balanced_assignment, balanced_capacity
 from .sampling import METHODS, sample_routes
 
 # Gumbel-Matching samples are solver calls: they run eagerly under torch.compile (routing/eager.py).
@@ -57,7 +57,7 @@ def gumbel_matching_routes(logits: Tensor, capacity: int | None = None, *, metho
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     tau = check_tau(tau, positive=True)
-    n, E = logits.shape
+    n, E = _check_logits(logits).shape
     if n == 0 or not training:
         log_p = torch.log_softmax(logits, -1)
         if n and eval_balanced:

@@ -46,6 +46,10 @@ class EMABaseline:
     def __call__(self, observed: Tensor) -> Tensor:
         """Return the baseline to use now (before seeing ``observed``), then update it."""
         observed = observed.detach()
+        if self.value is not None and observed.shape != self.value.shape:
+            raise ValueError(f"EMABaseline averages values of one shape: got {tuple(observed.shape)} after "
+                             f"{tuple(self.value.shape)} (use one baseline per shape, or reset it: "
+                             f"baseline.value = None)")
         current = observed if self.value is None else self.value
         self.value = observed if self.value is None else self.decay * self.value + (1 - self.decay) * observed
         return current
