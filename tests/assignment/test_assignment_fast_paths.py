@@ -398,3 +398,25 @@ def test_floyd_warshall_equals_scipys(m: int) -> None:
         dense.fill_diagonal_(0.0)
         want = scipy_floyd_warshall(dense.numpy(), directed=True)  # inf: no arc
         torch.testing.assert_close(got[b], torch.from_numpy(want), rtol=0, atol=1e-12)
+
+
+def test_structured_scores_need_few_cancelling_rounds() -> None:
+    """The PyTorch path (GPU-sized problems) on rank-one scores: a review measured ~1450 rounds at
+    16384 x 64, one token per cycle arc per round. A cycle of move arcs is now cancelled as many
+    times as it stays negative. Oracle: for ``s = u v^T`` (supermodular) the monotone coupling is
+    optimal, tokens sorted by ``u`` filling experts sorted by ``v`` in blocks of the capacity (the
+    rearrangement inequality); the rounds stay few (measured at 4096 x 64: 27, where one unit per
+    round took 498)."""
+    from routelab.assignment.balanced import solve_balanced
+
+    rng = np.random.default_rng(1)
+    n, E = 4096, 64
+    u, v = rng.normal(size=n), rng.normal(size=E)
+    scores = torch.from_numpy(np.outer(u, v))
+    solution = solve_balanced(scores, on_host=False)
+    z = solution.expert.view(n).numpy()
+    assert (np.bincount(z, minlength=E) == n // E).all()
+    best = float((np.sort(u).reshape(E, n // E).sum(-1) * np.sort(v)).sum())
+    got = float(np.outer(u, v)[np.arange(n), z].sum())
+    assert got >= best - 1e-9 * np.abs(np.outer(u, v)).sum() and got <= best + 1e-9 * abs(best)
+    assert solution.rounds <= 60, solution.rounds

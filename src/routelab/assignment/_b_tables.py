@@ -20,7 +20,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["BTables", "apply_moves", "move_table", "tables_from_held"]
+from ._cycles import cycle_units
+
+__all__ = ["BTables", "apply_moves", "move_table", "push_along_cycles", "tables_from_held"]
 
 
 class BTables:
@@ -115,3 +117,26 @@ def apply_moves(t: BTables, move: Tensor, inst: Tensor, u: Tensor, v: Tensor) ->
     t.open[inst, token, v] = float("-inf")
     t.counts.index_put_((inst, u), torch.full_like(u, -1), accumulate=True)
     t.counts.index_put_((inst, v), torch.ones_like(v), accumulate=True)
+
+
+def push_along_cycles(t: BTables, move: Tensor, inst: Tensor, u: Tensor, v: Tensor, cycle: Tensor,
+                      tol: Tensor) -> None:
+    """Cancel node-disjoint cycles of move arcs as many times as each stays negative (in place;
+    :func:`._cycles.cycle_units` picks the tokens). Loads do not change. A token moving along two
+    arcs ``a -> b`` and ``c -> d`` ends with ``k`` distinct experts, as in :func:`apply_moves`.
+
+    Args:
+        t: the tables (updated).
+        move: ``[B, E, C, E]`` the move costs of :func:`move_table` for the current tables.
+        inst, u, v: ``[r]`` long, the arcs of the cycles (every node of a cycle once as ``u``).
+        cycle: ``[r]`` long, the cycle of every arc (:func:`._cycles.cycle_ids`).
+        tol: ``[B, 1]`` the threshold below which a unit's cost counts as negative.
+    """
+    n = t.open.shape[1] - 1
+    arc, slot_a, slot_b = cycle_units(move, inst, u, v, cycle, tol)
+    i, a, b = inst[arc], u[arc], v[arc]
+    token = t.holder[i, a, slot_a]
+    t.holder[i, a, slot_a] = n
+    t.holder[i, b, slot_b] = token
+    t.open[i, token, a] = t.scores[i, token, a]
+    t.open[i, token, b] = float("-inf")

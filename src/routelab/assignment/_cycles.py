@@ -2,9 +2,10 @@
 
 Bellman-Ford from a virtual source; a cycle in its predecessor graph is a negative cycle.
 Node-disjoint negative cycles are collected for a few more sweeps and all cancelled at once (one
-token moves along each move arc); the touched experts' rows of the graph are refreshed
-incrementally. When Bellman-Ford converges, there is no negative cycle: the assignment is optimal
-(the certificate, up to the rounding guard of :func:`cycle_tolerance`).
+token moves along each move arc; a cycle of move arcs alone as many times as it stays negative,
+:func:`cycle_units`); the touched experts' rows of the graph are refreshed incrementally. When
+Bellman-Ford converges, there is no negative cycle: the assignment is optimal (the certificate, up
+to the rounding guard of :func:`cycle_tolerance`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ._tuning import TUNING
 from ._workspace import SCORES_A, scratch
 from .shortest_paths import functional_graph_cycles, relax
 
-__all__ = ["cancel_negative_cycles", "cycle_tolerance", "find_negative_cycles"]
+__all__ = ["cancel_negative_cycles", "cycle_ids", "cycle_tolerance", "cycle_units", "find_negative_cycles"]
 
 
 def cycle_tolerance(scale: Tensor, k: int) -> Tensor:
@@ -167,7 +168,21 @@ def cancel_negative_cycles(
         inst, v = cycle_nodes.nonzero(as_tuple=True)
         u = pred[inst, v]
         is_move = move_arc[inst, u, v] <= arc[inst, u, v]
-        inst, u, v = inst[is_move], u[is_move], v[is_move]
+        touched = torch.cat([inst * k + u, inst * k + v])
+        # Cycles of move arcs alone: as many units as stay negative (cycle_units); a cycle through
+        # a release arc (a load changes): one unit, below.
+        cycle = cycle_ids(pred, inst, v, k)
+        releases = torch.zeros((B, k), dtype=torch.long, device=dev)
+        releases.index_put_((inst, cycle), (~is_move).long(), accumulate=True)
+        pure = releases[inst, cycle] == 0
+        unit, slot_a, slot_b = cycle_units(move, inst[pure], u[pure], v[pure], cycle[pure], tol)
+        ui, ua, ub = inst[pure][unit], u[pure][unit], v[pure][unit]
+        moved = holder[ui, ua, slot_a]
+        holder[ui, ua, slot_a] = n
+        holder[ui, ub, slot_b] = moved
+        z[ui, moved] = ub
+        single = is_move & ~pure
+        inst, u, v = inst[single], u[single], v[single]
         slot_u = move[inst, u, :, v].argmin(dim=-1)
         token = holder[inst, u, slot_u]
         # The token takes the slot that v's own outgoing token leaves, or a free slot of v when v
@@ -183,7 +198,7 @@ def cancel_negative_cycles(
         counts.index_put_((inst, u), torch.full_like(u, -1), accumulate=True)
         counts.index_put_((inst, v), torch.ones_like(v), accumulate=True)
         # Refresh the move rows of the experts whose tokens changed, and the release arcs.
-        key = torch.unique(torch.cat([inst * k + u, inst * k + v]))
+        key = torch.unique(touched)
         ci, ce = key // k, key % k
         rows = move_costs(S, holder, ci, ce)
         move[ci, ce] = rows
@@ -191,3 +206,53 @@ def cancel_negative_cycles(
         row_arc[torch.arange(ce.numel(), device=dev), ce] = float("inf")
         move_arc[ci, ce] = row_arc
         arc = torch.minimum(move_arc, release_arcs(counts, c, big))
+
+
+def cycle_ids(pred: Tensor, inst: Tensor, v: Tensor, m: int) -> Tensor:
+    """``[r]`` the smallest node of the cycle through every node ``v`` of instance ``inst``, by
+    pointer doubling on the predecessors ``pred [B, >= m]`` of the ``m`` nodes (``log2 m`` gathers)."""
+    B = pred.shape[0]
+    succ = pred[:, :m].clamp(max=m - 1)  # (the nodes off every cycle point anywhere: unused)
+    low = torch.minimum(torch.arange(m, device=pred.device).expand(B, m), succ)
+    for _ in range(max(1, (m - 1).bit_length())):
+        low = torch.minimum(low, low.gather(1, succ))
+        succ = succ.gather(1, succ)
+    return low[inst, v]
+
+
+def cycle_units(move: Tensor, inst: Tensor, u: Tensor, v: Tensor, cycle: Tensor,
+                tol: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The token moves that cancel node-disjoint cycles of move arcs as often as each stays negative.
+
+    One unit along a cycle moves the cheapest token of every arc; the ``t``-th unit moves every
+    arc's ``t``-th cheapest. Each unit is an independent improvement (a token's gain depends on
+    its own scores only, and the tokens of one arc are distinct), so every unit whose cost, the
+    sum over the cycle of its arcs' ``t``-th cheapest moves, is below ``-tol`` is taken at once:
+    one round does what took one round per unit (a structured score matrix, rank one say, needed
+    rounds in proportion to ``n``: 4080 rounds, 24.6 s at 16384 x 64, k = 2, a review measurement).
+    The loads do not change: every node sends and receives as many tokens.
+
+    Args:
+        move: ``[B, E, C, E]`` per-slot move costs (``+inf`` for an empty slot or a held target).
+        inst, u, v: ``[r]`` long, the arcs ``u -> v`` of the cycles, each node once as ``u``.
+        cycle: ``[r]`` long, the cycle of every arc (:func:`cycle_ids`).
+        tol: ``[B, 1]`` the threshold below which a unit's cost counts as negative.
+
+    Returns:
+        ``(arc, slot_u, slot_v)``, ``[units]`` long: the arc (an index into ``inst``) of every
+        token move, the slot of ``u`` it leaves and the slot of ``v`` it takes (the one ``v``'s own
+        token of the same rank leaves).
+    """
+    B, E, C, _ = move.shape
+    dev = move.device
+    costs, order = move[inst, u, :, v].to(torch.float64).sort(dim=-1)  # [r, C]: cheapest tokens first
+    total = torch.zeros((B, E, C), dtype=torch.float64, device=dev)
+    total.index_put_((inst, cycle), costs, accumulate=True)  # [B, E, C]: the t-th unit of each cycle
+    units = (total < -tol.unsqueeze(-1)).long().cumprod(-1).sum(-1)  # [B, E]
+    count = units[inst, cycle].clamp(min=1)  # [r] (the first unit is negative: the cycle was)
+    arc = torch.repeat_interleave(torch.arange(inst.numel(), device=dev), count)
+    rank = torch.arange(arc.numel(), device=dev) - (torch.cumsum(count, 0) - count)[arc]
+    slot_u = order[arc, rank]
+    vacated = torch.full((B, E, C), -1, dtype=torch.long, device=dev)
+    vacated[inst[arc], u[arc], rank] = slot_u
+    return arc, slot_u, vacated[inst[arc], v[arc], rank]

@@ -31,7 +31,9 @@ quotas):
 3. **Cycle cancelling.** Bellman-Ford from a virtual source finds node-disjoint negative cycles
    (:func:`._cycles.find_negative_cycles`, shared with ``k = 1``); along every move arc of them
    the cheapest token moves (:func:`._b_tables.apply_moves`: a token on two arcs of the round
-   still ends with ``k`` distinct experts). Repeat until Bellman-Ford converges.
+   still ends with ``k`` distinct experts), and a cycle of move arcs alone is cancelled as many
+   times as it stays negative, the ``t``-th time with every arc's ``t``-th cheapest token
+   (:func:`._cycles.cycle_units`). Repeat until Bellman-Ford converges.
 
 For ``k > E / 2`` the complement is solved instead: the ``E - k`` experts every token does *not*
 take, at scores ``-s`` and loads within ``[n - hi, n - lo]`` (the same problem; the move table
@@ -50,8 +52,8 @@ from torch import Tensor
 
 from .._checks import check_k, check_plain_tensor, check_score_matrix, resolve_capacity
 from ._b_start import repair_quotas, start_b_matching
-from ._b_tables import apply_moves, move_table, tables_from_held
-from ._cycles import cycle_tolerance, find_negative_cycles
+from ._b_tables import apply_moves, move_table, push_along_cycles, tables_from_held
+from ._cycles import cycle_ids, cycle_tolerance, find_negative_cycles
 from ._graph import release_arcs, release_weight
 from ._normalise import compute_dtype, normalise_scores
 from .balanced import _working_scores
@@ -178,7 +180,15 @@ def _solve(S: Tensor, k: int, lo: int, hi: int, scale: Tensor) -> Tensor:
         inst, v = cycle_nodes.nonzero(as_tuple=True)
         u = pred[inst, v]
         is_move = move_arc[inst, u, v] <= arc[inst, u, v]  # release arcs move nothing
-        apply_moves(t, move, inst[is_move], u[is_move], v[is_move])
+        # Cycles of move arcs alone are pushed as many units as stay negative; a cycle through a
+        # release arc (a load changes) one unit.
+        cycle = cycle_ids(pred, inst, v, E)
+        releases = torch.zeros((B, E), dtype=torch.long, device=dev)
+        releases.index_put_((inst, cycle), (~is_move).long(), accumulate=True)
+        pure = releases[inst, cycle] == 0
+        push_along_cycles(t, move, inst[pure], u[pure], v[pure], cycle[pure], tol)
+        single = is_move & ~pure
+        apply_moves(t, move, inst[single], u[single], v[single])
     raise RuntimeError("balanced_b_matching: cycle cancelling did not terminate; please report this input")
 
 

@@ -200,8 +200,8 @@ def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "
             stranded = forbidden.all(-1)  # [B, n]: tokens allowed on no expert at all
             if bool(stranded.any()):
                 b, i = stranded.nonzero()[0].tolist()
-                raise ValueError(f"{name}: row {i} of batch instance {b} is -inf everywhere: that token is allowed "
-                                 "on no expert. Allow it at least one expert")
+                raise ValueError(f"{name}: no feasible assignment: row {i} of batch instance {b} is -inf everywhere "
+                                 "(that token is allowed on no expert). Allow it at least one expert")
             raise ValueError(
                 f"{name}: the -inf (forbidden) entries leave no feasible assignment with capacity {c} "
                 f"(batch instance(s) {used.nonzero().flatten().tolist()[:5]}): some set of tokens is allowed "
