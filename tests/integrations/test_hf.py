@@ -560,6 +560,8 @@ def test_bad_input_is_a_clear_error():
         patch_moe(tiny(), "topk", generator=0)
     with pytest.raises(ValueError, match="got k=2 but supports k=None or k=1"):
         patch_moe(tiny(), "gumbel_matching", k=2)  # an explicit k the router cannot take
+    with pytest.raises(ValueError, match="capacity_factor >= 1"):  # at patch time, not at the first forward
+        patch_moe(tiny(), "base", capacity_factor=0.5)
     model = tiny()
     patch_moe(model, "topk")
     with pytest.raises(ValueError, match="already patched.*copy.deepcopy of the model taken before patching"):

@@ -253,8 +253,14 @@ def test_bad_arguments() -> None:
         MoE(D, H, 4, dtype=torch.int32)
     with pytest.raises(ValueError, match="supports k=None or k=1"):
         MoE(D, H, 4, router="gumbel_matching", k=2)
+    with pytest.raises(ValueError, match="capacity_factor >= 1"):  # when built (it failed at the first forward)
+        MoE(D, H, 4, router="base", capacity_factor=0.5)
     with pytest.raises(ValueError, match="capacity_factor >= 1"):
-        MoE(D, H, 4, router="base", capacity_factor=0.5)(torch.randn(8, D))
+        MoE(D, H, 4, router="gumbel_matching", capacity_factor=0.9)
+    layer = MoE(D, H, 4, router="base", capacity_factor=1.0)
+    layer.capacity_factor = 0.5  # changed since: the forward still says so
+    with pytest.raises(ValueError, match="capacity_factor >= 1"):
+        layer(torch.randn(8, D))
     with pytest.raises(ValueError, match="not finite"):
         MoE(D, H, 4)(torch.full((3, D), float("nan")))
     with pytest.raises(ValueError, match="not finite"):

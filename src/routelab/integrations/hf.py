@@ -66,7 +66,7 @@ from torch import Tensor, nn
 from .._checks import check_capacity_factor, check_flag, check_generator, check_positive_int
 from ..replay import NoiseReplay
 from ..routers import ROUTERS, Router, make_router, router_name, router_options
-from ..routers.base import proposes_every_slot
+from ..routers.base import check_capacity_for, proposes_every_slot
 from ..routing import DROP_POLICIES, RoutingRecord, apply_capacity, expert_capacity, load_stats
 from .hf_blocks import (
     CONTRACT,
@@ -574,6 +574,7 @@ def patch_moe(
         else:
             norm = rule.renormalize if rule.renormalize is not None else _model_norm_topk(gate, model)
         built = _build_router(router, d, E, use_k, k is not None, norm, dict(router_kwargs or {}))
+        check_capacity_for(built, capacity_factor)
         plans.append((block, gate, built, share_bias, rule))
     for gate_class, notice in notices.items():
         warnings.warn(f"the model's gate {gate_class} {notice}", stacklevel=2)

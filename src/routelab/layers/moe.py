@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from .._checks import check_generator, checks_run, floating_input, token_mask
 from ..replay import NoiseReplay
 from ..routers import Router, router_options
+from ..routers.base import check_capacity_for
 from ..routes import Routes
 from ..routing import DispatchPlan, GroupedPlan, apply_capacity, expert_capacity, load_stats
 from ..routing.masks import real_tokens, scatter_routes
@@ -202,6 +203,7 @@ class MoE(RoutingRecord, nn.Module):
         self.dispatch = config.dispatch
         self._d_hidden = config.d_hidden
         self.router = config.build_router(device if router_device is _SAME else router_device)
+        check_capacity_for(self.router, config.capacity_factor)
         # what `config` reports while this router is the layer's, as built: its name and options
         object.__setattr__(self, "_router_spec", None if isinstance(config.router, Router) else
                            (self.router, config.router, config.k, config.router_kwargs, config.check_finite,

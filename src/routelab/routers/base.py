@@ -36,7 +36,8 @@ from ..routing.masks import real_tokens, scatter_routes
 from ..routing.rules import expert_grid
 from ._scores import float32_linear, full_precision
 
-__all__ = ["Router", "check_finite_features", "check_positive_int", "expert_grid", "proposes_every_slot"]
+__all__ = ["Router", "check_capacity_for", "check_finite_features", "check_positive_int", "expert_grid",
+           "proposes_every_slot"]
 
 
 def check_finite_features(features: Tensor) -> None:
@@ -83,6 +84,11 @@ class Router(nn.Module):
     #: through :func:`proposes_every_slot`, which does not trust it for a subclass that overrides
     #: the routing without declaring it again.
     proposes_every_slot: bool = False
+
+    #: Whether the router assigns every token in training (a balanced solve at the quota
+    #: ``ceil(k n / E)``, BASE and Gumbel-Matching): the layer's capacity must hold that quota,
+    #: so a ``capacity_factor`` below 1 is refused when the layer is built.
+    assigns_every_token: bool = False
 
     generator = GeneratorAttribute(
         "The source of randomness of stochastic routers (``None``: torch's global generator)."
@@ -251,3 +257,13 @@ class ChoosesK:
     @k.setter
     def k(self, value: int) -> None:
         self.slots = check_positive_int("k", value, upper=self.num_experts, upper_name="num_experts")
+
+
+def check_capacity_for(router: Router, capacity_factor: float | None) -> None:
+    """ValueError for a ``capacity_factor`` below 1 with a router that assigns every token
+    (:attr:`Router.assigns_every_token`): its balanced solve needs the quota ``ceil(k n / E)`` of
+    every expert (it would fail at the first forward instead)."""
+    if getattr(router, "assigns_every_token", False) and capacity_factor is not None and capacity_factor < 1:
+        raise ValueError(f"capacity_factor={capacity_factor} is below 1, but the {type(router).__name__} assigns "
+                         f"every token (a balanced solve at the quota ceil(k*n/E)): use capacity_factor >= 1 "
+                         f"(or None, dropless)")
