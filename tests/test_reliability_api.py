@@ -818,7 +818,10 @@ def test_gumbel_matching_router_below_capacity_factor_one_names_it(method: str) 
     capacity error about an argument the user never passed)."""
     from routelab.layers import MoE
 
-    layer = MoE(4, 8, 2, router="gumbel_matching", capacity_factor=0.5, router_kwargs={"method": method})
+    with pytest.raises(ValueError, match="capacity_factor"):  # when built
+        MoE(4, 8, 2, router="gumbel_matching", capacity_factor=0.5, router_kwargs={"method": method})
+    layer = MoE(4, 8, 2, router="gumbel_matching", capacity_factor=1.0, router_kwargs={"method": method})
+    layer.capacity_factor = 0.5  # set since: the forward says so
     with pytest.raises(ValueError, match="capacity_factor"):
         layer(torch.randn(6, 4))
     layer.capacity_factor = 1.0
