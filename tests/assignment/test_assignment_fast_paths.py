@@ -420,3 +420,28 @@ def test_structured_scores_need_few_cancelling_rounds() -> None:
     got = float(np.outer(u, v)[np.arange(n), z].sum())
     assert got >= best - 1e-9 * np.abs(np.outer(u, v)).sum() and got <= best + 1e-9 * abs(best)
     assert solution.rounds <= 60, solution.rounds
+
+
+def test_forbidden_pairs_with_tied_rows_are_exact_on_the_pytorch_path() -> None:
+    """The same review case for k = 1 on the PyTorch path (8 of 4000 feasible instances raised
+    'cycle cancelling did not terminate'). Oracle: scipy's assignment on the expanded cost."""
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        n, E = int(rng.integers(4, 40)), int(rng.integers(2, 8))
+        c = -(-n // E) + int(rng.integers(0, 2))
+        s = np.tile(rng.random(E), (n, 1))
+        s[rng.random((n, E)) < 0.2] += 1
+        forbid = rng.random((n, E)) < 0.15
+        forbid[np.arange(n), rng.integers(0, E, n)] = False
+        s[forbid] = -np.inf
+        scores = torch.from_numpy(s)
+        try:
+            z = balanced_assignment(scores, c)
+        except ValueError:
+            from scipy.optimize import linear_sum_assignment
+
+            expanded = np.repeat(s, c, 1)
+            rows, cols = linear_sum_assignment(np.where(np.isfinite(expanded), -expanded, 1e9))
+            assert np.where(np.isfinite(expanded), -expanded, 1e9)[rows, cols].max() >= 1e8  # truly infeasible
+            continue
+        check_optimal(scores, z, c)

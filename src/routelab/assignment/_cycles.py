@@ -19,7 +19,8 @@ from ._tuning import TUNING
 from ._workspace import SCORES_A, scratch
 from .shortest_paths import functional_graph_cycles, relax
 
-__all__ = ["cancel_negative_cycles", "cycle_ids", "cycle_tolerance", "cycle_units", "find_negative_cycles"]
+__all__ = ["cancel_negative_cycles", "cycle_ids", "cycle_tolerance", "cycle_units", "find_negative_cycles",
+           "phase_tolerance"]
 
 
 def cycle_tolerance(scale: Tensor, k: int) -> Tensor:
@@ -29,6 +30,34 @@ def cycle_tolerance(scale: Tensor, k: int) -> Tensor:
     ``scale``; costs below a few rounding errors of that size are treated as zero.
     """
     return (4 * (k + 1) * torch.finfo(scale.dtype).eps * scale).unsqueeze(-1)
+
+
+def phase_tolerance(exact: Tensor, coarse: Tensor | None, in_use: Tensor | None, dist: Tensor,
+                    limit: Tensor) -> tuple[Tensor, Tensor]:
+    """The cycle tolerance of each instance in this round, and its Bellman-Ford labels.
+
+    Forbidden pairs carry a finite penalty of about ``n`` times the scores' spread
+    (:func:`.balanced._working_scores`). While an instance still uses one, its arcs and labels
+    are of that size, and their rounding exceeds the finite scores' tolerance: cycles of true cost
+    0 (one token off a forbidden pair, another onto one) looked negative, and the cancelling never
+    ended (a review found 49 of 3000 feasible instances with tied rows). Those rounds take the
+    tolerance of the penalty's magnitude (``coarse``), which still sees every cycle that leaves a
+    forbidden pair (it gains about the penalty); once none is used, the finite one (``exact``),
+    with labels beyond the finite problem's size reset to 0 (they would carry the penalty's
+    rounding on; any labels start a valid search).
+
+    Args:
+        exact, coarse: ``[B, 1]`` tolerances of the finite scores and of the penalty (None: no
+            forbidden pair anywhere).
+        in_use: ``[B]`` bool, the instances that use a forbidden pair now (None with ``coarse``).
+        dist: ``[B, m]`` the labels.
+        limit: ``[B, 1]`` the largest label of the finite problem (its arcs times the nodes).
+    """
+    if coarse is None or in_use is None:
+        return exact, dist
+    use = in_use.unsqueeze(-1)
+    dist = torch.where(use | (dist.abs() <= limit), dist, torch.zeros_like(dist))
+    return torch.where(use, coarse, exact), dist
 
 
 def find_negative_cycles(
@@ -107,6 +136,7 @@ def cancel_negative_cycles(
     prices: Tensor | None = None,
     scale: Tensor | None = None,
     max_rounds: int | None = None,
+    forbidden: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, int]:
     """Cycle cancelling until no negative cycle is left (App. D.2).
 
@@ -121,6 +151,9 @@ def cancel_negative_cycles(
             Bellman-Ford labels near the optimal potentials.
         scale: optional ``[B]`` magnitude of the finite scores (default: of ``S``), which sets
             the rounding tolerance.
+        max_rounds: most cancelling rounds (default: a bound no correct run reaches).
+        forbidden: optional ``[B, n, k]`` bool, the pairs whose score in ``S`` is a forbidden
+            pair's penalty: while an instance uses one, :func:`phase_tolerance` judges its cycles.
 
     Returns:
         ``(z, arc_cost, rounds)`` with the optimal assignment, the float64 expert graph at the
@@ -131,7 +164,9 @@ def cancel_negative_cycles(
     z = z.clone()
     if scale is None:
         scale = torch.maximum(S.amax(dim=(-2, -1)).abs(), S.amin(dim=(-2, -1)).abs())
-    tol = cycle_tolerance(scale, k).to(torch.float64)  # rounding errors of the scores' dtype
+    exact = cycle_tolerance(scale, k).to(torch.float64)  # rounding errors of the scores' dtype
+    coarse = cycle_tolerance(S.abs().amax(dim=(-2, -1)), k).to(torch.float64) if forbidden is not None else None
+    limit = (2 * (k + 1) * scale).to(torch.float64).unsqueeze(-1)  # a finite label: k + 1 arcs of size 2 scale
     big = release_weight(S)
     counts = torch.zeros((B, k), dtype=torch.long, device=dev).scatter_add_(-1, z, torch.ones_like(z))
     # The graph straight from the assignment; the slot tables that cancelling needs are built
@@ -147,6 +182,8 @@ def cancel_negative_cycles(
     if max_rounds is None:
         max_rounds = 10 * n * k + 100  # each round strictly improves; this only guards against bugs
     while True:
+        in_use = None if forbidden is None else forbidden.gather(-1, z.unsqueeze(-1)).flatten(1).any(-1)
+        tol, dist = phase_tolerance(exact, coarse, in_use, dist, limit)
         optimal, cycle_nodes, pred, dist = find_negative_cycles(arc, tol, running, dist)
         running &= ~optimal
         done, overfull = torch.stack([~running.any(), (counts > c).any()]).tolist()  # one synchronisation

@@ -53,7 +53,7 @@ from torch import Tensor
 from .._checks import check_k, check_plain_tensor, check_score_matrix, resolve_capacity
 from ._b_start import repair_quotas, start_b_matching
 from ._b_tables import apply_moves, move_table, push_along_cycles, tables_from_held
-from ._cycles import cycle_ids, cycle_tolerance, find_negative_cycles
+from ._cycles import cycle_ids, cycle_tolerance, find_negative_cycles, phase_tolerance
 from ._graph import release_arcs, release_weight
 from ._normalise import compute_dtype, normalise_scores
 from .balanced import _working_scores
@@ -128,9 +128,9 @@ def balanced_b_matching(scores: Tensor, k: int, capacity: int | None = None, *, 
         S, forbidden, scale = _working_scores(normalised, pairs=k * n)
         with torch.inference_mode():
             if 2 * k > E:  # the complement: the E - k experts a token does not take (a smaller table)
-                held = ~_solve(torch.neg(S), E - k, n - hi, n - lo, scale)
+                held = ~_solve(torch.neg(S), E - k, n - hi, n - lo, scale, forbidden, complement=True)
             else:
-                held = _solve(S, k, lo, hi, scale)
+                held = _solve(S, k, lo, hi, scale, forbidden)
         held = held.clone()  # a normal tensor (not an inference tensor) from here on
         if forbidden is not None:
             used = (forbidden & held).flatten(1).any(-1)
@@ -148,9 +148,16 @@ def balanced_b_matching(scores: Tensor, k: int, capacity: int | None = None, *, 
     return order.view(*scores.shape[:-1], k)
 
 
-def _solve(S: Tensor, k: int, lo: int, hi: int, scale: Tensor) -> Tensor:
+def _solve(S: Tensor, k: int, lo: int, hi: int, scale: Tensor, forbidden: Tensor | None = None, *,
+           complement: bool = False) -> Tensor:
     """``[B, n, E]`` bool optimal pairs for the finite normalised scores ``S`` (steps 1-3), any
-    quotas ``0 <= lo <= hi <= n`` with ``E lo <= k n <= E hi``."""
+    quotas ``0 <= lo <= hi <= n`` with ``E lo <= k n <= E hi``.
+
+    ``forbidden``: ``[B, n, E]`` bool, the pairs whose score is a forbidden pair's penalty
+    (:func:`.balanced._working_scores`), or None; ``complement``: ``S`` is the complement's, whose
+    held pairs are the ones *not* taken (a forbidden pair is then in use where it is not held).
+    While an instance uses one, its cycles are judged at the rounding of the penalty's magnitude
+    (:func:`._cycles.phase_tolerance`)."""
     B, n, E = S.shape
     dev = S.device
     # 1. start: the k best experts of every token under approximate prices
@@ -159,7 +166,9 @@ def _solve(S: Tensor, k: int, lo: int, hi: int, scale: Tensor) -> Tensor:
     slots = _slots(int(held.sum(1).max()), hi)
     t = tables_from_held(S, held, slots)
     # 2.-3. cancel negative cycles of the expert graph until there is none
-    tol = cycle_tolerance(scale, E).to(torch.float64)
+    exact = cycle_tolerance(scale, E).to(torch.float64)
+    limit = (2 * (E + 1) * scale).to(torch.float64).unsqueeze(-1)  # a finite label: E + 1 arcs of size 2 scale
+    coarse = cycle_tolerance(S.abs().amax(dim=(-2, -1)), E).to(torch.float64) if forbidden is not None else None
     big = release_weight(S)
     running = torch.ones(B, dtype=torch.bool, device=dev)
     dist = -prices.to(torch.float64)
@@ -171,6 +180,8 @@ def _solve(S: Tensor, k: int, lo: int, hi: int, scale: Tensor) -> Tensor:
             t = tables_from_held(S, t.held, slots)
         move, move_arc = move_table(t)
         arc = torch.minimum(move_arc, release_arcs(t.counts, hi, big, lower=lo))
+        in_use = None if forbidden is None else ((~t.held if complement else t.held) & forbidden).flatten(1).any(-1)
+        tol, dist = phase_tolerance(exact, coarse, in_use, dist, limit)
         optimal, cycle_nodes, pred, dist = find_negative_cycles(arc, tol, running, dist)
         running &= ~optimal
         if not bool(running.any()):

@@ -192,7 +192,7 @@ def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "
             # 2. start: greedy proposals under those prices (may leave experts over capacity)
             z = initial_assignment(torch.sub(S, prices.unsqueeze(1), out=scratch(SCORES_A, S.shape, S.dtype, dev)), c)
             # 3. exact: cancel negative cycles of the expert graph until there is none
-            z, arc_cost, rounds = cancel_negative_cycles(S, z, c, prices, scale=scale)
+            z, arc_cost, rounds = cancel_negative_cycles(S, z, c, prices, scale=scale, forbidden=forbidden)
         z, arc_cost = z.clone(), arc_cost.clone()
     if forbidden is not None:
         used = forbidden.gather(-1, z.unsqueeze(-1)).squeeze(-1).any(-1)
