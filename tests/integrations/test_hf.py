@@ -1164,6 +1164,81 @@ def test_checkpointing_recomputes_under_the_mask_of_the_forward_it_recomputes(re
     assert _max_gap(*grads) <= 1e-6
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("order", ["a+b", "b+a"])
+def test_one_input_tensor_in_two_padded_calls_recomputes_each_under_its_mask(reentrant, order):
+    """A review case: the same inputs_embeds tensor in two calls with different masks, one backward:
+    the recomputation of the first call found the second call's record (the same live tensor) and
+    routed under its mask (gradient gap 8.9e-3). The records keep both calls; backward recomputes
+    the later one first. Oracle: the same step without checkpointing, either order of the sum."""
+    base = tiny().train()
+    (a, mask_a), (_, mask_b) = _padded_pair()
+    embeds = base.model.embed_tokens(a).detach()
+    grads = []
+    for checkpointing in (False, True):
+        model = copy.deepcopy(base)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            patch_moe(model, "topk")
+            if checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            x = embeds.clone().requires_grad_(True)
+            first = model(inputs_embeds=x, attention_mask=mask_a, labels=a).loss
+            second = model(inputs_embeds=x, attention_mask=mask_b, labels=a).loss
+            (first + second if order == "a+b" else second + first).backward()
+        grads.append(_grads(model))
+    assert _max_gap(*grads) <= 1e-6
+
+
+def test_a_checkpoint_around_the_whole_model_and_evaluation_calls_in_between():
+    """Review cases: a user's checkpoint around the whole model, called twice on the same input_ids
+    with two masks, recomputed under a record instead of the call it re-runs (gap 4.2e-2); and
+    evaluation calls under no_grad between forward and backward filled the records and pushed out
+    those checkpointing needed (no_grad calls in eval mode are no longer recorded). Oracle: the
+    same steps without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    import routelab.integrations.hf_masks as hf_masks
+
+    base = tiny().train()
+    (a, mask_a), (b, mask_b) = _padded_pair()
+    grads = []
+    for checkpointing in (False, True):
+        model = copy.deepcopy(base)
+        patch_moe(model, "topk")
+
+        def loss_of(ids_, mask_):
+            return model(ids_, attention_mask=mask_, labels=ids_).loss
+
+        if checkpointing:
+            first = checkpoint(loss_of, a, mask_a, use_reentrant=False)
+            second = checkpoint(loss_of, a, mask_b, use_reentrant=False)
+        else:
+            first, second = loss_of(a, mask_a), loss_of(a, mask_b)
+        grads.append(_grads_after(first + second, model))
+    assert _max_gap(*grads) <= 1e-6
+
+    grads = []
+    for checkpointing in (False, True):
+        model = copy.deepcopy(base)
+        patch_moe(model, "topk")
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        loss = model(a, attention_mask=mask_a, labels=a).loss
+        model.eval()
+        with torch.no_grad():
+            for length in range(2, 2 + hf_masks.MAX_RECORDS // 8):  # calls of other shapes, many records each
+                model(ids(2, length % 16 + 1, seed=length))
+        model.train()
+        grads.append(_grads_after(loss, model))
+    assert _max_gap(*grads) <= 1e-6
+
+
+def _grads_after(loss, model):
+    loss.backward()
+    return _grads(model)
+
+
 def test_the_mask_is_the_calls_own_whichever_module_is_called():
     """Review cases: the mask came from a pre-hook on the patched model alone and was kept until
     its next call, so a call of the base model (``model.model``) after a padded call reused the old

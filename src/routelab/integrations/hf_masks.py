@@ -72,12 +72,13 @@ class CallMasks:
     """The padding masks of a patched model's calls, shared by its patched gates (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.calls: list[CallMask] = []            # the source calls in progress, innermost last
+        # the source calls in progress, innermost last: (source module's id, its call, pushed in backward)
+        self.calls: list[tuple[int, CallMask, bool]] = []
         self.latest: CallMask = NO_MASK            # the latest source call's (a recomputation's fallback)
-        self.records: OrderedDict[tuple, tuple[weakref.ref, CallMask]] = OrderedDict()
-        self.replayed: CallMask | None = None     # the call a recomputation in progress recomputes
+        self.records: OrderedDict[tuple, _Record] = OrderedDict()
+        self.replayed: _Record | None = None      # the record of the forward a recomputation recomputes
         self._signatures: dict[type, inspect.Signature] = {}
-        self._warned = False
+        self._warned: set[str] = set()
 
     def __getstate__(self) -> dict:
         """Nothing: the calls in progress and the records are of this process's tensors (a copy or
@@ -107,17 +108,26 @@ class CallMasks:
             inputs = arguments.get("inputs_embeds")
         seq = inputs.shape[1] if isinstance(inputs, Tensor) and inputs.dim() >= 2 else None
         call = CallMask(mask, seq)
-        self.calls.append(call)
+        # A call of a module already in progress that is no recursion: the earlier one never
+        # returned (a KeyboardInterrupt skips the forward hooks): drop it and what it left above.
+        for depth, (owner, _, _) in enumerate(self.calls):
+            if owner == id(module):
+                del self.calls[depth:]
+                break
+        recomputing = not torch.compiler.is_compiling() and in_backward()
+        self.calls.append((id(module), call, recomputing))
         self.latest = call
 
     def leave_call(self, module: nn.Module, args: tuple, output: Any) -> None:
-        """Forward hook (``always_call``) of a source: pop its call."""
-        if self.calls:
-            self.calls.pop()
+        """Forward hook (``always_call``) of a source: pop its call (and any left above it)."""
+        for depth in range(len(self.calls) - 1, -1, -1):
+            if self.calls[depth][0] == id(module):
+                del self.calls[depth:]
+                return
 
     def current(self) -> CallMask:
         """The innermost source call in progress, else no mask."""
-        return self.calls[-1] if self.calls else NO_MASK
+        return self.calls[-1][1] if self.calls else NO_MASK
 
     # -- carriers -------------------------------------------------------------------------------
     def enter_carrier(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -132,15 +142,31 @@ class CallMasks:
         if in_backward():
             found = self.records.get(key)
             if found is not None:
-                original = found[0]()
+                original = found.tensor()
                 if original is not None and _same_memory(original, tensor):
-                    self.replayed = found[1]
+                    self.replayed = found
+                    if len(found.calls) > 1:  # several calls of one tensor: the latest is recomputed first
+                        self.records[key] = found._replace(calls=found.calls[:-1])
             return
         self.replayed = None  # a forward: no recomputation in progress
-        self.records[key] = (weakref.ref(tensor), self.current())
+        if not (torch.is_grad_enabled() or module.training):
+            return  # no backward will recompute it (a reentrant checkpoint's forward is in training mode)
+        call = self.current()
+        old = self.records.get(key)
+        calls: tuple[CallMask, ...] = (call,)
+        if old is not None and (original := old.tensor()) is not None and _same_memory(original, tensor) \
+                and not (len(old.calls) == 1 and _same_mask(old.calls[0].value, call.value)):
+            # The same tensor reached this module in another call still alive, under another mask:
+            # backward recomputes the later call first (it runs the graph's later nodes first), so
+            # the calls are kept in order and taken from the last.
+            calls = (*old.calls, call)
+        self.records[key] = _Record(weakref.ref(tensor), calls)
         self.records.move_to_end(key)
-        while len(self.records) > MAX_RECORDS:
-            self.records.popitem(last=False)
+        if len(self.records) > MAX_RECORDS:  # the records of freed inputs go first, then the oldest
+            for stale in [k for k, record in self.records.items() if record.tensor() is None]:
+                del self.records[stale]
+            while len(self.records) > MAX_RECORDS:
+                self.records.popitem(last=False)
 
     # -- the gates --------------------------------------------------------------------------------
     def tokens(self, num_tokens: int) -> Tensor | None:
@@ -149,17 +175,40 @@ class CallMasks:
         under the call of the forward it recomputes."""
         call = self.current()
         if not torch.compiler.is_compiling() and in_backward():
-            replayed = self.replayed
-            if replayed is None:
-                replayed = self.latest
-                if replayed.value is not None and not self._warned:
-                    self._warned = True
-                    warnings.warn("activation checkpointing recomputed a patched MoE block that no recorded forward "
-                                  "matches (a checkpointed function entered below the modules patch_moe hooks): it "
-                                  "routes under the latest call's padding mask, which may be another call's",
-                                  stacklevel=3)
-            call = replayed
+            if self.calls and self.calls[-1][2]:
+                pass  # a whole model call recomputed (a checkpoint around it): its own call, pushed now
+            elif self.replayed is not None:
+                call = self.replayed.calls[-1]
+            else:
+                call = self.latest
+                if call.value is not None:
+                    self._warn("unmatched", "activation checkpointing recomputed a patched MoE block that no "
+                               "recorded forward matches (a checkpointed function entered below the modules "
+                               "patch_moe hooks): it routes under the latest call's padding mask, which may be "
+                               "another call's")
         return _block_tokens(call, num_tokens)
+
+    def _warn(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(message, stacklevel=4)
+
+
+class _Record(NamedTuple):
+    """A carrier's input in a forward: the tensor (weakly) and the call's mask; or the masks of the
+    calls that gave the module this same tensor (alive) under different masks, in call order."""
+
+    tensor: weakref.ref
+    calls: tuple[CallMask, ...]
+
+
+def _same_mask(a: Tensor | None, b: Tensor | None) -> bool:
+    """Whether two calls' masks are the same (one host read where they are distinct tensors)."""
+    if a is b:
+        return True
+    if a is None or b is None:
+        return False
+    return a.shape == b.shape and bool(torch.equal(a, b))
 
 
 def _first_tensor(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Tensor | None, tuple | None]:
