@@ -526,7 +526,7 @@ def check_capacity(capacity: Any, name: str = "capacity") -> int | None:
     """
     if capacity is None:
         return None
-    if isinstance(capacity, (int, float)) and not isinstance(capacity, bool) and capacity == 0:
+    if isinstance(capacity, numbers.Real) and not isinstance(capacity, (bool, np.bool_)) and capacity == 0:
         return 0
     return resolve_capacity(0, 1, capacity, name)  # 0 tokens, 1 expert: only the integer rule applies
 

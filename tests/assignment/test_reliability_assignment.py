@@ -322,3 +322,13 @@ def test_a_token_allowed_on_no_expert_is_named() -> None:
     scores = torch.tensor([[0.0, 1.0], [-inf, -inf], [1.0, 0.0], [0.0, 0.0]])
     with pytest.raises(ValueError, match="row 1 of batch instance 0 is -inf everywhere"):
         balanced_assignment(scores)
+
+
+def test_numpy_integers_are_integers() -> None:
+    """A review case: k=np.int64(1) took the b-matching path ([n, 1] instead of [n]), and
+    check_capacity refused np.int64(0) where it takes 0."""
+    from routelab._checks import check_capacity
+
+    scores = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(balanced_assignment(scores, k=np.int64(1)), balanced_assignment(scores))
+    assert check_capacity(np.int64(0)) == 0

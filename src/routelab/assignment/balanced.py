@@ -39,6 +39,7 @@ algorithm (never over tokens).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -125,7 +126,7 @@ def balanced_assignment(scores: Tensor, capacity: int | None = None, *, k: int =
     """
     if on_host is not None and not isinstance(on_host, bool):
         raise TypeError(f"on_host must be None (automatic), True or False, got {on_host!r}")
-    if isinstance(k, bool) or not isinstance(k, int) or k != 1:
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k != 1:
         from .b_matching import balanced_b_matching  # the sibling module builds on this one
 
         if on_host and isinstance(scores, Tensor) and scores.device.type != "cpu":

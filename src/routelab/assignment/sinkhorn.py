@@ -41,7 +41,8 @@ def sinkhorn(
         col_sum: target column sums, a number or a ``[..., k]`` tensor (broadcast over the batch);
             default ``n / k``. They must be non-negative and add up to ``n``. A column with target
             0 is ``-inf`` in the result (no token uses it), with gradient 0 to its entries of
-            ``log_p``; the other columns are balanced exactly as if it had been removed.
+            ``log_p`` and to that target itself (the derivative there is one-sided: a target of 0
+            is a constant); the other columns are balanced exactly as if it had been removed.
         tol: largest absolute error of any column sum at convergence. It is floored at
             ``4 * eps(dtype) * sqrt(n) * max(1, col_sum)``, the resolution of a sum of ``n``
             terms (about ``2e-3``, i.e. ``3e-5`` relative, for float32 at ``n = 4096, k = 64``),

@@ -114,6 +114,8 @@ class MoEConfig:
                                  f"{type(self.router_kwargs).__name__}")
             # the options and k the router takes (a replace(router=...) may carry those of another)
             check_router_arguments(self.router, self.num_experts, self.k, dict(self.router_kwargs or {}))
+            if self.k is not None:
+                object.__setattr__(self, "k", int(self.k))  # (a NumPy integer is kept as a Python int)
         else:
             raise ValueError(f"router must be a router name or a Router instance, got {type(self.router).__name__}")
         check_capacity_factor(self.capacity_factor)
