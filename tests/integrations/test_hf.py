@@ -1165,12 +1165,14 @@ def test_checkpointing_recomputes_under_the_mask_of_the_forward_it_recomputes(re
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-@pytest.mark.parametrize("order", ["a+b", "b+a"])
+@pytest.mark.parametrize("order", ["a+b", "b+a", "separate", "retain-graph"])
 def test_one_input_tensor_in_two_padded_calls_recomputes_each_under_its_mask(reentrant, order):
-    """A review case: the same inputs_embeds tensor in two calls with different masks, one backward:
-    the recomputation of the first call found the second call's record (the same live tensor) and
-    routed under its mask (gradient gap 8.9e-3). The records keep both calls; backward recomputes
-    the later one first. Oracle: the same step without checkpointing, either order of the sum."""
+    """Review cases: the same inputs_embeds tensor in two calls with different masks: the
+    recomputation of the first call found the second call's record (the same live tensor) and
+    routed under its mask (gradient gap 8.9e-3); a fix that took the calls latest first failed on
+    separate backward passes and on a graph recomputed twice. Every tensor input of a carrier is
+    recorded, and one seen in a single call decides (the layer's per-call attention mask and
+    position embeddings). Oracle: the same steps without checkpointing."""
     base = tiny().train()
     (a, mask_a), (_, mask_b) = _padded_pair()
     embeds = base.model.embed_tokens(a).detach()
@@ -1185,7 +1187,15 @@ def test_one_input_tensor_in_two_padded_calls_recomputes_each_under_its_mask(ree
             x = embeds.clone().requires_grad_(True)
             first = model(inputs_embeds=x, attention_mask=mask_a, labels=a).loss
             second = model(inputs_embeds=x, attention_mask=mask_b, labels=a).loss
-            (first + second if order == "a+b" else second + first).backward()
+            if order == "separate":
+                first.backward()
+                second.backward()
+            elif order == "retain-graph":  # the second call's layers recomputed twice
+                second.backward(retain_graph=True)
+                second.backward()
+                first.backward()
+            else:
+                (first + second if order == "a+b" else second + first).backward()
         grads.append(_grads(model))
     assert _max_gap(*grads) <= 1e-6
 

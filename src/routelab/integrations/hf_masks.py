@@ -13,14 +13,17 @@ is an argument of the model's call. :class:`CallMasks` carries it from one to th
   (PEFT) still has its base model's call.
 * **Recomputation.** Checkpointing runs a block's forward again during backward, when no call is
   in progress, and possibly after other calls (an evaluation forward, the second of a DPO pair).
-  Every module between the model and a gate (the *carriers*) records, at each forward, its first
-  tensor input (by memory address and shape) with the mask of that call. The recomputation calls
-  the checkpointed module with the very inputs of the original forward (the same tensors, or
-  detached aliases of them: the same memory), so the outermost carrier it calls finds its record
-  and the gates under it route under that call's mask, whichever calls ran in between. The inner
-  carriers inherit it (their inputs are recomputed, new tensors, whose addresses may once have
-  held another call's). A recomputation without a record (a checkpointed function entered below
-  every carrier) falls back to the latest call's mask, with a warning where that mask pads.
+  The gate's ancestors and their children (the *carriers*) record, at each forward with
+  gradients, their tensor inputs (by memory address and shape, weakly) with the mask of that
+  call. The recomputation runs the checkpointed code on the very inputs of the original forward
+  (the same tensors, or detached aliases of them: the same memory), and the layer's per-call
+  tensors (its attention mask, its position embeddings) are the originals too; so a carrier it
+  calls finds records of its inputs, alive at the same address, and the gates after it route under
+  that call's mask, whichever calls ran in between or however often the graph is recomputed. A
+  tensor that reached a module in several calls under different masks (one ``inputs_embeds`` for
+  a DPO pair) decides nothing while another input does. A recomputation without a record (a
+  checkpointed function entered below every carrier) falls back to the latest call's mask, with a
+  warning where that mask pads.
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ from ..replay import in_backward
 
 __all__ = ["CallMasks", "mask_sources"]
 
-#: Carrier records kept (the oldest are forgotten): one per carrier per forward, so at least the
-#: carriers of the calls between a checkpointed forward and its backward.
-MAX_RECORDS = 4096
+#: Carrier records kept (those of freed inputs are forgotten first, then the oldest): one per tensor
+#: input of a carrier per forward with gradients, so at least those of the calls between a
+#: checkpointed forward and its backward.
+MAX_RECORDS = 16384
 
 
 class CallMask(NamedTuple):
@@ -76,7 +80,7 @@ class CallMasks:
         self.calls: list[tuple[int, CallMask, bool]] = []
         self.latest: CallMask = NO_MASK            # the latest source call's (a recomputation's fallback)
         self.records: OrderedDict[tuple, _Record] = OrderedDict()
-        self.replayed: _Record | None = None      # the record of the forward a recomputation recomputes
+        self.replayed: _Replay | None = None      # the call a recomputation in progress recomputes
         self._signatures: dict[type, inspect.Signature] = {}
         self._warned: set[str] = set()
 
@@ -131,42 +135,48 @@ class CallMasks:
 
     # -- carriers -------------------------------------------------------------------------------
     def enter_carrier(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Forward pre-hook of a carrier: in a forward, record its first tensor input with the call's
-        mask; in a recomputation, a record of that very input (alive, at the same address) names
-        the call being recomputed, whose mask the gates then route under."""
+        """Forward pre-hook of a carrier: in a forward, record each tensor input with the call's mask;
+        in a recomputation, the records of those very inputs (alive, at the same address) name the
+        call being recomputed, whose mask the gates then route under."""
         if torch.compiler.is_compiling():  # (compiled checkpointing recomputes no Python)
             return
-        tensor, key = _first_tensor(module, args, kwargs)
-        if key is None:
-            return
+        inputs = _tensor_inputs(module, args, kwargs)
         if in_backward():
-            found = self.records.get(key)
-            if found is not None:
-                original = found.tensor()
-                if original is not None and _same_memory(original, tensor):
-                    self.replayed = found
-                    if len(found.calls) > 1:  # several calls of one tensor: the latest is recomputed first
-                        self.records[key] = found._replace(calls=found.calls[:-1])
+            self._replay(inputs)
             return
         self.replayed = None  # a forward: no recomputation in progress
-        if not (torch.is_grad_enabled() or module.training):
+        if not inputs or not (torch.is_grad_enabled() or module.training):
             return  # no backward will recompute it (a reentrant checkpoint's forward is in training mode)
         call = self.current()
-        old = self.records.get(key)
-        calls: tuple[CallMask, ...] = (call,)
-        if old is not None and (original := old.tensor()) is not None and _same_memory(original, tensor) \
-                and not (len(old.calls) == 1 and _same_mask(old.calls[0].value, call.value)):
-            # The same tensor reached this module in another call still alive, under another mask:
-            # backward recomputes the later call first (it runs the graph's later nodes first), so
-            # the calls are kept in order and taken from the last.
-            calls = (*old.calls, call)
-        self.records[key] = _Record(weakref.ref(tensor), calls)
-        self.records.move_to_end(key)
+        for key, tensor in inputs:
+            old = self.records.get(key)
+            calls: tuple[CallMask, ...] = (call,)
+            if old is not None and (original := old.tensor()) is not None and _same_memory(original, tensor) \
+                    and not any(_same_mask(c.value, call.value) for c in old.calls):
+                calls = (*old.calls, call)  # this tensor, alive, reached the module under another mask too
+            self.records[key] = _Record(weakref.ref(tensor), calls)
+            self.records.move_to_end(key)
         if len(self.records) > MAX_RECORDS:  # the records of freed inputs go first, then the oldest
             for stale in [k for k, record in self.records.items() if record.tensor() is None]:
                 del self.records[stale]
             while len(self.records) > MAX_RECORDS:
                 self.records.popitem(last=False)
+
+    def _replay(self, inputs: list[tuple[tuple, Tensor]]) -> None:
+        """In a recomputation: the call whose forward gave this module these inputs. A record of one
+        call decides (a checkpoint's original inputs: the hidden states, or a per-call tensor such
+        as the layer's attention mask or position embeddings); a tensor that reached the module in
+        several calls under different masks decides nothing while another input does."""
+        found: list[tuple[CallMask, ...]] = []
+        for key, tensor in inputs:
+            record = self.records.get(key)
+            if record is not None and (original := record.tensor()) is not None and _same_memory(original, tensor):
+                found.append(record.calls)
+        decided = [calls[0] for calls in found if len(calls) == 1]
+        if decided:
+            self.replayed = _Replay(decided[0], ambiguous=False)
+        elif found and (self.replayed is None or self.replayed.ambiguous):
+            self.replayed = _Replay(found[0][-1], ambiguous=True)
 
     # -- the gates --------------------------------------------------------------------------------
     def tokens(self, num_tokens: int) -> Tensor | None:
@@ -178,7 +188,12 @@ class CallMasks:
             if self.calls and self.calls[-1][2]:
                 pass  # a whole model call recomputed (a checkpoint around it): its own call, pushed now
             elif self.replayed is not None:
-                call = self.replayed.calls[-1]
+                call = self.replayed.call
+                if self.replayed.ambiguous:
+                    self._warn("ambiguous", "activation checkpointing recomputed a patched MoE block whose inputs "
+                               "reached it in several calls under different padding masks, with nothing else to "
+                               "tell them apart: it routes under the latest. Pass each call its own input tensor "
+                               "(e.g. inputs_embeds.clone())")
             else:
                 call = self.latest
                 if call.value is not None:
@@ -202,6 +217,13 @@ class _Record(NamedTuple):
     calls: tuple[CallMask, ...]
 
 
+class _Replay(NamedTuple):
+    """The call a recomputation in progress recomputes, and whether only an ambiguous input named it."""
+
+    call: CallMask
+    ambiguous: bool
+
+
 def _same_mask(a: Tensor | None, b: Tensor | None) -> bool:
     """Whether two calls' masks are the same (one host read where they are distinct tensors)."""
     if a is b:
@@ -211,15 +233,23 @@ def _same_mask(a: Tensor | None, b: Tensor | None) -> bool:
     return a.shape == b.shape and bool(torch.equal(a, b))
 
 
-def _first_tensor(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Tensor | None, tuple | None]:
-    """A call's first tensor input and its key ``(module, address, shape)`` (``None`` without one)."""
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, Tensor):
-            try:
-                return value, (id(module), value.data_ptr(), tuple(value.shape))
-            except (RuntimeError, NotImplementedError):  # a tensor without memory (torch.func's wrappers)
-                return None, None
-    return None, None
+def _tensor_inputs(module: nn.Module, args: tuple, kwargs: dict) -> list[tuple[tuple, Tensor]]:
+    """A call's tensor inputs (positional, keyword, and one level into tuples and lists), each with
+    its key ``(module, argument, address, shape)``; tensors without memory (torch.func's wrappers)
+    are left out."""
+    found = []
+    named = [(i, value) for i, value in enumerate(args)] + list(kwargs.items())
+    for name, value in named:
+        items = [(name, value)]
+        if isinstance(value, (tuple, list)):
+            items = [((name, j), item) for j, item in enumerate(value)]
+        for slot, item in items:
+            if isinstance(item, Tensor):
+                try:
+                    found.append(((id(module), slot, item.data_ptr(), tuple(item.shape)), item))
+                except (RuntimeError, NotImplementedError):
+                    continue
+    return found
 
 
 def _same_memory(a: Tensor, b: Tensor) -> bool:
