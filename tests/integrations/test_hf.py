@@ -1467,3 +1467,40 @@ def test_patch_moe_is_reachable_from_the_package_root():
     assert routelab.patch_moe is from_module and from_root is from_module and "patch_moe" in routelab.__all__
     with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
         routelab.no_such_name  # noqa: B018
+
+
+@pytest.mark.parametrize("sequence", [["a", "b"], ["a", "b", "a"]])
+def test_a_tensor_of_several_masked_calls_decides_nothing_and_says_so(sequence):
+    """A review case (the call masks' records alone): a tensor that reached a carrier under masks
+    a, b and a again kept only the last, so in b's recomputation it decided a's mask, silently.
+    Every distinct mask is kept: such a tensor decides nothing, and a recomputation with nothing
+    else to go by warns."""
+    from routelab.integrations.hf_masks import CallMasks
+
+    class Source(torch.nn.Module):
+        def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None):
+            return None
+
+    masks, source, carrier = CallMasks(), Source(), torch.nn.Linear(4, 4)
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    by_name = {"a": torch.tensor([[0, 1, 1], [1, 1, 1]]), "b": torch.tensor([[1, 1, 0], [1, 1, 1]])}
+    for name in sequence:
+        masks.enter_call(source, (), {"inputs_embeds": x, "attention_mask": by_name[name].clone()})
+        masks.enter_carrier(carrier, (x,), {})
+        masks.leave_call(source, (), None)
+    (record,) = masks.records.values()
+    assert len(record.calls) == 2
+
+    class Recompute(torch.autograd.Function):  # a backward in which the carrier runs again
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            masks.enter_carrier(carrier, (x.detach(),), {})
+            with pytest.warns(UserWarning, match="several calls under different padding masks"):
+                masks.tokens(6)
+            return grad
+
+    Recompute.apply(torch.ones(1, requires_grad=True)).sum().backward()

@@ -151,9 +151,9 @@ class CallMasks:
         for key, tensor in inputs:
             old = self.records.get(key)
             calls: tuple[CallMask, ...] = (call,)
-            if old is not None and (original := old.tensor()) is not None and _same_memory(original, tensor) \
-                    and not any(_same_mask(c.value, call.value) for c in old.calls):
-                calls = (*old.calls, call)  # this tensor, alive, reached the module under another mask too
+            if old is not None and (original := old.tensor()) is not None and _same_memory(original, tensor):
+                # this tensor, alive, reached the module before: it keeps every distinct mask it had
+                calls = (*(c for c in old.calls if not _same_mask(c.value, call.value)), call)
             self.records[key] = _Record(weakref.ref(tensor), calls)
             self.records.move_to_end(key)
         if len(self.records) > MAX_RECORDS:  # the records of freed inputs go first, then the oldest
