@@ -8,7 +8,10 @@ which exactly its quota ``q`` of tokens clear that bar: between the ``q``-th and
 largest of ``s[i, j] - theta[i, j]`` over the tokens (coordinate descent on the dual
 ``sum_i top-k-sum_j (s[i, j] - u_j) + q sum_j u_j``). Damped Jacobi steps towards the best
 responses give prices that place most pairs; the start with the smallest quota violation is
-kept. They only speed up the start: exactness comes from the cycle cancelling that follows.
+kept. Under a capacity alone (``lo = 0``) the prices start at 0, every token's own ``k`` best:
+the optimum itself when no expert is over capacity (a start at centred scores' means moved
+hundreds of pairs off their best experts, one cancelling round per few pairs). The prices only
+speed up the start: exactness comes from the cycle cancelling that follows.
 """
 
 from __future__ import annotations
@@ -41,8 +44,11 @@ def start_b_matching(
     n, E = S.shape[-2:]
     slack = lo == 0 and hi * E > k * n
     q = min(hi if lo == 0 else round(k * n / E), n - 1)
-    u = S.mean(dim=1)
-    u = u - (u.amin(dim=-1, keepdim=True) if slack else u.mean(dim=-1, keepdim=True))
+    if slack:  # a loose capacity binds few experts: start from no prices (every token's own top k)
+        u = torch.zeros(S.shape[:1] + S.shape[2:], dtype=S.dtype, device=S.device)
+    else:
+        u = S.mean(dim=1)
+        u = u - u.mean(dim=-1, keepdim=True)
     best_u = best_held = best_bad = None
     for step in range(steps + 1):
         held, top = _top_k(S, u, k)

@@ -21,8 +21,9 @@ import torch
 from torch import Tensor
 
 from ._cycles import cycle_units
+from ._graph import release_unit_costs
 
-__all__ = ["BTables", "apply_moves", "move_table", "push_along_cycles", "tables_from_held"]
+__all__ = ["BTables", "move_table", "push_along_cycles", "tables_from_held"]
 
 
 class BTables:
@@ -86,57 +87,41 @@ def move_table(t: BTables) -> tuple[Tensor, Tensor]:
     return move, move.amin(dim=2).to(torch.float64)
 
 
-def apply_moves(t: BTables, move: Tensor, inst: Tensor, u: Tensor, v: Tensor) -> None:
-    """Move one token along every move arc ``u -> v`` of a set of node-disjoint cycles (in place).
-
-    The token moved along ``u -> v`` is ``u``'s cheapest one for ``v``. Arcs come from
-    node-disjoint cycles, so within an instance every ``u`` and every ``v`` appears at most once;
-    a token moving along two arcs ``a -> b`` and ``c -> d`` has ``a != c``, ``b != d`` and, as
-    it holds ``a`` and not ``d``, ``a != d``: it ends with ``k`` distinct experts again. ``v``'s
-    token goes into the slot its own outgoing move vacates, or into a free slot when ``v``'s
-    out-arc is a release arc (which exists only while ``v`` is below its capacity).
-
-    Args:
-        t: the tables (updated).
-        move: ``[B, E, C, E]`` the move costs of :func:`move_table` for the current tables.
-        inst, u, v: ``[r]`` long, the instance and the arc of every move.
-    """
-    B, E, _ = t.holder.shape
-    n = t.open.shape[1] - 1
-    dev = t.holder.device
-    slot_u = move[inst, u, :, v].argmin(dim=-1)
-    token = t.holder[inst, u, slot_u]
-    vacated = torch.full((B, E), -1, dtype=torch.long, device=dev)
-    vacated[inst, u] = slot_u
-    slot_v = vacated[inst, v]
-    first_free = (t.holder[inst, v] == n).long().argmax(dim=-1)
-    slot_v = torch.where(slot_v < 0, first_free, slot_v)
-    t.holder[inst, u, slot_u] = n
-    t.holder[inst, v, slot_v] = token
-    t.open[inst, token, u] = t.scores[inst, token, u]
-    t.open[inst, token, v] = float("-inf")
-    t.counts.index_put_((inst, u), torch.full_like(u, -1), accumulate=True)
-    t.counts.index_put_((inst, v), torch.ones_like(v), accumulate=True)
-
-
 def push_along_cycles(t: BTables, move: Tensor, inst: Tensor, u: Tensor, v: Tensor, cycle: Tensor,
-                      tol: Tensor) -> None:
-    """Cancel node-disjoint cycles of move arcs as many times as each stays negative (in place;
-    :func:`._cycles.cycle_units` picks the tokens). Loads do not change. A token moving along two
-    arcs ``a -> b`` and ``c -> d`` ends with ``k`` distinct experts, as in :func:`apply_moves`.
+                      release: Tensor, tol: Tensor, lo: int, hi: int, big: Tensor) -> None:
+    """Cancel node-disjoint negative cycles as many times as each stays negative (in place;
+    :func:`._cycles.cycle_units` picks the tokens).
+
+    Every unit moves one token along each move arc; a release arc ``a -> b`` moves none: each
+    unit ends a chain in ``a`` (its token takes a free slot of ``a``) and starts one at ``b``
+    (whose leaving token's slot stays free), so ``a``'s load rises and ``b``'s falls by the
+    cycle's units, within the quotas and the free slots of the tables. A token moving along two
+    arcs ``a -> b`` and ``c -> d`` of one round has ``a != c``, ``b != d`` and, as it holds
+    ``a`` and not ``d``, ``a != d``: it ends with ``k`` distinct experts again.
 
     Args:
         t: the tables (updated).
         move: ``[B, E, C, E]`` the move costs of :func:`move_table` for the current tables.
         inst, u, v: ``[r]`` long, the arcs of the cycles (every node of a cycle once as ``u``).
         cycle: ``[r]`` long, the cycle of every arc (:func:`._cycles.cycle_ids`).
+        release: ``[r]`` bool, the release arcs.
         tol: ``[B, 1]`` the threshold below which a unit's cost counts as negative.
+        lo, hi: the quotas; big: ``[B]`` the release reward (:func:`._graph.release_weight`).
     """
+    B, E, C = t.holder.shape
     n = t.open.shape[1] - 1
-    arc, slot_a, slot_b = cycle_units(move, inst, u, v, cycle, tol)
+    costs = release_unit_costs(t.counts, inst[release], u[release], v[release], hi, big, C, lower=lo, room=C)
+    arc, slot_a, slot_b, rank = cycle_units(move, inst, u, v, cycle, tol, release, costs)
     i, a, b = inst[arc], u[arc], v[arc]
+    absorbed = (slot_b < 0).nonzero(as_tuple=True)[0]  # b's out-arc is a release arc: a free slot of b
+    if absorbed.numel():
+        ia, ba = i[absorbed], b[absorbed]
+        free_first = torch.argsort((t.holder[ia, ba] != n).to(torch.uint8), dim=-1, stable=True)  # [m, C]
+        slot_b[absorbed] = free_first.gather(-1, rank[absorbed].unsqueeze(-1)).squeeze(-1)
     token = t.holder[i, a, slot_a]
     t.holder[i, a, slot_a] = n
     t.holder[i, b, slot_b] = token
     t.open[i, token, a] = t.scores[i, token, a]
     t.open[i, token, b] = float("-inf")
+    t.counts.index_put_((i, a), torch.full_like(a, -1), accumulate=True)
+    t.counts.index_put_((i, b), torch.ones_like(b), accumulate=True)

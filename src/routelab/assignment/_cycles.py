@@ -212,7 +212,7 @@ def cancel_negative_cycles(
         releases = torch.zeros((B, k), dtype=torch.long, device=dev)
         releases.index_put_((inst, cycle), (~is_move).long(), accumulate=True)
         pure = releases[inst, cycle] == 0
-        unit, slot_a, slot_b = cycle_units(move, inst[pure], u[pure], v[pure], cycle[pure], tol)
+        unit, slot_a, slot_b, _ = cycle_units(move, inst[pure], u[pure], v[pure], cycle[pure], tol)
         ui, ua, ub = inst[pure][unit], u[pure][unit], v[pure][unit]
         moved = holder[ui, ua, slot_a]
         holder[ui, ua, slot_a] = n
@@ -257,39 +257,52 @@ def cycle_ids(pred: Tensor, inst: Tensor, v: Tensor, m: int) -> Tensor:
     return low[inst, v]
 
 
-def cycle_units(move: Tensor, inst: Tensor, u: Tensor, v: Tensor, cycle: Tensor,
-                tol: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The token moves that cancel node-disjoint cycles of move arcs as often as each stays negative.
+def cycle_units(move: Tensor, inst: Tensor, u: Tensor, v: Tensor, cycle: Tensor, tol: Tensor,
+                release: Tensor | None = None, release_costs: Tensor | None = None
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The token moves that cancel node-disjoint negative cycles as often as each stays negative.
 
-    One unit along a cycle moves the cheapest token of every arc; the ``t``-th unit moves every
-    arc's ``t``-th cheapest. Each unit is an independent improvement (a token's gain depends on
-    its own scores only, and the tokens of one arc are distinct), so every unit whose cost, the
-    sum over the cycle of its arcs' ``t``-th cheapest moves, is below ``-tol`` is taken at once:
+    One unit along a cycle moves the cheapest token of every move arc; the ``t``-th unit moves
+    every move arc's ``t``-th cheapest. Each unit is an independent improvement (a token's gain
+    depends on its own scores only, the tokens of one arc are distinct, and no token of ``u``
+    can have received ``v`` in the round: ``v``'s one in-arc is ``u -> v``), so every unit whose
+    cost, the sum over the cycle of its arcs' ``t``-th costs, is below ``-tol`` is taken at once:
     one round does what took one round per unit (a structured score matrix, rank one say, needed
-    rounds in proportion to ``n``: 4080 rounds, 24.6 s at 16384 x 64, k = 2, a review measurement).
-    The loads do not change: every node sends and receives as many tokens.
+    rounds in proportion to ``n``: 4080 rounds, 24.6 s at 16384 x 64, k = 2, a review
+    measurement). A *release* arc ``a -> b`` moves no token: its ``t``-th unit is ``a``'s
+    ``t``-th extra token and ``b``'s ``t``-th fewer, at the cost ``release_costs[., t]`` that
+    the loads then give (``+inf`` once ``a`` is full or ``b`` at its lower bound). Without
+    release arcs the loads do not change: every node sends and receives as many tokens.
 
     Args:
         move: ``[B, E, C, E]`` per-slot move costs (``+inf`` for an empty slot or a held target).
         inst, u, v: ``[r]`` long, the arcs ``u -> v`` of the cycles, each node once as ``u``.
         cycle: ``[r]`` long, the cycle of every arc (:func:`cycle_ids`).
         tol: ``[B, 1]`` the threshold below which a unit's cost counts as negative.
+        release: optional ``[r]`` bool, the release arcs (default: none).
+        release_costs: ``[n_release, C]`` float64, the unit costs of the release arcs, in their
+            order in ``inst`` (:func:`._graph.release_unit_costs`); with ``release``.
 
     Returns:
-        ``(arc, slot_u, slot_v)``, ``[units]`` long: the arc (an index into ``inst``) of every
-        token move, the slot of ``u`` it leaves and the slot of ``v`` it takes (the one ``v``'s own
-        token of the same rank leaves).
+        ``(arc, slot_u, slot_v, rank)``, ``[units]`` long, one entry per token move: the move
+        arc (an index into ``inst``), the slot of ``u`` it leaves, the slot of ``v`` it takes (the
+        one ``v``'s own token of the same rank leaves; ``-1`` where ``v``'s out-arc is a release
+        arc: the caller gives it a free slot of ``v``) and the unit's rank ``t`` on its arc.
     """
     B, E, C, _ = move.shape
     dev = move.device
     costs, order = move[inst, u, :, v].to(torch.float64).sort(dim=-1)  # [r, C]: cheapest tokens first
+    if release is not None and release_costs is not None:
+        costs[release] = release_costs
     total = torch.zeros((B, E, C), dtype=torch.float64, device=dev)
     total.index_put_((inst, cycle), costs, accumulate=True)  # [B, E, C]: the t-th unit of each cycle
     units = (total < -tol.unsqueeze(-1)).long().cumprod(-1).sum(-1)  # [B, E]
     count = units[inst, cycle].clamp(min=1)  # [r] (the first unit is negative: the cycle was)
+    if release is not None:
+        count = count.masked_fill(release, 0)  # a release arc moves no token
     arc = torch.repeat_interleave(torch.arange(inst.numel(), device=dev), count)
     rank = torch.arange(arc.numel(), device=dev) - (torch.cumsum(count, 0) - count)[arc]
     slot_u = order[arc, rank]
     vacated = torch.full((B, E, C), -1, dtype=torch.long, device=dev)
     vacated[inst[arc], u[arc], rank] = slot_u
-    return arc, slot_u, vacated[inst[arc], v[arc], rank]
+    return arc, slot_u, vacated[inst[arc], v[arc], rank], rank

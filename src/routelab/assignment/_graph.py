@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ._workspace import SCORES_A, scratch
 
-__all__ = ["expert_graph", "move_arcs", "move_costs", "release_arcs", "release_weight"]
+__all__ = ["expert_graph", "move_arcs", "move_costs", "release_arcs", "release_unit_costs", "release_weight"]
 
 
 def move_costs(
@@ -95,6 +95,31 @@ def release_arcs(counts: Tensor, c: int, big: Tensor, lower: int = 0) -> Tensor:
         arcs = arcs - torch.where(counts < lower, big.view(B, 1), zero).unsqueeze(-1)
     arcs.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))
     return arcs
+
+
+def release_unit_costs(counts: Tensor, inst: Tensor, a: Tensor, b: Tensor, c: int, big: Tensor, units: int,
+                       lower: int = 0, room: int | None = None) -> Tensor:
+    """``[r, units]`` float64: the cost of the ``t``-th unit through each release arc ``a -> b``.
+
+    After ``t`` units ``a`` holds ``t`` more tokens and ``b`` ``t`` fewer; the ``t``-th unit is
+    priced as :func:`release_arcs` prices the arc at those loads (``0``, ``-big`` for ``b`` above
+    ``c``, ``-big`` for ``a`` below ``lower``), and is ``+inf`` once ``a`` reaches ``c`` (or
+    ``room``, the slots of a table) or ``b`` reaches ``lower``. The costs rise with ``t``.
+
+    Args:
+        counts: ``[B, E]`` loads now.
+        inst, a, b: ``[r]`` long, the instance and the arc of every release arc.
+        c, lower: the quotas; ``room``: optional extra bound on ``a``'s load.
+        big: ``[B]`` release reward (:func:`release_weight`).
+        units: the number of units to price.
+    """
+    t = torch.arange(units, device=counts.device)
+    load_a = counts[inst, a].unsqueeze(-1) + t  # [r, units] before the t-th unit
+    load_b = counts[inst, b].unsqueeze(-1) - t
+    reward = big.to(torch.float64)[inst].unsqueeze(-1)
+    cost = -reward * (load_b > c) - reward * (load_a < lower)
+    full = c if room is None else min(c, room)
+    return cost.masked_fill((load_a >= full) | (load_b <= lower), float("inf"))
 
 
 def release_weight(S: Tensor) -> Tensor:

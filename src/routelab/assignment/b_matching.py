@@ -29,11 +29,11 @@ quotas):
    out-of-quota start always has one: if ``a`` is below ``lo`` some ``c`` is above it, holds a
    token ``a`` does not, and ``a -> c -> a`` costs less than ``-M + spread``.
 3. **Cycle cancelling.** Bellman-Ford from a virtual source finds node-disjoint negative cycles
-   (:func:`._cycles.find_negative_cycles`, shared with ``k = 1``); along every move arc of them
-   the cheapest token moves (:func:`._b_tables.apply_moves`: a token on two arcs of the round
-   still ends with ``k`` distinct experts), and a cycle of move arcs alone is cancelled as many
-   times as it stays negative, the ``t``-th time with every arc's ``t``-th cheapest token
-   (:func:`._cycles.cycle_units`). Repeat until Bellman-Ford converges.
+   (:func:`._cycles.find_negative_cycles`, shared with ``k = 1``), and every cycle is cancelled
+   as many times as it stays negative, the ``t``-th time with every move arc's ``t``-th
+   cheapest token and every release arc's ``t``-th unit of load (:func:`._cycles.cycle_units`,
+   :func:`._b_tables.push_along_cycles`: a token on two arcs of the round still ends with ``k``
+   distinct experts). Repeat until Bellman-Ford converges.
 
 For ``k > E / 2`` the complement is solved instead: the ``E - k`` experts every token does *not*
 take, at scores ``-s`` and loads within ``[n - hi, n - lo]`` (the same problem; the move table
@@ -52,7 +52,7 @@ from torch import Tensor
 
 from .._checks import check_k, check_plain_tensor, check_score_matrix, resolve_capacity
 from ._b_start import repair_quotas, start_b_matching
-from ._b_tables import apply_moves, move_table, push_along_cycles, tables_from_held
+from ._b_tables import move_table, push_along_cycles, tables_from_held
 from ._cycles import cycle_ids, cycle_tolerance, find_negative_cycles, phase_tolerance
 from ._graph import release_arcs, release_weight
 from ._normalise import compute_dtype, normalise_scores
@@ -175,7 +175,7 @@ def _solve(S: Tensor, k: int, lo: int, hi: int, scale: Tensor, forbidden: Tensor
     max_rounds = 10 * k * n * E + 100  # every round strictly improves; this only guards against bugs
     for _ in range(max_rounds):
         most = int(t.counts.max())
-        if most >= slots and slots < hi:  # a round adds at most one pair to an expert: make room
+        if most >= slots and slots < hi:  # an expert fills its slots: make room (a round fills free slots only)
             slots = _slots(most, hi)
             t = tables_from_held(S, t.held, slots)
         move, move_arc = move_table(t)
@@ -190,16 +190,9 @@ def _solve(S: Tensor, k: int, lo: int, hi: int, scale: Tensor, forbidden: Tensor
             return t.held
         inst, v = cycle_nodes.nonzero(as_tuple=True)
         u = pred[inst, v]
-        is_move = move_arc[inst, u, v] <= arc[inst, u, v]  # release arcs move nothing
-        # Cycles of move arcs alone are pushed as many units as stay negative; a cycle through a
-        # release arc (a load changes) one unit.
-        cycle = cycle_ids(pred, inst, v, E)
-        releases = torch.zeros((B, E), dtype=torch.long, device=dev)
-        releases.index_put_((inst, cycle), (~is_move).long(), accumulate=True)
-        pure = releases[inst, cycle] == 0
-        push_along_cycles(t, move, inst[pure], u[pure], v[pure], cycle[pure], tol)
-        single = is_move & ~pure
-        apply_moves(t, move, inst[single], u[single], v[single])
+        release = move_arc[inst, u, v] > arc[inst, u, v]  # release arcs move nothing
+        # Every cycle is pushed as many units as stay negative, within the quotas and the tables.
+        push_along_cycles(t, move, inst, u, v, cycle_ids(pred, inst, v, E), release, tol, lo, hi, big)
     raise RuntimeError("balanced_b_matching: cycle cancelling did not terminate; please report this input")
 
 
