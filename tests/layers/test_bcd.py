@@ -236,3 +236,40 @@ def test_bad_arguments_raise() -> None:
         BCDTrainer(_model(), loss_fn, g_every=0)
     with pytest.raises(ValueError, match="MixtureOfAttentiveExperts"):
         BCDTrainer(nn.Linear(2, 2), loss_fn)
+
+
+@pytest.mark.parametrize("bad", [{"clip_norm": -1.0}, {"clip_norm": 0.0}, {"clip_norm": float("nan")},
+                                 {"gate_lr": float("nan")}, {"gate_lr": float("inf")}, {"lr": float("nan")},
+                                 {"lr": 0.0}, {"weight_decay": -0.1}])
+def test_bad_training_settings_raise_naming_them(bad) -> None:
+    """A review: a negative clip_norm scaled every gradient by a negative factor (the loss rose
+    2.69 -> 3.24 in 30 steps), and a NaN gate_lr filled the gates with NaN, failing later in
+    torch.multinomial."""
+    (name,) = bad
+    with pytest.raises(ValueError, match=name):
+        BCDTrainer(_model(), loss_fn, **bad)
+
+
+@pytest.mark.parametrize("mode", ["bcd", "uni", "nobcd", "base"])
+def test_every_step_leaves_the_test_time_routing(mode) -> None:
+    """A review: after train_step the layers stayed on ``routing="sample"``, so an evaluation
+    after ``model.eval()`` drew one expert per call (two forwards differed). Oracle: the routing of
+    EVAL_ROUTING, and two evaluation forwards are equal."""
+    from routelab.layers.bcd import EVAL_ROUTING
+
+    model = _model()
+    trainer = BCDTrainer(model, loss_fn, mode=mode, g_every_steps=1 if mode == "bcd" else None,
+                         generator=torch.Generator().manual_seed(0))
+    x, _ = _batch()
+    trainer.train_step(_batch(), epoch=0)
+    layers = [m for m in model.modules() if isinstance(m, MixtureOfAttentiveExperts)]
+    assert {m.routing for m in layers} == {EVAL_ROUTING[mode]}
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), model(x), atol=0, rtol=0)
+    if mode in ("bcd", "uni"):  # also a bare F step, and one that raises
+        trainer.f_step(_batch())
+        assert {m.routing for m in layers} == {EVAL_ROUTING[mode]}
+        with pytest.raises((ValueError, RuntimeError)):
+            trainer.f_step((x, torch.zeros(2, dtype=torch.long)))  # a loss of the wrong shape raises inside the step
+        assert {m.routing for m in layers} == {EVAL_ROUTING[mode]}

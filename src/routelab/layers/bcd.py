@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from routelab.layers.mae import MixtureOfAttentiveExperts, mae_modules, set_routing
 
-from .._checks import check_generator, check_positive_int
+from .._checks import check_generator, check_nonneg, check_pos, check_positive_int
 
 __all__ = ["EVAL_ROUTING", "MODES", "BCDTrainer", "gate_parameter_names"]
 
@@ -100,6 +100,10 @@ class BCDTrainer:
             steps). Ignored (False) in modes ``"uni"`` and ``"base"``.
         generator: the :class:`torch.Generator` for the experts sampled in F steps.
 
+    Every step routes the MAE layers as it needs and leaves them routed as at test time
+    (:attr:`eval_routing`), so evaluation after any step (``model.eval()`` does not change the
+    routing) uses the gate mixture (or uniform responsibilities), never a sampled expert.
+
     Attributes:
         optimizer: Adam over the trainable ``theta`` (None if there is none).
         gate_optimizer: SGD over ``phi`` (None if the gates are not trained).
@@ -128,8 +132,10 @@ class BCDTrainer:
         check_positive_int("g_every", g_every)  # the paper uses 5
         if g_every_steps is not None:
             check_positive_int("g_every_steps", g_every_steps)
-        if gate_lr <= 0 or lr <= 0:
-            raise ValueError(f"gate_lr and lr must be positive, got {gate_lr} and {lr}.")
+        gate_lr, lr = check_pos("gate_lr", gate_lr), check_pos("lr", lr)
+        if clip_norm is not None:  # (a negative norm would scale the gradient by a negative factor: ascent)
+            clip_norm = check_pos("clip_norm", clip_norm)
+        weight_decay = check_nonneg("weight_decay", weight_decay)
         self.mae = mae_modules(model)
         if not self.mae:
             raise ValueError(
@@ -175,6 +181,16 @@ class BCDTrainer:
         """Route every MAE layer as at test time (:attr:`eval_routing`)."""
         set_routing(self.model, self.eval_routing)
 
+    @contextmanager
+    def _routed(self, routing: str, generator: torch.Generator | None = None) -> Iterator[None]:
+        """Route every MAE layer by ``routing`` for one step, and as at test time after it (also
+        when the step raises): a step never leaves the layers sampling."""
+        set_routing(self.model, routing, generator)
+        try:
+            yield
+        finally:
+            self.set_eval_routing()
+
     # ------------------------------------------------------------------ steps
 
     def _zero(self) -> None:
@@ -200,11 +216,10 @@ class BCDTrainer:
         if self.gate_optimizer is None:
             raise ValueError(f"no G step in mode {self.mode!r} (the gates are not trained).")
         self.model.train()
-        set_routing(self.model, "gate")
         self._zero()
         gate_ids = {id(p) for p in self.gate_params}
         others = [p for p in self.model.parameters() if id(p) not in gate_ids]
-        with _no_grad_for(others):  # no weight gradients for theta: cheaper, nothing to leak
+        with self._routed("gate"), _no_grad_for(others):  # no weight gradients for theta: cheaper, nothing to leak
             loss = self._forward_backward(batch)
         self.gate_optimizer.step()
         self._zero()
@@ -213,13 +228,18 @@ class BCDTrainer:
 
     def f_step(self, batch: Any) -> float:
         """Alg. 2: one expert per instance sampled from the gates (uniformly in mode "uni"),
-        forward with it only, update ``theta`` (Adam), never the gates. Returns the loss."""
+        forward with it only, update ``theta`` (Adam), never the gates. Returns the loss.
+
+        The heads that no instance's expert keeps get exactly zero gradient; Adam's first moment
+        from earlier steps (and ``weight_decay``) still moves them, as a dense Adam over the
+        shared attention weights does in the paper's fairseq code. With a batch of several
+        instances the sampled experts nearly always keep every head between them."""
         if self.mode not in ("bcd", "uni"):
             raise ValueError(f"no F step in mode {self.mode!r}; use train_step().")
         self.model.train()
-        set_routing(self.model, "sample" if self.mode == "bcd" else "uniform_sample", self.generator)
         self._zero()
-        with _no_grad_for(self.gate_params + self.frozen_params):
+        routing = "sample" if self.mode == "bcd" else "uniform_sample"
+        with self._routed(routing, self.generator), _no_grad_for(self.gate_params + self.frozen_params):
             loss = self._forward_backward(batch)
         self._step_theta()
         self._zero()
@@ -229,9 +249,8 @@ class BCDTrainer:
     def joint_step(self, batch: Any) -> float:
         """NOBCD: gate mixture forward; gates (SGD) and ``theta`` (Adam) updated together."""
         self.model.train()
-        set_routing(self.model, "gate" if self.mode == "nobcd" else "uniform")
         self._zero()
-        with _no_grad_for(self.frozen_params):
+        with self._routed("gate" if self.mode == "nobcd" else "uniform"), _no_grad_for(self.frozen_params):
             loss = self._forward_backward(batch)
         if self.gate_optimizer is not None:
             self.gate_optimizer.step()

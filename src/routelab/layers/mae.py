@@ -36,7 +36,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._checks import GeneratorAttribute, check_finite, check_generator, check_positive_int, checks_run, floating_input
+from .._checks import (
+    GeneratorAttribute,
+    check_finite,
+    check_flag,
+    check_generator,
+    check_positive_int,
+    checks_run,
+    floating_input,
+)
 from ..replay import NoiseReplay
 
 __all__ = [
@@ -170,8 +178,9 @@ class MixtureOfAttentiveExperts(nn.Module):
     ) -> None:
         super().__init__()
         check_positive_int("embed_dim", embed_dim)
-        if not isinstance(check_finite, bool):
-            raise TypeError(f"check_finite must be True or False, got {check_finite!r}")
+        check_finite = check_flag("check_finite", check_finite)
+        batch_first = check_flag("batch_first", batch_first)
+        bias = check_flag("bias", bias)
         check_positive_int("num_heads", num_heads)
         if embed_dim % num_heads:
             raise ValueError(
@@ -316,14 +325,18 @@ class MixtureOfAttentiveExperts(nn.Module):
             else:
                 out = (query * valid).sum(1) / valid.sum(1).clamp_min(1.0)
             return out.to(out_dtype)
+        # The window of position t, positions max(0, t - c + 1) .. t: differences of prefix sums,
+        # accumulated in float64 (float32 prefix sums lose eps * t / c of the mean: 1 % at t = 1e5,
+        # c = 1), the unpadded positions only. A window of padding alone is the zero summary.
         c = self.gate_context
-        seq = query.shape[1]
-        csum = torch.cumsum(query, dim=1)
-        shifted = torch.zeros_like(csum)
-        if seq > c:
-            shifted[:, c:] = csum[:, :-c]
-        count = torch.arange(1, seq + 1, device=query.device, dtype=query.dtype).clamp_max(c)
-        return ((csum - shifted) / count.view(1, seq, 1)).to(out_dtype)
+        wide = torch.float32 if query.device.type == "mps" else torch.float64  # (MPS has no float64)
+        valid = None if query_padding_mask is None else (~query_padding_mask).to(wide).unsqueeze(-1)
+        total = _window_sums(query.to(wide) if valid is None else query.to(wide) * valid, c)
+        if valid is None:
+            count = torch.arange(1, query.shape[1] + 1, device=query.device, dtype=wide).clamp_max(c).view(1, -1, 1)
+        else:
+            count = _window_sums(valid, c).clamp_min(1.0)
+        return (total / count).to(out_dtype)
 
     def route_summary(self, summary: Tensor) -> Tensor:
         """Responsibilities under the current :attr:`routing` for the gate inputs ``summary``.
@@ -413,7 +426,8 @@ class MixtureOfAttentiveExperts(nn.Module):
             key, value: ``[S, N, d]`` (``[N, S, d]`` if ``batch_first``), or ``[S, d]``.
             key_padding_mask: ``[N, S]`` (``[S]`` unbatched); bool True = ignore that key, or
                 float added to the scores (MHA semantics). When ``query is key`` (self-attention)
-                it also removes the padded positions from the gate's mean. A query left with no
+                it also removes the padded positions from the gate's mean (True, or a float
+                entry at ``-inf`` or at most :data:`FORBIDDING`). A query left with no
                 key to attend to (all padded or forbidden by True or ``-inf`` entries) gets zero
                 head outputs, as torch's ``scaled_dot_product_attention`` gives, not NaN; finite
                 entries (``finfo.min``, ``-1e9``) leave finite scores, so such a query averages
@@ -486,9 +500,9 @@ class MixtureOfAttentiveExperts(nn.Module):
         elif not isinstance(causal_gate, bool):
             raise TypeError(f"causal_gate must be None, True or False, got {type(causal_gate).__name__}.")
         if responsibilities is None:
-            qpm = None
-            if self_attention and key_padding_mask is not None and key_padding_mask.dtype == torch.bool:
-                qpm = key_padding_mask
+            qpm = None  # in self-attention the padded keys are the padded queries: out of the gate's mean
+            if self_attention and key_padding_mask is not None:
+                qpm = _padding(key_padding_mask)
             resp = self._responsibilities(query, qpm, causal_gate)
         else:
             resp = self._check_responsibilities(responsibilities, batch, seq).to(query.dtype)
@@ -648,6 +662,23 @@ class MixtureOfAttentiveExperts(nn.Module):
 #: key's softmax weight ``exp(score + entry - max)`` is then exactly 0 in float32 and in half
 #: precision unless the scores spread over more than ~9900.
 FORBIDDING = -1e4
+
+
+def _window_sums(x: Tensor, c: int) -> Tensor:
+    """``[batch, seq, d]``: the sum of ``x [batch, seq, d]`` over positions ``max(0, t - c + 1) .. t``
+    of every position ``t`` (differences of prefix sums)."""
+    csum = torch.cumsum(x, dim=1)
+    if x.shape[1] <= c:
+        return csum
+    return torch.cat([csum[:, :c], csum[:, c:] - csum[:, :-c]], dim=1)
+
+
+def _padding(key_padding_mask: Tensor) -> Tensor:
+    """``[N, S]`` bool, True at the keys ``key_padding_mask`` removes: True in a bool mask, ``-inf``
+    or at most :data:`FORBIDDING` in a float (additive) one, as the attention treats them."""
+    if key_padding_mask.dtype == torch.bool:
+        return key_padding_mask
+    return key_padding_mask <= FORBIDDING
 
 
 def _forbids_future(attn_mask: Tensor | None, seq: int, src: int) -> bool:
