@@ -6,8 +6,8 @@
 #   make fuzz   run the fuzz suite (tests/fuzz) 50x longer with a fresh random seed, printed;
 #               replay a run with `make fuzz FUZZ_SEED=<seed>`
 #   make data   install the real data sets the experiments use (part of `make run`)
-#   make bench  run the balanced-assignment and Sinkhorn benchmarks against their peers (POT,
-#               OR-Tools, scipy, the fairseq auction; the `bench` extra installs them)
+#   make bench  run the balanced-assignment, Sinkhorn and b-matching benchmarks against their peers
+#               (POT, OR-Tools, scipy, the fairseq auction; the `bench` extra installs them)
 #   make test-gpu  on the GPU machine, with its own python3 (CUDA torch; no venv, no network):
 #               install routelab --no-deps, print torch/CUDA/GPU/NCCL and the packages found, run
 #               the whole suite with ROUTELAB_REQUIRE_CUDA=1 (a CUDA test that skips fails), on
@@ -136,6 +136,7 @@ gpu-wheels:
 bench: $(STAMP)
 	$(BIN)/routelab bench assignment --peers
 	$(BIN)/routelab bench sinkhorn --peers
+	$(BIN)/routelab bench b-matching
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis $(OUT)

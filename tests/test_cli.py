@@ -124,6 +124,25 @@ def test_bench_peers_options_are_checked(capsys: pytest.CaptureFixture[str]) -> 
     assert "--peers" in capsys.readouterr().err
     assert cli.main(["bench", "moe", "--peers"]) == 2
     assert "--peers applies to" in capsys.readouterr().err
+    assert cli.main(["bench", "b-matching", "--device", "cuda"]) == 2
+    assert "runs on CPU" in capsys.readouterr().err
+
+
+def test_bench_b_matching_runs_its_sizes_with_the_options(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import routelab.bench.b_matching as module
+
+    calls: list[tuple[Any, ...]] = []
+
+    def fake(sizes: Any, seeds: int = 5, out: Any = None, threads: int | None = 1) -> str:
+        calls.append((sizes, threads))
+        return "| table |"
+
+    monkeypatch.setattr(module, "run_b_matching_benchmark", fake)
+    table = tmp_path / "b.md"
+    assert cli.main(["bench", "b-matching", "--quick", "--threads", "2", "--out", str(table)]) == 0
+    assert calls == [(module.QUICK_SIZES, 2)] and table.read_text() == "| table |\n"
+    assert cli.main(["bench", "b-matching", "--peers"]) == 0  # its peers always run: accepted
+    assert calls[-1] == (module.FULL_SIZES, 1)
 
 
 @pytest.mark.parametrize("cost", [-1.0, float("nan"), float("inf"), "10", True])

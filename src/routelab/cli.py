@@ -7,6 +7,7 @@ Subcommands::
     routelab bench assignment [--quick] [--threads N] [--device cpu|cuda] [--out FILE]
     routelab bench assignment --peers [--quick] [--threads N] [--out FILE]   vs POT, OR-Tools, scipy, auction
     routelab bench sinkhorn --peers [--quick] [--threads N] [--out FILE]     vs POT ot.sinkhorn (plain, log)
+    routelab bench b-matching [--quick] [--threads N] [--out FILE]   k experts per token vs OR-Tools, scipy
     routelab bench moe [--quick] [--threads N] [--device cpu|cuda] [--dtype float32|bfloat16] [--d-model N ...]
                        [--experts E ...] [--k K ...] [--compile [MODE]] [--out FILE]
     routelab bench moe --world-size N [N ...] [--quick] [--out FILE]   expert parallel, gloo workers
@@ -49,7 +50,7 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # as a shell reports a process ended by Ctrl-C (128 + SIGINT)
 
-BENCHMARKS: tuple[str, ...] = ("assignment", "moe", "sinkhorn")
+BENCHMARKS: tuple[str, ...] = ("assignment", "b-matching", "moe", "sinkhorn")
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -335,6 +336,9 @@ def _reproduce_locked(args: argparse.Namespace, names: list[str], out_dir: Path,
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     """``routelab bench NAME``: run a benchmark, optionally saving its markdown table."""
+    if args.benchmark == "b-matching" and args.device == "cuda":
+        return _error("`routelab bench b-matching` runs on CPU (its peers are CPU solvers); for the GPU use "
+                      "`routelab bench assignment --device cuda`.")
     if args.device == "cuda":
         import torch
 
@@ -343,7 +347,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.world_size is not None and args.benchmark != "moe":
         return _error("--world-size applies to `routelab bench moe` only.")
     if args.peers and args.benchmark == "moe":
-        return _error("--peers applies to `routelab bench assignment` and `routelab bench sinkhorn`.")
+        return _error("--peers applies to `routelab bench assignment` and `routelab bench sinkhorn` "
+                      "(`routelab bench b-matching` always times its peers).")
     if args.benchmark == "sinkhorn" and not args.peers:
         return _error("`routelab bench sinkhorn` compares with POT: run it with --peers.")
     if args.peers and args.device == "cuda":
@@ -383,6 +388,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             return _error(str(err))
         text = run_moe(quick=args.quick, threads=args.threads or 1, device=args.device, out=sys.stdout, dtype=dtype,
                        d_models=args.d_model, experts=args.experts, ks=args.k, compile_mode=args.compile)
+    elif args.benchmark == "b-matching":
+        from routelab.bench.b_matching import FULL_SIZES, QUICK_SIZES, run_b_matching_benchmark  # lazy: scipy
+
+        text = run_b_matching_benchmark(QUICK_SIZES if args.quick else FULL_SIZES, out=sys.stdout,
+                                        threads=args.threads or 1)
     elif args.peers:
         from routelab.bench.peers import run_assignment_peers, run_sinkhorn_peers  # lazy: imports the peers
 

@@ -1,4 +1,4 @@
-"""The b-matching benchmark runs on a tiny grid and agrees with scipy (no timing is asserted)."""
+"""The b-matching benchmark runs on a tiny grid and agrees with its peers (no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -9,27 +9,42 @@ import pytest
 import torch
 
 from routelab.assignment import balanced_b_matching
-from routelab.bench.b_matching import run_b_matching_benchmark, scipy_b_matching
+from routelab.bench.b_matching import ortools_b_matching, run_b_matching_benchmark, scipy_b_matching
 
 
-def test_scipy_solvers_agree_with_routelab():
+@pytest.mark.parametrize("capacity", [None, 17, 40])
+def test_peers_agree_with_routelab(capacity):
+    # popular experts, so that a capacity binds some of them
     scores = torch.randn(40, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    ours = float(scores.gather(-1, balanced_b_matching(scores, 2)).sum())
+    scores += torch.linspace(2.0, 0.0, 6, dtype=torch.float64)
+    ours = float(scores.gather(-1, balanced_b_matching(scores, 2, capacity)).sum())
     for method in ("linprog", "milp"):
-        best, seconds = scipy_b_matching(scores.numpy(), 2, method)
+        best, seconds = scipy_b_matching(scores.numpy(), 2, method, capacity)
         assert best == pytest.approx(ours, rel=1e-9, abs=1e-9) and seconds >= 0
+    pytest.importorskip("ortools")
+    theirs, seconds = ortools_b_matching(scores.numpy(), 2, capacity)
+    assert theirs == pytest.approx(ours, rel=1e-6) and seconds >= 0
     with pytest.raises(ValueError, match="method"):
         scipy_b_matching(np.zeros((2, 2)), 1, "simplex")
 
 
+def test_a_size_of_the_wrong_length_is_refused():
+    with pytest.raises(ValueError, match="sizes"):
+        run_b_matching_benchmark(((30, 4),), seeds=1)
+
+
 def test_tiny_benchmark_report():
     out = io.StringIO()
-    text = run_b_matching_benchmark(((30, 4, 2), (24, 6, 3)), seeds=2, out=out)
+    text = run_b_matching_benchmark(((30, 4, 2), (24, 6, 3), (30, 4, 2, 1.2)), seeds=2, out=out)
     rows = [line for line in text.splitlines() if line.startswith("| 30 ") or line.startswith("| 24 ")]
-    assert len(rows) == 2 and all(row.rstrip().endswith("| yes |") for row in rows)
-    for row in rows:  # the peers' median time over routelab's
-        r_linprog, r_milp = [c.strip() for c in row.strip("|").split("|")][6:8]
-        assert float(r_linprog.removesuffix("x")) > 0 and float(r_milp.removesuffix("x")) > 0
+    assert len(rows) == 3 and all(row.rstrip().endswith("| yes |") for row in rows)
+    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+    assert [c[3] for c in cells] == ["balanced", "balanced", "18"]  # ceil(1.2 * 2 * 30 / 4)
+    has_ortools = _has("ortools")
+    for c in cells:  # the peers' median time over routelab's
+        ratios = c[8:11] if has_ortools else c[9:11]
+        assert all(float(r.removesuffix("x")) > 0 for r in ratios), c
+        assert (c[5] == "missing") != has_ortools
     assert out.getvalue().strip() == text.strip()
 
 
@@ -39,3 +54,9 @@ def test_speedup_is_the_peers_median_over_routelabs():
     assert _speedup([3.0, 9.0, 6.0], [1.0, 3.0, 2.0]) == "3.0x"
     assert _speedup([1.0], [4.0]) == "0.2x"  # routelab slower: below 1
     assert _speedup([], [1.0]) == "—"  # the peer was skipped (milp above its size limit)
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
