@@ -28,9 +28,12 @@ def test_peers_agree_with_routelab(capacity):
         scipy_b_matching(np.zeros((2, 2)), 1, "simplex")
 
 
-def test_a_size_of_the_wrong_length_is_refused():
+def test_a_size_of_the_wrong_length_or_no_instance_is_refused():
     with pytest.raises(ValueError, match="sizes"):
         run_b_matching_benchmark(((30, 4),), seeds=1)
+    for seeds in (0, -1, 1.5):  # a review: --seeds 0 printed "same optimum: yes" for nothing measured
+        with pytest.raises(ValueError, match="seeds"):
+            run_b_matching_benchmark(((30, 4, 2),), seeds=seeds)
 
 
 def test_tiny_benchmark_report():
@@ -52,7 +55,8 @@ def test_speedup_is_the_peers_median_over_routelabs():
     from routelab.bench.b_matching import _speedup
 
     assert _speedup([3.0, 9.0, 6.0], [1.0, 3.0, 2.0]) == "3.0x"
-    assert _speedup([1.0], [4.0]) == "0.2x"  # routelab slower: below 1
+    assert _speedup([1.0], [4.0]) == "0.25x"  # routelab slower: below 1, two significant digits
+    assert _speedup([1.0], [190.0]) == "0.0053x"
     assert _speedup([], [1.0]) == "—"  # the peer was skipped (milp above its size limit)
 
 

@@ -8,8 +8,10 @@ finite, non-negative and sum to at most 1, and its penalties and gradients finit
 
 from __future__ import annotations
 
+import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -45,6 +47,7 @@ def test_public_api_is_covered() -> None:
 
 GAMMAS = (1.0, 0.5, 1e-3, 1e3, 7.0)
 BAD_GAMMAS = (0.0, -1.0, float("nan"), float("inf"), True, "1")
+NUMBER_GAMMAS = (np.float32(0.5), torch.tensor(2.0), np.int64(3))  # real numbers that are not Python floats
 SCALES = (1.0, 0.3, 1e-3, 1e3, 300.0, 1e10, 2e19, 1e30)
 
 
@@ -65,10 +68,11 @@ def tensors(draw, *, dtypes=FLOAT_DTYPES, max_dims=3, max_side=5, scales=SCALES,
 
 
 @fuzz(100)
-@given(t=tensors(extra=(0.5, -0.5, 0.0, 500.0, -500.0)), gamma=mostly(GAMMAS, BAD_GAMMAS))
+@given(t=tensors(extra=(0.5, -0.5, 0.0, 500.0, -500.0)), gamma=mostly(GAMMAS + NUMBER_GAMMAS, BAD_GAMMAS))
 def test_smooth_step(t: torch.Tensor, gamma) -> None:
     """Values in [0, 1], exactly 0 / 1 outside the band, the cubic inside (float64 reference),
-    monotone; gradients finite everywhere and exactly 0 outside the band; bad gamma -> ValueError."""
+    monotone; gradients finite everywhere and exactly 0 outside the band; gamma may be any real
+    number (NumPy scalars, 0-dim tensors); bad gamma -> ValueError."""
     valid_gamma = not isinstance(gamma, (bool, str)) and math.isfinite(gamma) and gamma > 0
     leaf = t.detach().clone().requires_grad_(True)
     before = clone_inputs(leaf)
@@ -79,6 +83,7 @@ def test_smooth_step(t: torch.Tensor, gamma) -> None:
     assert s.shape == t.shape and s.dtype == t.dtype, f"smooth_step returned {tuple(s.shape)} {s.dtype}"
     assert_finite(s, "smooth_step output")
     s64, t64 = f64(s), f64(t)
+    gamma = float(gamma)
     half = gamma / 2
     assert bool(((s64 >= 0) & (s64 <= 1)).all()), "smooth_step left [0, 1]"
     assert bool((s64[t64 <= -half] == 0).all()), "smooth_step is not exactly 0 below -gamma/2"
@@ -200,10 +205,11 @@ def check_gate_output(
     assert bool((w64 >= 0).all()), "negative gate weight"
     tol = 16 * n * max(eps(w.dtype), eps(torch.float32))  # computed in the float32 parameters' precision
     total = w64.sum(-1)
-    assert float(total.max()) <= 1 + tol, f"gate weights sum to {float(total.max())} > 1"
-    if sums_to_one:
+    if batch:
+        assert float(total.max()) <= 1 + tol, f"gate weights sum to {float(total.max())} > 1"
+    if sums_to_one and batch:
         assert float((total - 1).abs().max()) <= tol, f"gate weights sum to {total.tolist()}, not 1"
-    if max_nonzero is not None:
+    if max_nonzero is not None and batch:
         assert int((w != 0).sum(-1).max()) <= max_nonzero, f"more than {max_nonzero} nonzero weights"
     reg = guarded(gate.regularization, what="regularization")
     assert_finite(reg, f"{type(gate).__name__}.regularization()")
@@ -215,7 +221,25 @@ def check_gate_output(
             if gr is not None:
                 assert_finite(gr, f"{type(gate).__name__} gradient of weights + regularization")
     rep = guarded(gate.report, what="report")
+    check_report(gate, rep, w)
+
+
+def check_report(gate, rep, w: torch.Tensor) -> None:
+    """report() after a forward that returned ``w``: its experts counts; after an empty batch a
+    static gate reports its parameters' selection (one count in [0, n]) and a per-example gate no
+    example (``[]``, mean ``None``)."""
     assert isinstance(rep, dict)
+    n = gate.num_experts
+    if w.shape[0]:
+        counts = (w != 0).sum(-1).float()
+        assert rep["experts_selected_mean"] == pytest.approx(float(counts.mean())), rep
+        want = counts.tolist() if gate.per_example else float(counts[0])
+        assert rep["experts_selected"] == want, rep
+    elif gate.per_example:
+        assert rep["experts_selected"] == [] and rep["experts_selected_mean"] is None, rep
+    else:
+        sel = rep["experts_selected"]
+        assert isinstance(sel, float) and 0 <= sel <= n and rep["experts_selected_mean"] == sel, rep
 
 
 @fuzz(80)
@@ -223,7 +247,7 @@ def check_gate_output(
     num_experts=st.integers(1, 9),
     k=st.integers(1, 4),
     per_example=st.booleans(),
-    batch=st.integers(1, 5),
+    batch=st.integers(0, 5),
     input_dim=st.integers(1, 4),
     gamma=st.sampled_from(GAMMAS),
     entropy_reg=st.sampled_from((0.0, 0.1, 1e3)),
@@ -239,7 +263,8 @@ def test_dselectk_module(num_experts, k, per_example, batch, input_dim, gamma, e
                          xdtype, xscale, nan, as_int, seed) -> None:
     """DSelectK (static and per-example): weights finite, >= 0, sum <= 1 (== 1 for a power of 2),
     penalties (entropy, unused codes) and their gradients finite (D12), same generator -> same gate,
-    bad x (NaN, integer) -> ValueError naming x."""
+    bad x (NaN, integer) -> ValueError naming x; a batch of no examples (report and track work, and
+    S(z) of no example is not "binary")."""
     k = min(k, num_experts)
     kw = dict(gamma=gamma, per_example=per_example, input_dim=input_dim if per_example else None,
               entropy_reg=entropy_reg, unused_penalty=unused_penalty)
@@ -254,7 +279,8 @@ def test_dselectk_module(num_experts, k, per_example, batch, input_dim, gamma, e
                 gate.z.copy_((torch.randint(0, 2, gate.z.shape, generator=fresh(seed)) * 2 - 1) * gamma)
             else:
                 gate.z.fill_(z_fill)
-    if not per_example and as_int:
+    nan = nan and batch > 0  # (no example to plant a NaN in)
+    if not per_example and as_int and batch:
         x = batch
         valid = True
     else:
@@ -267,9 +293,11 @@ def test_dselectk_module(num_experts, k, per_example, batch, input_dim, gamma, e
         return
     m = (num_experts - 1).bit_length()
     check_gate_output(gate, x, w, batch, num_experts, sums_to_one=2**m == num_experts, max_nonzero=None)
-    if not per_example and gate.is_binary():
+    if not per_example and gate.is_binary() and batch:
         assert int((w != 0).sum(-1).max()) <= k, "binary codes but more than k experts selected"
     guarded(gate.track, 3, what="track")
+    if per_example and not batch:
+        assert not gate.is_binary() and gate.binary_step is None, "an empty batch made the codes binary"
 
 
 GATES = ("softmax", "topk", "gumbel", "selector", "annealing", "entropy")
@@ -281,7 +309,7 @@ GATES = ("softmax", "topk", "gumbel", "selector", "annealing", "entropy")
     num_experts=st.integers(1, 9),
     k=st.integers(1, 4),
     per_example=st.booleans(),
-    batch=st.integers(1, 5),
+    batch=st.integers(0, 5),
     input_dim=st.integers(1, 4),
     temperature=st.sampled_from((1.0, 1e-3, 1e3, 1e-30)),
     reg=st.sampled_from((0.0, 0.01, 1e3)),
@@ -316,6 +344,7 @@ def test_baseline_gates(kind, num_experts, k, per_example, batch, input_dim, tem
 
     ok, gate = call(build, names=("num_experts", "k", "temperature"), valid=True, what=f"{kind} gate constructor")
     gate.train(training)
+    nan = nan and batch > 0  # (no example to plant a NaN in)
     x = _x(batch, input_dim, xdtype, xscale, seed, nan)
     valid = _x_validity(pe, xdtype, xscale, nan)
     guarded(gate.on_step, 3, 10, what="on_step")
@@ -450,6 +479,82 @@ def test_batchwise_and_threshold_masks(batch, n, k, dtype, values, tvalues, seed
     assert_finite(tt.grad, "threshold loss gradient")
     ok, zero = call(G.batchwise_threshold_loss, s, t, tm, names=("scores",), valid=True)
     assert float(zero.detach()) == 0.0, "the threshold loss is not 0 when the masks agree"
+
+
+ALL_GATES = ("dselect", "dselect_binary") + GATES
+
+
+@fuzz(60)
+@given(
+    kind=st.sampled_from(ALL_GATES),
+    num_experts=st.integers(1, 9),
+    k=st.integers(1, 4),
+    per_example=st.booleans(),
+    batches=st.lists(mostly((0,), (1, 2, 3), weight=1), min_size=1, max_size=6),
+    training=st.booleans(),
+    seed=seeds,
+)
+def test_empty_batches_between_batches_report_and_track(kind, num_experts, k, per_example, batches, training,
+                                                        seed) -> None:
+    """A run with batches of no examples among the others: report() and track() never fail; after an
+    empty batch a static gate reports what a batch of one example would (its parameters' selection,
+    eval-mode weights for the Gumbel gate, and no noise drawn), a per-example gate no example; an
+    empty batch neither changes DSelectK.is_binary() nor records binary_step."""
+    k = min(k, num_experts)
+    dim = 3
+    pe = per_example and kind in ("dselect", "dselect_binary", "softmax", "topk")
+    g = fresh(seed)
+    if kind in ("dselect", "dselect_binary"):
+        gate = G.DSelectK(num_experts, k, per_example=pe, input_dim=dim if pe else None, entropy_reg=0.1, generator=g)
+        if kind == "dselect_binary":  # codes at +-gamma: S(z) binary for every input
+            with torch.no_grad():
+                if pe:
+                    gate.W.weight.zero_()
+                    gate.W.bias.copy_(torch.sign(gate.W.bias) + (gate.W.bias == 0))
+                else:
+                    gate.z.copy_(torch.sign(gate.z) + (gate.z == 0))
+    elif kind == "softmax":
+        gate = G.SoftmaxGate(num_experts, per_example=pe, input_dim=dim if pe else None, generator=g)
+    elif kind == "topk":
+        gate = G.TopKGate(num_experts, k, per_example=pe, input_dim=dim if pe else None, generator=g)
+    elif kind == "gumbel":
+        gate = G.GumbelSoftmaxGate(num_experts, sparsity_reg=0.1, seed=seed, generator=g)
+    elif kind == "selector":
+        gate = G.SoftmaxSelectorGate(num_experts, k, entropy_reg=0.1, generator=g)
+    elif kind == "annealing":
+        gate = G.ablation_annealing(num_experts, k, generator=g)
+    else:
+        gate = G.ablation_entropy(num_experts, k, generator=g)
+    gate.train(training)
+    is_dselect = isinstance(gate, G.DSelectK)
+    binary_before = gate.is_binary() if is_dselect else None
+    for step, batch in enumerate(batches):
+        x = torch.randn(batch, dim, generator=fresh(seed + step))
+        w = guarded(gate, x, what="forward")
+        assert tuple(w.shape) == (batch, num_experts)
+        noise = gate.noise.get_state() if isinstance(gate, G.GumbelSoftmaxGate) else None
+        rep = guarded(gate.report, what="report")
+        check_report(gate, rep, w)
+        if noise is not None:
+            assert same_bits(gate.noise.get_state(), noise), "report() drew noise"
+        if batch == 0 and not pe:  # the report of the parameters: what a batch of one (eval mode) gives
+            twin = copy.deepcopy(gate).eval()
+            twin(1)
+            assert rep == twin.report(), (rep, twin.report())
+        if is_dselect:
+            binary = gate.is_binary()
+            if pe and batch == 0:
+                assert binary == binary_before, "an empty batch changed is_binary()"
+            recorded = gate.binary_step
+            guarded(gate.track, step, what="track")
+            if gate.binary_step != recorded:
+                assert batch > 0 or not pe, f"track() recorded binary_step {step} after an empty batch"
+                assert binary, "track() recorded binary_step for codes that are not binary"
+            if kind == "dselect_binary" and (batch or not pe):
+                assert gate.binary_step is not None
+            binary_before = binary
+        else:
+            guarded(gate.track, step, what="track")
 
 
 S = torch.softmax(torch.randn(4, 2, generator=fresh(0)), -1)

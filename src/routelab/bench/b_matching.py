@@ -40,6 +40,7 @@ from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
 from ..assignment import balanced_b_matching
 from ..assignment.b_matching import b_matching_quotas
+from .._checks import positive_int_arg
 from ..machine import cpu_model, load_average
 
 __all__ = ["ortools_b_matching", "run_b_matching_benchmark", "scipy_b_matching"]
@@ -172,6 +173,8 @@ def run_b_matching_benchmark(
     for size in sizes:
         if len(size) not in (3, 4):
             raise ValueError(f"sizes: every size is (n, E, k) or (n, E, k, capacity_factor), got {size!r}")
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ValueError(f"seeds must be an integer >= 1 (instances per size), got {seeds!r}")
     old = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -182,10 +185,12 @@ def run_b_matching_benchmark(
 
 
 def _speedup(peer: Sequence[float], ours: Sequence[float]) -> str:
-    """``median(peer) / median(ours)`` as ``"12.3x"`` (> 1: routelab is faster), ``"—"`` when the peer was skipped."""
+    """``median(peer) / median(ours)`` as ``"12.3x"`` (> 1: routelab is faster; below 1 with two
+    significant digits, ``"0.052x"``), ``"—"`` when the peer was skipped."""
     if not peer or not ours:
         return "—"
-    return f"{statistics.median(peer) / max(statistics.median(ours), 1e-12):.1f}x"
+    ratio = statistics.median(peer) / max(statistics.median(ours), 1e-12)
+    return f"{ratio:.2g}x" if ratio < 1 else f"{ratio:.1f}x"
 
 
 PEERS: tuple[str, ...] = ("OR-Tools", "linprog", "milp")
@@ -210,9 +215,9 @@ def _measure(sizes: Sequence[Size], seeds: int, out: TextIO | None) -> str:
     emit("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
     for size in sizes:
         n, E, k = size[:3]
+        capacity = _capacity(n, E, k, size[3] if len(size) == 4 else None)
         times: dict[str, list[float]] = {"routelab": [], **{p: [] for p in PEERS}}
         same = True
-        capacity = None
         for seed in range(seeds):
             scores, k, capacity = _instance(size, seed)
             if seed == 0:
@@ -252,8 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m routelab.bench.b_matching [--quick] [--seeds N]`` (also ``routelab bench b-matching``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="three sizes")
-    parser.add_argument("--seeds", type=int, default=5, help="instances per size")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--seeds", type=positive_int_arg, default=5, help="instances per size")
+    parser.add_argument("--threads", type=positive_int_arg, default=1, help="torch threads (default 1)")
     args = parser.parse_args(argv)
     run_b_matching_benchmark(QUICK_SIZES if args.quick else FULL_SIZES, args.seeds, out=sys.stdout,
                              threads=args.threads)

@@ -138,11 +138,20 @@ def batchwise_threshold_loss(scores: Tensor, thresholds: Tensor, mask: Tensor, *
 
     Returns:
         A scalar tensor.
+
+    Raises:
+        ValueError: bad ``scores`` / ``thresholds`` (as :func:`threshold_mask`), or ``mask`` not a
+            ``torch.bool`` tensor of the shape of ``scores``.
     """
     above = threshold_mask(scores, thresholds, check_nan=check_nan)
     if not isinstance(mask, Tensor) or mask.shape != scores.shape:
         got = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
         raise ValueError(f"mask must be a tensor with the shape of scores {tuple(scores.shape)}, got {got}")
+    if mask.dtype != torch.bool:
+        raise ValueError(
+            f"mask must be a torch.bool tensor (the batchwise mask of eq. 18, from batchwise_mask), got {mask.dtype}; "
+            "pass batchwise_mask(scores, k), or mask != 0 for a 0/1 mask"
+        )
     diff = above.to(scores.dtype) - mask.to(scores.dtype)
     return (diff * (scores - thresholds)).sum()
 

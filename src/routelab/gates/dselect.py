@@ -7,12 +7,22 @@ TensorFlow implementation: gamma = 1, Z (or the bias and weights of W) uniform i
 ±gamma/100, selector logits alpha (or G) uniform in ±0.05, entropy -sum p log(p + 1e-6), summed
 over the examples of the batch for the per-example gate (Sec. 3.2: one term per example).
 
+Two exceptions, where routelab differs from the official code:
+
+* The entropy regularizer is computed over all 2^m codes of each selector, h(r(S(z^(i)))) with
+  r of 2^m entries as in the paper (App. B.2: r(S(z)) is a distribution over 2^m codes). The
+  official code computes it over the n real codes only; the two differ when n is not a power of
+  2 (then the unused codes' mass counts here and not there).
+* The App. B.2 unused-code penalty of a per-example gate is averaged over the batch; the official
+  code sums it over the examples. See :class:`DSelectK`.
+
 A routelab option that is not in the paper, ``selector_init="distinct"``, starts the k selectors
 on k different experts (symmetry breaking); see :data:`SELECTOR_INITS`.
 """
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -97,6 +107,7 @@ def selector_outputs(z: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
 def _check_dselect_args(alpha: torch.Tensor, z: torch.Tensor, num_experts: int) -> int:
     if not isinstance(alpha, torch.Tensor) or not isinstance(z, torch.Tensor):
         raise ValueError("alpha and z must be torch tensors ([..., k] and [..., k, m]).")
+    floating_input(alpha, "alpha", alpha.dtype)  # the floating check only (no cast): softmax needs floats
     check_positive_int("num_experts", num_experts)
     if alpha.dim() < 1:
         raise ValueError("alpha must have shape [..., k], got a scalar.")
@@ -131,7 +142,8 @@ def dselect_weights(alpha: torch.Tensor, z: torch.Tensor, num_experts: int,
         ``[..., num_experts]`` nonnegative weights; at most k nonzero when S(z) is binary.
 
     Raises:
-        ValueError: on mismatched shapes, k > num_experts or gamma <= 0.
+        ValueError: on mismatched shapes, k > num_experts, gamma <= 0, or ``alpha`` or ``z`` not
+            a floating tensor.
     """
     check_gamma(gamma)
     _check_dselect_args(alpha, z, num_experts)
@@ -165,7 +177,14 @@ class DSelectK(MTLGate):
     * ``unused_codes`` (only when n is not a power of 2): unused_penalty * sum_i 1 / (sum of
       selector i's weight on the n real experts), batch-averaged for per-example gates; the sum
       is floored at :data:`UNUSED_FLOOR` for the value (not the gradient), so the penalty is
-      finite (App. B.2 divides by 0 when a selector sits on unused codes only).
+      finite (App. B.2 divides by 0 when a selector sits on unused codes only). This reduction
+      differs from the official code, which *sums* the penalty over the examples of the batch:
+      for a batch of B examples the official penalty is B times this one (equal for a static
+      gate or B = 1), so routelab's ``unused_penalty = c`` matches the official ``c / B``, and
+      the ratio of this penalty to the summed entropy term depends on the batch size.
+
+    The entropy term is over all 2^m codes (the paper, App. B.2); the official code uses only
+    the n real codes, which differs when n is not a power of 2 (see the module docstring).
 
     Dtypes: a per-example gate computes in its parameters' dtype (any floating ``x`` is cast to
     it; integer ``x`` is a ValueError, NaN/inf codes ``G x``, ``W x`` too) and returns the
@@ -174,7 +193,12 @@ class DSelectK(MTLGate):
     float64 for a float64 gate).
 
     Reporting (:meth:`report`): experts selected per example and on average, whether S(Z) is
-    binary, and the first step passed to :meth:`track` at which it was.
+    binary, and the first step passed to :meth:`track` at which it was. For a per-example gate
+    S(Z) is that of the last non-empty batch: a forward on an empty batch changes neither
+    :meth:`is_binary` nor, through :meth:`track`, :attr:`binary_step`.
+
+    ``state_dict()`` holds :attr:`binary_step` (as the extra state, :meth:`get_extra_state`), so a
+    resumed run reports the step of the uninterrupted one.
 
     Args:
         num_experts: n >= 1.
@@ -288,12 +312,18 @@ class DSelectK(MTLGate):
         return GateOutput(self._output(weights, x), aux, {"smooth_step": smooth_step(z.detach(), self.gamma)})
 
     def remember(self, out: GateOutput) -> None:
-        """As :meth:`MTLGate.remember`, plus ``S(z)`` of the batch for :meth:`is_binary`."""
+        """As :meth:`MTLGate.remember`, plus ``S(z)`` of the batch for :meth:`is_binary` (not for an
+        empty batch, whose S(z) has no entry: "all binary" would hold vacuously)."""
         super().remember(out)
-        self._last_s = out.stats["smooth_step"]
+        if out.scores.shape[0] > 0:
+            self._last_s = out.stats["smooth_step"]
+
+    def _last_batch_empty(self) -> bool:
+        return self._last_weights is not None and self._last_weights.shape[0] == 0
 
     def is_binary(self) -> bool:
-        """Whether S(Z) (static: the parameters; per-example: the last batch) is all 0/1."""
+        """Whether S(Z) (static: the parameters; per-example: the last non-empty batch) is all 0/1
+        (False for a per-example gate before its first non-empty batch)."""
         if self.per_example:
             if self._last_s is None:
                 return False
@@ -303,9 +333,27 @@ class DSelectK(MTLGate):
         return bool(((s == 0) | (s == 1)).all())
 
     def track(self, step: int) -> None:
-        """Record ``step`` as :attr:`binary_step` the first time S(Z) is binary."""
+        """Record ``step`` as :attr:`binary_step` the first time S(Z) is binary (a per-example gate
+        whose last forward had an empty batch records nothing: that batch showed no codes)."""
+        if self.per_example and self._last_batch_empty():
+            return
         if self.binary_step is None and self.is_binary():
             self.binary_step = int(step)
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """The training state outside the parameters, saved in ``state_dict()``: ``{"binary_step":
+        int or None}``."""
+        return {"binary_step": self.binary_step}
+
+    def set_extra_state(self, state: Any) -> None:
+        """Restore what :meth:`get_extra_state` saved (``load_state_dict``)."""
+        step = state.get("binary_step", ...) if isinstance(state, dict) else ...
+        if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
+            raise ValueError(
+                "DSelectK extra state must be a dict {'binary_step': int or None} (what get_extra_state() "
+                f"saves in state_dict()), got {state!r}; load a state_dict saved from a DSelectK"
+            )
+        self.binary_step = None if step is None else int(step)
 
     def report(self) -> dict[str, Any]:
         out = super().report()

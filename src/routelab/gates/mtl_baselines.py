@@ -130,20 +130,29 @@ class GumbelSoftmaxGate(MTLGate):
     In training, U_i is a straight-through Gumbel-softmax sample of Bernoulli(pi_i),
     pi = sigmoid(beta), at temperature ``temperature`` (exactly binary forward, relaxed
     gradient); in eval mode U_i = 1[pi_i > 1/2]. Penalty: ``aux["sparsity"] = sparsity_reg *
-    sum_i log pi_i``. :meth:`report` adds the expected number of nonzeros sum_i pi_i.
+    sum_i log pi_i``. :meth:`report` adds the expected number of nonzeros sum_i pi_i; after a
+    forward on an empty batch it reports the eval-mode weights softmax(alpha) * 1[pi > 1/2] (no
+    noise is drawn for a report).
+
+    The noise generator's state is saved in ``state_dict()`` (the gate's extra state,
+    :meth:`get_extra_state`), so a run resumed from a checkpoint draws the noise of the
+    uninterrupted run.
 
     Args:
         num_experts: n.
         temperature: Gumbel-softmax temperature (> 0).
         sparsity_reg: lambda >= 0.
         seed: seed of the gate's own torch.Generator for the Gumbel noise (same seed, same run),
-            an integer in ``[0, 2**64)``.
+            an integer in ``[0, 2**64)``. ``None`` (default): drawn from torch's global generator
+            when the gate is built (after the initialisation of alpha and beta), so the gates of
+            one model (e.g. the per-task gates of a multi-gate MoE) draw independent noise and
+            ``torch.manual_seed`` makes the run reproducible. The seed used is :attr:`seed`.
         generator: optional generator for the initialisation.
         input_dim: accepted for interchangeability (ignored: the gate is static).
     """
 
     def __init__(self, num_experts: int, *, temperature: float = 1.0, sparsity_reg: float = 0.0,
-                 seed: int = 0, generator: torch.Generator | None = None,
+                 seed: int | None = None, generator: torch.Generator | None = None,
                  input_dim: int | None = None) -> None:
         super().__init__(num_experts, per_example=False, input_dim=input_dim)
         self.temperature = check_pos("temperature", temperature)
@@ -152,7 +161,10 @@ class GumbelSoftmaxGate(MTLGate):
         self.alpha = nn.Parameter(uniform_init((n,), ALPHA_INIT, generator))
         # start with every expert likely on (pi ~ 0.73), as a sparsifying penalty then prunes
         self.beta = nn.Parameter(1.0 + uniform_init((n,), ALPHA_INIT, generator))
-        self.noise = torch.Generator().manual_seed(check_seed(seed))
+        if seed is None:  # one draw from the global generator: distinct per gate, fixed by torch.manual_seed
+            seed = int(torch.randint(0, 2**62, (), device="cpu"))
+        self.seed = check_seed(seed)
+        self.noise = torch.Generator().manual_seed(self.seed)
         self._replay = NoiseReplay()
 
     @property
@@ -163,6 +175,31 @@ class GumbelSoftmaxGate(MTLGate):
     def probabilities(self) -> torch.Tensor:
         """pi = P(U_i = 1): ``[n]``."""
         return torch.sigmoid(self.beta)
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """The training state outside the parameters, saved in ``state_dict()``: ``{"noise": the
+        noise generator's state}`` (a ``uint8`` tensor)."""
+        return {"noise": self.noise.get_state()}
+
+    def set_extra_state(self, state: Any) -> None:
+        """Restore what :meth:`get_extra_state` saved (``load_state_dict``): the noise continues
+        where it was when the state was saved."""
+        noise = state.get("noise") if isinstance(state, dict) else None
+        if not isinstance(noise, torch.Tensor) or noise.dtype != torch.uint8:
+            raise ValueError(
+                "GumbelSoftmaxGate extra state must be a dict {'noise': uint8 tensor} (what get_extra_state() "
+                f"saves in state_dict()), got {state!r}; load a state_dict saved from a GumbelSoftmaxGate"
+            )
+        try:
+            self.noise.set_state(noise.detach().cpu())
+        except RuntimeError as exc:
+            raise ValueError(f"GumbelSoftmaxGate extra state: 'noise' is not a CPU generator state ({exc})") from exc
+
+    def _parameter_weights(self) -> torch.Tensor:
+        """The eval-mode weights ``[1, n]``, softmax(alpha) * 1[pi > 1/2]: no noise is drawn."""
+        with torch.no_grad():
+            u = (self.probabilities() > 0.5).to(self.alpha.dtype)
+            return (torch.softmax(self.alpha, dim=-1) * u).unsqueeze(0)
 
     def gate(self, x: torch.Tensor | int) -> GateOutput:
         b = self._check_x(x)
@@ -239,7 +276,7 @@ class SoftmaxSelectorGate(MTLGate):
 
     def report(self) -> dict[str, Any]:
         out = super().report()
-        w = self._last_weights
+        w = self._report_weights()  # (an empty batch: the weights of the parameters)
         if w is not None:  # softmax never gives exact zeros; also count weights >= 1e-3
             out["experts_above_1e-3"] = float((w[0] >= 1e-3).sum())
         out["argmax_experts"] = sorted(set(self.selectors().argmax(dim=-1).tolist()))

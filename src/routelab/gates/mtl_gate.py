@@ -23,6 +23,14 @@ and keeps the stateful form its callers use::
   their coefficients; ``aux`` holds them by name. It is 0 (on the gate's device) when the gate
   has none.
 * ``selected_experts(weights)`` counts the experts with nonzero weight per row: ``[batch]``.
+* ``report()`` after a forward on an empty batch (``x`` of shape ``[0, input_dim]``): a static
+  gate's selection does not depend on the batch, so it reports the weights of its parameters; a
+  per-example gate has no example to report (``experts_selected`` ``[]``, its mean ``None``).
+* Training state that is not a parameter (a gate's own noise generator, DSelect-k's
+  ``binary_step``) is saved in ``state_dict()`` as the gate's ``_extra_state``, so that a run
+  resumed from a checkpoint continues exactly as the uninterrupted one. A ``state_dict`` saved
+  without it (by an older routelab) still loads, with ``strict=True`` too: the gate then keeps
+  its current extra state.
 * ``on_step(step, total_steps)`` lets gates with schedules (temperature annealing) update
   themselves; the default does nothing.
 * Dtypes: a per-example gate casts any floating ``x`` to its parameters' dtype (integer ``x``
@@ -41,6 +49,7 @@ from torch import nn
 
 from .._checks import (
     check_finite,
+    check_flag,
     check_generator,
     check_k,
     check_nonneg,
@@ -57,6 +66,10 @@ __all__ = ["MTLGate", "check_positive_int", "check_k", "check_nonneg", "check_po
 
 # The validators every layer above uses live in routelab._checks (their one home); the gates'
 # modules and older user code import them from here.
+
+#: The ``state_dict`` key suffix of a module's ``get_extra_state()`` (``torch.nn.Module``'s
+#: ``_EXTRA_STATE_KEY_SUFFIX``).
+_EXTRA_STATE_KEY = "_extra_state"
 
 
 def uniform_init(shape: tuple[int, ...], half_width: float,
@@ -85,7 +98,8 @@ class MTLGate(nn.Module):
 
     Args:
         num_experts: n, the number of experts the gate weighs (>= 1).
-        per_example: whether the weights depend on the input (then ``input_dim`` is needed).
+        per_example: whether the weights depend on the input (then ``input_dim`` is needed);
+            True or False (anything else, e.g. the string ``"False"``, is a TypeError).
         input_dim: p, the width of ``x`` for per-example gates.
     """
 
@@ -103,7 +117,7 @@ class MTLGate(nn.Module):
                  input_dim: int | None = None) -> None:
         super().__init__()
         self.num_experts = check_positive_int("num_experts", num_experts)
-        self.per_example = bool(per_example)
+        self.per_example = check_flag("per_example", per_example)
         if self.per_example:
             if input_dim is None:
                 raise ValueError("input_dim is required when per_example=True (the width of x).")
@@ -184,10 +198,50 @@ class MTLGate(nn.Module):
         """Bookkeeping hook called after training step ``step`` (default: none)."""
 
     def report(self) -> dict[str, Any]:
-        """Plain-number summary of the last forward: experts selected per example and mean."""
+        """Plain-number summary of the last forward: experts selected per example and mean.
+
+        Nothing before the first forward. After a forward on an empty batch a static gate reports
+        the selection of its parameters (:meth:`_parameter_weights`; it is the same for every
+        batch) and a per-example gate reports no examples: ``experts_selected`` ``[]`` and
+        ``experts_selected_mean`` ``None``.
+        """
         out: dict[str, Any] = {}
-        if self._last_weights is not None:
-            sel = self.selected_experts(self._last_weights.detach())
-            out["experts_selected_mean"] = float(sel.mean())
-            out["experts_selected"] = sel.tolist() if self.per_example else float(sel[0])
+        if self._last_weights is None:
+            return out
+        w = self._report_weights()
+        if w is None:  # a per-example gate after an empty batch: no example to report
+            out["experts_selected_mean"] = None
+            out["experts_selected"] = []
+            return out
+        sel = self.selected_experts(w)
+        out["experts_selected_mean"] = float(sel.mean())
+        out["experts_selected"] = sel.tolist() if self.per_example else float(sel[0])
         return out
+
+    def _report_weights(self) -> torch.Tensor | None:
+        """The weights :meth:`report` describes: the last forward's ``[batch, n]`` (detached); after
+        an empty batch, a static gate's ``[1, n]`` from its parameters and a per-example gate's
+        ``None``. ``None`` before the first forward."""
+        w = self._last_weights
+        if w is None or w.shape[0] > 0:
+            return w
+        return None if self.per_example else self._parameter_weights()
+
+    def _parameter_weights(self) -> torch.Tensor:
+        """A static gate's weights ``[1, n]`` from its parameters alone (no gradient, nothing stored):
+        the row every example of a forward gets. A stochastic gate overrides it (it must not draw)."""
+        with torch.no_grad():
+            return self.gate(1).scores.detach()
+
+    # -- state_dict: training state outside the parameters ---------------------------------------
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
+                              strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                              error_msgs: list[str]) -> None:
+        """As ``nn.Module``'s, except that a ``state_dict`` without this gate's ``_extra_state`` (saved
+        by a routelab that did not store it) is no missing key under ``strict=True``: the gate keeps
+        its current extra state (its noise stream, ``binary_step``)."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        key = prefix + _EXTRA_STATE_KEY
+        if key not in state_dict and key in missing_keys:
+            missing_keys.remove(key)

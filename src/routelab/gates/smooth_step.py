@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import math
+import numbers
+from typing import Any
 
 import torch
+
+from .._checks import _real_number
 
 __all__ = ["GAMMA_RANGE", "smooth_step", "check_gamma"]
 
@@ -14,14 +18,16 @@ __all__ = ["GAMMA_RANGE", "smooth_step", "check_gamma"]
 GAMMA_RANGE = (1e-30, 1e30)
 
 
-def check_gamma(gamma: float) -> float:
-    """Return ``gamma`` as a float if it is a number in :data:`GAMMA_RANGE`, else raise ValueError."""
+def check_gamma(gamma: Any) -> float:
+    """Return ``gamma`` as a float if it is a real number in :data:`GAMMA_RANGE` (a Python or NumPy
+    scalar or a 0-dim real tensor, not a bool, as :func:`routelab._checks.check_pos` takes), else
+    raise ValueError."""
     lo, hi = GAMMA_RANGE
-    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not math.isfinite(gamma) \
-            or not lo <= gamma <= hi:
+    v = _real_number(gamma)
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or not lo <= v <= hi:
         raise ValueError(f"gamma must be a finite number in [{lo:g}, {hi:g}] (the smooth-step width, > 0), "
                          f"got {gamma!r}.")
-    return float(gamma)
+    return float(v)
 
 
 def smooth_step(t: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
@@ -40,7 +46,8 @@ def smooth_step(t: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
 
     Args:
         t: any real floating tensor.
-        gamma: the width of the fractional region, in :data:`GAMMA_RANGE` (official default 1).
+        gamma: the width of the fractional region, a real number in :data:`GAMMA_RANGE` (official
+            default 1; a NumPy scalar or a 0-dim tensor is taken as its number).
 
     Raises:
         ValueError: if gamma is not a finite number in :data:`GAMMA_RANGE`, or ``t`` is not a
