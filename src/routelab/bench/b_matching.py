@@ -38,9 +38,9 @@ import scipy.sparse as sp
 import torch
 from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
+from .._checks import positive_int_arg
 from ..assignment import balanced_b_matching
 from ..assignment.b_matching import b_matching_quotas
-from .._checks import positive_int_arg
 from ..machine import cpu_model, load_average
 
 __all__ = ["ortools_b_matching", "run_b_matching_benchmark", "scipy_b_matching"]
