@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .store import atomic_write_text
-from .tables import md_table
+from .tables import md_table, md_uncell
 
 __all__ = [
     "CLAIMS_FILE",
@@ -218,8 +218,9 @@ def read_claims_json(path: Path) -> ClaimsFile:
 
 
 def _cells(line: str) -> list[str]:
-    """The cells of one markdown table row (outer pipes removed, cells stripped)."""
-    return [c.strip() for c in line.strip().strip("|").split(" | ")]
+    """The cells of one markdown table row (outer pipes removed, cells stripped, ``\\|`` back to ``|``).
+    Cells are split at the unescaped `` | `` only."""
+    return [md_uncell(c.strip()) for c in re.split(r"(?<!\\) \| ", line.strip().removeprefix("| ").removesuffix(" |"))]
 
 
 def claims_from_markdown(markdown: str) -> list[Claim]:

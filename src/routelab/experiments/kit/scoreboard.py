@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .claims import CLAIMS_FILE, NOT_MEASURED, Claim, ClaimsFile, read_claims_json
-from .tables import md_table
+from .tables import md_cell, md_table
 
 __all__ = ["ScoreRow", "agreement", "committed_dir", "scoreboard_markdown", "scoreboard_rows"]
 
@@ -142,8 +142,8 @@ def _short(text: str, limit: int = CLAIM_CHARS) -> str:
 
 
 def _cell(text: str) -> str:
-    """A markdown table cell: one line, ``|`` escaped."""
-    return " ".join(text.split()).replace("|", "\\|")
+    """A markdown table cell: one line, ``|`` escaped (:func:`.tables.md_cell`)."""
+    return md_cell(text)
 
 
 def _verdict(text: str) -> str:

@@ -5,7 +5,19 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["csv_cell", "md_table"]
+__all__ = ["csv_cell", "md_cell", "md_table", "md_uncell"]
+
+
+def md_cell(value: Any) -> str:
+    """``str(value)`` as one markdown table cell: on one line, ``|`` escaped as ``\\|`` (an unescaped
+    ``|`` ends the cell, even inside bold or a code span: a verdict such as ``|mean difference| ...``
+    was cut at its first ``|``)."""
+    return " ".join(str(value).split()).replace("\\|", "|").replace("|", "\\|")
+
+
+def md_uncell(cell: str) -> str:
+    """The text of a cell :func:`md_cell` wrote (``\\|`` back to ``|``)."""
+    return cell.replace("\\|", "|")
 
 
 def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], align: str | None = None) -> str:
@@ -13,12 +25,13 @@ def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], align: str |
 
     Args:
         headers: the column headers.
-        rows: the cells of each row (``str()`` of each cell is printed).
+        rows: the cells of each row (each printed by :func:`md_cell`: ``str()``, one line, ``|``
+            escaped).
         align: the separator row without its leading ``|`` (e.g. ``"---|---:|"`` to right-align
             the second column); default ``---`` for every column.
     """
-    lines = ["| " + " | ".join(headers) + " |", "|" + (align or "---|" * len(headers))]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    lines = ["| " + " | ".join(md_cell(h) for h in headers) + " |", "|" + (align or "---|" * len(headers))]
+    lines += ["| " + " | ".join(md_cell(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
 
 
