@@ -265,3 +265,21 @@ def test_an_experiments_own_command_takes_the_same_lock(tmp_path, capsys):
         assert "lm-routers is being written by routelab reproduce (pid" in capsys.readouterr().err
     finally:
         held.close()
+
+
+def test_an_earlier_traceback_does_not_outlive_a_later_failure(registry: dict[str, Any], tmp_path: Path) -> None:
+    """A review: a failure with its own one-line reason (a results file it cannot resume from) left the
+    previous invocation's error.txt, with another error's traceback, beside it."""
+    from routelab.experiments.kit.store import ResultsFileError
+
+    errors = [RuntimeError("first failure"), ResultsFileError("runs.jsonl:3: not valid JSON", tmp_path, 3)]
+
+    def fn(out_dir: Path, quick: bool) -> Path:
+        raise errors.pop(0)
+
+    register(Experiment(name="flaky", description="Fails.", sweep=fn, full=False, quick_settings=True))
+    log = tmp_path / "flaky" / "error.txt"
+    assert cli.main(["reproduce", "flaky", "--out", str(tmp_path)]) == 1
+    assert "RuntimeError: first failure" in log.read_text(encoding="utf-8")
+    assert cli.main(["reproduce", "flaky", "--out", str(tmp_path)]) == 1
+    assert not log.exists()

@@ -147,9 +147,12 @@ def _run_experiment(exp: Experiment, exp_dir: Path, quick: bool) -> tuple[Path |
         (its data is not installed) or ``"failed"``; reason is one line that says what is wrong
         and how to fix it. The traceback of an unexpected error goes to ``exp_dir/error.txt``.
     """
+    try:  # an earlier invocation's traceback must not sit beside this one's outcome
+        (exp_dir / "error.txt").unlink(missing_ok=True)
+    except OSError:
+        pass
     try:
         report = Path(exp.run(exp_dir, quick))
-        (exp_dir / "error.txt").unlink(missing_ok=True)  # from an earlier failed invocation
         return report, "", ""
     except DataUnavailable as err:
         return None, "skipped", _one_line(f"its data is not installed: {err}")

@@ -153,3 +153,34 @@ def test_run_writes_report_resumes_and_judges(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setattr(rc, "identifiability_record", lambda *a, **k: pytest.fail("identifiability rerun"))
     assert rc.run_recovery(tmp_path, s).read_text().split("Wall time")[1].split("\n", 1)[1] == \
         text.split("Wall time")[1].split("\n", 1)[1]
+
+
+def test_full_run_after_quick_run_completes_the_fitted_identifiability_check(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch):
+    """Review finding B3: the quick form fits the unit on repetition 0 only (``fitted_rank: null`` on the
+    others); a full run into its directory took those records as done, so its report covered fewer
+    repetitions than planned and no rerun filled them in. Each form now gets (and reports) its own plan."""
+    import re
+
+    small = dict(reps=2, epochs=1, checkpoints=(), lrs=(0.1,), entropy_regs=(0.0,), units=("frozen",),
+                 inits=("official",), n_train=300, n_val=200, identifiability=True)
+    quick = dataclasses.replace(TINY, **small, identifiability_fitted=1, quick=True)
+    full = dataclasses.replace(TINY, **small, identifiability_fitted=None)
+
+    def fitted_reps(text: str) -> int:
+        (n,) = re.findall(r"unit fitted to each set: the true set ranks 1st in \d+/(\d+) repetitions", text)
+        return int(n)
+
+    assert fitted_reps(rc.run_recovery(tmp_path, quick).read_text()) == 1
+    assert [r["fitted_rank"] is None for r in read_jsonl(tmp_path / "identifiability.jsonl")] == [False, True]
+    text = rc.run_recovery(tmp_path, full).read_text()
+    assert fitted_reps(text) == 2  # was 1: repetition 1's quick record counted as done
+    idents = read_jsonl(tmp_path / "identifiability.jsonl")
+    assert [(r["seed"], r["fitted_rank"] is None) for r in idents] == [(0, False), (1, True), (1, False)]
+    assert idents[2]["frozen_rank"] == idents[1]["frozen_rank"]  # the same check, now with the fitted part
+    # both forms are now complete: neither trains nor checks again, and each reports its own plan
+    monkeypatch.setattr(rc, "train_rep", lambda *a, **k: pytest.fail("a recorded repetition was trained again"))
+    monkeypatch.setattr(rc, "identifiability_record", lambda *a, **k: pytest.fail("identifiability rerun"))
+    assert fitted_reps(rc.run_recovery(tmp_path, full).read_text()) == 2
+    assert fitted_reps(rc.run_recovery(tmp_path, quick).read_text()) == 1  # quick after full: its own plan
+    assert len(read_jsonl(tmp_path / "identifiability.jsonl")) == 3

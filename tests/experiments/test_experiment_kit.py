@@ -1,6 +1,6 @@
 """Tests for the experiment kit (routelab.experiments.kit) and the registry (routelab.experiments.registry).
 
-The store's resume and atomic writes are tested in test_runner.py, diverged runs in
+The store's resume and atomic writes are tested in test_kit_store.py, diverged runs in
 test_reliability_experiments.py; here: registration, the one-way imports, and the report helpers.
 """
 

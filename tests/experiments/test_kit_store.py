@@ -112,9 +112,13 @@ def test_completed_keys_freezes_lists_and_accepts_single_field(tmp_path: Path) -
 
 def test_completed_keys_missing_field_raises(tmp_path: Path) -> None:
     path = tmp_path / "runs.jsonl"
+    append_jsonl_atomic(path, {"method": "a", "seed": 0})
+    with path.open("a") as f:
+        f.write("\n")  # a blank line: the message names the file's line, not the record's index
     append_jsonl_atomic(path, {"seed": 1})
-    with pytest.raises(ValueError, match=r"lacks key field\(s\) \['method'\]"):
+    with pytest.raises(ValueError, match=r"runs.jsonl:3: the record lacks key field\(s\) \['method'\]") as err:
         completed_keys(path, ("method", "seed"))
+    assert err.value.line == 3
 
 
 def test_atomic_write_text(tmp_path: Path) -> None:

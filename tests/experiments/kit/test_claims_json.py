@@ -93,6 +93,10 @@ def test_numbers_key_and_bad_input(tmp_path: Path) -> None:
     c = Claim(text="DSelect-k recovers all 4 true experts (paper: 4 of 4).", measured="0.75 of 4, −2.5 % and 1e-3",
               verdict=NOT_HOLD)
     assert c.numbers == [0.75, 4.0, -2.5, 0.001]
+    # A review: the digits of identifiers and the "-7" of "MAE-7" were read as numbers; a range is two.
+    named = Claim(text="t", verdict=HOLDS, measured="top1_switch 0.0318 vs top2 0.0824; MAE-7 by 1.9x, top-1 -0.5; "
+                                                    "seed 0: 0.0-99.9%")
+    assert named.numbers == [0.0318, 0.0824, 1.9, -0.5, 0.0, 0.0, 99.9]
     assert c.key == "dselect-k-recovers-all-4-true-experts-paper-4-of-4"
     assert replace(c, id="c1").key == "c1"
     with pytest.raises(ValueError, match="key"):

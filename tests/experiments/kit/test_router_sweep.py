@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -68,3 +69,34 @@ def test_an_invocation_that_trains_nothing_is_not_recorded(tmp_path):
     _sweep(tmp_path, lambda router, seed, data, say: {"router": router, "seed": seed, "loss": 1.0})
     _sweep(tmp_path, lambda router, seed, data, say: {"router": router, "seed": seed, "loss": 1.0})
     assert len((tmp_path / "invocations.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.parametrize("routers, seeds, name", [(["a", "a"], [0], "routers"), (["a"], [0, 1, 0], "seeds")])
+def test_a_repeated_router_or_seed_is_refused_before_training(tmp_path, routers, seeds, name):
+    """A review: ``--seeds 0 0`` trained (a, 0) twice and left a directory that every later invocation
+    refused as "two invocations wrote into one directory?"."""
+    trained = []
+
+    def train(router, seed, data, say):
+        trained.append((router, seed))
+        return {"router": router, "seed": seed, "loss": 1.0}
+
+    with pytest.raises(ValueError, match=f"{name} names .* more than once"):
+        train_router_seeds("t", tmp_path, key="k", routers=routers, seeds=seeds, threads=1, load_data=lambda: None,
+                           train=train, summary=lambda r: "ok", progress=False)
+    assert trained == [] and not (tmp_path / "runs.jsonl").exists()
+
+
+def test_the_sweeps_settings_refuse_repeats_naming_them():
+    from routelab.experiments.lm_routers import QUICK as LM
+    from routelab.experiments.mae_translation import QUICK as MT
+    from routelab.experiments.mae_translation import check_settings_can_run
+    from routelab.experiments.moe_routers import QUICK as MOE
+
+    for settings in (LM, MOE):
+        with pytest.raises(ValueError, match="seeds names 0 more than once"):
+            dataclasses.replace(settings, seeds=(0, 0)).validate()
+        with pytest.raises(ValueError, match="routers names"):
+            dataclasses.replace(settings, routers=settings.routers[:1] * 2).validate()
+    with pytest.raises(ValueError, match="Settings.seeds names 0"):
+        check_settings_can_run(dataclasses.replace(MT, seeds=(0, 0)))

@@ -501,12 +501,43 @@ def identifiability_record(seed: int, s: RecoverySettings, prob: dict[str, Any],
     return rec
 
 
+_FITTED_FIELDS = ("rank", "true_loss", "best_loss", "best_true_count")
+
+
+def _n_fitted(s: RecoverySettings) -> int:
+    """How many repetitions (the first ones) ``s`` plans the fitted-unit identifiability check for."""
+    return s.reps if s.identifiability_fitted is None else min(s.reps, s.identifiability_fitted)
+
+
+def _ident_for_plan(records: Sequence[dict[str, Any]], s: RecoverySettings) -> dict[int, dict[str, Any]]:
+    """``{seed: record}`` for the repetitions of ``s`` whose identifiability check is done: the last
+    record of the seed that has the fitted-unit part wherever ``s`` plans it (the first
+    ``s.identifiability_fitted`` repetitions, all when ``None``). A record without it (a quick run's
+    beyond repetition 0) does not count for a plan that fits that repetition; a record with it where
+    ``s`` does not plan it is given without its ``fitted_*`` fields, so the report covers ``s``'s plan."""
+    n_fitted = _n_fitted(s)
+    out: dict[int, dict[str, Any]] = {}
+    for rec in records:
+        seed = rec["seed"]
+        if seed >= s.reps:
+            continue
+        if seed < n_fitted:
+            if rec.get("fitted_rank") is not None:
+                out[seed] = rec
+        else:
+            out[seed] = {**rec, **{f"fitted_{f}": None for f in _FITTED_FIELDS}}
+    return out
+
+
 def run_recovery(out_dir: Path, s: RecoverySettings) -> Path:
     """Run (or resume) the sweep of ``s``, then write report.md, the figure and results.csv.
 
     Resumes by repetition: a repetition with every run of the grid recorded in ``runs.jsonl`` is
     not trained again; otherwise it is trained and its missing runs appended. The identifiability
-    records go to ``identifiability.jsonl``.
+    records go to ``identifiability.jsonl``, one per repetition; a repetition's check is done when
+    a record of it has what ``s`` plans for it (:func:`_ident_for_plan`: the fitted-unit part too
+    on the first ``s.identifiability_fitted`` repetitions), so a full run into a directory of a
+    quick run (fitted check on repetition 0 only) computes the others again and appends them.
     """
     from .recovery_report import write_report
 
@@ -514,7 +545,6 @@ def run_recovery(out_dir: Path, s: RecoverySettings) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path, ipath = out_dir / "runs.jsonl", out_dir / "identifiability.jsonl"
     done = completed_keys(path, KEY)
-    idone = {k[0] for k in completed_keys(ipath, ("seed",))}
     timer = Timer()
     rows = configs(s)
     keys = [(c.gate, c.unit, c.init, c.lr, c.entropy_reg, ep) for c in rows for ep in s.eval_epochs]
@@ -529,7 +559,8 @@ def run_recovery(out_dir: Path, s: RecoverySettings) -> Path:
                 append_jsonl_atomic(path, rec)
         n_failed = sum(is_failed(r) for r in recs)
         log(f"dselect-recovery rep {seed + 1}/{s.reps}: {len(recs)} runs ({n_failed} failed) in {timer():.0f}s so far")
-    n_fitted = s.reps if s.identifiability_fitted is None else min(s.reps, s.identifiability_fitted)
+    n_fitted = _n_fitted(s)
+    idone = _ident_for_plan(read_jsonl(ipath), s)
     for seed in range(s.reps if s.identifiability else 0):   # then the identifiability check
         if seed in idone:
             continue
@@ -540,7 +571,8 @@ def run_recovery(out_dir: Path, s: RecoverySettings) -> Path:
     planned = set(keys)
     everything = read_jsonl(path)
     records = [r for r in everything if tuple(r[f] for f in KEY[:-1]) in planned and r["seed"] < s.reps]
-    idents = [r for r in read_jsonl(ipath) if r["seed"] < s.reps] if s.identifiability else []
+    by_seed = _ident_for_plan(read_jsonl(ipath), s) if s.identifiability else {}
+    idents = [by_seed[seed] for seed in sorted(by_seed)]
     ok, failed = split_failed(records)
     report = write_report(out_dir, ok, s, timer(), idents, unused=len(everything) - len(records))
     return add_failures_to_report(report, failed, len(records), KEY)

@@ -43,7 +43,9 @@ CLAIMS_FILE = "claims.json"
 _FORMAT = 1
 """The version of the ``claims.json`` format (``"format"`` key)."""
 
-_NUMBER = re.compile(r"[-+−]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
+# A number starts a word: not the digits of an identifier ("top2", "top1_switch") nor the "-1" of a name
+# ("top-1", "MAE-7"); a sign counts where no digit precedes it ("0.0-99.9" is a range of two numbers).
+_NUMBER = re.compile(r"(?<![\w.])(?<![A-Za-z_][-−])(?:(?<![\d.])[-+−])?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
 
 HOLDS, PARTLY, NOT_HOLD, NOT_MEASURED = "holds", "partly", "does not hold", "not measured"
 """The verdicts. A verdict may add a qualifier in parentheses, e.g. ``"partly (within 2 s.e.)"``."""

@@ -23,8 +23,8 @@ from .divergence import train_or_fail
 from .provenance import load_average
 from .store import ResultsFileError, append_jsonl_atomic, is_failed, missing_keys, read_jsonl, split_failed
 
-__all__ = ["RecordedRuns", "SweepResult", "figures_markdown", "invocations_markdown", "missing_runs_markdown",
-           "recorded_runs", "train_router_seeds"]
+__all__ = ["RecordedRuns", "SweepResult", "check_distinct", "figures_markdown", "invocations_markdown",
+           "missing_runs_markdown", "recorded_runs", "train_router_seeds"]
 
 #: ``train(router, seed, data, say)``: one run's record; ``say(msg)`` prints a progress line.
 TrainRun = Callable[[str, int, Any, Callable[[str], None]], dict[str, Any]]
@@ -37,6 +37,15 @@ class SweepResult:
 
     wall_s: float
     resumed: int
+
+
+def check_distinct(name: str, values: Sequence[Any]) -> None:
+    """A ValueError naming ``name`` when ``values`` repeats an item: a sweep trains every
+    ``(router, seed)`` once, and a run recorded twice is refused as two invocations' writes."""
+    seen: set[Any] = set()
+    twice = [v for v in values if v in seen or seen.add(v)]
+    if twice:
+        raise ValueError(f"{name} names {twice[0]!r} more than once ({tuple(values)}); give each once")
 
 
 def train_router_seeds(
@@ -74,6 +83,8 @@ def train_router_seeds(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs_path = out_dir / "runs.jsonl"
+    check_distinct("routers", routers)
+    check_distinct("seeds", seeds)
     plan = [(r, s) for s in seeds for r in routers]
     pending = [(r, s) for r, s, _ in missing_keys([(r, s, key) for r, s in plan], runs_path,
                                                   ("router", "seed", "settings"))]

@@ -151,12 +151,16 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             UTF-8 JSON object — that is corruption, not an interruption, and is not skipped
             silently. The message names the file and line and says how to fix it.
     """
-    path = Path(path)
+    return [record for _, record in _numbered_records(Path(path))]
+
+
+def _numbered_records(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """:func:`read_jsonl`'s records with their 1-based line numbers (for messages that name the line)."""
     if not path.exists():
         return []
     data = path.read_bytes()
     complete = data[: data.rfind(b"\n") + 1]  # drop the partial tail, if any
-    records: list[dict[str, Any]] = []
+    records: list[tuple[int, dict[str, Any]]] = []
     for lineno, raw in enumerate(complete.split(b"\n"), start=1):
         if not raw.strip():
             continue
@@ -174,7 +178,7 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             raise ResultsFileError(
                 f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}; the file is "
                 f"corrupt: {_FIX}.", path, lineno)
-        records.append(record)
+        records.append((lineno, record))
     return records
 
 
@@ -208,13 +212,13 @@ def completed_keys(
     if not fields:
         raise ValueError("key_fields must name at least one field, e.g. ('method', 'seed').")
     keys: set[tuple[Any, ...]] = set()
-    for i, record in enumerate(read_jsonl(path)):
+    for lineno, record in _numbered_records(Path(path)):
         missing = [f for f in fields if f not in record]
         if missing:
             raise ResultsFileError(
-                f"{path}: record {i} lacks key field(s) {missing} (has {sorted(record)}); "
+                f"{path}:{lineno}: the record lacks key field(s) {missing} (has {sorted(record)}); "
                 f"results from a different sweep? Write to a new file, or rerun `routelab "
-                f"reproduce` with `--fresh` (which moves the old results aside).", Path(path)
+                f"reproduce` with `--fresh` (which moves the old results aside).", Path(path), lineno
             )
         keys.add(tuple(_freeze(record[f]) for f in fields))
     return keys

@@ -15,7 +15,9 @@ Layout:
 * :mod:`.figures`, :mod:`.report` — the PNG figures, ``results.csv`` and ``report.md``;
 * here — the registered ``EXPERIMENT`` and :func:`run_sweep`: each chunk is trained as one
   batched model; a finished chunk appends one JSON line per run to ``DIR/runs.jsonl``, and a
-  rerun skips the chunks whose runs are all recorded.
+  rerun skips the chunks whose runs are all recorded. A run is identified with the chunk it was
+  trained in (:func:`.sweep.record_key`), so the quick form and the full run, batched differently,
+  can share ``runs.jsonl`` and each resumes from and reports only its own records.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from .marginals import marginals_check
 from .model import CONFIGS, Config, RunSpec, make_data, train_chunk
 from .parallel import ChunkResult, train_chunks
 from .report import render_report, results_csv
-from .sweep import FULL, QUICK, Chunk, Settings, log_taus, plan_chunks, record_key
+from .sweep import FULL, QUICK, Chunk, Settings, log_taus, plan_chunks, planned_keys, record_key, run_key
 
 __all__ = [
     "CONFIGS",
@@ -74,6 +76,10 @@ def run_sweep(
 ) -> Path:
     """Train every chunk not yet recorded in ``out_dir/runs.jsonl``, then write all outputs.
 
+    A run counts as recorded only with the chunk ``settings`` plans it in (:func:`.sweep.record_key`):
+    the other form's records of the same run (quick vs full: other batching, other sampling noise)
+    stay in the file and are neither reused nor reported.
+
     A run that diverges (non-finite loss, parameters or router logits) is recorded as failed
     with its reason and the other runs of its chunk finish unchanged (:func:`.model.train_chunk`).
     A chunk that raises a ``ValueError`` from the library (e.g. a Sinkhorn call that does not
@@ -104,7 +110,7 @@ def run_sweep(
     done = {record_key(r) for r in read_jsonl(runs_path)}
     pending = [
         c for c in chunks
-        if c.name not in skip_chunks and not all((*r.key, settings.steps) in done for r in c.runs)
+        if c.name not in skip_chunks and not all(run_key(r, c, settings.steps) in done for r in c.runs)
     ]
     errors: list[dict] = []
     old_threads = torch.get_num_threads()
@@ -119,7 +125,7 @@ def run_sweep(
             append_jsonl_atomic(out_dir / "errors.jsonl", rec)
             print(f"kool-toy: chunk {chunk.name} failed: {done_chunk.error}", file=sys.stderr)
             return
-        wanted = {r.key for r in chunk.runs if (*r.key, settings.steps) not in done}
+        wanted = {r.key for r in chunk.runs if run_key(r, chunk, settings.steps) not in done}
         diverged = 0
         for res in done_chunk.results or []:
             if (res["config"], res["method"], res["tau"], res["seed"]) in wanted:
@@ -224,15 +230,17 @@ def write_outputs(
     figures: bool = True,
     skipped: dict[str, str] | None = None,
 ) -> Path:
-    """Write results.csv, the figures and report.md from the records in ``out_dir/runs.jsonl``.
+    """Write results.csv, the figures and report.md from the records in ``out_dir/runs.jsonl`` of the runs
+    ``settings`` plans, trained in the chunks it plans them in (:func:`.sweep.record_key`; the other form's
+    records are left out and counted in the report), and the ``chunks.jsonl`` / ``invocations.jsonl``
+    entries of those chunks.
 
     Failed runs (diverged; ``status: "failed"``) are rows of results.csv with their reason, are
     left out of the figures, count as unsuccessful seeds in the success tables, and are listed
     with their reasons in the report."""
-    planned = {(*r.key, settings.steps) for c in plan_chunks(settings) for r in c.runs}
-    records = [r for r in read_jsonl(out_dir / "runs.jsonl") if record_key(r) in planned]
-    order = {k: i for i, k in enumerate(
-        (*r.key, settings.steps) for c in plan_chunks(settings) for r in c.runs)}
+    order = {k: i for i, k in enumerate(planned_keys(settings))}
+    everything = read_jsonl(out_dir / "runs.jsonl")
+    records = [r for r in everything if record_key(r) in order]
     records.sort(key=lambda r: order[record_key(r)])
     names = {c.name for c in plan_chunks(settings)}
     chunks = [
@@ -247,7 +255,8 @@ def write_outputs(
     if gradients is None and (out_dir / "gradients.json").exists():  # re-rendered from the records
         gradients = json.loads((out_dir / "gradients.json").read_text(encoding="utf-8"))["rows"]
     text = render_report(settings, records, marginals=marginals, gradients=gradients, errors=errors, wall_s=wall_s,
-                         n_planned=len(planned), skipped=skipped or {}, chunks=chunks, invocations=invocations)
+                         n_planned=len(order), skipped=skipped or {}, chunks=chunks, invocations=invocations,
+                         unused=len(everything) - len(records))
     write_claims_json(out_dir, evaluate_claims(records, marginals, gradients), experiment="kool-toy",
                       paper="Kool et al. 2021", quick=settings.quick)
     return atomic_write_text(out_dir / "report.md", text)

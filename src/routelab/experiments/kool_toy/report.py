@@ -21,7 +21,7 @@ from . import claims as cl
 from .claims import METHOD_LABELS, tau_str
 from .figures import FIGURES
 from .model import CAPACITY, CONFIGS, INIT_STD, LR, N_POINTS, SUCCESS_MSE
-from .sweep import Settings, plan_chunks, record_key
+from .sweep import Settings, plan_chunks, record_key, run_key
 
 __all__ = ["collapse_markdown", "collapse_note", "diagnostics_markdown", "gradients_markdown", "iw_markdown",
            "render_report", "results_csv", "success_markdown"]
@@ -223,9 +223,11 @@ def render_report(
     skipped: dict[str, str] | None = None,
     chunks: Sequence[Mapping] | None = None,
     invocations: Sequence[Mapping] = (),
+    unused: int = 0,
 ) -> str:
     """The markdown report (setup, wall time, success tables, claims, figures); ``invocations`` are the
-    records of the invocations that trained chunks (``invocations.jsonl``).
+    records of the invocations that trained chunks (``invocations.jsonl``); ``unused`` counts the
+    records of ``runs.jsonl`` that are not this sweep's (another form's or other settings'), said in the report.
 
     ``records`` may hold failed runs (diverged): they count as unsuccessful seeds in the success
     tables and claims, are left out of every median and figure, and are listed with their
@@ -279,7 +281,10 @@ def render_report(
         + (f" per worker, chunks trained on {max(c.get('workers', 1) for c in chunks)} worker process(es) side by side."
            if chunks else "."),
         f"- Runs recorded: {len(all_records)} of {n_planned} planned"
-        + (f"; **{len(failed)} of them failed** (diverged; see *Failed runs*)." if failed else "."),
+        + (f"; **{len(failed)} of them failed** (diverged; see *Failed runs*)" if failed else "")
+        + (f"; runs.jsonl also holds {unused} record{'s' if unused != 1 else ''} of other sweeps (e.g. the "
+           f"{'full run' if settings.quick else 'quick form'}, batched differently), not used here" if unused else "")
+        + ".",
         "",
         "## Setup",
         "",
@@ -320,7 +325,7 @@ def render_report(
                  f"{'yes' if cfg.importance_weights else 'no'} | {n} |")
     L.append("")
     have = {record_key(r) for r in all_records}
-    missing = [(c, sum((*r.key, settings.steps) not in have for r in c.runs)) for c in plan_chunks(settings)]
+    missing = [(c, sum(run_key(r, c, settings.steps) not in have for r in c.runs)) for c in plan_chunks(settings)]
     missing = [(c, n) for c, n in missing if n]
     if missing:
         L += ["## Runs not in these results", "",

@@ -11,7 +11,8 @@ from typing import Any
 from ...estimators import METHODS
 from .model import CONFIGS, RunSpec, check_method, check_tau, get_config
 
-__all__ = ["FULL", "QUICK", "SINKHORN_METHODS", "Chunk", "Settings", "log_taus", "plan_chunks", "record_key"]
+__all__ = ["FULL", "QUICK", "SINKHORN_METHODS", "Chunk", "RunKey", "Settings", "log_taus", "plan_chunks",
+           "planned_keys", "record_key", "run_key"]
 
 #: the methods that call Sinkhorn even in the configurations without Sinkhorn
 SINKHORN_METHODS = ("gumbel_matching_sh",)
@@ -44,7 +45,9 @@ class Settings:
             runs on one thread); ``None``: ``min(2, os.cpu_count())``.
         split_signals: train the REINFORCE and the gating runs in separate chunks (the full run:
             smaller chunks, finer resume); ``False`` puts them in one chunk per Sinkhorn group, which
-            halves the quick form's time (a step's cost is mostly fixed overhead per chunk).
+            halves the quick form's time (a step's cost is mostly fixed overhead per chunk). The two
+            batchings give a run different sampling noise, so their records are kept apart
+            (:func:`record_key`).
         quick: whether this is the quick form (said in the report).
     """
 
@@ -89,7 +92,8 @@ FULL = Settings()
 #: REINFORCE does), REINFORCE and gating in one chunk. Restricted to these cells, the full run's own
 #: records give the full run's verdicts on claims 1-5, 7 and 8 (claim 6 needs the Sinkhorn
 #: configurations: not measured here); ``tests/experiments/test_kool_toy.py`` checks that on the
-#: committed records.
+#: committed records. Its runs are batched differently from the full run's (other sampling noise), so a
+#: quick and a full run into one directory neither resume from nor report each other's runs (:func:`record_key`).
 QUICK = Settings(
     configs=tuple(c for c in CONFIGS if not get_config(c).sinkhorn),
     taus=(0.01, 1.0, 10.0),
@@ -145,7 +149,27 @@ def plan_chunks(settings: Settings) -> list[Chunk]:
     return chunks
 
 
+RunKey = tuple[str, str, float, int, int, str | None]
+"""A run's identity: ``(config, method, tau, seed, steps, chunk)`` (:func:`record_key`)."""
 
-def record_key(rec: dict[str, Any]) -> tuple[str, str, float, int, int]:
-    """The identity of a recorded run: ``(config, method, tau, seed, steps)``."""
-    return (rec["config"], rec["method"], float(rec["tau"]), int(rec["seed"]), int(rec["steps"]))
+
+def record_key(rec: dict[str, Any]) -> RunKey:
+    """The identity of a recorded run: ``(config, method, tau, seed, steps, chunk)``.
+
+    ``chunk`` is the name of the chunk the run was trained in (recorded with every run): it fixes the
+    run's batching and its sampling noise (seeded by the name, :attr:`Chunk.seed`). The quick form's
+    chunks (``all``, ``all+sinkhorn``: no ``split_signals``) and the full run's (``reinforce``,
+    ``gating`` and their ``+sinkhorn``) never share a name, so a quick record and a full record of
+    the same ``(config, method, tau, seed, steps)`` are different runs, and each form resumes from
+    and reports only its own (:func:`planned_keys`). A record without ``chunk`` matches no plan."""
+    return (rec["config"], rec["method"], float(rec["tau"]), int(rec["seed"]), int(rec["steps"]), rec.get("chunk"))
+
+
+def run_key(run: RunSpec, chunk: Chunk, steps: int) -> RunKey:
+    """The :func:`record_key` that ``run``, trained in ``chunk`` for ``steps`` steps, is recorded under."""
+    return (*run.key, steps, chunk.name)
+
+
+def planned_keys(settings: Settings) -> list[RunKey]:
+    """The :func:`record_key` of every run of the sweep, in the order of :func:`plan_chunks`."""
+    return [run_key(r, c, settings.steps) for c in plan_chunks(settings) for r in c.runs]

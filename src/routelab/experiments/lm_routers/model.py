@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from ...routing import aux_loss, routing_stats
 from ..kit.divergence import check_finite, diverged_on_error
+from ..kit.router_sweep import check_distinct
 from .data import CharCorpus
 
 __all__ = ["ROUTER_SPECS", "LayerTimer", "ProposedLoad", "RouterSpec", "Settings", "build_model", "evaluate", "lr_at",
@@ -162,6 +163,8 @@ class Settings:
             self.spec(name)
         if not self.seeds:
             raise ValueError("seeds must name at least one seed")
+        check_distinct("routers", self.routers)
+        check_distinct("seeds", self.seeds)
         for name in ("steps", "batch", "seq", "d_model", "layers", "heads", "experts", "unit_hidden", "eval_every",
                      "eval_windows", "eval_batch", "test_windows", "threads"):
             value = getattr(self, name)

@@ -35,6 +35,7 @@ from routelab.layers.bcd import EVAL_ROUTING, BCDTrainer
 from routelab.layers.mae import set_routing
 
 from ..kit.divergence import RunDiverged
+from ..kit.router_sweep import check_distinct
 from ..kit.store import append_jsonl_atomic, atomic_write_text, failed_record, read_jsonl
 from ..mae.train import VARIANTS, Schedule, _log, evaluate, run_training
 from .corpus import TranslationCorpus, build_corpus, length_batches
@@ -185,6 +186,8 @@ def check_settings_can_run(s: Settings) -> None:
         raise ValueError(f"Settings.variants must name at least one variant of {names}")
     if not s.seeds:
         raise ValueError("Settings.seeds must name at least one seed")
+    check_distinct("Settings.variants", s.variants)
+    check_distinct("Settings.seeds", s.seeds)
     if not is_device_name(s.device):
         raise ValueError(f"Settings.device must be 'cpu', 'cuda' or 'cuda:N', got {s.device!r}")
     if s.device.startswith("cuda") and not torch.cuda.is_available():

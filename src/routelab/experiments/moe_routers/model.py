@@ -21,6 +21,7 @@ from ...gates.batchwise import batchwise_mask, threshold_mask
 from ...layers import MoE
 from ...routers import BatchwiseRouter
 from ..kit.divergence import check_finite, diverged_on_error
+from ..kit.router_sweep import check_distinct
 
 __all__ = ["ROUTER_SPECS", "MnistMoE", "RouterSpec", "Settings", "evaluate", "prepare_data", "train_run"]
 
@@ -116,6 +117,8 @@ class Settings:
         """Raise ValueError on sizes the sweep cannot use."""
         for name in self.routers:
             self.spec(name)
+        check_distinct("routers", self.routers)
+        check_distinct("seeds", self.seeds)
         if self.train_images % self.batch_size or self.test_images % self.batch_size:
             raise ValueError(
                 f"train_images={self.train_images} and test_images={self.test_images} must be multiples of "
