@@ -10,6 +10,7 @@ from torch import Tensor
 
 from .._checks import check_positive_int, check_score_matrix
 from . import _compiled, _newton
+from ._feasibility import hall_violator
 from ._newton import newton_balance
 from ._ops import SMALL_K, logsumexp
 from ._two_experts import closed_form, two_expert_sinkhorn
@@ -57,7 +58,9 @@ def sinkhorn(
         ValueError: NaN/+inf input, marginals that cannot be met (negative targets, targets that
             do not add up to ``n``, a row that is all ``-inf`` or finite only in columns with target
             0, a column that is all ``-inf`` with a positive target), or no convergence within
-            ``max_iter`` (the message gives the error).
+            ``max_iter`` (the message gives the error; with ``-inf`` entries a maximum flow then
+            decides whether their pattern admits the marginals at all, and names the tokens whose
+            allowed experts cannot take them when it does not).
     """
     check_score_matrix(log_p, "log_p", values=False)
     n, k = log_p.shape[-2], log_p.shape[-1]
@@ -137,7 +140,12 @@ def _balanced_or_raise(
     if err <= eff_tol:
         return x if x.dtype == out_dtype else x.to(out_dtype)
     if spread is None:
-        why = "The -inf pattern may make the marginals infeasible; otherwise raise max_iter or tol"
+        infeasible = _infeasible_instance(log_p, target)
+        if infeasible is not None:
+            raise ValueError(f"sinkhorn: the -inf pattern makes the marginals infeasible (a maximum flow shows it): "
+                             f"{infeasible}")
+        why = ("The -inf pattern admits the marginals (a maximum flow finds a matrix that meets them), but the "
+               "sweeps converge slowly on it: raise max_iter or tol")
     else:
         # All entries finite: the marginals are feasible and the sweeps converge, but slowly when
         # p is sharp (each sweep moves mass between columns in proportion to the small entries).
@@ -148,6 +156,30 @@ def _balanced_or_raise(
         f"sinkhorn did not converge in max_iter={max_iter} sweeps: column sums are off by up to {err:.3g} "
         f"(tol={eff_tol:g}). {why}"
     )
+
+
+#: Batch instances :func:`_infeasible_instance` examines (a maximum flow each) before it gives up.
+FEASIBILITY_CHECKS = 16
+
+
+def _infeasible_instance(log_p: Tensor, target: Tensor) -> str | None:
+    """Why the ``-inf`` pattern of ``log_p [..., n, k]`` admits no matrix with row sums 1 and column
+    sums ``target`` (a Hall violator of the first infeasible instance, in words), or None when the
+    first :data:`FEASIBILITY_CHECKS` instances are feasible. Only the error path calls it."""
+    n, k = log_p.shape[-2:]
+    finite = torch.isfinite(log_p.detach()).reshape(-1, n, k).cpu().numpy()
+    targets = target.detach().expand(*log_p.shape[:-2], k).reshape(-1, k).double().cpu().numpy()
+    for b in range(min(finite.shape[0], FEASIBILITY_CHECKS)):
+        found = hall_violator(finite[b], targets[b])
+        if found is None:
+            continue
+        rows, cols, room = found
+        where = f"batch instance {b}: " if finite.shape[0] > 1 else ""
+        shown = ", ".join(str(int(r)) for r in rows[:8]) + (", ..." if rows.size > 8 else "")
+        return (f"{where}rows [{shown}] ({rows.size} tokens) have finite entries only in columns "
+                f"{[int(c) for c in cols[:16]]}{' ...' if cols.size > 16 else ''}, whose col_sum adds up to "
+                f"{room:g} < {rows.size}; allow those tokens more experts (finite entries) or change col_sum")
+    return None
 
 
 def _sweeps_then_newton(log_p: Tensor, target: Tensor, tol: float, max_iter: int,
