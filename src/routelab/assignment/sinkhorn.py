@@ -142,10 +142,10 @@ def _balanced_or_raise(
     if spread is None:
         infeasible = _infeasible_instance(log_p, target)
         if infeasible is not None:
-            raise ValueError(f"sinkhorn: the -inf pattern makes the marginals infeasible (a maximum flow shows it): "
-                             f"{infeasible}")
-        why = ("The -inf pattern admits the marginals (a maximum flow finds a matrix that meets them), but the "
-               "sweeps converge slowly on it: raise max_iter or tol")
+            why = f"The -inf pattern makes the marginals infeasible (a maximum flow shows it): {infeasible}"
+        else:
+            why = ("The -inf pattern admits the marginals (a maximum flow finds a matrix that meets them), but the "
+                   "sweeps converge slowly on it: raise max_iter or tol")
     else:
         # All entries finite: the marginals are feasible and the sweeps converge, but slowly when
         # p is sharp (each sweep moves mass between columns in proportion to the small entries).
