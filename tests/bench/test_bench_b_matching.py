@@ -57,6 +57,7 @@ def test_speedup_is_the_peers_median_over_routelabs():
     assert _speedup([3.0, 9.0, 6.0], [1.0, 3.0, 2.0]) == "3.0x"
     assert _speedup([1.0], [4.0]) == "0.25x"  # routelab slower: below 1, two significant digits
     assert _speedup([1.0], [190.0]) == "0.0053x"
+    assert _speedup([0.996], [1.0]) == "0.996x"  # never "1x" for a peer that is faster
     assert _speedup([], [1.0]) == "—"  # the peer was skipped (milp above its size limit)
 
 

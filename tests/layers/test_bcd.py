@@ -248,6 +248,7 @@ def test_bad_training_settings_raise_naming_them(bad) -> None:
     (name,) = bad
     with pytest.raises(ValueError, match=name):
         BCDTrainer(_model(), loss_fn, **bad)
+    BCDTrainer(_model(), loss_fn, clip_norm=float("inf"))  # never clips, as clip_grad_norm_(max_norm=inf)
 
 
 @pytest.mark.parametrize("mode", ["bcd", "uni", "nobcd", "base"])

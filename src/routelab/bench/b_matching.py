@@ -190,7 +190,9 @@ def _speedup(peer: Sequence[float], ours: Sequence[float]) -> str:
     if not peer or not ours:
         return "—"
     ratio = statistics.median(peer) / max(statistics.median(ours), 1e-12)
-    return f"{ratio:.2g}x" if ratio < 1 else f"{ratio:.1f}x"
+    if ratio < 1:  # (0.996 at two digits would read "1x")
+        return f"{ratio:.2g}x" if ratio < 0.995 else f"{ratio:.3f}x"
+    return f"{ratio:.1f}x"
 
 
 PEERS: tuple[str, ...] = ("OR-Tools", "linprog", "milp")

@@ -258,8 +258,8 @@ def _ms(value: float) -> str:
 def _x(ratio: float) -> str:
     """A ratio as ``"12.3x"``; below 1 with two significant digits (``"0.86x"``: never a "1.0x" that
     is really below 1 beside a target "NOT met"); from 100 on without decimals."""
-    if ratio < 1:
-        return f"{ratio:.2g}x"
+    if ratio < 1:  # (0.996 at two digits would read "1x")
+        return f"{ratio:.2g}x" if ratio < 0.995 else f"{ratio:.3f}x"
     return f"{ratio:.1f}x" if ratio < 100 else f"{ratio:.0f}x"
 
 

@@ -133,8 +133,8 @@ class BCDTrainer:
         if g_every_steps is not None:
             check_positive_int("g_every_steps", g_every_steps)
         gate_lr, lr = check_pos("gate_lr", gate_lr), check_pos("lr", lr)
-        if clip_norm is not None:  # (a negative norm would scale the gradient by a negative factor: ascent)
-            clip_norm = check_pos("clip_norm", clip_norm)
+        if clip_norm is not None and clip_norm != float("inf"):  # (inf: measure the norm, never clip, as torch)
+            clip_norm = check_pos("clip_norm", clip_norm)  # (a negative norm would scale gradients by it: ascent)
         weight_decay = check_nonneg("weight_decay", weight_decay)
         self.mae = mae_modules(model)
         if not self.mae:
