@@ -283,3 +283,16 @@ def test_an_earlier_traceback_does_not_outlive_a_later_failure(registry: dict[st
     assert "RuntimeError: first failure" in log.read_text(encoding="utf-8")
     assert cli.main(["reproduce", "flaky", "--out", str(tmp_path)]) == 1
     assert not log.exists()
+
+
+def test_a_record_without_a_field_the_report_reads_is_named(registry: dict[str, Any], tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A review: a record with its key fields but no measurements failed with a bare KeyError."""
+    def fn(out_dir: Path, quick: bool) -> Path:
+        (out_dir / "runs.jsonl").write_text('{"seed": 0}\n')
+        return {"seed": 0}["test_mse"]
+
+    register(Experiment(name="partial", description="Reads a field.", sweep=fn, full=False, quick_settings=True))
+    assert cli.main(["reproduce", "partial", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "KeyError: 'test_mse' (a record in" in err and "--fresh" in err

@@ -166,7 +166,11 @@ def _run_experiment(exp: Experiment, exp_dir: Path, quick: bool) -> tuple[Path |
         except OSError:
             where = ""
         first = (str(err).strip().splitlines() or [""])[0]
-        return None, "failed", _one_line(f"{type(err).__name__}: {first}{where}")
+        hint = ""
+        if isinstance(err, KeyError) and any(exp_dir.glob("*.jsonl")):  # most likely a record without that field
+            hint = (f" (a record in {exp_dir}/*.jsonl without the field {first}, from another version or edited? "
+                    "`--fresh` moves the old results aside)")
+        return None, "failed", _one_line(f"{type(err).__name__}: {first}{hint}{where}")
 
 
 def _run_experiments(exps: Sequence[Experiment], out_dir: Path, quick: bool,
