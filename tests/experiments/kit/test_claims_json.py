@@ -87,6 +87,8 @@ def test_a_pipe_in_a_verdict_stays_in_its_cell() -> None:
     assert len(cells) == 4, html
     assert cells[2] == "0.1 | 0.2" and "|mean difference| 0.005" in cells[3]
     assert claims_from_markdown(table) == [claim]
+    ends_in_backslash = Claim(text="a path C:\\", measured="1", verdict=HOLDS)  # its cell is no escape of the next
+    assert claims_from_markdown(claims_markdown([ends_in_backslash])) == [ends_in_backslash]
 
 
 def test_numbers_key_and_bad_input(tmp_path: Path) -> None:

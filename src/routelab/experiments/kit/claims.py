@@ -221,8 +221,8 @@ def read_claims_json(path: Path) -> ClaimsFile:
 
 def _cells(line: str) -> list[str]:
     """The cells of one markdown table row (outer pipes removed, cells stripped, ``\\|`` back to ``|``).
-    Cells are split at the unescaped `` | `` only."""
-    return [md_uncell(c.strip()) for c in re.split(r"(?<!\\) \| ", line.strip().removeprefix("| ").removesuffix(" |"))]
+    Cells are split at `` | ``: an escaped pipe (``\\|``) has its backslash, not a blank, before it."""
+    return [md_uncell(c.strip()) for c in line.strip().removeprefix("| ").removesuffix(" |").split(" | ")]
 
 
 def claims_from_markdown(markdown: str) -> list[Claim]:
