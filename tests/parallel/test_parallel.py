@@ -325,6 +325,36 @@ def test_expert_parallel_over_subgroups():
     assert run_workers(_subgroup_worker, 4, timeout=60) == [3] * 4
 
 
+def _subgroup_copy_worker(rank: int, world: int) -> dict:
+    import copy
+    import io
+    import pickle
+
+    group = dist.new_group([0, 1])
+    torch.manual_seed(0)
+    moe = MoE(D, 10, 4, router="topk", k=2)
+    ep = ExpertParallelMoE.from_moe(moe, group)
+    x = torch.randn(5, D, generator=torch.Generator().manual_seed(rank))
+    snapshot = copy.deepcopy(ep)  # an EMA / best-model snapshot
+    same = torch.equal(snapshot(x)[0], ep(x)[0])
+    try:
+        torch.save(ep, io.BytesIO())
+        saved = "saved"
+    except (TypeError, pickle.PicklingError) as err:
+        saved = str(err)
+    plain = ExpertParallelMoE.from_moe(moe)  # the default group: the whole layer pickles
+    torch.save(plain, io.BytesIO())
+    return {"shares_group": snapshot.process_group is group, "same": same, "saved": saved}
+
+
+def test_a_layer_over_a_subgroup_deep_copies_and_refuses_pickling_with_the_fix():
+    """A review: deepcopy and torch.save of a layer over a sub-group failed with "cannot pickle
+    'ProcessGroup'"; a copy now shares the group, and pickling says to save the state_dict."""
+    for out in run_workers(_subgroup_copy_worker, 2, timeout=60):
+        assert out["shares_group"] and out["same"]
+        assert "cannot be pickled whole" in out["saved"] and "state_dict" in out["saved"]
+
+
 def _empty_batch_worker(rank: int, world: int) -> dict:
     import routelab
 

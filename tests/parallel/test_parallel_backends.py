@@ -188,6 +188,12 @@ def test_run_workers_rejects_bad_backends(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         run_workers(_world_one_worker, 1, "nccl", backend="nccl")
+    # A review: the docstring promised one GPU could host every NCCL rank, which NCCL refuses.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    with pytest.raises(ValueError, match="one GPU per rank .* world_size=2, but 1 GPU"):
+        run_workers(_world_one_worker, 2, "nccl", backend="nccl")
 
 
 def test_spawned_gloo_ranks_find_the_test_functions() -> None:

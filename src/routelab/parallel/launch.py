@@ -8,10 +8,11 @@
   joined by gloo (default) or NCCL on ``127.0.0.1`` (tests, ``routelab bench moe --world-size N``).
   gloo children are forked (cheap: torch is already imported) on a machine without a GPU, and
   spawned on one with a GPU (a forked child can use neither CUDA nor autograd once the parent
-  has run a backward there); NCCL children are spawned, and rank ``r`` is bound to GPU
-  ``r % torch.cuda.device_count()``. Children are single-threaded; every collective has a
-  timeout, the parent waits with a deadline, and the first failing rank's traceback is raised
-  in the parent after the other ranks are terminated, so a broken rank never hangs the caller.
+  has run a backward there); NCCL children are spawned, and rank ``r`` is bound to GPU ``r``
+  (NCCL refuses two ranks of one communicator on one device: a GPU per rank). Children are
+  single-threaded; every collective has a timeout, the parent waits with a deadline, and the
+  first failing rank's traceback is raised in the parent after the other ranks are terminated,
+  so a broken rank never hangs the caller.
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, timeout: fl
            results: Any, args: tuple, backend: str = "gloo") -> None:
     try:
         torch.set_num_threads(threads)
-        if backend == "nccl":  # one GPU per rank, round robin when there are fewer GPUs than ranks
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+        if backend == "nccl":  # one GPU per rank (run_workers checked there are enough)
+            torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout))
         try:
@@ -129,11 +130,12 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
         threads: ``torch.set_num_threads`` in every child.
         start_method: ``"fork"``, ``"forkserver"`` or ``"spawn"``; ``None``: ``"fork"`` for gloo
             on a machine without a GPU (fast), ``"spawn"`` for NCCL and wherever CUDA is available.
-        backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA; rank ``r`` uses GPU
-            ``r % torch.cuda.device_count()``, so one GPU can host every rank of a small test).
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA; rank ``r`` uses GPU ``r``: NCCL refuses
+            two ranks of one communicator on one device, so ``world_size`` GPUs are needed).
 
     Raises:
-        ValueError: an unknown backend, or NCCL without CUDA / NCCL support.
+        ValueError: an unknown backend, NCCL without CUDA / NCCL support, or NCCL with fewer GPUs
+            than ranks.
         RuntimeError: a rank raised (its traceback is in the message) or died.
         TimeoutError: not every rank finished within ``timeout`` seconds.
     """
@@ -144,6 +146,10 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
         raise ValueError("backend='nccl' needs a CUDA device and a torch build with NCCL "
                          f"(torch.cuda.is_available()={torch.cuda.is_available()}, "
                          f"dist.is_nccl_available()={dist.is_nccl_available()})")
+    if backend == "nccl" and world_size > torch.cuda.device_count():
+        raise ValueError(f"backend='nccl' needs one GPU per rank (NCCL refuses two ranks of one communicator on "
+                         f"one device): world_size={world_size}, but {torch.cuda.device_count()} GPU(s); use "
+                         f"world_size <= {torch.cuda.device_count()}, or backend='gloo'")
     if start_method is None:
         # A forked child cannot use CUDA, nor autograd once the parent has run any backward on a
         # machine with a GPU: autograd then starts a thread per GPU, which does not survive fork

@@ -105,7 +105,9 @@ class ExpertParallelMoE(MoE):
     gradient on rank ``r`` only holds its share; :meth:`reduce_replicated_grads` sums it over
     the ranks (call it after ``backward``, before the optimizer step). ``routes.aux`` holds the
     auxiliary losses of the global batch, the same on every rank: add ``aux / world_size`` to
-    each rank's loss (or add it on one rank only) so the summed gradient counts it once.
+    each rank's loss (or add it on one rank only) so the summed gradient counts it once; the
+    same holds for ``routelab.aux_loss(model)``, which reads those records (divide it by the
+    world size too).
 
     Args:
         d_model, d_hidden, num_experts: as :class:`~routelab.layers.MoE`; ``num_experts`` is
@@ -203,6 +205,26 @@ class ExpertParallelMoE(MoE):
             self.sync_replicated()
 
     # ------------------------------------------------------------------ construction helpers
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ExpertParallelMoE:
+        """A copy that shares the process group (a communicator is not data: an EMA or best-model
+        snapshot of a layer over a sub-group failed with "cannot pickle 'ProcessGroup'")."""
+        if self.process_group is not None:
+            memo.setdefault(id(self.process_group), self.process_group)
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling (``torch.save`` of the whole layer) over a sub-group is refused with the fix:
+        a process group belongs to the running job and cannot be saved."""
+        if self.process_group is not None:
+            raise TypeError("an ExpertParallelMoE over a process group other than the default one cannot be pickled "
+                            "whole (the group belongs to the running job): save layer.state_dict() (this rank's "
+                            "experts and the router) and load it into a layer built on the new group")
+        return self.__dict__.copy()
 
     @classmethod
     def from_moe(cls, moe: MoE, process_group: dist.ProcessGroup | None = None, *,
@@ -360,7 +382,7 @@ class ExpertParallelMoE(MoE):
         # The dtype policy of MoE: the experts compute (and the ranks exchange tokens) in the
         # experts' dtype whatever each rank's input dtype; the output comes back in x's dtype.
         compute = floating_input(x, "x", self._experts_dtype(x))
-        if x.shape[-1] != self.d_model:
+        if x.ndim < 1 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [..., d_model={self.d_model}], got {tuple(x.shape)}")
         lead = x.shape[:-1]
         mask = token_mask(mask, lead)
