@@ -271,6 +271,27 @@ class MoE(RoutingRecord, nn.Module):
         (``num_tokens`` when dropless)."""
         return expert_capacity(num_tokens, self.num_experts, self.router.slots, self.active_capacity_factor)
 
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
+                              strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                              error_msgs: list[str]) -> None:
+        """As ``nn.Module``'s; an :class:`~routelab.parallel.ExpertParallelMoE` checkpoint records the
+        shard of experts it holds (``_extra_state``): one holding all of them (world size 1) loads
+        here, a partial one is a ValueError that says so (not a bare size mismatch)."""
+        shard = state_dict.get(prefix + "_extra_state") if type(self).get_extra_state is nn.Module.get_extra_state \
+            else None
+        partial = isinstance(shard, dict) and "expert_offset" in shard and (
+            shard.get("local_experts") != self.num_experts or shard.get("expert_offset") != 0)
+        if partial:  # before anything is loaded
+            raise ValueError(
+                f"this state_dict is one rank's shard of an ExpertParallelMoE ({shard}), not all "
+                f"{self.num_experts} experts: gather the ranks' experts first, or load it into the "
+                "ExpertParallelMoE of that rank")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if isinstance(shard, dict) and "expert_offset" in shard:
+            if prefix + "_extra_state" in unexpected_keys:
+                unexpected_keys.remove(prefix + "_extra_state")
+
     def forward(self, x: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Routes]:
         """Apply the layer.
 

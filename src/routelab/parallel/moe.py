@@ -217,6 +217,34 @@ class ExpertParallelMoE(MoE):
             new.__dict__[key] = copy.deepcopy(value, memo)
         return new
 
+    # -- state_dict: which shard of the experts a checkpoint holds -------------------------------------
+    def get_extra_state(self) -> dict[str, int]:
+        """The shard a ``state_dict`` holds, saved with it: ``{"num_experts", "expert_offset",
+        "local_experts"}`` (a review: rank 1's checkpoint loaded into rank 0 silently put experts
+        2-3 in the slots of 0-1)."""
+        return {"num_experts": self.num_experts, "expert_offset": self.expert_offset,
+                "local_experts": self.local_experts}
+
+    def set_extra_state(self, state: Any) -> None:
+        """Check that a loaded ``state_dict`` holds this rank's shard (ValueError naming both)."""
+        mine = self.get_extra_state()
+        if not isinstance(state, dict) or {k: state.get(k) for k in mine} != mine:
+            raise ValueError(
+                f"this state_dict holds the experts {state!r}, but this rank's layer holds {mine}: load the "
+                "checkpoint saved by the rank with the same expert_offset and world size (or a single-process "
+                "MoE's state_dict through ExpertParallelMoE.from_moe)")
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
+                              strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                              error_msgs: list[str]) -> None:
+        """As ``nn.Module``'s, except that a ``state_dict`` saved before the shard was recorded (no
+        ``_extra_state``) still loads with ``strict=True``, unchecked."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        key = prefix + "_extra_state"
+        if key not in state_dict and key in missing_keys:
+            missing_keys.remove(key)
+
     def __getstate__(self) -> dict[str, Any]:
         """Pickling (``torch.save`` of the whole layer) over a sub-group is refused with the fix:
         a process group belongs to the running job and cannot be saved."""
