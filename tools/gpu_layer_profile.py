@@ -146,9 +146,9 @@ def profile(fn, label):
     if not brief:
         sort = "self_cuda_time_total" if dev == "cuda" else "self_cpu_time_total"
         try:
-            table = ka.table(sort_by=sort, row_limit=25, max_name_column_width=60)
+            table = ka.table(sort_by=sort, row_limit=40, max_name_column_width=70)
         except Exception:  # noqa: BLE001
-            table = ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+            table = ka.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70)
         lines.append(table)
     return kernel_us / 1e3
 

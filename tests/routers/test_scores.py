@@ -137,3 +137,119 @@ def test_the_layer_still_runs_on_the_meta_device() -> None:
     moe = MoE(16, 32, 4, router="topk", k=2, device="meta", check_finite=False)  # a check reads values
     y, routes = moe(torch.empty(10, 16, device="meta"))
     assert y.shape == (10, 16) and y.device.type == "meta" and routes.expert.shape == (10, 2)
+
+
+# --- The half-precision kernels (CUDA; their logic is tested on the CPU by routing through them there) ---
+
+def _truth(x, w, g):
+    """The float64 values, ``grad_x`` and ``grad_w`` of ``x @ w.T`` for an output gradient ``g``."""
+    x64, w64, g64 = x.double(), w.double(), g.double()
+    return x64 @ w64.T, g64 @ w64, g64.T @ x64
+
+
+def _through_half_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Take the half-precision path on any device (on the CPU its matmuls run through float32 copies,
+    so the split of the gradient and the stacked weight are what is tested)."""
+    from routelab.routers import _scores
+    monkeypatch.setattr(_scores, "_half_kernels", lambda x, w: x.dtype in _scores._HALF and w.dtype == x.dtype)
+
+
+def _ulps_bf16(err: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``err`` in units of the last place of bfloat16 at ``ref``'s magnitude (2^-7 relative)."""
+    return err / (ref.abs() * 2.0 ** -7).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), tokens=st.sampled_from([0, 1, 37, 256]), d_in=st.sampled_from([8, 96]),
+       d_out=st.sampled_from([1, 4, 64]), scale=st.sampled_from([1e-30, 1.0, 1e30]), bias=st.booleans())
+def test_the_bfloat16_split_gradients_are_the_float32_ones_rounded(seed, tokens, d_in, d_out, scale, bias) -> None:
+    """The bfloat16 backward of the half-precision path (the float32 gradient split into two
+    bfloat16 parts, tensor-core matmuls) gives the float32 path's gradients: ``grad_x`` within one
+    bfloat16 rounding of the float64 truth (as the float32 path, which rounds its float32 result),
+    ``grad_w`` as well, at any magnitude of the gradient."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _through_half_kernels(monkeypatch)
+        _check_split_gradients(seed, tokens, d_in, d_out, scale, bias)
+
+
+def _check_split_gradients(seed: int, tokens: int, d_in: int, d_out: int, scale: float, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, d_in, generator=gen).bfloat16()
+    w = torch.randn(d_out, d_in, generator=gen).bfloat16()
+    b = torch.randn(d_out, generator=gen).bfloat16() if bias else None
+    g = torch.randn(tokens, d_out, generator=gen) * scale
+    xs, ws = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    bs = b.clone().requires_grad_(True) if bias else None
+    out = float32_linear(xs, ws, bs)
+    out.backward(g)
+    value, grad_x, grad_w = _truth(x, w, g)
+    if bias:
+        value = value + b.double()
+        torch.testing.assert_close(bs.grad, g.sum(0).to(torch.bfloat16))
+    torch.testing.assert_close(out.double(), value, rtol=1e-6, atol=1e-5)
+    assert xs.grad.dtype == ws.grad.dtype == torch.bfloat16
+    # Within 1 ulp where a sum does not cancel; a cancelling sum is judged against its terms' size.
+    for got, want, terms in ((xs.grad, grad_x, g.double().abs() @ w.double().abs()),
+                             (ws.grad, grad_w, g.double().abs().T @ x.double().abs())):
+        err = (got.double() - want).abs()
+        assert bool((err <= (want.abs() * 2.0 ** -8 + terms * 2.0 ** -14)).all()), float(err.max())
+
+
+def test_the_split_carries_a_non_finite_gradient_as_the_float32_path_does(monkeypatch) -> None:
+    x = torch.randn(6, 16).bfloat16()
+    w = torch.randn(3, 16).bfloat16()
+    g = torch.randn(6, 3)
+    g[1, 0], g[2, 2], g[4, 1] = float("inf"), float("nan"), float("-inf")
+    grads = []
+    for half in (False, True):
+        if half:
+            _through_half_kernels(monkeypatch)
+        xs, ws = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        float32_linear(xs, ws).backward(g)
+        grads.append((xs.grad, ws.grad))
+    for plain, half in zip(grads[0], grads[1], strict=True):
+        assert torch.equal(plain.isfinite(), half.isfinite())
+        torch.testing.assert_close(half[half.isfinite()], plain[plain.isfinite()], rtol=1e-2, atol=1e-2)
+
+
+def test_the_half_kernels_keep_double_backward_and_float16_on_the_float32_path(monkeypatch) -> None:
+    """A double backward (create_graph) differentiates the float32 path's backward; a float16 x
+    (whose range cannot hold the split parts) takes it too: the same results as without the kernels."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 8, dtype=torch.bfloat16)
+    w = torch.randn(3, 8, dtype=torch.bfloat16)
+    results = []
+    for half in (False, True):
+        if half:
+            _through_half_kernels(monkeypatch)
+        xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = float32_linear(xi, wi).square().sum()
+        (gw,) = torch.autograd.grad(out, wi, create_graph=True)
+        (gx,) = torch.autograd.grad(gw.float().square().sum(), xi)
+        h16, w16 = x.half().requires_grad_(True), w.half().requires_grad_(True)
+        float32_linear(h16, w16).square().sum().backward()
+        results.append((gx, h16.grad, w16.grad))
+    for plain, half in zip(*results, strict=True):
+        torch.testing.assert_close(half, plain, rtol=0, atol=0)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_half_inputs_score_on_the_tensor_cores_with_the_float32_values(dtype: torch.dtype) -> None:
+    """On CUDA the half-precision path is taken (out_dtype matmuls): the float32 linear's values (the
+    same exact products, summed in another order) and, for bfloat16, gradients within one rounding."""
+    from routelab.routers import _scores
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 512, generator=gen).to(dtype)
+    w = (torch.randn(64, 512, generator=gen) * 0.05).to(dtype)
+    g = torch.randn(4096, 64, generator=gen)
+    xc, wc = x.cuda().requires_grad_(True), w.cuda().requires_grad_(True)
+    assert _scores._half_kernels(xc, wc)
+    out = float32_linear(xc, wc)
+    out.backward(g.cuda())
+    value, grad_x, grad_w = _truth(x, w, g)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double().cpu(), value, rtol=1e-5, atol=1e-4)
+    for got, want in ((xc.grad, grad_x), (wc.grad, grad_w)):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double().cpu(), want, rtol=2.0 ** -7, atol=1e-3 * float(want.abs().max()))
