@@ -176,12 +176,23 @@ def test_count_host_syncs_on_cuda() -> None:
 def test_batched_section_on_cuda() -> None:
     text = bench._batched_section([(3, 32, 4)], repeats=2, budget_s=5.0, device="cuda")
     [(header, body)] = _tables(text)
-    assert header == BATCHED_COLUMNS and len(body) == 4
+    assert header == BATCHED_COLUMNS
+    rows = {row[0]: row for row in body}
+    # The batch in one call (as a user calls it: on the host at this size), on the device
+    # (on_host=False), one call per instance, the auction, the host round trip (the H200 run of
+    # 2026-11-26 printed these five; a test that expected four failed there).
+    assert len(rows) == len(body) == 5
+    by = {key: next(row for name, row in rows.items() if key in name)
+          for key in ("on_host=False", "one call per instance", "auction", "host: copy")}
+    by["the batch in one call"] = rows["routelab `balanced_assignment`, the batch in one call"]
     for row in body:
         assert row[5] == "yes"
         assert int(row[4].split()[0]) >= 0
-    assert int(body[2][4].split()[0]) >= 1  # the auction syncs every round
-    assert body[1][6] == body[3][6] == "same"
+    assert int(by["auction"][4].split()[0]) >= 1  # the auction syncs every round
+    assert by["the batch in one call"][6] == "reference (exact)"
+    for key in ("on_host=False", "one call per instance", "host: copy"):
+        assert by[key][6] == "same", key
+    assert int(by["host: copy"][4].split()[0]) <= 2
     assert "torch.cuda.synchronize()" in text
 
 

@@ -150,8 +150,9 @@ def _truth(x, w, g):
 def _through_half_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """Take the half-precision path on any device (on the CPU its matmuls run through float32 copies,
     so the split of the gradient and the stacked weight are what is tested)."""
-    from routelab.routers import _scores
-    monkeypatch.setattr(_scores, "_half_kernels", lambda x, w: x.dtype in _scores._HALF and w.dtype == x.dtype)
+    from routelab import _float32_out
+    monkeypatch.setattr(_float32_out, "half_kernels",
+                        lambda *ts: ts[0].dtype in _float32_out.HALF and all(t.dtype == ts[0].dtype for t in ts))
 
 
 def _ulps_bf16(err: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -238,13 +239,13 @@ def test_the_half_kernels_keep_double_backward_and_float16_on_the_float32_path(m
 def test_cuda_half_inputs_score_on_the_tensor_cores_with_the_float32_values(dtype: torch.dtype) -> None:
     """On CUDA the half-precision path is taken (out_dtype matmuls): the float32 linear's values (the
     same exact products, summed in another order) and, for bfloat16, gradients within one rounding."""
-    from routelab.routers import _scores
+    from routelab import _float32_out
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4096, 512, generator=gen).to(dtype)
     w = (torch.randn(64, 512, generator=gen) * 0.05).to(dtype)
     g = torch.randn(4096, 64, generator=gen)
     xc, wc = x.cuda().requires_grad_(True), w.cuda().requires_grad_(True)
-    assert _scores._half_kernels(xc, wc)
+    assert _float32_out.half_kernels(xc, wc)
     out = float32_linear(xc, wc)
     out.backward(g.cuda())
     value, grad_x, grad_w = _truth(x, w, g)

@@ -188,3 +188,50 @@ def test_torch_func_grad_works_through_the_adjoint_gathers(layout: str) -> None:
     want = torch.func.grad(loss, argnums=(0, 1, 2))(x, rows, weight, False)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def _half_case(dtype: torch.dtype, device: str = "cpu"):
+    g = torch.Generator().manual_seed(1)
+    n, s, d = 64, 2, 512
+    row_of_slot = torch.arange(n * s).view(n, s)
+    row_of_slot[::7, 1] = n * s  # some dropped pairs: their weight and gradient are 0
+    token_of_row = torch.arange(n * s) // s
+    token_of_row[(row_of_slot[::7, 0] + 1)] = n  # (their rows belong to no pair)
+    rows = (torch.randn(n * s, d, generator=g) * 1e-3).to(dtype)
+    weight = torch.rand(n, s, generator=g).masked_fill(row_of_slot == n * s, 0.0).to(dtype)
+    grad_y = (torch.randn(n, d, generator=g) * 1e-4).to(dtype)
+    picked = torch.cat([rows.double(), rows.new_zeros(1, d).double()])[row_of_slot]
+    ref_gw = (picked * grad_y.double().unsqueeze(1)).sum(-1)
+    maps = (row_of_slot.to(device), token_of_row.to(device))
+    return rows.to(device), weight.to(device), grad_y.to(device), maps, ref_gw
+
+
+def _check_weight_gradient(rows, weight, grad_y, maps, ref_gw) -> None:
+    rs, ws = rows.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    y = combine_rows(rs, ws, *maps, adjoint=True)
+    (gw,) = torch.autograd.grad(y, ws, grad_y)
+    info = torch.finfo(rows.dtype)
+    err = (gw.double().cpu() - ref_gw).abs().max()
+    assert err <= 2 * info.eps * ref_gw.abs().max() + info.tiny * info.eps, float(err)
+    assert bool((gw.cpu()[ref_gw == 0] == 0).all())  # dropped pairs: exactly 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_float32_out_row_dots_give_the_weight_gradient_within_one_rounding(dtype: torch.dtype) -> None:
+    """On CUDA the weight gradient's per-row dots are one batched matmul with a float32 result
+    (routelab._float32_out.row_dots_f32); taken here on the CPU (through float32 copies), the
+    gradient is within one rounding of the float64 one, as the addcmul path's, also at magnitudes
+    where products rounded to half precision would underflow."""
+    from routelab import _float32_out
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_float32_out, "half_kernels", lambda *ts: ts[0].dtype in _float32_out.HALF)
+        _check_weight_gradient(*_half_case(dtype))
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_combine_weight_gradient_within_one_rounding(dtype: torch.dtype) -> None:
+    from routelab import _float32_out
+    rows, weight, grad_y, maps, ref_gw = _half_case(dtype, "cuda")
+    assert _float32_out.half_kernels(rows, rows)  # the batched-matmul dots are taken
+    _check_weight_gradient(rows, weight, grad_y, maps, ref_gw)

