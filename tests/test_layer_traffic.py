@@ -43,11 +43,35 @@ def test_the_report_splits_experts_from_the_rest(args: list[str], capsys: pytest
     assert "aten::" in out.split("largest first")[1]
 
 
-def test_it_leaves_the_gathers_default_path_as_it_found_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_it_leaves_the_gathers_and_the_half_kernels_as_it_found_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    from routelab import _float32_out
     from routelab.routing import _gather
 
-    default = _gather._adjoint_by_default
+    saved = (_gather._adjoint_by_default, _float32_out.half_kernels, _float32_out.mm_f32, _float32_out.row_dots_f32)
     monkeypatch.setattr(sys, "argv", ["layer_traffic.py", "--d-model", "16", "--d-hidden", "32", "--tokens", "32",
                                       "--experts", "4", "--top", "1"])
     _load().main()
-    assert _gather._adjoint_by_default is default
+    assert (_gather._adjoint_by_default, _float32_out.half_kernels, _float32_out.mm_f32,
+            _float32_out.row_dots_f32) == saved
+
+
+def test_the_gpu_paths_count_the_float32_out_matmuls_as_one_kernel_each(capsys: pytest.CaptureFixture[str],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """--gather adjoint counts the CUDA path: the router's three matmuls and the combine's dots as
+    the float32-out kernels (reading half precision), with no float32 copy of x; a factory such as
+    new_zeros reads nothing."""
+    traffic = _load()
+    monkeypatch.setattr(sys, "argv", ["layer_traffic.py", "--d-model", "16", "--d-hidden", "32", "--tokens", "64",
+                                      "--experts", "4", "--top", "60", "--trace"])
+    traffic.main()
+    out = capsys.readouterr().out
+    table = out.split("largest first")[1]
+    calls: dict[str, int] = {}
+    for m in re.finditer(r"^ +(\d+) .*?  (aten::\S+)  ", table, re.M):
+        calls[m.group(2)] = calls.get(m.group(2), 0) + int(m.group(1))
+    assert calls.get("aten::mm(out_dtype=float32)", 0) == 2  # the logits and the weight's gradient
+    assert calls.get("aten::bmm(out_dtype=float32)", 0) == 1  # the combine's weight-gradient dots
+    assert "aten::_to_copy  [64, 16]float32" not in table  # no float32 copy of x
+    with traffic.Traffic() as mode:
+        torch.randn(100, 4).new_zeros(1, 4)
+    assert mode.table[("rest", "aten::new_zeros", "[1, 4]float32")][1:] == [0, 16]

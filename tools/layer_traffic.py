@@ -17,11 +17,15 @@ It is an estimate, exact in what it counts and approximate in what it means:
 
 * an operator is assumed to read every byte of every tensor argument (a gather reads only the rows
   it picks: at capacity factor 1 and top-1, about all of them);
-* an in-place operator's output is counted as written, its argument as read;
+* an in-place operator's output is counted as written, its argument as read; a factory such as
+  ``new_zeros`` or ``zeros_like`` reads nothing;
 * fused or cached reads on the device are not modelled.
 
---gather adjoint takes the gathers' GPU path (``routelab.routing._gather``'s autograd functions, the
-default on CUDA) on any device; plain takes the CPU's. The default sizes are small enough for the
+--gather adjoint takes the GPU's paths on any device: the gathers' adjoint backward
+(``routelab.routing._gather``'s autograd functions, the default on CUDA) and the float32-out
+half-precision matmuls of ``routelab._float32_out`` (the router's scores and the combine's weight
+gradient on CUDA; each counted as the one kernel it is there, though its CPU stand-in goes through
+float32 copies); plain takes the CPU's. The default sizes are small enough for the
 CPU (8192 tokens, d_model 1024); the bytes scale with tokens x d_model, so the report also gives
 them per token and per d_model-wide row.
 """
@@ -29,13 +33,19 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 from routelab.layers import MoE, StackedExperts
 from routelab.routing import _gather
+
+try:
+    from routelab import _float32_out
+except ImportError:  # a checkout from before the float32-out kernels (an A/B run through PYTHONPATH)
+    _float32_out = None
 
 _FREE = {"aten::view", "aten::_unsafe_view", "aten::t", "aten::transpose", "aten::permute", "aten::expand",
          "aten::slice", "aten::select", "aten::unsqueeze", "aten::squeeze", "aten::as_strided", "aten::detach",
@@ -43,6 +53,11 @@ _FREE = {"aten::view", "aten::_unsafe_view", "aten::t", "aten::transpose", "aten
          "aten::_reshape_alias", "aten::split_with_sizes", "aten::chunk", "aten::empty", "aten::empty_like",
          "aten::new_empty", "aten::empty_strided", "aten::new_empty_strided", "aten::sym_size", "aten::is_same_size",
          "aten::_to_copy_noop", "aten::result_type"}
+
+
+#: Factories that take a tensor for its dtype and device only: they read none of its data.
+_NO_READ = {"aten::new_zeros", "aten::new_ones", "aten::new_full", "aten::zeros_like", "aten::ones_like",
+            "aten::full_like", "aten::rand_like", "aten::randn_like"}
 
 
 def _bytes(t: object) -> int:
@@ -65,9 +80,14 @@ class Traffic(TorchDispatchMode):
         name = func._schema.name
         if name in _FREE or func.is_view:
             return out
-        inputs, _ = tree_flatten((args, kwargs or {}))
+        self.record(name, (args, kwargs or {}), out)
+        return out
+
+    def record(self, name: str, args: object, out: object) -> None:
+        """Count one operator: the bytes of the tensors in ``args`` (read) and ``out`` (written)."""
+        inputs, _ = tree_flatten(args)
         outputs, _ = tree_flatten(out)
-        read = sum(_bytes(t) for t in inputs)
+        read = 0 if name in _NO_READ else sum(_bytes(t) for t in inputs)
         written = sum(_bytes(t) for t in outputs)
         shapes = "x".join(str(list(t.shape)) + str(t.dtype).replace("torch.", "")
                           for t in outputs if isinstance(t, torch.Tensor))
@@ -76,7 +96,44 @@ class Traffic(TorchDispatchMode):
         row[0] += 1
         row[1] += read
         row[2] += written
+
+
+def _one_kernel(mode: Traffic, name: str, fn):  # noqa: ANN001, ANN202
+    """``fn`` run uncounted and counted as the one CUDA kernel ``name`` it is on a GPU (its CPU
+    stand-in goes through float32 copies)."""
+    def counted(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        with _disable_current_modes():
+            out = fn(a, b)
+        mode.record(name, (a, b), out)
         return out
+    return counted
+
+
+@contextlib.contextmanager
+def _gpu_paths(mode: Traffic, on: bool):  # noqa: ANN202
+    """The GPU's paths on any device while ``on``: the gathers' adjoint backward and the float32-out
+    half-precision matmuls of :mod:`routelab._float32_out`, each of those counted as one kernel."""
+    if _float32_out is None:
+        saved_gathers = _gather._adjoint_by_default
+        _gather._adjoint_by_default = lambda t: on
+        try:
+            yield
+        finally:
+            _gather._adjoint_by_default = saved_gathers
+        return
+    saved = (_gather._adjoint_by_default, _float32_out.half_kernels, _float32_out.mm_f32,
+             _float32_out.row_dots_f32)
+    _gather._adjoint_by_default = lambda t: on
+    if on:
+        _float32_out.half_kernels = lambda *ts: (ts[0].dtype in _float32_out.HALF
+                                                 and all(t.dtype == ts[0].dtype for t in ts))
+        _float32_out.mm_f32 = _one_kernel(mode, "aten::mm(out_dtype=float32)", saved[2])
+        _float32_out.row_dots_f32 = _one_kernel(mode, "aten::bmm(out_dtype=float32)", saved[3])
+    try:
+        yield
+    finally:
+        (_gather._adjoint_by_default, _float32_out.half_kernels, _float32_out.mm_f32,
+         _float32_out.row_dots_f32) = saved
 
 
 def main() -> None:
@@ -124,23 +181,19 @@ def main() -> None:
             return (out[0] if isinstance(out, tuple) else out).squeeze(0)
     x = torch.randn(a.tokens, a.d_model, dtype=dtype, requires_grad=True)
     g = torch.randn(a.tokens, a.d_model, dtype=dtype)
-    adjoint = a.gather == "adjoint"
-    default = _gather._adjoint_by_default
-    _gather._adjoint_by_default = lambda t: adjoint  # the GPU's path on any device (restored below)
-    try:
-        mode = _count(moe, forward, x, g)
-    finally:
-        _gather._adjoint_by_default = default
+    mode = Traffic()
+    with _gpu_paths(mode, a.gather == "adjoint"):
+        _count(mode, moe, forward, x, g)
     _report(a, dtype, mode)
 
 
-def _count(moe, forward, x, g) -> Traffic:
+def _count(mode: Traffic, moe, forward, x, g) -> None:
     """One warm-up, then one counted forward + backward, split at the experts' hooks."""
     forward().backward(g)  # warm-up: probes, caches
     moe.zero_grad(set_to_none=True)
     x.grad = None
-
-    mode = Traffic()
+    mode.table.clear()
+    mode.trace.clear()
 
     def to(phase):
         def hook(*_):
@@ -162,7 +215,6 @@ def _count(moe, forward, x, g) -> Traffic:
         forward().backward(g)
     for h in handles:
         h.remove()
-    return mode
 
 
 def _report(a: argparse.Namespace, dtype: torch.dtype, mode: Traffic) -> None:

@@ -21,8 +21,9 @@ _OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads() and "dtype" in torch.ops.a
 
 
 def half_kernels(*tensors: Tensor) -> bool:
-    """Whether these tensors take the float32-out kernels: CUDA, one half-precision dtype, no
-    ``torch.func`` transform around them (its batching rules do not cover ``out_dtype``), and not
+    """Whether these tensors take the float32-out kernels: CUDA, one half-precision dtype, not
+    batched by ``torch.func.vmap`` (its batching rules do not cover ``out_dtype``; the forward of an
+    autograd function under ``torch.func.grad`` sees plain tensors and may take them), and not
     under ``torch.compile`` (inductor fuses the float32 paths' casts; ``out_dtype`` matmuls compiled
     inside routelab's autograd functions are untested on a GPU)."""
     first = tensors[0]

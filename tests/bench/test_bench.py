@@ -182,9 +182,11 @@ def test_batched_section_on_cuda() -> None:
     # (on_host=False), one call per instance, the auction, the host round trip (the H200 run of
     # 2026-11-26 printed these five; a test that expected four failed there).
     assert len(rows) == len(body) == 5
-    by = {key: next(row for name, row in rows.items() if key in name)
-          for key in ("on_host=False", "one call per instance", "auction", "host: copy")}
-    by["the batch in one call"] = rows["routelab `balanced_assignment`, the batch in one call"]
+    by = {key: next(row for name, row in rows.items() if name.startswith(prefix))
+          for key, prefix in (("the batch in one call", "routelab `balanced_assignment`, the batch in one call"),
+                              ("on_host=False", "routelab `balanced_assignment(on_host=False)`"),
+                              ("one call per instance", "routelab `balanced_assignment`, one call per instance"),
+                              ("auction", "BASE-layers auction"), ("host: copy", "host: copy"))}
     for row in body:
         assert row[5] == "yes"
         assert int(row[4].split()[0]) >= 0

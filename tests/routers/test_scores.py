@@ -162,37 +162,48 @@ def _ulps_bf16(err: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**16), tokens=st.sampled_from([0, 1, 37, 256]), d_in=st.sampled_from([8, 96]),
-       d_out=st.sampled_from([1, 4, 64]), scale=st.sampled_from([1e-30, 1.0, 1e30]), bias=st.booleans())
-def test_the_bfloat16_split_gradients_are_the_float32_ones_rounded(seed, tokens, d_in, d_out, scale, bias) -> None:
+       d_out=st.sampled_from([1, 4, 64]), scale=st.sampled_from([1e-30, 1.0, 1e30]), bias=st.booleans(),
+       batched=st.booleans())
+def test_the_bfloat16_split_gradients_are_the_float32_ones_rounded(seed, tokens, d_in, d_out, scale, bias,
+                                                                    batched) -> None:
     """The bfloat16 backward of the half-precision path (the float32 gradient split into two
     bfloat16 parts, tensor-core matmuls) gives the float32 path's gradients: ``grad_x`` within one
     bfloat16 rounding of the float64 truth (as the float32 path, which rounds its float32 result),
-    ``grad_w`` as well, at any magnitude of the gradient."""
+    ``grad_w`` as well, for gradients from 1e-30 to 1e30 (the split's range, _split_bfloat16), and
+    for a ``[2, tokens, d]`` input that is not contiguous."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         _through_half_kernels(monkeypatch)
-        _check_split_gradients(seed, tokens, d_in, d_out, scale, bias)
+        _check_split_gradients(seed, tokens, d_in, d_out, scale, bias, batched)
 
 
-def _check_split_gradients(seed: int, tokens: int, d_in: int, d_out: int, scale: float, bias: bool) -> None:
+def _check_split_gradients(seed: int, tokens: int, d_in: int, d_out: int, scale: float, bias: bool,
+                           batched: bool = False, device: str = "cpu") -> None:
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, d_in, generator=gen).bfloat16()
+    lead = (2, tokens) if batched else (tokens,)
+    x = torch.randn(*lead, d_in, generator=gen).bfloat16()
     w = torch.randn(d_out, d_in, generator=gen).bfloat16()
     b = torch.randn(d_out, generator=gen).bfloat16() if bias else None
-    g = torch.randn(tokens, d_out, generator=gen) * scale
-    xs, ws = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    bs = b.clone().requires_grad_(True) if bias else None
+    g = torch.randn(*lead, d_out, generator=gen) * scale
+    xs = x.to(device)
+    if batched:  # the same values, laid out [tokens, 2, d] in memory
+        xs = xs.transpose(0, 1).contiguous().transpose(0, 1)
+        assert not xs.is_contiguous() or tokens <= 1
+    xs, ws = xs.requires_grad_(True), w.to(device).requires_grad_(True)
+    bs = b.to(device).requires_grad_(True) if bias else None
     out = float32_linear(xs, ws, bs)
-    out.backward(g)
-    value, grad_x, grad_w = _truth(x, w, g)
+    out.backward(g.to(device))
+    flat_x, flat_g = x.reshape(-1, d_in), g.reshape(-1, d_out)
+    value, grad_x, grad_w = _truth(flat_x, w, flat_g)
     if bias:
         value = value + b.double()
-        torch.testing.assert_close(bs.grad, g.sum(0).to(torch.bfloat16))
-    torch.testing.assert_close(out.double(), value, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(bs.grad.cpu(), flat_g.sum(0).to(torch.bfloat16))
+    assert out.shape == (*lead, d_out) and xs.grad.shape == x.shape
+    torch.testing.assert_close(out.double().cpu().reshape(-1, d_out), value, rtol=1e-6, atol=1e-5)
     assert xs.grad.dtype == ws.grad.dtype == torch.bfloat16
     # Within 1 ulp where a sum does not cancel; a cancelling sum is judged against its terms' size.
-    for got, want, terms in ((xs.grad, grad_x, g.double().abs() @ w.double().abs()),
-                             (ws.grad, grad_w, g.double().abs().T @ x.double().abs())):
-        err = (got.double() - want).abs()
+    for got, want, terms in ((xs.grad.reshape(-1, d_in), grad_x, flat_g.double().abs() @ w.double().abs()),
+                             (ws.grad, grad_w, flat_g.double().abs().T @ flat_x.double().abs())):
+        err = (got.double().cpu() - want).abs()
         assert bool((err <= (want.abs() * 2.0 ** -8 + terms * 2.0 ** -14)).all()), float(err.max())
 
 
@@ -209,8 +220,28 @@ def test_the_split_carries_a_non_finite_gradient_as_the_float32_path_does(monkey
         float32_linear(xs, ws).backward(g)
         grads.append((xs.grad, ws.grad))
     for plain, half in zip(grads[0], grads[1], strict=True):
-        assert torch.equal(plain.isfinite(), half.isfinite())
+        for mask in (torch.isnan, torch.isposinf, torch.isneginf):
+            assert torch.equal(mask(plain), mask(half)), mask.__name__
         torch.testing.assert_close(half[half.isfinite()], plain[plain.isfinite()], rtol=1e-2, atol=1e-2)
+
+
+def test_the_split_keeps_a_finite_gradient_beyond_bfloat16s_largest_finite(monkeypatch) -> None:
+    """A float32 gradient between bfloat16's largest finite number and float32's would round to inf
+    in bfloat16: the split clamps it (hi) and keeps the rest (lo), so grad_x stays finite, as on the
+    float32 path (a review finding)."""
+    x = torch.ones(2, 16).bfloat16()
+    w = torch.full((3, 16), 0.5).bfloat16()
+    g = torch.zeros(2, 3)
+    g[0, 0] = 3.3999e38
+    grads = []
+    for half in (False, True):
+        if half:
+            _through_half_kernels(monkeypatch)
+        xs = x.clone().requires_grad_(True)
+        float32_linear(xs, w).backward(g)
+        grads.append(xs.grad)
+    assert bool(grads[0].isfinite().all()) and bool(grads[1].isfinite().all())
+    torch.testing.assert_close(grads[1], grads[0], rtol=2.0 ** -7, atol=0)
 
 
 def test_the_half_kernels_keep_double_backward_and_float16_on_the_float32_path(monkeypatch) -> None:
@@ -238,8 +269,12 @@ def test_the_half_kernels_keep_double_backward_and_float16_on_the_float32_path(m
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_half_inputs_score_on_the_tensor_cores_with_the_float32_values(dtype: torch.dtype) -> None:
     """On CUDA the half-precision path is taken (out_dtype matmuls): the float32 linear's values (the
-    same exact products, summed in another order) and, for bfloat16, gradients within one rounding."""
+    same exact products, summed in another order) and, for bfloat16, gradients within one rounding
+    (the CPU test's criterion, on a 3-D non-contiguous input with a bias as well)."""
     from routelab import _float32_out
+    if dtype == torch.bfloat16:
+        for batched, bias in ((False, False), (True, True)):
+            _check_split_gradients(0, 1024, 256, 64, 1.0, bias, batched, device="cuda")
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4096, 512, generator=gen).to(dtype)
     w = (torch.randn(64, 512, generator=gen) * 0.05).to(dtype)

@@ -223,9 +223,23 @@ def test_the_float32_out_row_dots_give_the_weight_gradient_within_one_rounding(d
     gradient is within one rounding of the float64 one, as the addcmul path's, also at magnitudes
     where products rounded to half precision would underflow."""
     from routelab import _float32_out
+    calls = []
+    original = _float32_out.row_dots_f32
+
+    def spy(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        calls.append(a.shape)
+        return original(a, b)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_float32_out, "half_kernels", lambda *ts: ts[0].dtype in _float32_out.HALF)
+        mp.setattr(_float32_out, "row_dots_f32", spy)
         _check_weight_gradient(*_half_case(dtype))
+        assert len(calls) == 1  # the dots went through it
+        # A double backward differentiates the addcmul path instead (row_dots_f32 has no graph).
+        rows, weight, grad_y, maps, _ = _half_case(dtype)
+        rs, ws = rows.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        (gw,) = torch.autograd.grad(combine_rows(rs, ws, *maps, adjoint=True), ws, grad_y, create_graph=True)
+        assert len(calls) == 1 and gw.requires_grad
 
 
 @pytest.mark.requires_cuda

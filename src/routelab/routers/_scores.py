@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _float32_out
-from .._float32_out import mm_f32
 
 __all__ = ["float32_linear", "full_precision"]
 
@@ -43,11 +42,17 @@ def full_precision(device: torch.device) -> AbstractContextManager[None]:
 
 
 def _split_bfloat16(g: Tensor) -> Tensor:
-    """``g [m, n]`` float32 as ``[hi, lo] [m, 2n]`` bfloat16 with ``hi + lo = g`` to about 2^-17
-    relatively: ``hi`` is ``g`` rounded, ``lo`` its rounded remainder (0 where ``g`` is not finite,
-    whose ``hi`` carries it). A bfloat16 matmul of ``[hi, lo]`` against ``[w; w]`` then sums
-    ``g @ w`` in float32 from exact products, to well within one rounding of its bfloat16 result."""
-    hi = g.to(torch.bfloat16)
+    """``g [m, n]`` float32 as ``[hi, lo] [m, 2n]`` bfloat16 with ``hi + lo = g``: ``hi`` is ``g``
+    rounded (clamped to bfloat16's largest finite number first, so that a finite ``g`` beyond it
+    stays finite), ``lo`` its rounded remainder (0 where ``g`` is not finite, whose ``hi`` carries
+    it). A bfloat16 matmul of ``[hi, lo]`` against ``[w; w]`` then sums ``g @ w`` in float32 from
+    exact products, to well within one rounding of its bfloat16 result.
+
+    The split is exact to about 2^-17 relatively where ``|g| >= 2^-110`` (about 8e-34). Below, ``lo``
+    is a bfloat16 subnormal: the error is at most 2^-134 absolutely (the float32 path's own
+    float32 gradient is subnormal below 2^-126)."""
+    top = torch.finfo(torch.bfloat16).max
+    hi = torch.where(g.isinf(), g, g.clamp(-top, top)).to(torch.bfloat16)
     lo = (g - hi.float()).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).to(torch.bfloat16)
     return torch.cat([hi, lo], dim=-1)
 
@@ -60,8 +65,11 @@ class _Float32Linear(torch.autograd.Function):
     The backward of a bfloat16 ``x`` splits the float32 gradient into two bfloat16 parts
     (:func:`_split_bfloat16`), so that both gradients are again tensor-core matmuls: ``grad_x`` is
     written in bfloat16 directly (summed in float32 and rounded once, as the float32 path rounds
-    its float32 result), ``grad_w`` in float32 and summed over the two parts. A float16 ``x`` (whose
-    range cannot hold the parts) and a double backward take the float32 path.
+    its float32 result, where cuBLAS does not split the ``2 * d_out``-long sums: with
+    ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction`` a split sum may be added
+    in bfloat16), ``grad_w`` in float32 and summed over the two parts. A float16 ``x`` (whose range
+    cannot hold the parts) and a backward that builds a graph (double backward; ``torch.func.grad``
+    and ``jacrev``, whose forward may take the kernels) take the float32 path.
 
     Written with ``setup_context`` and a generated vmap rule, so ``torch.func`` transforms
     (``grad``, ``vmap``, ``jacrev``) work through it as through ``F.linear``.
@@ -72,7 +80,7 @@ class _Float32Linear(torch.autograd.Function):
     @staticmethod
     def forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
         if _float32_out.half_kernels(x, weight):
-            out = mm_f32(x.reshape(-1, x.shape[-1]), weight.t()).view(*x.shape[:-1], weight.shape[0])
+            out = _float32_out.mm_f32(x.reshape(-1, x.shape[-1]), weight.t()).view(*x.shape[:-1], weight.shape[0])
             return out if bias is None else out + bias.float()
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
@@ -93,7 +101,7 @@ class _Float32Linear(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 grad_x = (parts @ torch.cat([weight, weight])).view(x.shape)
             if ctx.needs_input_grad[1]:
-                both = mm_f32(parts.t(), x.reshape(-1, x.shape[-1]))  # [2 * d_out, d_in]
+                both = _float32_out.mm_f32(parts.t(), x.reshape(-1, x.shape[-1]))  # [2 * d_out, d_in]
                 grad_w = (both[: weight.shape[0]] + both[weight.shape[0]:]).to(weight.dtype)
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 grad_b = flat_grad.sum(0).to(ctx.bias_dtype)

@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _float32_out
-from .._float32_out import row_dots_f32
 
 __all__ = ["dispatch_rows", "combine_rows"]
 
@@ -114,7 +113,7 @@ def _row_dots(rows: Tensor, grad_of_row: Tensor) -> Tensor:
     products.
     """
     if not torch.is_grad_enabled() and _float32_out.half_kernels(rows, grad_of_row):
-        return row_dots_f32(rows, grad_of_row)  # the same sums, one tensor-core kernel on CUDA
+        return _float32_out.row_dots_f32(rows, grad_of_row)  # the same sums, one tensor-core kernel on CUDA
     zero = rows.new_zeros(1, 1, dtype=_wide(rows.dtype))
     return torch.addcmul(zero, rows, grad_of_row).sum(-1)
 
