@@ -10,6 +10,8 @@ is only adopted where it computes the same thing:
 * the router's float32 logits: ``F.linear`` on float32 copies against ``mm(out_dtype=float32)``,
   also compiled (whether inductor takes ``out_dtype``), and its input gradient;
 * a zero row appended to ``[tokens, d]``: ``F.pad`` (fills, then copies) against ``cat``;
+* the combine's weighted sum over two slots: float32 products (the layer's) against a batched
+  ``1 x 2 x d`` matmul (products exact, summed in float32, rounded once, as the layer's);
 * the combine's per-row dots in float32: ``addcmul`` into float32 + ``sum`` against a batched
   ``1 x d x 1`` matmul with ``out_dtype=float32``.
 
@@ -90,6 +92,17 @@ def main() -> None:
     compare("a zero row appended [tokens + 1, d]", {
         "F.pad(x, (0, 0, 0, 1))": lambda: F.pad(x, (0, 0, 0, 1)),
         "torch.cat([x, zeros(1, d)])": lambda: torch.cat([x, x.new_zeros(1, a.d_model)]),
+    })
+    picked = torch.stack([x, g], 1)  # [tokens, 2, d]: two slots' rows
+    slot_w = torch.rand(a.tokens, 2, device=dev, generator=gen).to(dt)
+
+    def addcmul_slots() -> torch.Tensor:  # routing/_gather.py's _weighted_slot_sum at k = 2
+        wide = slot_w.float()
+        return torch.addcmul(picked[:, 0] * wide[:, 0:1], picked[:, 1], wide[:, 1:2]).to(dt)
+
+    compare("combine's weighted sum over 2 slots [tokens, d] bfloat16", {
+        "float32 mul + addcmul + cast (the layer's)": addcmul_slots,
+        "bmm(w[:, None], picked) (bfloat16 out)": lambda: torch.bmm(slot_w.unsqueeze(1), picked).squeeze(1),
     })
     zero = x.new_zeros(1, 1, dtype=torch.float32)
     compare("per-row dots [tokens] float32", {
