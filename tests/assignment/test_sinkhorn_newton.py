@@ -135,11 +135,14 @@ def test_a_few_tokens_at_extreme_sharpness(scale: float, k: int, per_column: int
 
 
 def _assert_balanced(log_p: torch.Tensor, log_q: torch.Tensor, n: int, k: int) -> None:
-    """Rows sum to 1, columns to ``n / k`` within sinkhorn's (floored) default tolerance."""
+    """Rows sum to 1, columns to ``n / k`` within sinkhorn's (floored) default tolerance, which
+    sinkhorn judges on its float32 column sums (a ``logsumexp``): summed here in float64, a column
+    may differ from that by the float32 sum's own rounding, up to about the floor again
+    (hypothesis found 1.930e-6 where the floor is 1.907e-6, at 16 x 16: scale 1.1, k 16, seed 16)."""
     q = log_q.double().exp()
     assert float((q.sum(-1) - 1).abs().max()) <= 1e-5
-    assert float((q.sum(-2) - n / k).abs().max()) <= max(1e-6, 4 * torch.finfo(torch.float32).eps * n**0.5
-                                                         * max(1.0, n / k))  # sinkhorn's tol, floored
+    floor = 4 * torch.finfo(torch.float32).eps * n**0.5 * max(1.0, n / k)  # sinkhorn's floor of tol
+    assert float((q.sum(-2) - n / k).abs().max()) <= max(1e-6, floor) + floor
 
 
 def test_a_col_sum_that_requires_grad_keeps_the_sweeps_and_their_gradient() -> None:
