@@ -29,6 +29,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+if not torch.cuda.is_available():
+    # With no GPU, Triton's kernels (routelab.routing._gather_triton) run in its interpreter on
+    # CPU tensors. Triton reads the flag when triton.language is first imported, which importing
+    # routelab does: so it is set here, first.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from routelab.experiments import registry as experiment_registry
 
 pytest_plugins = ["pytester"]  # tests/test_cuda_gate.py runs small pytest sessions with this conftest

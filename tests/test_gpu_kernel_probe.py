@@ -14,16 +14,18 @@ from tool_modules import load_tool
 
 def test_the_probe_prints_every_form_and_the_forms_that_run_agree(capsys: pytest.CaptureFixture[str],
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sys, "argv", ["gpu_kernel_probe.py", "--tokens", "64", "--d-model", "16", "--experts", "4"])
+    monkeypatch.setattr(sys, "argv", ["gpu_kernel_probe.py", "--tokens", "16", "--d-model", "16", "--experts", "4",
+                                      "--reps", "1"])
     load_tool("gpu_kernel_probe").main()
     out = capsys.readouterr().out
     titles = ["router logits [tokens, E] float32", "router input gradient", "a zero row appended",
-              "combine's weighted sum over 2 slots", "per-row dots"]
+              "combine's weighted sum over 2 slots", "per-row dots", "dispatch forward", "combine forward:",
+              "dispatch backward", "combine backward", "the dots", "other launch settings"]
     for title in titles:
         assert title in out
     timed = r"([\d.]+) ms +max \|difference\| from the first ([\d.e+-]+)"
     rows = re.findall(rf"^  (.+?) +(?:{timed}|failed: (.*))$", out, re.M)
-    assert len(rows) >= 11
+    assert len(rows) >= 11 + 15
     for name, ms, diff, failure in rows:
         if failure:  # the out_dtype forms have CUDA kernels only
             assert "out_dtype" in name, (name, failure)

@@ -7,8 +7,8 @@
 #
 # 15 minutes of device time do not fit every step: the suite alone takes about 4 minutes.
 #
-# Writes 8 files to $OUT (or ./gpu-checks when OUT is unset; the device returns at most 8): log.txt,
-# probe.txt, prof-d4096.txt, suite.log, bench-bf16-d4096-e64-k2.md, bench-assignment.md,
+# Writes 8 files to $OUT (or ./gpu-checks when OUT is unset; the device returns at most 8): log.txt
+# (with the Triton gathers' CUDA tests), probe.txt, prof-d4096.txt, suite.log, bench-bf16-d4096-e64-k2.md, bench-assignment.md,
 # bench-fp32-d2048.md, bench-compiled-bf16-d1024.md (default and reduce-overhead); lm.tgz replaces
 # the probe's file when data-cache/ is there. Each step
 # gets the time left before the deadline (a step that would start with under 30 s left is skipped
@@ -36,17 +36,20 @@ nvidia-smi --query-gpu=name,memory.used --format=csv | tee -a "$L"
 # -v names each failure as it happens (a run cut by its deadline still says which tests failed);
 # pytest-timeout (in the GPU image) ends a hung test instead of the whole step.
 targs="-v --durations=40 --tb=short"; python3 -c "import pytest_timeout" 2>/dev/null && targs="$targs --timeout=120"
-step "kernel probe: candidate forms of the largest non-expert operations (tools/gpu_kernel_probe.py)" 40 \
+step "the fused Triton gathers on CUDA (tests/routing/test_gather_triton.py, test_gather.py)" 60 \
+  bash -c "python3 -m pytest -q -p no:cacheprovider $targs tests/routing/test_gather_triton.py \
+tests/routing/test_gather.py 2>&1 | tail -25 >> '$L'"
+step "kernel probe: candidate forms of the largest non-expert operations, the Triton gathers (tools/gpu_kernel_probe.py)" 60 \
   bash -c "python3 tools/gpu_kernel_probe.py > '$out/probe.txt' 2>&1"
-step "profile at d_model 4096, 64k tokens, E = 64, top-2, with kernel tables (top-1 and top-2 before the router's \
-tensor-core path: 2026-11-26, docs/gpu-profile-h200-d4096-e64.txt)" 120 \
+step "profile at d_model 4096, 64k tokens, E = 64, top-2, with kernel tables (before the Triton gathers: \
+docs/gpu-profile-h200-d4096-e64-k2-tensor-core-router.txt)" 120 \
   python3 tools/gpu_layer_profile.py "$out/prof-d4096.txt" --cases 64:2 --d-model 4096 --tokens 65536
+step "bench moe bf16 d_model 4096, E = 64, top-2 (1.85x naive before the Triton gathers)" 150 \
+  bash -c "python3 -m routelab bench moe --device cuda --dtype bfloat16 --d-model 4096 --experts 64 --k 2 \
+> '$out/bench-bf16-d4096-e64-k2.md' 2>>'$L'"
 step "whole suite (make test-gpu; 233 s on an H200 machine, 2026-11-26)" 280 \
   bash -c "make test-gpu PYTEST_ARGS='$targs' > '$out/suite.log' 2>&1"
 [ -f "$out/suite.log" ] && grep -E "FAILED|ERROR|Timeout|passed|failed" "$out/suite.log" | grep -v " PASSED" | tail -30 | tee -a "$L"
-step "bench moe bf16 d_model 4096, E = 64, top-2 (its transformers row not yet measured)" 150 \
-  bash -c "python3 -m routelab bench moe --device cuda --dtype bfloat16 --d-model 4096 --experts 64 --k 2 \
-> '$out/bench-bf16-d4096-e64-k2.md' 2>>'$L'"
 step "bench assignment on the GPU: the host policy of balanced_assignment (2026-11-26) against on_host=False" 180 \
   bash -c "python3 -m routelab bench assignment --device cuda > '$out/bench-assignment.md' 2>>'$L'"
 step "bench moe fp32 d_model 2048" 200 \

@@ -1,6 +1,6 @@
 """Times candidate forms of the MoE layer's largest non-expert operations on a GPU, side by side.
 
-usage: PYTHONPATH=src python tools/gpu_kernel_probe.py [--tokens N] [--d-model N] [--experts E]
+usage: PYTHONPATH=src python tools/gpu_kernel_probe.py [--tokens N] [--d-model N] [--experts E] [--reps N]
 
 At d_model 4096 and 64k bfloat16 tokens (the defaults) the layer's time outside its experts is
 memory traffic and float32 matmuls (docs/gpu-profile-h200.md). For each operation this prints the
@@ -13,7 +13,11 @@ is only adopted where it computes the same thing:
 * the combine's weighted sum over two slots: float32 products (the layer's) against a batched
   ``1 x 2 x d`` matmul (products exact, summed in float32, rounded once, as the layer's);
 * the combine's per-row dots in float32: ``addcmul`` into float32 + ``sum`` against a batched
-  ``1 x d x 1`` matmul with ``out_dtype=float32``.
+  ``1 x d x 1`` matmul with ``out_dtype=float32``;
+* the four gathers of dispatch and combine at top-2 (maps of a random assignment, 1/16 of the
+  pairs dropped), forward and backward: the PyTorch operators of ``routelab.routing._gather``
+  against its fused Triton kernels (``routelab.routing._gather_triton``), and the combine's kernel
+  under other column blocks and warp counts.
 
 Without CUDA it runs tiny sizes on the CPU (a smoke test: the ``out_dtype`` forms are CUDA-only).
 """
@@ -27,14 +31,19 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from routelab.routing import _gather, _gather_triton
 
-def median_ms(fn: Callable[[], torch.Tensor], reps: int = 20) -> float:
-    """Median wall time of ``fn`` in ms, synchronised (after 3 warm-up calls)."""
+#: Timed calls per form (after min(3, REPS) warm-up calls); --reps sets it.
+REPS = 20
+
+
+def median_ms(fn: Callable[[], torch.Tensor]) -> float:
+    """Median wall time of ``fn`` in ms over REPS calls, synchronised (after warm-up calls)."""
     cuda = torch.cuda.is_available()
-    for _ in range(3):
+    for _ in range(min(3, REPS)):
         fn()
     times = []
-    for _ in range(reps):
+    for _ in range(REPS):
         if cuda:
             torch.cuda.synchronize()
         t = time.perf_counter()
@@ -66,7 +75,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=65536 if cuda else 512)
     p.add_argument("--d-model", type=int, default=4096 if cuda else 64)
     p.add_argument("--experts", type=int, default=64 if cuda else 8)
+    p.add_argument("--reps", type=int, default=20 if cuda else 2,
+                   help="timed calls per form (the CPU's default is 2: there Triton runs in its interpreter)")
     a = p.parse_args()
+    global REPS
+    REPS = a.reps
     dev, dt = ("cuda" if cuda else "cpu"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(a.tokens, a.d_model, device=dev, generator=gen).to(dt)
@@ -111,6 +124,71 @@ def main() -> None:
             x.unsqueeze(1), g.unsqueeze(2), out_dtype=torch.float32).view(-1),
         "(x.float() * g.float()).sum(-1)": lambda: (x.float() * g.float()).sum(-1),
     })
+    probe_gathers(x, g, gen)
+
+
+def _maps(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``row_of_slot [n, 2]`` and ``token_of_row [2n]`` of a random top-2 assignment, every 16th
+    token's second pair dropped (its row then belongs to no pair)."""
+    R = 2 * n
+    row_of_slot = torch.randperm(R, device=gen.device, generator=gen).view(n, 2)
+    row_of_slot[::16, 1] = R
+    kept = row_of_slot < R
+    token_of_row = torch.full((R,), n, device=gen.device)
+    token_of_row[row_of_slot[kept]] = torch.arange(n, device=gen.device).unsqueeze(1).expand(n, 2)[kept]
+    return row_of_slot, token_of_row
+
+
+def probe_gathers(x: torch.Tensor, g: torch.Tensor, gen: torch.Generator) -> None:
+    """The gathers of dispatch and combine, PyTorch operators against the fused Triton kernels."""
+    if _gather_triton.triton is None:
+        print("\ngathers of dispatch and combine: Triton is not installed")
+        return
+    n, d = x.shape
+    row_of_slot, token_of_row = _maps(n, gen)
+    rows = torch.cat([x, g])  # [2n, d]
+    weight = torch.rand(n, 2, device=x.device, generator=gen).to(x.dtype).masked_fill(row_of_slot == 2 * n, 0)
+    weight_of_row = weight.new_zeros(2 * n + 1).scatter(0, row_of_slot.reshape(-1), weight.reshape(-1))[:-1]
+
+    def torch_combine_backward() -> torch.Tensor:
+        grad_of_row = _gather._with_zero_row(g).index_select(0, token_of_row)
+        return grad_of_row * weight_of_row.unsqueeze(-1), _gather._row_dots(rows, grad_of_row)
+
+    compare("dispatch forward: rows [2 tokens, d] = x[token_of_row]", {
+        "cat zero row + index_select": lambda: _gather._with_zero_row(x).index_select(0, token_of_row),
+        "Triton gather_rows": lambda: _gather_triton.gather_rows(x, token_of_row),
+    })
+    compare("combine forward: y [tokens, d] = sum_s w * rows[row_of_slot]", {
+        "cat + index_select + float32 mul/addcmul + cast": lambda: _gather._weighted_slot_sum(
+            _gather._slot_rows(rows, row_of_slot), weight),
+        "Triton slot_sum": lambda: _gather_triton.slot_sum(rows, row_of_slot, weight),
+    })
+    compare("dispatch backward: grad_x [tokens, d] = sum_s grad_rows[row_of_slot]", {
+        "cat + index_select + sum": lambda: _gather._sum_slots(_gather._slot_rows(rows, row_of_slot)),
+        "Triton slot_sum (no weights)": lambda: _gather_triton.slot_sum(rows, row_of_slot),
+    })
+    with torch.no_grad():
+        compare("combine backward: grad_rows [2 tokens, d] and the rows' dots [2 tokens] (first output)", {
+            "cat + index_select + mul, and the float32-out dots": lambda: torch_combine_backward()[0],
+            "Triton combine_backward": lambda: _gather_triton.combine_backward(
+                rows, g, token_of_row, weight_of_row, True)[0],
+        })
+        compare("  the same, second output (the dots)", {
+            "cat + index_select, float32-out dots": lambda: torch_combine_backward()[1],
+            "Triton combine_backward": lambda: _gather_triton.combine_backward(
+                rows, g, token_of_row, weight_of_row, True)[1],
+        })
+    forms = {}
+    for block, warps in ((512, 4), (1024, 4), (1024, 8), (2048, 8), (4096, 8)):
+        def run(block: int = block, warps: int = warps) -> torch.Tensor:
+            saved = _gather_triton._MAX_BLOCK, _gather_triton._NUM_WARPS
+            _gather_triton._MAX_BLOCK, _gather_triton._NUM_WARPS = block, warps
+            try:
+                return _gather_triton.slot_sum(rows, row_of_slot, weight)
+            finally:
+                _gather_triton._MAX_BLOCK, _gather_triton._NUM_WARPS = saved
+        forms[f"Triton slot_sum, column block {block}, {warps} warps"] = run
+    compare("combine forward under other launch settings", forms)
 
 
 if __name__ == "__main__":

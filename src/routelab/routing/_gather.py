@@ -17,6 +17,10 @@ need neither, sum every token's slots in a fixed order (deterministic on every d
 never read a row of no pair (grouped matmuls leave those uninitialised). The sentinels read a
 zero row appended to the gathered tensor. On the CPU the plain formulation (``index_select``,
 whose backward is a serial ``index_add``, and ``bmm``) is faster and is the default there.
+
+On CUDA, outside tracing and double backward, each of the four gathers is one fused Triton kernel
+(:mod:`routelab.routing._gather_triton`: one pass over memory where the operators below take
+three to five); the operators below define what the kernels compute and run everywhere else.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _float32_out
+from . import _gather_triton
 
 __all__ = ["dispatch_rows", "combine_rows"]
 
@@ -56,6 +61,8 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def forward(x: Tensor, token_of_row: Tensor, row_of_slot: Tensor) -> Tensor:
+        if _gather_triton.usable(x):
+            return _gather_triton.gather_rows(x, token_of_row)  # one pass, no zero row appended
         return _with_zero_row(x).index_select(0, token_of_row)
 
     @staticmethod
@@ -65,6 +72,8 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows: Tensor) -> tuple[Tensor, None, None]:
         (row_of_slot,) = ctx.saved_tensors
+        if not torch.is_grad_enabled() and _gather_triton.usable(grad_rows):
+            return _gather_triton.slot_sum(grad_rows, row_of_slot), None, None
         return _sum_slots(_slot_rows(grad_rows, row_of_slot)), None, None
 
 
@@ -127,6 +136,8 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def forward(rows: Tensor, weight: Tensor, row_of_slot: Tensor, token_of_row: Tensor) -> Tensor:
+        if _gather_triton.usable(rows, weight):
+            return _gather_triton.slot_sum(rows, row_of_slot, weight)  # the same sums in one pass
         picked = _slot_rows(rows, row_of_slot)
         if picked.shape[1] == 1:  # one product, rounded once
             return picked[:, 0] * weight
@@ -141,6 +152,17 @@ class _Combine(torch.autograd.Function):
         rows, weight, row_of_slot, token_of_row = ctx.saved_tensors
         grad_rows = grad_weight = None
         num_rows = token_of_row.shape[0]
+        if not torch.is_grad_enabled() and _gather_triton.usable(rows, grad_y):
+            # Both adjoints in one pass over the rows (no double backward: the kernel has no graph).
+            weight_of_row = None
+            if ctx.needs_input_grad[0]:
+                weight_of_row = weight.new_zeros(num_rows + 1).scatter(0, row_of_slot.reshape(-1), weight.reshape(-1))
+            grad_rows, dots = _gather_triton.combine_backward(
+                rows, grad_y, token_of_row, None if weight_of_row is None else weight_of_row[:num_rows],
+                dots=ctx.needs_input_grad[1])
+            if dots is not None:
+                grad_weight = _dots_by_slot(dots, row_of_slot).to(weight.dtype)
+            return grad_rows, grad_weight, None, None
         # Every row's token's gradient (zeros for a row of no pair): both adjoints read it.
         grad_of_row = _with_zero_row(grad_y).index_select(0, token_of_row)
         if ctx.needs_input_grad[0]:
@@ -151,9 +173,13 @@ class _Combine(torch.autograd.Function):
             # grad_weight[t, s] = <rows[r], grad_y[t]> for r = row_of_slot[t, s]: one dot per row,
             # read by the slots (a dropped pair's sentinel reads the appended 0). The rows of no
             # pair (uninitialised after a grouped matmul) give dots that no slot reads.
-            dots = F.pad(_row_dots(rows, grad_of_row), (0, 1))
-            grad_weight = dots.index_select(0, row_of_slot.reshape(-1)).view(row_of_slot.shape).to(weight.dtype)
+            grad_weight = _dots_by_slot(_row_dots(rows, grad_of_row), row_of_slot).to(weight.dtype)
         return grad_rows, grad_weight, None, None
+
+
+def _dots_by_slot(dots: Tensor, row_of_slot: Tensor) -> Tensor:
+    """``dots [R]`` read by the slots (``row_of_slot [n, s]`` -> ``[n, s]``), 0 for a sentinel ``R``."""
+    return F.pad(dots, (0, 1)).index_select(0, row_of_slot.reshape(-1)).view(row_of_slot.shape)
 
 
 def _adjoint_by_default(t: Tensor) -> bool:
