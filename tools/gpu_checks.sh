@@ -33,9 +33,10 @@ step() {  # step NAME MAX_SECONDS COMMAND...: run COMMAND under min(MAX, time le
   timeout "$t" "$@"; echo "  rc $?" | tee -a "$L"
 }
 nvidia-smi --query-gpu=name,memory.used --format=csv | tee -a "$L"
-# -v names each failure as it happens (a run cut by its deadline still says which tests failed);
+# -vv names each test as it ends (make test-gpu passes -q, which one -v would cancel): a run cut by
+# its deadline still says which tests failed;
 # pytest-timeout (in the GPU image) ends a hung test instead of the whole step.
-targs="-v --durations=40 --tb=short"; python3 -c "import pytest_timeout" 2>/dev/null && targs="$targs --timeout=120"
+targs="-vv --durations=40 --tb=short"; python3 -c "import pytest_timeout" 2>/dev/null && targs="$targs --timeout=120"
 step "the fused Triton gathers on CUDA (tests/routing/test_gather_triton.py, test_gather.py)" 60 \
   bash -c "python3 -m pytest -q -p no:cacheprovider $targs tests/routing/test_gather_triton.py \
 tests/routing/test_gather.py 2>&1 | tail -25 >> '$L'"
@@ -47,7 +48,7 @@ docs/gpu-profile-h200-d4096-e64-k2-tensor-core-router.txt)" 120 \
 step "bench moe bf16 d_model 4096, E = 64, top-2 (1.85x naive before the Triton gathers)" 150 \
   bash -c "python3 -m routelab bench moe --device cuda --dtype bfloat16 --d-model 4096 --experts 64 --k 2 \
 > '$out/bench-bf16-d4096-e64-k2.md' 2>>'$L'"
-step "whole suite (make test-gpu; 233 s on an H200 machine, 2026-11-26)" 280 \
+step "whole suite (make test-gpu; 233 s on an H200 machine, 2026-11-26 afternoon; cut at 99 % after 280 s in the evening)" 330 \
   bash -c "make test-gpu PYTEST_ARGS='$targs' > '$out/suite.log' 2>&1"
 [ -f "$out/suite.log" ] && grep -E "FAILED|ERROR|Timeout|passed|failed" "$out/suite.log" | grep -v " PASSED" | tail -30 | tee -a "$L"
 step "bench assignment on the GPU: the host policy of balanced_assignment (2026-11-26) against on_host=False" 180 \
