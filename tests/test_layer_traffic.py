@@ -70,8 +70,32 @@ def test_the_gpu_paths_count_the_float32_out_matmuls_as_one_kernel_each(capsys: 
     for m in re.finditer(r"^ +(\d+) .*?  (aten::\S+)  ", table, re.M):
         calls[m.group(2)] = calls.get(m.group(2), 0) + int(m.group(1))
     assert calls.get("aten::mm(out_dtype=float32)", 0) == 2  # the logits and the weight's gradient
-    assert calls.get("aten::bmm(out_dtype=float32)", 0) == 1  # the combine's weight-gradient dots
+    # the combine's weight-gradient dots (in the fused combine backward where Triton is installed)
+    from routelab.routing import _gather_triton
+    assert calls.get("aten::bmm(out_dtype=float32)", 0) == (0 if _gather_triton.triton is not None else 1)
     assert "aten::_to_copy  [64, 16]float32" not in table  # no float32 copy of x
     with traffic.Traffic() as mode:
         torch.randn(100, 4).new_zeros(1, 4)
     assert mode.table[("rest", "aten::new_zeros", "[1, 4]float32")][1:] == [0, 16]
+
+
+def test_the_gpu_paths_count_each_fused_gather_as_one_kernel(capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """With Triton installed, --gather adjoint counts the four gathers as the fused kernels (two
+    slot sums, one gather, one combine backward), none of the operators they replace, and leaves
+    routelab's kernel functions as it found them."""
+    pytest.importorskip("triton")
+    from routelab.routing import _gather_triton
+
+    saved = {name: getattr(_gather_triton, name) for name in ("usable", "gather_rows", "slot_sum", "combine_backward")}
+    traffic = _load()
+    monkeypatch.setattr(sys, "argv", ["layer_traffic.py", "--d-model", "16", "--d-hidden", "32", "--tokens", "64",
+                                      "--experts", "4", "--k", "2", "--top", "60"])
+    traffic.main()
+    table = capsys.readouterr().out.split("largest first")[1]
+    calls = {m.group(2): int(m.group(1)) for m in re.finditer(r"^ +(\d+) .*?  (triton::\S+)  ", table, re.M)}
+    assert calls == {"triton::slot_sum": 2, "triton::gather_rows": 1, "triton::combine_backward": 1}
+    assert not re.search(r"aten::index_select  \[\d+, 16\]", table)  # no d_model-wide gather
+    assert "aten::addcmul" not in table and "aten::cat  [65, 16]" not in table
+    assert "aten::bmm(out_dtype=float32)" not in table  # the dots are in the combine's kernel
+    assert {name: getattr(_gather_triton, name) for name in saved} == saved

@@ -22,7 +22,9 @@ It is an estimate, exact in what it counts and approximate in what it means:
 * fused or cached reads on the device are not modelled.
 
 --gather adjoint takes the GPU's paths on any device: the gathers' adjoint backward
-(``routelab.routing._gather``'s autograd functions, the default on CUDA) and the float32-out
+(``routelab.routing._gather``'s autograd functions, the default on CUDA), their fused Triton kernels
+(``routelab.routing._gather_triton``, where Triton is installed; each counted as one kernel that reads
+the rows it picks) and the float32-out
 half-precision matmuls of ``routelab._float32_out`` (the router's scores and the combine's weight
 gradient on CUDA; each counted as the one kernel it is there, though its CPU stand-in goes through
 float32 copies); plain takes the CPU's. The default sizes are small enough for the
@@ -46,6 +48,10 @@ try:
     from routelab import _float32_out
 except ImportError:  # a checkout from before the float32-out kernels (an A/B run through PYTHONPATH)
     _float32_out = None
+try:
+    from routelab.routing import _gather_triton
+except ImportError:  # a checkout from before the fused Triton gathers
+    _gather_triton = None
 
 _FREE = {"aten::view", "aten::_unsafe_view", "aten::t", "aten::transpose", "aten::permute", "aten::expand",
          "aten::slice", "aten::select", "aten::unsqueeze", "aten::squeeze", "aten::as_strided", "aten::detach",
@@ -92,6 +98,10 @@ class Traffic(TorchDispatchMode):
         shapes = "x".join(str(list(t.shape)) + str(t.dtype).replace("torch.", "")
                           for t in outputs if isinstance(t, torch.Tensor))
         self.trace.append(f"{self.phase:8s} {name} {shapes}")
+        self.add(name, shapes, read, written)
+
+    def add(self, name: str, shapes: str, read: int, written: int) -> None:
+        """Count one operator that read and wrote these bytes."""
         row = self.table[(self.phase, name, shapes)]
         row[0] += 1
         row[1] += read
@@ -109,10 +119,85 @@ def _one_kernel(mode: Traffic, name: str, fn):  # noqa: ANN001, ANN202
     return counted
 
 
+def _padded(t: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(1, t.shape[1])])
+
+
+def _shape(t: torch.Tensor) -> str:
+    return str(list(t.shape)) + str(t.dtype).replace("torch.", "")
+
+
+def _triton_stand_ins(mode: Traffic) -> dict[str, object]:
+    """The fused gathers of :mod:`routelab.routing._gather_triton`, computed uncounted by PyTorch
+    operators and counted as the one kernel each is on a GPU, with the bytes it moves: the rows it
+    picks (a sentinel reads nothing), its maps and weights, its output."""
+    def gather_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        with _disable_current_modes():
+            out = _padded(src).index_select(0, index)
+            picked = int((index < src.shape[0]).sum()) * src.shape[1] * src.element_size()
+        mode.add("triton::gather_rows", _shape(out), picked + _bytes(index), _bytes(out))
+        return out
+
+    def slot_sum(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        with _disable_current_modes():
+            n, slots = index.shape
+            picked = _padded(src).index_select(0, index.reshape(-1)).view(n, slots, -1).float()
+            if weight is not None:
+                picked = picked * weight.float().unsqueeze(-1)
+            out = picked.sum(1).to(src.dtype)
+            read = int((index < src.shape[0]).sum()) * src.shape[1] * src.element_size()
+        mode.add("triton::slot_sum", _shape(out), read + _bytes(index) + _bytes(weight), _bytes(out))
+        return out
+
+    def combine_backward(rows: torch.Tensor, grad_y: torch.Tensor, token_of_row: torch.Tensor,
+                         weight_of_row: torch.Tensor | None, dots: bool):  # noqa: ANN202
+        with _disable_current_modes():
+            valid = token_of_row < grad_y.shape[0]
+            gathered = _padded(grad_y).index_select(0, token_of_row).float()
+            grad_rows = None if weight_of_row is None else (gathered * weight_of_row.float()[:, None]).to(rows.dtype)
+            out_dots = (rows.float() * gathered).sum(-1).masked_fill(~valid, 0.0) if dots else None
+            row_bytes = int(valid.sum()) * rows.shape[1] * rows.element_size()
+        read = row_bytes * (1 + bool(dots)) + _bytes(token_of_row) + _bytes(weight_of_row)
+        outs = [t for t in (grad_rows, out_dots) if t is not None]
+        mode.add("triton::combine_backward", "x".join(_shape(t) for t in outs), read, sum(map(_bytes, outs)))
+        return grad_rows, out_dots
+
+    def usable(*tensors: torch.Tensor, indices: tuple[torch.Tensor, ...] = ()) -> bool:
+        return (tensors[0].dtype in _gather_triton.DTYPES and all(t.dtype == tensors[0].dtype for t in tensors)
+                and all(i.dtype == torch.int64 for i in indices))
+
+    return {"usable": usable,
+            "gather_rows": gather_rows, "slot_sum": slot_sum, "combine_backward": combine_backward}
+
+
+@contextlib.contextmanager
+def _triton_paths(mode: Traffic, on: bool):  # noqa: ANN202
+    """The fused Triton gathers (the GPU's path) while ``on``, each counted as one kernel."""
+    if _gather_triton is None or _gather_triton.triton is None or not on:
+        yield
+        return
+    stand_ins = _triton_stand_ins(mode)
+    saved = {name: getattr(_gather_triton, name) for name in stand_ins}
+    for name, fn in stand_ins.items():
+        setattr(_gather_triton, name, fn)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(_gather_triton, name, fn)
+
+
 @contextlib.contextmanager
 def _gpu_paths(mode: Traffic, on: bool):  # noqa: ANN202
-    """The GPU's paths on any device while ``on``: the gathers' adjoint backward and the float32-out
-    half-precision matmuls of :mod:`routelab._float32_out`, each of those counted as one kernel."""
+    """The GPU's paths on any device while ``on``: the gathers' adjoint backward (the fused Triton
+    gathers where Triton is installed) and the float32-out half-precision matmuls of
+    :mod:`routelab._float32_out`, each of those counted as one kernel."""
+    with _triton_paths(mode, on), _gpu_matmul_paths(mode, on):
+        yield
+
+
+@contextlib.contextmanager
+def _gpu_matmul_paths(mode: Traffic, on: bool):  # noqa: ANN202
     if _float32_out is None:
         saved_gathers = _gather._adjoint_by_default
         _gather._adjoint_by_default = lambda t: on

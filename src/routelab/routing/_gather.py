@@ -61,7 +61,7 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def forward(x: Tensor, token_of_row: Tensor, row_of_slot: Tensor) -> Tensor:
-        if _gather_triton.usable(x):
+        if _gather_triton.usable(x, indices=(token_of_row,)):
             return _gather_triton.gather_rows(x, token_of_row)  # one pass, no zero row appended
         return _with_zero_row(x).index_select(0, token_of_row)
 
@@ -72,7 +72,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows: Tensor) -> tuple[Tensor, None, None]:
         (row_of_slot,) = ctx.saved_tensors
-        if not torch.is_grad_enabled() and _gather_triton.usable(grad_rows):
+        if not torch.is_grad_enabled() and _gather_triton.usable(grad_rows, indices=(row_of_slot,)):
             return _gather_triton.slot_sum(grad_rows, row_of_slot), None, None
         return _sum_slots(_slot_rows(grad_rows, row_of_slot)), None, None
 
@@ -136,7 +136,7 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def forward(rows: Tensor, weight: Tensor, row_of_slot: Tensor, token_of_row: Tensor) -> Tensor:
-        if _gather_triton.usable(rows, weight):
+        if _gather_triton.usable(rows, weight, indices=(row_of_slot,)):
             return _gather_triton.slot_sum(rows, row_of_slot, weight)  # the same sums in one pass
         picked = _slot_rows(rows, row_of_slot)
         if picked.shape[1] == 1:  # one product, rounded once
@@ -152,7 +152,8 @@ class _Combine(torch.autograd.Function):
         rows, weight, row_of_slot, token_of_row = ctx.saved_tensors
         grad_rows = grad_weight = None
         num_rows = token_of_row.shape[0]
-        if not torch.is_grad_enabled() and _gather_triton.usable(rows, grad_y):
+        if not torch.is_grad_enabled() and _gather_triton.usable(rows, grad_y, weight,
+                                                                   indices=(row_of_slot, token_of_row)):
             # Both adjoints in one pass over the rows (no double backward: the kernel has no graph).
             weight_of_row = None
             if ctx.needs_input_grad[0]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Sequence
 from types import SimpleNamespace
 
 import torch
@@ -57,11 +58,15 @@ _MAX_BLOCK = 1024
 _NUM_WARPS = 4
 
 
-def usable(*tensors: Tensor) -> bool:
-    """Whether the fused kernels compute the gathers of these tensors: Triton importable, the
-    tensors on one CUDA device in one of :data:`DTYPES`, plain tensors (not fake, not batched by
-    ``torch.func`` transforms), and no tracing: not under ``torch.compile`` (inductor fuses the
-    PyTorch formulation itself) or a dispatch mode (which would not see the kernels)."""
+def usable(*tensors: Tensor, indices: Sequence[Tensor] = ()) -> bool:
+    """Whether the fused kernels compute the gathers of these tensors: Triton importable; the
+    data ``tensors`` in one of :data:`DTYPES` and the ``indices`` (the maps) ``int64``, all on one
+    CUDA device; plain tensors (not fake, not batched by ``torch.func`` transforms); and no
+    tracing: not under ``torch.compile`` (inductor fuses the PyTorch formulation itself) or a
+    dispatch mode (which would not see the kernels).
+
+    The maps' values are not checked: the plans build them in range (an index past the sentinel
+    would read as the sentinel does, where ``index_select`` raises)."""
     if triton is None:
         return False
     first = tensors[0]
@@ -69,10 +74,13 @@ def usable(*tensors: Tensor) -> bool:
         return False
     if any(t.dtype != first.dtype or t.device != first.device for t in tensors):
         return False
+    if any(i.dtype != torch.int64 or i.device != first.device for i in indices):
+        return False
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return False  # traced, or seen by a dispatch mode (fake tensors, an operator counter)
     # Plain tensors only: not fake, functional or another subclass, not batched by torch.func.
-    return all(type(t) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+    return all(type(t) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+               for t in (*tensors, *indices))
 
 
 # --- kernel bodies (decorated by _kernels) ---------------------------------------------------
