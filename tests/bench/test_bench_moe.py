@@ -174,8 +174,9 @@ def test_expert_timer_spans_forward_and_backward() -> None:
     with timer:
         moe(x)[0].sum().backward()
     m = timer.marks
-    assert m["fwd_start"] <= m["fwd_end"] <= m["bwd_start"] <= m["bwd_end"]
+    assert m["call_start"] <= m["fwd_start"] <= m["fwd_end"] <= m["bwd_start"] <= m["bwd_end"] <= m["call_end"]
     assert timer.seconds > 0
+    assert 0 < timer.share() < 1
     assert not moe.experts._forward_hooks and not moe.experts._forward_pre_hooks  # removed on exit
     with pytest.raises(RuntimeError, match="did not fire"):
         with timer:
@@ -244,9 +245,8 @@ def test_bfloat16_transformers_comparison_compares_the_tokens_routed_alike() -> 
     assert "**no**" in bench.render_hf_row(row, cfg.tokens, cfg.same_rtol)
 
 
-def test_expert_share_in_separate_calls_where_the_marks_synchronise(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CUDA way (the timer's marks would slow the layer's timed calls alone): the timed calls run
-    without hooks and as many extra calls of the layer measure the expert share."""
+def test_the_expert_share_is_measured_inside_the_timed_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every timed call of the layer (and no other call) runs inside the timer, on every device."""
     calls = {"timed": 0}
     real_enter = bench.ExpertTimer.__enter__
 
@@ -257,11 +257,32 @@ def test_expert_share_in_separate_calls_where_the_marks_synchronise(monkeypatch:
     monkeypatch.setattr(bench.ExpertTimer, "__enter__", counting_enter)
     cfg = dataclasses.replace(TINY, experts=(4,), ks=(1,), repeats=3, budget_s=60.0, hf_peer=False)
     row = bench._measure(4, 1, cfg, "cpu")
-    assert calls["timed"] == row.runs["moe"] == 3  # inside the timed calls on CPU
-    calls["timed"] = 0
-    monkeypatch.setattr(bench, "_expert_share_inside_timed_calls", lambda device: False)
-    row = bench._measure(4, 1, cfg, "cpu")
-    assert calls["timed"] == row.runs["moe"] == 3 and 0 < row.expert_share < 1  # in separate calls
+    assert calls["timed"] == row.runs["moe"] == 3 and 0 < row.expert_share < 1
+
+
+@pytest.mark.requires_cuda
+def test_the_cuda_expert_timer_marks_by_events_without_synchronising() -> None:
+    """On CUDA the marks are events: a layer that makes no host sync (check_finite=False,
+    capacity factor 1) makes none under the timer either, and the spans nest on the GPU's clock."""
+    torch.manual_seed(0)
+    moe = MoE(64, 128, 8, router="topk", k=2, check_finite=False).cuda().to(torch.bfloat16)
+    x = torch.randn(512, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x)
+    moe(x)[0].backward(g)  # warm-up
+    timer = bench.ExpertTimer(moe, "cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with timer:
+            moe(x)[0].backward(g)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    m = timer.marks
+    assert all(isinstance(e, torch.cuda.Event) for e in m.values())
+    spans = [m["call_start"].elapsed_time(m[k]) for k in ("fwd_start", "fwd_end", "bwd_start", "bwd_end", "call_end")]
+    assert spans == sorted(spans) and spans[0] >= 0
+    assert 0 < timer.share() < 1
 
 
 def test_d_model_selects_sizes_of_the_grid(capsys: pytest.CaptureFixture[str]) -> None:

@@ -32,7 +32,8 @@ Measured per size and implementation, all in the same run:
   runs the expert nodes in between, as they were created after dispatch and before combine).
   ``t_experts`` is the sum of the two spans (the two batched matmuls, biases and activation,
   forward and backward) and ``1 - t_experts / t_call`` the share spent in the router,
-  capacity, dispatch and combine, forward and backward;
+  capacity, dispatch and combine, forward and backward. On CUDA the marks are CUDA events (no
+  synchronisation), read on the GPU's timeline after the call;
 * peak memory of one forward + backward above the memory allocated before it (weights,
   inputs): ``torch.cuda.max_memory_allocated`` on CUDA; on CPU the same quantity from the
   allocation events of torch's CPU allocator recorded by ``torch.profiler``;
@@ -60,6 +61,7 @@ Entry point: :func:`run_benchmark`; the measuring is :func:`_benchmark`, paramet
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
@@ -272,22 +274,33 @@ FORWARDS: dict[str, Callable[[MoE, Tensor], Tensor]] = {
 
 
 class ExpertTimer:
-    """Wall time spent inside ``moe.experts`` (forward and backward) during one call of the layer.
+    """Time spent inside ``moe.experts`` (forward and backward) during one call of the layer.
 
-    Module hooks time the forward; tensor hooks on the experts' output (its gradient arrives:
+    Module hooks mark the forward; tensor hooks on the experts' output (its gradient arrives:
     backward of the experts begins) and input buffer (its gradient is ready: the experts'
-    backward nodes have run) time the backward. Use as a context manager around a forward +
-    backward of the layer; read :attr:`seconds` after it.
+    backward nodes have run) mark the backward. Use as a context manager around exactly one
+    forward + backward of the layer (the context's entry and exit mark the call); read
+    :attr:`seconds` and :meth:`share` after it.
+
+    On the CPU a mark reads the clock. On CUDA a mark records a CUDA event on the current stream:
+    nothing synchronises, so the timed call runs as it would untimed (the host keeps running
+    ahead of the device), and the spans are read on the device's timeline after the call. A span
+    includes the device's idle time inside it (waiting for the host's launches), which therefore
+    counts towards the part of the call where it happens.
     """
 
     def __init__(self, moe: MoE, device: str) -> None:
         self.moe, self.device = moe, device
-        self.marks: dict[str, float] = {}
+        self.marks: dict[str, float | torch.cuda.Event] = {}
         self._handles: list = []
 
     def _now(self, key: str) -> None:
-        _sync(self.device)
-        self.marks[key] = time.perf_counter()
+        if self.device == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks[key] = event
+        else:
+            self.marks[key] = time.perf_counter()
 
     def _pre(self, module: torch.nn.Module, args: tuple) -> None:
         buffer = args[0]
@@ -302,6 +315,7 @@ class ExpertTimer:
 
     def __enter__(self) -> ExpertTimer:
         self.marks = {}
+        self._now("call_start")
         self._handles = [self.moe.experts.register_forward_pre_hook(self._pre),
                          self.moe.experts.register_forward_hook(self._post)]
         return self
@@ -310,16 +324,30 @@ class ExpertTimer:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._now("call_end")
+
+    def _span(self, start: str, end: str) -> float:
+        a, b = self.marks[start], self.marks[end]
+        if isinstance(a, float):
+            return b - a
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3
 
     @property
     def seconds(self) -> float:
         """Forward span + backward span of the experts, in seconds."""
-        m = self.marks
-        missing = {"fwd_start", "fwd_end", "bwd_start", "bwd_end"} - set(m)
+        missing = {"fwd_start", "fwd_end", "bwd_start", "bwd_end"} - set(self.marks)
         if missing:
             raise RuntimeError(f"the experts' hooks did not fire ({sorted(missing)}): run a forward and a backward "
                                "of the layer, with an input that requires grad, inside the timer")
-        return (m["fwd_end"] - m["fwd_start"]) + (m["bwd_end"] - m["bwd_start"])
+        return self._span("fwd_start", "fwd_end") + self._span("bwd_start", "bwd_end")
+
+    def share(self) -> float:
+        """``t_experts / t_call``: the experts' spans over the span of the whole call (from the
+        context's entry to its exit), both on the same clock (the device's on CUDA)."""
+        if "call_end" not in self.marks:
+            raise RuntimeError("read the share after the timer's context has exited")
+        return self.seconds / self._span("call_start", "call_end")
 
 
 # ---------------------------------------------------------------------------- memory
@@ -463,12 +491,6 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def _expert_share_inside_timed_calls(device: str) -> bool:
-    """Whether the expert share is measured inside the layer's timed calls (CPU) or in separate
-    calls (CUDA, where the timer's marks synchronise the device)."""
-    return device != "cuda"
-
-
 def _measure_fitting(E: int, k: int, cfg: BenchConfig, device: str) -> Row:
     gen = torch.Generator().manual_seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # the layer's initialisation
@@ -519,38 +541,30 @@ def _measure_fitting(E: int, k: int, cfg: BenchConfig, device: str) -> Row:
             assert reference is not None
             row.max_rel_diff[name] = max(_rel_diff(result[0], reference[0]), _rel_diff(result[1], reference[1]))
 
-    # Timed calls, round-robin. On CPU the layer's timed calls also time its experts from the inside
-    # (a change of load then hits both alike). On CUDA the timer's marks synchronise the device, which
-    # would slow the layer's timed calls alone: there the expert share comes from separate calls.
+    # Timed calls, round-robin. The layer's timed calls also time its experts from the inside (a
+    # change of load then hits both alike); on CUDA the timer's marks are events, which do not
+    # synchronise, so the timed calls run as they would untimed.
     runs = {name: max(1, min(cfg.repeats, int(cfg.budget_s / max(t, 1e-9)))) for name, t in warm.items()}
     times: dict[str, list[float]] = {name: [] for name in runs}
     shares: list[float] = []
     timer = ExpertTimer(moe, device)
-    inside = _expert_share_inside_timed_calls(device)
 
-    def timed(name: str, with_timer: bool) -> float:
+    def timed(name: str) -> float:
         clear()
         _sync(device)
-        if not with_timer:
+        with timer if name == "moe" else contextlib.nullcontext():
             t0 = time.perf_counter()
             step(name)
-            _sync(device)
-            return time.perf_counter() - t0
-        with timer:
-            t0 = time.perf_counter()
-            step(name)
-            _sync(device)
-            dt = time.perf_counter() - t0
-        shares.append(timer.seconds / dt)
+        _sync(device)
+        dt = time.perf_counter() - t0
+        if name == "moe":
+            shares.append(timer.share())
         return dt
 
     for r in range(max(runs.values())):
         for name in runs:
             if r < runs[name]:
-                times[name].append(timed(name, with_timer=inside and name == "moe"))
-    if not inside:
-        for _ in range(runs["moe"]):
-            timed("moe", with_timer=True)
+                times[name].append(timed(name))
     for name, ts in times.items():
         row.ms[name] = 1e3 * statistics.median(ts)
     row.expert_share = statistics.median(shares)
@@ -679,10 +693,11 @@ def _notes(rows: Sequence[Row], cfg: BenchConfig, device: str) -> list[str]:
         f"against the layer is at most {cfg.same_rtol:g} ({_dtype_name(cfg.dtype)}); the measured differences "
         "are in brackets.",
         "- non-expert share = 1 − t_experts / t_call, median over the layer's timed calls, measured inside each "
-        "call: hooks read the clock where `moe.experts` (`StackedExperts`: the two grouped or batched matmuls, "
+        "call: hooks mark where `moe.experts` (`StackedExperts`: the two grouped or batched matmuls, "
         "biases and GELU) starts and ends its forward and its backward"
-        + (" (with `torch.cuda.synchronize()` at each mark, so on CUDA in as many separate calls after the timed "
-           "ones, which run without the hooks)" if device == "cuda" else "")
+        + (" (each mark a CUDA event on the stream, nothing synchronised: the spans are read on the GPU's "
+           "timeline after the call, and the GPU's idle time counts where it happens)" if device == "cuda"
+           else " (each mark a clock reading)")
         + "; the rest is the router, capacity, dispatch and combine, forward and backward (and the hooks' own cost).",
         f"- peak MiB: {memory}.",
         "- Times are medians over timed calls after one untimed warm-up; the implementations are timed "
