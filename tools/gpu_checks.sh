@@ -7,10 +7,11 @@
 #
 # 15 minutes of device time do not fit every step: the suite alone takes about 4 minutes.
 #
-# Writes 8 files to $OUT (or ./gpu-checks when OUT is unset; the device returns at most 8): log.txt
-# (with the Triton gathers' CUDA tests), probe.txt, prof-d4096.txt, suite.log, bench-bf16-d4096-e64-k2.md, bench-assignment.md,
-# bench-fp32-d2048.md, bench-compiled-bf16-d1024.md (default and reduce-overhead); lm.tgz replaces
-# the probe's file when data-cache/ is there. Each step
+# Writes up to 9 files to $OUT (or ./gpu-checks when OUT is unset): log.txt (with the Triton
+# gathers' CUDA tests), bench-bf16-d4096-e64-k2.md, suite.log, bench-bf16-d1024.md,
+# bench-assignment.md, bench-fp32-d2048.md, bench-compiled-bf16-d1024.md (default and
+# reduce-overhead), probe.txt, prof-d4096.txt; lm.tgz replaces the probe's file when data-cache/ is
+# there. (The device returns at most 8: one call's budget reaches about five of them.) Each step
 # gets the time left before the deadline (a step that would start with under 30 s left is skipped
 # and said so), so the most important results come back even when the budget is short.
 # Needs routelab's src on the machine's python3 (make test-gpu installs it --no-deps). The lm-routers
@@ -40,17 +41,15 @@ targs="-vv --durations=40 --tb=short"; python3 -c "import pytest_timeout" 2>/dev
 step "the fused Triton gathers on CUDA (tests/routing/test_gather_triton.py, test_gather.py)" 60 \
   bash -c "python3 -m pytest -q -p no:cacheprovider $targs tests/routing/test_gather_triton.py \
 tests/routing/test_gather.py 2>&1 | tail -25 >> '$L'"
-step "kernel probe: candidate forms of the largest non-expert operations, the Triton gathers (tools/gpu_kernel_probe.py)" 60 \
-  bash -c "python3 tools/gpu_kernel_probe.py > '$out/probe.txt' 2>&1"
-step "profile at d_model 4096, 64k tokens, E = 64, top-2, with kernel tables (before the Triton gathers: \
-docs/gpu-profile-h200-d4096-e64-k2-tensor-core-router.txt)" 120 \
-  python3 tools/gpu_layer_profile.py "$out/prof-d4096.txt" --cases 64:2 --d-model 4096 --tokens 65536
-step "bench moe bf16 d_model 4096, E = 64, top-2 (1.85x naive before the Triton gathers)" 150 \
+step "bench moe bf16 d_model 4096, E = 64, top-2 (2.3x naive with the Triton gathers; the first run of the event-timed non-expert share)" 150 \
   bash -c "python3 -m routelab bench moe --device cuda --dtype bfloat16 --d-model 4096 --experts 64 --k 2 \
 > '$out/bench-bf16-d4096-e64-k2.md' 2>>'$L'"
 step "whole suite (make test-gpu; 233 s on an H200 machine, 2026-11-26 afternoon; cut at 99 % after 280 s in the evening)" 330 \
   bash -c "make test-gpu PYTEST_ARGS='$targs' > '$out/suite.log' 2>&1"
 [ -f "$out/suite.log" ] && grep -E "FAILED|ERROR|Timeout|passed|failed" "$out/suite.log" | grep -v " PASSED" | tail -30 | tee -a "$L"
+step "bench moe bf16 d_model 1024, 8k tokens, E in {8, 64}, top-1/top-2 (before the Triton gathers and the event-timed \
+share: docs/bench-moe-gpu-bf16-d1024.md)" 150 \
+  bash -c "python3 -m routelab bench moe --device cuda --dtype bfloat16 --d-model 1024 > '$out/bench-bf16-d1024.md' 2>>'$L'"
 step "bench assignment on the GPU: the host policy of balanced_assignment (2026-11-26) against on_host=False" 180 \
   bash -c "python3 -m routelab bench assignment --device cuda > '$out/bench-assignment.md' 2>>'$L'"
 step "bench moe fp32 d_model 2048" 200 \
@@ -61,6 +60,11 @@ step "bench moe --compile, bf16 d_model 1024, top-1 (measured 2026-11-26)" 150 \
 step "bench moe --compile reduce-overhead (CUDA graphs), bf16 d_model 1024, top-1 (measured 2026-11-26)" 120 \
   bash -c "python3 -m routelab bench moe --device cuda --dtype bfloat16 --d-model 1024 --k 1 \
 --compile reduce-overhead >> '$out/bench-compiled-bf16-d1024.md' 2>>'$L'"
+step "kernel probe: candidate forms of the largest non-expert operations, the Triton gathers (tools/gpu_kernel_probe.py)" 60 \
+  bash -c "python3 tools/gpu_kernel_probe.py > '$out/probe.txt' 2>&1"
+step "profile at d_model 4096, 64k tokens, E = 64, top-2, with kernel tables (the fifth session's: \
+docs/gpu-profile-h200-d4096-e64-k2-triton-gathers.txt)" 120 \
+  python3 tools/gpu_layer_profile.py "$out/prof-d4096.txt" --cases 64:2 --d-model 4096 --tokens 65536
 if [ -f data-cache/parallel_text_es_en.jsonl.gz ]; then
   mkdir -p /tmp/lm
   step "lm-routers --large, 1 seed, 100 steps" 200 bash -c "python3 -m routelab.experiments.lm_routers --large \
