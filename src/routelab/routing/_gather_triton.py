@@ -24,6 +24,12 @@ the sums in float32 in slot order, one rounding to the output dtype):
 Float32 kernels are compiled without fused multiply-adds, so float32 results equal the PyTorch
 path's bit for bit where the order of the sums is the same (all but the dots).
 
+One program handles one output row, looping over its columns in blocks. The width ``d`` and the
+number of slots are compile-time constants: Triton compiles a kernel once per dtype, width and
+slot count, a handful in a model. On an H200 at 64k tokens x 4096 in bfloat16, top-2, the four
+kernels take 2.2 ms where the PyTorch operators took 11.0 ms (``tools/gpu_kernel_probe.py``,
+2026-11-26; each kernel near 3.6 TB/s).
+
 The kernels are built on first use (:func:`_kernels`), so that a test can run them in Triton's
 interpreter on the CPU (``TRITON_INTERPRET=1``, read when a kernel is decorated).
 """
@@ -143,7 +149,8 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 
 
 def _launch(kernel_name: str, device: torch.device, rows: int, d: int, *args, **constexprs) -> None:
-    """Launch one program per row on ``device``, the columns in blocks of at most 1024."""
+    """Launch ``kernel_name`` with one program per output row (``rows`` of them) on ``device``, the
+    ``d`` columns in blocks of at most :data:`_MAX_BLOCK`."""
     if rows == 0:
         return
     block = min(_MAX_BLOCK, triton.next_power_of_2(max(d, 1)))
