@@ -219,37 +219,26 @@ def cancel_negative_cycles(
         is_move = move_arc[inst, u, v] <= arc[inst, u, v]
         touched = torch.cat([inst * k + u, inst * k + v])
         # Cycles of move arcs alone: as many units as stay negative (cycle_units); a cycle through
-        # a release arc (a load changes): one unit, below.
+        # a release arc (a load changes): one unit, its move arcs' cheapest tokens.
         cycle = cycle_ids(pred, inst, v, k)
         releases = torch.zeros((B, k), dtype=torch.long, device=dev)
         releases.index_put_((inst, cycle), (~is_move).long(), accumulate=True)
         pure = releases[inst, cycle] == 0
-        single = is_move & ~pure
         count, order = unit_counts(move, inst, u, v, cycle, tol, active=pure)
-        # Both sizes in one synchronisation (boolean indexing would read one per tensor indexed).
-        n_single, n_units = torch.stack([single.sum(), count.sum()]).tolist()
-        unit, slot_a, slot_b, _ = unit_moves(count, order, inst, u, v, move.shape, n_units)
+        count = torch.where(is_move & ~pure, 1, count)
+        unit, slot_a, slot_b, _ = unit_moves(count, order, inst, u, v, move.shape, int(count.sum()))
         ui, ua, ub = inst[unit], u[unit], v[unit]
+        # A token takes the slot that ub's own outgoing token of its rank leaves, or a free slot
+        # of ub when ub absorbs it (its out-arc is a release arc, which exists only while ub has a
+        # free slot; such a cycle moves one unit, so ub receives one token).
+        first_free = (holder[ui, ub] == n).long().argmax(dim=-1)
+        slot_b = torch.where(slot_b < 0, first_free, slot_b)
         moved = holder[ui, ua, slot_a]
         holder[ui, ua, slot_a] = n
         holder[ui, ub, slot_b] = moved
         z[ui, moved] = ub
-        picked = torch.sort((~single).to(torch.uint8), stable=True).indices[:n_single]  # the single arcs, in order
-        inst, u, v = inst[picked], u[picked], v[picked]
-        slot_u = move[inst, u, :, v].argmin(dim=-1)
-        token = holder[inst, u, slot_u]
-        # The token takes the slot that v's own outgoing token leaves, or a free slot of v when v
-        # absorbs it (its out-arc is a release arc, which exists only while v has a free slot).
-        vacated = torch.full((B, k), -1, dtype=torch.long, device=dev)
-        vacated[inst, u] = slot_u
-        slot_v = vacated[inst, v]
-        first_free = (holder[inst, v] == n).long().argmax(dim=-1)
-        slot_v = torch.where(slot_v < 0, first_free, slot_v)
-        holder[inst, u, slot_u] = n
-        holder[inst, v, slot_v] = token
-        z[inst, token] = v
-        counts.index_put_((inst, u), torch.full_like(u, -1), accumulate=True)
-        counts.index_put_((inst, v), torch.ones_like(v), accumulate=True)
+        counts.index_put_((ui, ua), torch.full_like(ua, -1), accumulate=True)  # a cycle of moves: net 0
+        counts.index_put_((ui, ub), torch.ones_like(ub), accumulate=True)
         # Refresh the move rows of the experts whose tokens changed, and the release arcs.
         key = torch.unique(touched)
         ci, ce = key // k, key % k
