@@ -105,7 +105,9 @@ GPU_PLATFORM ?= manylinux_2_28_x86_64
 PYTEST_ARGS ?=
 # pytest-xdist workers for make test-gpu where xdist is installed (the GPU image has it): the whole
 # suite took 212 s (233 s with the install) with 14 workers on the H200 machine (16 cores), 2026-11-26;
-# its three slowest tests compile with inductor (50-72 s each).
+# its three slowest tests compile with inductor (50-72 s each). Those runs left each worker torch's
+# default of one intra-op thread per core (14 x 16 threads on 16 cores); each worker now gets
+# ceil(cores / workers) threads (OMP_NUM_THREADS, unless set), so that they share the cores.
 GPU_TEST_WORKERS ?= 14
 GPU_PIP = pip_try() { $(PYTHON) -m pip install "$$@" || $(PYTHON) -m pip install --user "$$@" \
 	|| $(PYTHON) -m pip install --user --break-system-packages "$$@"; }; pip_try
@@ -117,8 +119,10 @@ test-gpu:
 		|| echo "make test-gpu: warning: pip could not install routelab; testing src/ through PYTHONPATH"
 	PYTHONPATH="$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) tools/gpu_env.py --require-cuda
 	xdist=$$($(PYTHON) -c "import xdist" 2>/dev/null && echo "-n $(GPU_TEST_WORKERS)"); \
+	threads=$${OMP_NUM_THREADS:-$$( [ -n "$$xdist" ] && echo $$(( ($$(nproc) + $(GPU_TEST_WORKERS) - 1) / $(GPU_TEST_WORKERS) )) || nproc)}; \
+	echo "make test-gpu: $${xdist:-no xdist}, OMP_NUM_THREADS=$$threads"; \
 	PYTHONPATH="$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH}" ROUTELAB_REQUIRE_CUDA=1 ROUTELAB_ALLOW_MISSING_OPTIONAL=1 \
-		$(PYTHON) -m pytest -q -rfEs $$xdist $(PYTEST_ARGS)
+		OMP_NUM_THREADS=$$threads $(PYTHON) -m pytest -q -rfEs $$xdist $(PYTEST_ARGS)
 
 # The Spanish-English Bible comes from Debian packages the GPU machine does not have: export its cache
 # here (after `make data`) into data-cache/ (2.9 MB, git-ignored), copy it along, and run
