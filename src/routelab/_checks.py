@@ -349,7 +349,7 @@ def check_finite(tensors: Tensor | Sequence[Tensor], what: str, fix: str) -> Non
     One reduction per tensor and a single host synchronisation for all of them together: the
     only sync such a check adds to a forward pass. Skipped while ``torch.compile`` traces
     (:func:`checks_run`: a data-dependent check there is a graph break, an error with
-    ``fullgraph=True``). Empty tensors pass.
+    ``fullgraph=True``). Empty tensors and meta tensors (no values) pass.
     """
     if not checks_run():
         return
@@ -358,7 +358,7 @@ def check_finite(tensors: Tensor | Sequence[Tensor], what: str, fix: str) -> Non
     # The largest magnitude of each: inf for an inf entry, NaN for a NaN one (amax propagates NaN).
     # Two kernels per tensor, where torch.isfinite(t).all() takes five (abs, two comparisons, a
     # product, the reduction).
-    tops = [t.detach().abs().amax() for t in tensors if t.numel() and t.is_floating_point()]
+    tops = [t.detach().abs().amax() for t in tensors if t.numel() and t.is_floating_point() and not t.is_meta]
     if not tops:
         return
     # (several: compared in float64, which holds every floating dtype's largest finite value)

@@ -193,3 +193,52 @@ def test_gumbel_softmax_gate_noise_is_replayed_by_activation_checkpointing():
         grads.append((gate.alpha.grad.clone(), gate.beta.grad.clone()))
     for eager, ckpt in zip(*grads, strict=True):
         torch.testing.assert_close(ckpt, eager, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("name", "num_experts"), [("DSelectK", 8), ("DSelectK", 1), ("TopKGate", 8)])
+def test_a_gate_built_with_a_generator_draws_nothing_from_the_global_one(name: str, num_experts: int) -> None:
+    """Review finding: the per-example gates' nn.Linear ran its default initialisation from torch's
+    global generator before being overwritten, shifting every later draw of the user's model."""
+    from routelab import gates
+
+    def make():  # noqa: ANN202
+        return getattr(gates, name)(num_experts, 1, per_example=True, input_dim=5,
+                                    generator=torch.Generator().manual_seed(1))
+
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    gate = make()
+    torch.testing.assert_close(torch.rand(3), expected)
+    again = make()  # and the generator alone fixes the values
+    for a, b in zip(gate.parameters(), again.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_unused_code_penalty_is_averaged_or_summed_over_the_batch() -> None:
+    """App. B.2's penalty of a per-example gate: averaged by default (routelab), summed with
+    ``unused_reduction="sum"`` (the official code): B copies of one example give B times the mean."""
+    from routelab.gates import DSelectK
+
+    gates = {r: DSelectK(5, 2, per_example=True, input_dim=3, unused_reduction=r,
+                         generator=torch.Generator().manual_seed(0)) for r in ("mean", "sum")}
+    x = torch.randn(1, 3).expand(64, 3)
+    for gate in gates.values():
+        gate(x)
+    mean, total = (float(gates[r].aux["unused_codes"]) for r in ("mean", "sum"))
+    assert mean > 0 and total == pytest.approx(64 * mean, rel=1e-5)
+    with pytest.raises(ValueError, match="unused_reduction must be one of"):
+        DSelectK(5, 2, unused_reduction="max")
+
+
+def test_ablation_annealing_ends_at_the_papers_temperature_in_every_dtype() -> None:
+    """App. D.4 anneals down to T = 1e-16; beta / T overflows half precision, so the selectors are
+    computed in float32 there."""
+    from routelab.gates import ablation_annealing
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        gate = ablation_annealing(6, 2).to(dtype)
+        gate.on_step(99, 100)
+        assert gate.temperature == pytest.approx(1e-16)
+        w = gate(torch.randn(3, 4, dtype=dtype))
+        assert torch.isfinite(w).all() and torch.allclose(w.float().sum(-1), torch.ones(3), atol=1e-2)

@@ -208,3 +208,54 @@ def test_a_batch_of_no_examples_has_no_penalty(make_gate):
     penalty = model.regularization()
     assert float(penalty) == 0.0
     (sum(o.sum() for o in outs) + penalty).backward()
+
+
+def test_a_half_precision_layer_skips_no_expert_whose_weight_has_a_gradient() -> None:
+    """Review finding: a float32 gate's weight of 6e-9 is 0 in float16 and kept its gradient, so a
+    float16 layer that skipped the expert lost part of the gate's gradient (15 %). A weight the
+    cast rounds to 0 is now detached (``exact_zeros``): the layer's gradient equals the full
+    mixture's under the same weights."""
+    gate = DSelectK(4, 1, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        gate.z.copy_(torch.tensor([[-(0.5 - 1e-4), 0.3]]))  # one weight just inside the smooth step's band
+    w32 = gate(torch.zeros(1, 1))
+    w16 = gate(torch.zeros(1, 1, dtype=torch.float16))
+    assert float(w32[0, 1]) > 0 and float(w16[0, 1]) == 0.0  # the cast makes the zero
+    assert torch.autograd.grad(w16[0, 1].float(), gate.z, allow_unused=True)[0].abs().max() == 0
+    torch.manual_seed(0)
+    experts = [nn.Linear(3, 2).half() for _ in range(4)]
+    layer = MultiGateMoE(experts, [gate])
+    x = torch.randn(4, 3, dtype=torch.float16)
+    layer(x)[0].float().sum().backward()
+    skipped = gate.z.grad.clone()
+    gate.z.grad = None
+    w = gate(x)
+    full = torch.einsum("bn,bnd->bd", w, torch.stack([e(x) for e in experts], 1))
+    full.float().sum().backward()
+    torch.testing.assert_close(skipped, gate.z.grad)
+
+
+def test_gate_x_needs_one_row_per_example() -> None:
+    """Review finding: a one-row ``gate_x`` was broadcast over the batch (every example routed as the
+    first), another mismatch was einsum's error."""
+    layer = MultiGateMoE([nn.Linear(3, 2) for _ in range(4)], [SoftmaxGate(4, per_example=True, input_dim=5)])
+    for rows in (1, 2):
+        with pytest.raises(ValueError, match="gate_x must have one row per example of x: x has 5"):
+            layer(torch.randn(5, 3), gate_x=torch.randn(rows, 5))
+    assert layer(torch.randn(5, 3), gate_x=torch.randn(5, 5))[0].shape == (5, 2)
+
+
+def test_non_finite_static_gates_and_inputs_the_experts_dtype_cannot_hold_are_errors() -> None:
+    """Review findings: a static gate with an infinite parameter returned NaN weights silently, and
+    float64 input of 1e300 passed the check, then overflowed in the cast to the experts' float32."""
+    gate = DSelectK(4, 2)
+    with torch.no_grad():
+        gate.alpha[0] = float("inf")
+    with pytest.raises(ValueError, match="DSelectK weights are not finite"):
+        gate(3)
+    gate.check_finite = False
+    assert torch.isnan(gate(3)).all()  # (opted out: no host sync, no check)
+    layer = MultiGateMoE([nn.Linear(3, 2) for _ in range(4)], [SoftmaxGate(4)])
+    with pytest.raises(ValueError, match="x are not finite"):
+        layer(torch.full((2, 3), 1e300, dtype=torch.float64))
+    assert layer(torch.full((2, 3), 1e30, dtype=torch.float64))[0].dtype == torch.float64

@@ -13,8 +13,9 @@ Two exceptions, where routelab differs from the official code:
   r of 2^m entries as in the paper (App. B.2: r(S(z)) is a distribution over 2^m codes). The
   official code computes it over the n real codes only; the two differ when n is not a power of
   2 (then the unused codes' mass counts here and not there).
-* The App. B.2 unused-code penalty of a per-example gate is averaged over the batch; the official
-  code sums it over the examples. See :class:`DSelectK`.
+* The App. B.2 unused-code penalty of a per-example gate is averaged over the batch by default;
+  the official code sums it over the examples (``unused_reduction="sum"``). The paper states the
+  penalty for one selector and does not say. See :class:`DSelectK`.
 
 A routelab option that is not in the paper, ``selector_init="distinct"``, starts the k selectors
 on k different experts (symmetry breaking); see :data:`SELECTOR_INITS`.
@@ -23,6 +24,7 @@ on k different experts (symmetry breaking); see :data:`SELECTOR_INITS`.
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Any
 
 import torch
@@ -152,15 +154,6 @@ def dselect_weights(alpha: torch.Tensor, z: torch.Tensor, num_experts: int,
     return (w * r).sum(dim=-2)[..., :num_experts]
 
 
-class _CodelessLinear(nn.Linear):
-    """``nn.Linear`` without the default initialisation, for a per-example gate's ``W`` when there
-    are no code bits (one expert): its weight is ``[0, p]``, so that initialisation is a no-op
-    whose only effect is the warning "Initializing zero-element tensors is a no-op"."""
-
-    def reset_parameters(self) -> None:
-        pass
-
-
 class DSelectK(MTLGate):
     """The DSelect-k gate, static (Sec. 3.1) or per-example (Sec. 3.2).
 
@@ -175,13 +168,14 @@ class DSelectK(MTLGate):
       per-example gate one such term per example, summed over the batch (the paper's objective,
       Sec. 3.2) or averaged (``entropy_reduction="mean"``);
     * ``unused_codes`` (only when n is not a power of 2): unused_penalty * sum_i 1 / (sum of
-      selector i's weight on the n real experts), batch-averaged for per-example gates; the sum
-      is floored at :data:`UNUSED_FLOOR` for the value (not the gradient), so the penalty is
-      finite (App. B.2 divides by 0 when a selector sits on unused codes only). This reduction
-      differs from the official code, which *sums* the penalty over the examples of the batch:
-      for a batch of B examples the official penalty is B times this one (equal for a static
-      gate or B = 1), so routelab's ``unused_penalty = c`` matches the official ``c / B``, and
-      the ratio of this penalty to the summed entropy term depends on the batch size.
+      selector i's weight on the n real experts), batch-averaged for per-example gates by
+      default; the sum is floored at :data:`UNUSED_FLOOR` for the value (not the gradient), so
+      the penalty is finite (App. B.2 divides by 0 when a selector sits on unused codes only).
+      The default reduction differs from the official code, which *sums* the penalty over the
+      examples of the batch (``unused_reduction="sum"``): for a batch of B examples the official
+      penalty is B times the default one (equal for a static gate or B = 1), so the default
+      ``unused_penalty = c`` matches the official ``c / B``, and the ratio of this penalty to
+      the summed entropy term depends on the batch size.
 
     The entropy term is over all 2^m codes (the paper, App. B.2); the official code uses only
     the n real codes, which differs when n is not a power of 2 (see the module docstring).
@@ -211,6 +205,10 @@ class DSelectK(MTLGate):
             batch (per-example gate; a static gate has one term, so both agree).
         selector_init: ``"official"`` (default) or ``"distinct"``; see :data:`SELECTOR_INITS`.
         unused_penalty: coefficient of the App. B.2 penalty (>= 0; the official code uses 1).
+        unused_reduction: ``"mean"`` (default, routelab's choice: the penalty does not grow with
+            the batch) or ``"sum"`` (the official code; the paper states the penalty for one
+            selector only) over the examples of a batch (per-example gate; one term for a static
+            gate, so both agree).
         generator: optional torch.Generator for the initialisation (reproducible); anything
             else is a TypeError.
     """
@@ -218,7 +216,8 @@ class DSelectK(MTLGate):
     def __init__(self, num_experts: int, k: int, *, gamma: float = 1.0, per_example: bool = False,
                  input_dim: int | None = None, entropy_reg: float = 0.0,
                  unused_penalty: float = 1.0, generator: torch.Generator | None = None,
-                 entropy_reduction: str = "sum", selector_init: str = "official") -> None:
+                 entropy_reduction: str = "sum", selector_init: str = "official",
+                 unused_reduction: str = "mean") -> None:
         super().__init__(num_experts, per_example=per_example, input_dim=input_dim)
         self.k = check_k(k, num_experts)
         self.gamma = check_gamma(gamma)
@@ -226,9 +225,12 @@ class DSelectK(MTLGate):
         self.unused_penalty = check_nonneg("unused_penalty", unused_penalty)
         if entropy_reduction not in ENTROPY_REDUCTIONS:
             raise ValueError(f"entropy_reduction must be one of {ENTROPY_REDUCTIONS}, got {entropy_reduction!r}.")
+        if unused_reduction not in ENTROPY_REDUCTIONS:
+            raise ValueError(f"unused_reduction must be one of {ENTROPY_REDUCTIONS}, got {unused_reduction!r}.")
         if selector_init not in SELECTOR_INITS:
             raise ValueError(f"selector_init must be one of {SELECTOR_INITS}, got {selector_init!r}.")
         self.entropy_reduction = entropy_reduction
+        self.unused_reduction = unused_reduction
         self.selector_init = selector_init
         self.m = num_code_bits(num_experts)
         self.power_of_2 = 2**self.m == num_experts
@@ -237,10 +239,14 @@ class DSelectK(MTLGate):
         if self.per_example:
             p = self.input_dim
             assert p is not None
-            self.G = nn.Linear(p, k)
-            # One expert has m = 0 code bits, so W has no outputs (z is empty and the only expert
-            # gets weight 1); nn.Linear's default init would only warn about a zero-element tensor.
-            self.W = nn.Linear(p, k * self.m) if self.m else _CodelessLinear(p, 0)
+            # Built uninitialised (skip_init): nn.Linear's default init would draw from torch's
+            # global generator, shifting every later draw of the user's model, and the values are
+            # set from `generator` below. (One expert has m = 0 code bits: W has no outputs, z is
+            # empty and the only expert gets weight 1.)
+            self.G = nn.utils.skip_init(nn.Linear, p, k)
+            with warnings.catch_warnings():  # (m = 0: torch warns that initialising [0, p] is a no-op)
+                warnings.filterwarnings("ignore", "Initializing zero-element tensors is a no-op")
+                self.W = nn.utils.skip_init(nn.Linear, p, k * self.m)
             with torch.no_grad():
                 self.G.weight.copy_(uniform_init((k, p), ALPHA_INIT, g))
                 self.G.bias.copy_(uniform_init((k,), ALPHA_INIT, g))
@@ -274,7 +280,8 @@ class DSelectK(MTLGate):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, k={self.k}, gamma={self.gamma}, "
                 f"per_example={self.per_example}, entropy_reg={self.entropy_reg}, "
-                f"entropy_reduction={self.entropy_reduction!r}, selector_init={self.selector_init!r}")
+                f"entropy_reduction={self.entropy_reduction!r}, unused_reduction={self.unused_reduction!r}, "
+                f"selector_init={self.selector_init!r}")
 
     def codes(self, x: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
         """alpha ``[batch or 1, k]`` and z ``[batch or 1, k, m]`` for the input ``x``."""
@@ -306,7 +313,9 @@ class DSelectK(MTLGate):
             real = rp[..., : self.num_experts].sum(dim=-1)         # [B', k]
             # max(real, floor) in value, d real in gradient: finite where App. B.2 divides by 0.
             floored = real + (UNUSED_FLOOR - real.detach()).clamp(min=0.0)
-            aux["unused_codes"] = self.unused_penalty * _mean((1.0 / floored).sum(dim=-1))
+            per_example = (1.0 / floored).sum(dim=-1)              # [B']
+            aux["unused_codes"] = self.unused_penalty * (
+                per_example.sum() if self.unused_reduction == "sum" else _mean(per_example))
         if weights.shape[0] != b:
             weights = weights.expand(b, self.num_experts)
         return GateOutput(self._output(weights, x), aux, {"smooth_step": smooth_step(z.detach(), self.gamma)})

@@ -195,12 +195,18 @@ class MultiGateMoE(nn.Module):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor [batch, ...], got {type(x).__name__}")
         out_dtype = x.dtype if x.is_floating_point() else None
-        if out_dtype is not None and self.check_finite:
-            check_finite(x, "x", "the input contains NaN/inf (or a magnitude its dtype cannot hold); fix the "
-                                 "previous layer or the data")
         compute = self._compute_dtype()
         if out_dtype is not None and compute is not None and compute != out_dtype:
             x = x.to(compute)
+        if out_dtype is not None and self.check_finite:  # (after the cast: 1e300 in float64 is inf in float32)
+            check_finite(x, "x", "the input contains NaN/inf (or a magnitude the experts' dtype cannot hold); fix "
+                                 "the previous layer or the data")
+        if gate_x is not None:
+            if not isinstance(gate_x, torch.Tensor):
+                raise TypeError(f"gate_x must be a torch.Tensor [batch, ...] or None, got {type(gate_x).__name__}")
+            if gate_x.dim() == 0 or gate_x.shape[0] != x.shape[0]:
+                raise ValueError(f"gate_x must have one row per example of x: x has {x.shape[0]}, gate_x has shape "
+                                 f"{tuple(gate_x.shape)}")
         gx = x.flatten(1) if gate_x is None else gate_x
         weights = [g(gx) for g in self.gates]                        # T x [batch, n]
         needed = None
