@@ -316,3 +316,49 @@ def test_an_empty_sequence_has_finite_responsibilities() -> None:
     assert torch.isfinite(resp).all()
     torch.testing.assert_close(resp.sum(-1), torch.ones(2))
     torch.testing.assert_close(resp, mae(torch.zeros(2, 1, 8), torch.zeros(2, 1, 8), torch.zeros(2, 1, 8))[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_stays_finite_where_multihead_attention_does(dtype: torch.dtype) -> None:
+    """Review finding: float16 q k^T (formed before the 1/sqrt(head_dim) scale, and in float16)
+    passed 65504 at inputs of scale 100 (NaN out) where nn.MultiheadAttention stays finite; the
+    scores and softmax of half-precision heads are now float32. Both layers are compared with the
+    float32 computation of the same weights."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(32, 2, batch_first=True)
+    mae32 = MixtureOfAttentiveExperts.from_multihead_attention(mha)
+    mae = MixtureOfAttentiveExperts.from_multihead_attention(mha).to(dtype)
+    half_mha = nn.MultiheadAttention(32, 2, batch_first=True)
+    half_mha.load_state_dict(mha.state_dict())
+    half_mha = half_mha.to(dtype)
+    for scale in (10.0, 100.0, 300.0):
+        x = (torch.randn(2, 6, 32) * scale).to(dtype)
+        reference = mae32(x.float(), x.float(), x.float())[0]
+        ours = mae(x, x, x)[0].float()
+        theirs = half_mha(x, x, x, need_weights=False)[0].float()
+        assert torch.isfinite(theirs).all() and torch.isfinite(ours).all()
+        assert (ours - reference).abs().max() <= 2 * (theirs - reference).abs().max() + 1e-3 * scale
+
+
+@pytest.mark.parametrize("which", ["key_padding_mask", "attn_mask"])
+def test_integer_masks_are_refused_and_float_masks_must_not_hold_nan(which: str) -> None:
+    """Review finding: a 0/1 integer mask was taken as an additive float mask (+1 on the keys it
+    meant to remove), as nn.MultiheadAttention refuses; NaN in a float mask gave NaN outputs."""
+    mae = MixtureOfAttentiveExperts(16, 4, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    shape = (2, 5) if which == "key_padding_mask" else (5, 5)
+    for dtype in (torch.long, torch.int32, torch.uint8):
+        with pytest.raises(ValueError, match=f"{which} must be bool .* or floating"):
+            mae(x, x, x, **{which: torch.zeros(shape, dtype=dtype)})
+    bad = torch.zeros(shape)
+    bad[0, 1] = float("nan")
+    with pytest.raises(ValueError, match=f"{which}'s entries are not finite"):
+        mae(x, x, x, **{which: bad})
+    bad[0, 1] = float("inf")
+    with pytest.raises(ValueError, match=f"{which}'s entries are not finite"):
+        mae(x, x, x, **{which: bad})
+    allowed = torch.zeros(shape)
+    allowed[0, 1] = float("-inf")  # forbids a key
+    allowed[1, 2] = -1e9
+    boolean = allowed < -1e4
+    torch.testing.assert_close(mae(x, x, x, **{which: allowed})[0], mae(x, x, x, **{which: boolean})[0])

@@ -491,6 +491,7 @@ class MixtureOfAttentiveExperts(nn.Module):
                 f"key_padding_mask must be [batch, src] = {(batch, src)}, got "
                 f"{tuple(key_padding_mask.shape)}."
             )
+        self._check_masks(key_padding_mask, attn_mask)
 
         if causal_gate is None:
             if attn_mask is not None and not checks_run():
@@ -531,6 +532,26 @@ class MixtureOfAttentiveExperts(nn.Module):
             check_finite(distinct, "query/key/value",
                          "the input contains NaN/inf; check the previous layer (or the padding values)")
         return q, k, v
+
+    def _check_masks(self, key_padding_mask: Tensor | None, attn_mask: Tensor | None) -> None:
+        """ValueError for a mask that is neither bool nor floating (a 0/1 integer mask would be
+        added to the scores: +1 at the keys it means to remove, as ``nn.MultiheadAttention``
+        refuses it too) and, under :attr:`check_finite`, for NaN or +inf in a float mask (``-inf``
+        forbids a key; one host sync per float mask)."""
+        for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+            if mask is None:
+                continue
+            if not isinstance(mask, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}")
+            if mask.dtype == torch.bool:
+                continue
+            if not mask.is_floating_point():
+                raise ValueError(f"{name} must be bool (True = not allowed) or floating (added to the scores), got "
+                                 f"{mask.dtype}; for a 0/1 mask pass {name}.bool() (1 = masked) or "
+                                 f"{name} == 0 (1 = kept)")
+            if self.check_finite:
+                check_finite(mask.detach().clamp(min=0.0), f"{name}'s entries",  # (-inf: a forbidden key)
+                             "an additive mask may hold -inf or finite values, not NaN or +inf")
 
     # ------------------------------------------------------------------ cached keys and values
 
@@ -585,6 +606,7 @@ class MixtureOfAttentiveExperts(nn.Module):
         if key_padding_mask is not None and tuple(key_padding_mask.shape) != (batch, keys.shape[2]):
             raise ValueError(f"key_padding_mask must be [N, S] = {(batch, keys.shape[2])}, got "
                              f"{tuple(key_padding_mask.shape)}.")
+        self._check_masks(key_padding_mask, None)
         out_dtype = query.dtype
         query = self._compute_inputs(query, query, query)[0]
         resp = self._check_responsibilities(responsibilities, batch, seq).to(query.dtype)
@@ -620,8 +642,12 @@ class MixtureOfAttentiveExperts(nn.Module):
         w_q = self.in_proj_weight.chunk(3)[0]
         b_q = None if self.in_proj_bias is None else self.in_proj_bias.chunk(3)[0]
         q = F.linear(query, w_q, b_q).view(batch, seq, h, hd).transpose(1, 2)
-        mask = _additive_mask(key_padding_mask, attn_mask, batch, h, seq, src, query.dtype)
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
+        # Scores and softmax of half-precision heads in float32, as torch's attention computes them:
+        # q k^T of float16 heads passes 65504 (inf, then NaN) at inputs where nn.MultiheadAttention
+        # stays finite. q is scaled before the product, as there.
+        work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        mask = _additive_mask(key_padding_mask, attn_mask, batch, h, seq, src, work)
+        scores = (q.to(work) * (1.0 / math.sqrt(hd))) @ k.to(work).transpose(-2, -1)
         blind = None
         if mask is not None:
             # A query that may attend to no key (every key padded or forbidden) gets zero heads, as
@@ -632,7 +658,7 @@ class MixtureOfAttentiveExperts(nn.Module):
             blind = torch.isneginf(mask).all(-1, keepdim=True)
             mask = mask.masked_fill(blind, 0.0)
             scores = scores + mask
-        attn = torch.softmax(scores, dim=-1)
+        attn = torch.softmax(scores, dim=-1).to(v.dtype)
         if self.training and self.dropout > 0:
             attn = F.dropout(attn, p=self.dropout)
         heads = attn @ v
