@@ -259,3 +259,17 @@ def test_non_finite_static_gates_and_inputs_the_experts_dtype_cannot_hold_are_er
     with pytest.raises(ValueError, match="x are not finite"):
         layer(torch.full((2, 3), 1e300, dtype=torch.float64))
     assert layer(torch.full((2, 3), 1e30, dtype=torch.float64))[0].dtype == torch.float64
+
+
+def test_a_layer_names_its_non_finite_static_gate_and_reads_all_gates_in_one_sync() -> None:
+    """The static gates' finite checks are read with the experts' flags (tests/layers/
+    test_host_syncs.py counts the syncs); a failure still names the gate."""
+    gates = [DSelectK(4, 2), SoftmaxGate(4)]
+    with torch.no_grad():
+        gates[1].logits[0] = float("nan")
+    layer = MultiGateMoE([nn.Linear(3, 2) for _ in range(4)], gates)
+    with pytest.raises(ValueError, match="SoftmaxGate weights are not finite"):
+        layer(torch.randn(2, 3))
+    stacked = MultiGateMoE(StackedLinear(4, 3, 2), gates)  # (no flags to read: the check alone)
+    with pytest.raises(ValueError, match="SoftmaxGate weights are not finite"):
+        stacked(torch.randn(2, 3))

@@ -151,12 +151,26 @@ class MTLGate(nn.Module):
         """Expert weights ``[batch, n]``: :meth:`gate`, remembered for :meth:`regularization` and
         :meth:`report` (:meth:`remember`)."""
         out = self.gate(x)
-        if not self.per_example and self.check_finite and out.scores.shape[0]:
-            # (a per-example gate checks its scores in gate(); a static gate's rows are all alike)
-            check_finite(out.scores[:1], f"{type(self).__name__} weights",
-                         "the gate's parameters are not finite (the training diverged); lower the learning rate")
+        rows = self.unchecked_rows(out.scores)
+        if rows is not None:
+            self.check_rows(rows)
         self.remember(out)
         return out.scores
+
+    def unchecked_rows(self, weights: torch.Tensor) -> torch.Tensor | None:
+        """The rows of :meth:`gate`'s ``weights`` that :meth:`forward` checks for NaN/inf (one host
+        sync; a layer of several gates may read them together, :meth:`check_rows` then names the
+        gate): the first row of a static gate's (its rows are all alike, from its parameters), None
+        for a per-example gate (it checks its scores in :meth:`gate`), with ``check_finite`` off, or
+        for an empty batch."""
+        if self.per_example or not self.check_finite or not weights.shape[0]:
+            return None
+        return weights[:1]
+
+    def check_rows(self, rows: torch.Tensor) -> None:
+        """ValueError naming the gate unless :meth:`unchecked_rows`' ``rows`` are finite."""
+        check_finite(rows, f"{type(self).__name__} weights",
+                     "the gate's parameters are not finite (the training diverged); lower the learning rate")
 
     def remember(self, out: GateOutput) -> None:
         """Keep ``out`` (its penalties and detached weights) for :meth:`regularization` and

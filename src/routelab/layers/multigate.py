@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .._checks import check_finite, check_generator, check_positive_int, floating_input
+from ..gates.mtl_gate import MTLGate
 
 __all__ = ["MultiGateMoE", "SharedBottom", "StackedLinear"]
 
@@ -163,13 +164,35 @@ class MultiGateMoE(nn.Module):
         self.towers = _as_tower_list(towers, self.num_tasks)
         self.last_weights: list[torch.Tensor] = []
 
-    def expert_outputs(self, x: torch.Tensor, needed: torch.Tensor | None = None) -> torch.Tensor:
-        """``[batch, n, d]``; with a list of experts, rows of unneeded experts are zeros."""
+    def _gate_weights(self, gx: torch.Tensor) -> tuple[list[torch.Tensor], list[tuple[MTLGate, torch.Tensor]]]:
+        """Every gate's weights ``[batch, n]``, and the rows that routelab's static gates leave to
+        be checked for NaN/inf (:meth:`~routelab.gates.MTLGate.unchecked_rows`), so that the layer
+        reads them in one host sync instead of one per gate."""
+        weights: list[torch.Tensor] = []
+        unchecked: list[tuple[MTLGate, torch.Tensor]] = []
+        for g in self.gates:
+            if isinstance(g, MTLGate) and type(g).forward is MTLGate.forward:
+                out = g.gate(gx)
+                rows = g.unchecked_rows(out.scores)
+                if rows is not None:
+                    unchecked.append((g, rows))
+                g.remember(out)
+                weights.append(out.scores)
+            else:
+                weights.append(g(gx))
+        return weights, unchecked
+
+    def expert_outputs(self, x: torch.Tensor, needed: torch.Tensor | list[bool] | None = None) -> torch.Tensor:
+        """``[batch, n, d]``; with a list of experts, rows of unneeded experts are zeros (``needed``:
+        ``[n]`` bool, or the list of it already read)."""
         if self.stacked:
             return self.experts(x)
         outs: list[torch.Tensor | None] = []
         ref: torch.Tensor | None = None
-        use = [True] * len(self.experts) if needed is None else needed.tolist()  # one host sync for all experts
+        if needed is None:
+            use = [True] * len(self.experts)
+        else:
+            use = needed if isinstance(needed, list) else needed.tolist()  # one host sync for all experts
         for i, e in enumerate(self.experts):
             if not use[i]:
                 outs.append(None)
@@ -208,13 +231,21 @@ class MultiGateMoE(nn.Module):
                 raise ValueError(f"gate_x must have one row per example of x: x has {x.shape[0]}, gate_x has shape "
                                  f"{tuple(gate_x.shape)}")
         gx = x.flatten(1) if gate_x is None else gate_x
-        weights = [g(gx) for g in self.gates]                        # T x [batch, n]
+        weights, unchecked = self._gate_weights(gx)                  # T x [batch, n]
         needed = None
         # A list of experts skips those every gate weighs exactly 0, when that changes no gradient:
         # not under a straight-through gate (its zeros have a gradient), nor under a foreign gate.
         skippable = not torch.is_grad_enabled() or all(getattr(g, "exact_zeros", False) for g in self.gates)
         if not self.stacked and skippable:
             needed = torch.stack([(w.detach() != 0).any(dim=0) for w in weights]).any(dim=0)
+        if unchecked:
+            # The static gates' finite checks, read with the experts' flags: one host sync for all.
+            finite = torch.stack([torch.isfinite(rows.detach()).all() for _, rows in unchecked])
+            flags = (finite if needed is None else torch.cat([needed, finite])).tolist()
+            if not all(flags[len(flags) - len(unchecked):]):
+                for gate, rows in unchecked:
+                    gate.check_rows(rows)  # (names the gate)
+            needed = None if needed is None else flags[: self.num_experts]
         e = self.expert_outputs(x, needed)                           # [batch, n, d]
         if e.dim() != 3 or e.shape[1] != self.num_experts:
             raise ValueError(f"experts must produce [batch, {self.num_experts}, d], got {tuple(e.shape)}.")
