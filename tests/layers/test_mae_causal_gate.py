@@ -234,3 +234,41 @@ def test_a_query_with_no_key_gets_zero_heads_and_finite_gradients(how: str) -> N
     if how == "padding":  # batch 1 equals itself computed alone
         alone, _ = mae(x[1:], x[1:], x[1:], key_padding_mask=kwargs["key_padding_mask"][1:])
         torch.testing.assert_close(out[1:], alone)
+
+
+def test_a_causal_f_step_draws_one_expert_per_instance_from_its_whole_instance_gate() -> None:
+    """Review finding: with a per-position gate (causal, or gate_context) the "sample" routing drew
+    an expert at every position, so an F step was per-token head dropout, not Alg. 2's one expert
+    per instance. Now (sample_per="instance") one draw per instance, at every position, distributed
+    as the gate of its last unpadded position (for a causal gate: the mean of the whole instance,
+    the paper's g(X)); a Monte Carlo frequency checks the distribution, and the heads the expert
+    drops get no gradient. sample_per="position" keeps one draw per position."""
+    mae = _mae(0).train()
+    seq, n = 6, 3000
+    x = torch.randn(1, seq, D).expand(n, seq, D).clone()
+    padding = torch.zeros(n, seq, dtype=torch.bool)
+    padding[:, -2:] = True  # the last real position is 3
+    mask = _causal_mask(seq, "bool", n)
+    mae.routing = "gate"
+    probs = mae(x[:1], x[:1], x[:1], key_padding_mask=padding[:1], attn_mask=mask)[1][0, 3]
+    mae.routing = "sample"
+    mae.generator = torch.Generator().manual_seed(0)
+    resp = mae(x, x, x, key_padding_mask=padding, attn_mask=mask)[1]  # [n, seq, E]
+    assert resp.shape == (n, seq, mae.num_experts)
+    assert torch.equal(resp, resp[:, :1].expand_as(resp))  # one expert at every position
+    freq = resp[:, 0].mean(0)
+    sigma = (probs * (1 - probs) / n).sqrt()
+    assert ((freq - probs).abs() <= 4 * sigma + 1e-3).all(), (freq, probs)
+    # one instance: gradient only for the heads its expert keeps
+    mae.zero_grad()
+    out, r = mae(x[:1], x[:1], x[:1], attn_mask=mask)
+    out.square().sum().backward()
+    e = int(r[0, 0].argmax())
+    grad = mae.in_proj_weight.grad[:D].view(H, D // H, D).abs().sum((1, 2))  # the queries' rows per head
+    for head in range(H):
+        assert (grad[head] == 0) == (head in mae.dropped_heads[e]), (e, head, grad)
+    mae.sample_per = "position"
+    resp = mae(x[:20], x[:20], x[:20], attn_mask=mask)[1]
+    assert not torch.equal(resp, resp[:, :1].expand_as(resp))  # (20 x 6 draws from a gate far from one-hot)
+    with pytest.raises(ValueError, match="sample_per must be one of"):
+        MixtureOfAttentiveExperts(D, H, sample_per="token")

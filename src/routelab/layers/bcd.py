@@ -7,7 +7,8 @@ attention weights and the rest of the model: embeddings, feed-forward layers, ..
 * **G step** (Alg. 1): the output is the gate-weighted mixture (``routing="gate"``); only
   ``phi`` is updated, by plain SGD with its own learning rate (paper: lr 1, no momentum).
 * **F step** (Alg. 2): each MAE layer samples one expert per instance from its gate, without
-  gradient (``routing="sample"``), and computes with that expert only (the other heads are
+  gradient (``routing="sample"``; a per-position gate draws from the instance's last position,
+  see ``MixtureOfAttentiveExperts(sample_per=...)``), and computes with that expert only (the other heads are
   weighted 0, so they get no gradient from that instance); ``theta`` is updated by Adam, ``phi``
   never.
 * **BCD epoch** (Alg. 3): at epochs ``e`` with ``e % g_every == 0`` every batch gets a G step

@@ -19,7 +19,8 @@ How a module routes when no ``responsibilities`` are passed is its :attr:`routin
 set by the block coordinate descent trainer (:mod:`routelab.layers.bcd`) or :func:`set_routing`:
 
 * ``"gate"`` (default): the learned mixture ``g(X)`` (eq. 6; G steps, test time);
-* ``"sample"``: one expert per instance drawn from ``g(X)`` without gradient (F steps, Alg. 2);
+* ``"sample"``: one expert per instance drawn from ``g(X)`` without gradient (F steps, Alg. 2;
+  ``sample_per="position"``: one per position where the gate is per position);
 * ``"top1"``: the expert maximising ``g(X)`` (Sec. 5.1, Table 5);
 * ``"uniform"``: uniform responsibilities (eq. 5: plain multi-head attention; BASE, UNI-MAE
   at test time);
@@ -49,6 +50,7 @@ from ..replay import NoiseReplay
 
 __all__ = [
     "ROUTINGS",
+    "SAMPLE_PER",
     "MAEGate",
     "MixtureOfAttentiveExperts",
     "expert_head_mask",
@@ -58,6 +60,10 @@ __all__ = [
 ]
 
 ROUTINGS: tuple[str, ...] = ("gate", "sample", "top1", "uniform", "uniform_sample")
+#: What one draw of the ``*sample`` routings covers where the gate is one per position (a causal
+#: gate, or ``gate_context``): the whole instance (Alg. 2: ``i ~ Cat(g(X))``, then ``f_i`` at every
+#: position) or each position on its own.
+SAMPLE_PER: tuple[str, ...] = ("instance", "position")
 """The values :attr:`MixtureOfAttentiveExperts.routing` may take (see the module docstring)."""
 
 _SUM_TOL = 1e-4  # how far responsibilities may sum from 1
@@ -144,6 +150,13 @@ class MixtureOfAttentiveExperts(nn.Module):
         bias: whether the input and output projections have biases (as in MHA).
         check_finite: check query, key and value for NaN/inf on every call (one host sync);
             ``False`` drops the check (as ``MoE(check_finite=False)``). Also an attribute.
+        sample_per: where the gate is one per position, whether the ``"sample"`` and
+            ``"uniform_sample"`` routings draw one expert per instance (default, Alg. 2), from
+            the gate of the instance's last position (its last unpadded query in self-attention:
+            for a causal gate the mean of the whole instance, the paper's ``g(X)``; with
+            ``gate_context`` its last window), or one per position (each position's own gate;
+            an F step then trains a different expert at each position). Also an attribute
+            (:data:`SAMPLE_PER`). A gate of one per instance draws once per instance either way.
 
     Attributes:
         in_proj_weight ``[3d, d]``, in_proj_bias ``[3d]``, out_proj (``Linear(d, d)``): the MHA
@@ -175,10 +188,13 @@ class MixtureOfAttentiveExperts(nn.Module):
         dropout: float = 0.0,
         bias: bool = True,
         check_finite: bool = True,
+        sample_per: str = "instance",
     ) -> None:
         super().__init__()
         check_positive_int("embed_dim", embed_dim)
         check_finite = check_flag("check_finite", check_finite)
+        if sample_per not in SAMPLE_PER:
+            raise ValueError(f"sample_per must be one of {SAMPLE_PER}, got {sample_per!r}.")
         batch_first = check_flag("batch_first", batch_first)
         bias = check_flag("bias", bias)
         check_positive_int("num_heads", num_heads)
@@ -201,6 +217,7 @@ class MixtureOfAttentiveExperts(nn.Module):
         self.gate_context = gate_context
         self.dropout = dropout
         self.check_finite = check_finite
+        self.sample_per = sample_per
 
         self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim))
         self.in_proj_bias = nn.Parameter(torch.zeros(3 * embed_dim)) if bias else None
@@ -379,8 +396,23 @@ class MixtureOfAttentiveExperts(nn.Module):
 
     def _responsibilities(self, query: Tensor, query_padding_mask: Tensor | None, causal: bool) -> Tensor:
         """Responsibilities for the current :attr:`routing`: ``[batch, E]`` or ``[batch, seq, E]``."""
+        per_position = self.per_position_gate(causal)
+        if per_position and self.sample_per == "instance" and self.routing in ("sample", "uniform_sample"):
+            # One draw per instance (Alg. 2), from the gate of its last (unpadded) position, at
+            # every position.
+            batch, seq = query.shape[:2]
+            if self.routing == "uniform_sample":
+                one = self.route_summary(query.new_empty((batch, 0)))
+            else:
+                last = torch.full((batch,), seq - 1, dtype=torch.long, device=query.device)
+                if query_padding_mask is not None:
+                    position = torch.arange(seq, device=query.device).expand(batch, seq)
+                    last = position.masked_fill(query_padding_mask, -1).amax(-1).clamp_min(0)
+                summary = self.gate_summary(query, query_padding_mask, causal=causal)  # [batch, seq, d]
+                one = self.route_summary(summary[torch.arange(batch, device=query.device), last])
+            return one.unsqueeze(1).expand(batch, seq, one.shape[-1])
         if self.routing in ("uniform", "uniform_sample"):  # the gate's input is not needed, only its shape
-            lead = tuple(query.shape[:2]) if self.per_position_gate(causal) else (query.shape[0],)
+            lead = tuple(query.shape[:2]) if per_position else (query.shape[0],)
             return self.route_summary(query.new_empty((*lead, 0)))
         return self.route_summary(self.gate_summary(query, query_padding_mask, causal=causal))
 
@@ -679,7 +711,7 @@ class MixtureOfAttentiveExperts(nn.Module):
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, drop_heads={self.drop_heads}, "
             f"num_experts={self.num_experts}, batch_first={self.batch_first}, "
-            f"gate_context={self.gate_context}"
+            f"gate_context={self.gate_context}, sample_per={self.sample_per!r}"
         )
 
 

@@ -58,6 +58,9 @@ class Block(nn.Module):
             batch_first=True,
             gate_hidden=cfg.gate_hidden,
             gate_context=cfg.gate_context,
+            # a language model's instance is a token position (its own window gate; the report's
+            # setup): an F step draws an expert per position
+            sample_per="position",
         )
         self.ln2 = nn.LayerNorm(cfg.dim)
         self.ffn = nn.Sequential(nn.Linear(cfg.dim, cfg.ffn), nn.GELU(), nn.Linear(cfg.ffn, cfg.dim))
