@@ -274,3 +274,24 @@ def test_every_step_leaves_the_test_time_routing(mode) -> None:
         with pytest.raises((ValueError, RuntimeError)):
             trainer.f_step((x, torch.zeros(2, dtype=torch.long)))  # a loss of the wrong shape raises inside the step
         assert {m.routing for m in layers} == {EVAL_ROUTING[mode]}
+
+
+def test_a_step_keeps_the_layers_own_generators_and_rejects_a_bad_epoch() -> None:
+    """Review findings: every step reset each MAE layer's generator to None (a generator the user
+    set was lost after the first step), and train_step took epoch -1 or 1.5."""
+    model = _model(0)
+    own = torch.Generator().manual_seed(7)
+    model.att.generator = own
+    trainer = BCDTrainer(model, loss_fn, mode="bcd")  # no trainer generator: the layer's own draws
+    trainer.f_step(_batch(n=4, seed=1))
+    first = model.last_resp.clone()
+    assert model.att.generator is own
+    own.manual_seed(7)
+    trainer.f_step(_batch(n=4, seed=1))
+    torch.testing.assert_close(model.last_resp, first)  # the layer's generator drew them
+    shared = torch.Generator().manual_seed(0)
+    BCDTrainer(model, loss_fn, mode="bcd", generator=shared).f_step(_batch(n=4, seed=1))
+    assert model.att.generator is own  # (the trainer's generator for its steps only)
+    for epoch in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="epoch must be a non-negative integer"):
+            trainer.train_step(_batch(n=4, seed=1), epoch)

@@ -35,6 +35,7 @@ The same trainer fine-tunes (Sec. 5.2) with ``trainable`` restricting ``theta``,
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -42,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from routelab.layers.mae import MixtureOfAttentiveExperts, mae_modules, set_routing
+from routelab.layers.mae import MixtureOfAttentiveExperts, mae_modules
 
 from .._checks import check_generator, check_nonneg, check_pos, check_positive_int
 
@@ -99,7 +100,9 @@ class BCDTrainer:
             ones it rejects are never updated (fine-tuning FTG / FTG+). Default: all.
         train_gates: if False, the gates are never updated (e.g. ``mode="bcd"`` without G
             steps). Ignored (False) in modes ``"uni"`` and ``"base"``.
-        generator: the :class:`torch.Generator` for the experts sampled in F steps.
+        generator: the :class:`torch.Generator` for the experts sampled in F steps (None: each
+            MAE layer's own :attr:`~routelab.layers.MixtureOfAttentiveExperts.generator`, kept
+            across steps, else torch's global one).
 
     Every step routes the MAE layers as it needs and leaves them routed as at test time
     (:attr:`eval_routing`), so evaluation after any step (``model.eval()`` does not change the
@@ -179,17 +182,27 @@ class BCDTrainer:
         return EVAL_ROUTING[self.mode]
 
     def set_eval_routing(self) -> None:
-        """Route every MAE layer as at test time (:attr:`eval_routing`)."""
-        set_routing(self.model, self.eval_routing)
+        """Route every MAE layer as at test time (:attr:`eval_routing`); their generators stay."""
+        for m in mae_modules(self.model):
+            m.routing = self.eval_routing
 
     @contextmanager
     def _routed(self, routing: str, generator: torch.Generator | None = None) -> Iterator[None]:
         """Route every MAE layer by ``routing`` for one step, and as at test time after it (also
-        when the step raises): a step never leaves the layers sampling."""
-        set_routing(self.model, routing, generator)
+        when the step raises): a step never leaves the layers sampling. ``generator`` (the
+        trainer's) draws the step's experts where given; each layer's own generator is restored
+        after the step (None: the layers draw from their own, else from torch's global one)."""
+        mods = mae_modules(self.model)
+        own = [m.generator for m in mods]
+        for m in mods:
+            m.routing = routing
+            if generator is not None:
+                m.generator = generator
         try:
             yield
         finally:
+            for m, g in zip(mods, own, strict=True):
+                m.generator = g
             self.set_eval_routing()
 
     # ------------------------------------------------------------------ steps
@@ -285,6 +298,8 @@ class BCDTrainer:
         Returns:
             ``{"loss": ...}`` (the F / joint step's loss) plus ``"g_loss"`` if a G step was taken.
         """
+        if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative integer (0-based), got {epoch!r}")
         if self.mode == "bcd":
             out: dict[str, float] = {}
             if self.takes_g_step(epoch):
