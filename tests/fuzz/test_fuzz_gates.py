@@ -463,11 +463,17 @@ def test_batchwise_and_threshold_masks(batch, n, k, dtype, values, tvalues, seed
     if not ok:
         return
     assert torch.equal(tm, s > t), "threshold_mask != scores > thresholds"
-    if not mask_ok or tvalues == "inf":
+    if not mask_ok:
         return
     tt = t.detach().clone().requires_grad_(True)
     ok, loss = call(G.batchwise_threshold_loss, s, tt, mask, names=("scores", "thresholds", "mask"), valid=True)
     assert loss.dim() == 0
+    if tvalues == "inf":  # T = +inf switches expert 0 off: the loss is +inf where the batch picked it, never NaN
+        assert not bool(torch.isnan(loss)), "batchwise_threshold_loss is NaN with an infinite threshold"
+        assert (float(loss) == float("inf")) == bool(mask[:, 0].any()), "an infinite threshold's term is wrong"
+        guarded(loss.backward, what="threshold loss backward")
+        assert_finite(tt.grad, "threshold loss gradient")
+        return
     assert_finite(loss, "batchwise_threshold_loss")
     value = float(loss.detach())
     assert value >= 0, f"threshold loss {value} < 0"

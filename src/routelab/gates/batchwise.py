@@ -153,5 +153,8 @@ def batchwise_threshold_loss(scores: Tensor, thresholds: Tensor, mask: Tensor, *
             "pass batchwise_mask(scores, k), or mask != 0 for a 0/1 mask"
         )
     diff = above.to(scores.dtype) - mask.to(scores.dtype)
-    return (diff * (scores - thresholds)).sum()
+    # Only the disagreements count: where the masks agree the term is 0 even for an infinite
+    # score or threshold (0 * inf would be NaN; T = +inf switches an expert off).
+    terms = torch.where(above != mask, diff * (scores - thresholds), torch.zeros((), dtype=diff.dtype))
+    return terms.sum()
 

@@ -40,6 +40,7 @@ class BASERouter(ChoosesK, Router):
 
     proposes_every_slot = True
     assigns_every_token = True
+    fills_quotas = True
 
     def __init__(self, d_model: int, num_experts: int, *, k: int = 1, eval_balanced: bool = False) -> None:
         super().__init__(d_model, num_experts, k)
@@ -119,6 +120,7 @@ class GumbelMatchingRouter(Router):
     # Not declared: the skip estimators (``method="sample_skip*"``) leave tokens out in training.
     stochastic = True
     assigns_every_token = True
+    fills_quotas = True
 
     def __init__(self, d_model: int, num_experts: int, *, tau: float = 1.0, method: str = "gumbel_matching_iw",
                  sinkhorn: bool = False, eval_balanced: bool = False, balance_coef: float = 0.0) -> None:

@@ -90,6 +90,11 @@ class Router(nn.Module):
     #: so a ``capacity_factor`` below 1 is refused when the layer is built.
     assigns_every_token: bool = False
 
+    #: Whether every expert takes its quota, the floor or ceiling of ``k n / E`` tokens, in
+    #: training (batchwise gating, App. F; BASE and Gumbel-Matching too): a ``capacity_factor``
+    #: below 1 would drop part of it, so it is refused when the layer is built.
+    fills_quotas: bool = False
+
     generator = GeneratorAttribute(
         "The source of randomness of stochastic routers (``None``: torch's global generator)."
     )
@@ -262,8 +267,15 @@ class ChoosesK:
 def check_capacity_for(router: Router, capacity_factor: float | None) -> None:
     """ValueError for a ``capacity_factor`` below 1 with a router that assigns every token
     (:attr:`Router.assigns_every_token`): its balanced solve needs the quota ``ceil(k n / E)`` of
-    every expert (it would fail at the first forward instead)."""
-    if getattr(router, "assigns_every_token", False) and capacity_factor is not None and capacity_factor < 1:
+    every expert (it would fail at the first forward instead); or that fills every expert's quota
+    in training (:attr:`Router.fills_quotas`: batchwise gating, whose picks would be dropped)."""
+    if capacity_factor is None or capacity_factor >= 1:
+        return
+    if getattr(router, "assigns_every_token", False):
         raise ValueError(f"capacity_factor={capacity_factor} is below 1, but the {type(router).__name__} assigns "
                          f"every token (a balanced solve at the quota ceil(k*n/E)): use capacity_factor >= 1 "
                          f"(or None, dropless)")
+    if getattr(router, "fills_quotas", False):
+        raise ValueError(f"capacity_factor={capacity_factor} is below 1, but the {type(router).__name__} gives every "
+                         f"expert its quota floor/ceil(k*n/E) in training, which a capacity below it would cut: use "
+                         f"capacity_factor >= 1 (or None, dropless)")

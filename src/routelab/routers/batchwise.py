@@ -38,6 +38,8 @@ class BatchwiseRouter(ChoosesK, Router):
         inference: ``"threshold"`` (default) or ``"batchwise"``.
     """
 
+    fills_quotas = True  # in training: a capacity_factor below 1 is refused (Router.fills_quotas)
+
     def __init__(self, d_model: int, num_experts: int, k: int = 1, *, threshold_coef: float = 1.0,
                  inference: str = "threshold") -> None:
         super().__init__(d_model, num_experts, k)
@@ -57,6 +59,14 @@ class BatchwiseRouter(ChoosesK, Router):
                                      check_nan=self.check_finite)
 
     def route(self, logits: Tensor, capacity: int | None) -> Routes:
+        if capacity is not None and (self.training or self.inference == "batchwise"):
+            quota = -(-self.k * logits.shape[0] // self.num_experts)  # ceil(k n / E)
+            if capacity < quota:
+                raise ValueError(
+                    f"capacity {capacity} per expert is below the batchwise quota ceil(k*n/E) = {quota} of App. F "
+                    f"(k={self.k}, n={logits.shape[0]} tokens, E={self.num_experts}): the layer would drop part of "
+                    "every expert's batchwise picks. Use capacity_factor >= 1 (or None, dropless); with "
+                    "inference='batchwise' the same holds for eval_capacity_factor")
         # check_finite=False opts out of the NaN checks too (no host sync: capturable in a CUDA graph).
         return batchwise_routes(logits, self.k, self.thresholds, training=self.training, inference=self.inference,
                                 threshold_coef=self.threshold_coef, check_nan=self.check_finite)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import balanced_quotas, check_capacity, check_k, check_positive_int, random_tensor
+from .._checks import balanced_quotas, check_capacity, check_k, check_nonneg, check_positive_int, random_tensor
 from ..assignment import balanced_assignment as _balanced_assignment
 from ..assignment import balanced_b_matching as _balanced_b_matching
 from ..assignment import sinkhorn_balance
@@ -221,7 +221,9 @@ def batchwise_mask_in_use(probs: Tensor, k: int, thresholds: Tensor, *, training
         raise ValueError(f"inference must be one of {INFERENCE_MASKS}, got {inference!r}")
     if training or inference == "batchwise":
         return batchwise_mask(probs, k, check_nan=check_nan)
-    return threshold_mask(probs, thresholds.detach().to(probs.dtype), check_nan=check_nan)
+    # (compared in the promoted dtype, as the threshold loss trained T: T rounded to bfloat16
+    # probabilities could flip every decision)
+    return threshold_mask(probs, thresholds.detach(), check_nan=check_nan)
 
 
 @masked_rule("logits")
@@ -251,6 +253,10 @@ def batchwise_routes(logits: Tensor, k: int, thresholds: Tensor, *, training: bo
     """
     n, E = _check_logits(logits).shape
     check_k(k, E)
+    threshold_coef = check_nonneg("threshold_coef", threshold_coef)
+    if not isinstance(thresholds, Tensor) or tuple(thresholds.shape) != (E,):
+        got = tuple(thresholds.shape) if isinstance(thresholds, Tensor) else type(thresholds).__name__
+        raise ValueError(f"thresholds must be a tensor [E] = [{E}] (one per expert), got {got}")
     log_p = torch.log_softmax(logits, -1)
     probs = log_p.exp()
     mask = batchwise_mask_in_use(probs, k, thresholds, training=training, inference=inference, check_nan=check_nan)

@@ -1,0 +1,62 @@
+"""Batchwise gating (Shazeer et al. 2017, App. F): findings of a review, each a regression test.
+
+A capacity below the batchwise quota is refused (it silently dropped half the picks), the
+threshold loss is never NaN for infinite scores or thresholds (0 * inf), inference compares half
+precision probabilities with the thresholds as the loss trained them (not rounded to bfloat16),
+and the functional rule checks its coefficient and thresholds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from routelab.gates import batchwise_threshold_loss, threshold_mask
+from routelab.layers import MoE
+from routelab.routing.rules import batchwise_routes
+
+
+def test_a_capacity_below_the_batchwise_quota_is_an_error_naming_capacity_factor() -> None:
+    with pytest.raises(ValueError, match="capacity_factor=0.5 is below 1, but the BatchwiseRouter gives every expert"):
+        MoE(8, 16, 4, router="batchwise", k=2, capacity_factor=0.5)
+    layer = MoE(8, 16, 4, router="batchwise", k=2, capacity_factor=1.0).train()
+    layer(torch.randn(16, 8))
+    assert layer.last_stats["tokens_per_expert"].tolist() == [8, 8, 8, 8]  # every pick kept: k n / E each
+    router = layer.router
+    with pytest.raises(ValueError, match="below the batchwise quota ceil"):
+        router.route(torch.randn(16, 4), capacity=7)
+    router.eval()  # threshold inference: no quota, any capacity
+    router.route(torch.randn(16, 4), capacity=1)
+
+
+def test_the_threshold_loss_is_not_nan_for_infinite_scores_or_thresholds() -> None:
+    scores = torch.tensor([[float("-inf"), 0.6], [0.3, 0.2], [0.5, 0.1], [0.1, 0.9]])
+    t = torch.tensor([0.2, 0.5], requires_grad=True)
+    mask = torch.tensor([[False, True], [True, False], [True, False], [False, True]])
+    loss = batchwise_threshold_loss(scores, t, mask)  # the masks agree on the -inf score
+    finite = batchwise_threshold_loss(scores.clamp(min=-1.0), t, mask)
+    assert float(loss.detach()) == float(finite.detach())
+    loss.backward()
+    assert torch.isfinite(t.grad).all()
+    off = torch.tensor([float("inf"), 0.5], requires_grad=True)  # expert 0 switched off
+    scores = torch.rand(4, 2)
+    assert float(batchwise_threshold_loss(scores, off, threshold_mask(scores, off))) == 0.0  # the masks agree
+    assert float(batchwise_threshold_loss(scores, off, torch.ones(4, 2, dtype=torch.bool))) == float("inf")
+
+
+def test_threshold_inference_on_half_precision_logits_keeps_what_the_loss_trained() -> None:
+    logits = torch.zeros(8, 4, dtype=torch.bfloat16)  # every probability exactly 0.25
+    t = torch.full((4,), 0.2498)  # below 0.25 in float32, 0.25 once rounded to bfloat16
+    probs = torch.softmax(logits.float(), -1).bfloat16()
+    assert int(threshold_mask(probs, t).sum()) == 32
+    assert int(batchwise_routes(logits, 1, t, training=False).keep.sum()) == 32
+
+
+@pytest.mark.parametrize("coef", [-1.0, float("nan"), float("inf")])
+def test_the_functional_rule_checks_its_coefficient_and_thresholds(coef: float) -> None:
+    logits = torch.randn(8, 4)
+    with pytest.raises(ValueError, match="threshold_coef"):
+        batchwise_routes(logits, 1, torch.zeros(4), threshold_coef=coef)
+    for bad in (torch.zeros(5), torch.zeros(2, 4)):
+        with pytest.raises(ValueError, match=r"thresholds must be a tensor \[E\] = \[4\]"):
+            batchwise_routes(logits, 1, bad, threshold_coef=0.0)
