@@ -278,8 +278,19 @@ def tau_tensor(tau: Any, batch: torch.Size, like: Tensor, name: str = "tau") -> 
     return T, invalid
 
 
-def bad_tau(tau: Any, name: str = "tau") -> ValueError:
-    """The ValueError for a temperature :func:`tau_tensor` found invalid (raise it)."""
+def bad_tau(tau: Any, name: str = "tau", dtype: torch.dtype | None = None) -> ValueError:
+    """The ValueError for a temperature :func:`tau_tensor` found invalid (raise it); ``dtype``:
+    the one it was converted to, named when a finite positive ``tau`` is 0 or inf there."""
+    try:
+        values = torch.as_tensor(tau, dtype=torch.float64).reshape(-1)
+        in_range = bool(torch.isfinite(values).all() and (values > 0).all())
+    except (TypeError, ValueError, RuntimeError):
+        in_range = False
+    if in_range and dtype is not None:
+        info = torch.finfo(dtype)
+        return ValueError(f"{name}={tau!r} is finite and > 0, but not representable in the logits' dtype {dtype} "
+                          f"(0 or inf there: its positive range is [{info.tiny:.3g}, {info.max:.3g}]); pass a {name} "
+                          f"in that range, or float64 logits")
     return _tau_value_error(tau, name, positive=True)
 
 

@@ -494,3 +494,43 @@ def test_gumbel_matching_on_cuda_equals_the_cpu_sample_with_few_syncs() -> None:
     if HAVE_NUMBA:
         syncs = count_host_syncs(lambda: gumbel_matching(logits, gumbels=gm.gumbels), device="cuda")
         assert syncs <= 4, syncs
+
+
+@pytest.mark.parametrize(("dtype", "tau"), [(torch.float32, 1e-7), (torch.float32, 1e-5), (torch.float64, 1e-12)])
+def test_identical_tokens_are_exchangeable_at_any_temperature(dtype: torch.dtype, tau: float) -> None:
+    """Review finding: a / tau + g was formed in the logits' dtype, so at |a| / tau = 5e7 in float32
+    the noise was rounded away and identical tokens went to the lowest index (P(z_0 = 0) = 0.86
+    for four tokens that must be 1/2 each), while the conditionals, exact, described another
+    distribution. Monte Carlo over 4000 samples: every token takes expert 0 half of the time."""
+    n, k, draws = 4, 2, 4000
+    logits = torch.full((draws, n, k), 5.0, dtype=dtype)
+    gm = gumbel_matching(logits, tau=tau, generator=torch.Generator().manual_seed(0))
+    freq = (gm.expert == 0).double().mean(0)
+    assert ((freq - 0.5).abs() <= 4 * (0.25 / draws) ** 0.5).all(), freq
+    torch.testing.assert_close(gm.conditional_log_probs.double().exp().mean((0, 1)),
+                               torch.full((k,), 0.5, dtype=torch.float64), atol=0.02, rtol=0)
+
+
+def test_float32_noise_reaches_the_tail_that_the_weights_assume() -> None:
+    """Review finding: float32 uniforms capped the Gumbel noise at 16.6, so a pair of proposal
+    probability 7.6e-10 (weight 8e7, under MAX_WEIGHT) could never be drawn by Gumbel-Matching in
+    float32 while the estimator weighs it as drawable. The noise now comes from float64 uniforms."""
+    from routelab.assignment import sample_gumbel
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        g = sample_gumbel((200_000,), dtype=dtype, generator=torch.Generator().manual_seed(0))
+        assert g.dtype == dtype and torch.isfinite(g).all()
+    # the largest uniform float64 gives can reach 36; float32's stopped at 16.6
+    u = torch.tensor([1.0 - torch.finfo(torch.float64).eps])
+    assert float(-torch.log(-torch.log(u))) > 35
+
+    def extreme(*args, **kwargs):  # noqa: ANN202 - the most favourable uniforms for expert 1
+        out = torch.zeros(args[0], dtype=kwargs.get("dtype") or torch.float32)
+        out[..., 1] = 1.0 - torch.finfo(out.dtype).eps / 2
+        return out
+
+    logits = torch.tensor([[0.0, -2.7, -32.7]])  # one token, capacity 1, three experts
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "rand", extreme)
+        z = gumbel_matching(logits, tau=2.7 / 21, capacity=1, generator=torch.Generator()).expert
+    assert int(z[0]) == 1

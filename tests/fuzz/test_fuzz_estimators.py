@@ -304,7 +304,7 @@ def test_objectives_and_balance_loss(case: ScoreCase, method: str, baseline_kind
     ok, ema = call(E.EMABaseline, decay, names=("decay",), valid=0.0 <= decay < 1.0, what="EMABaseline")
     if ok:
         v1, v2 = torch.tensor(2.0), torch.tensor(4.0)
-        assert float(ema(v1)) == 2.0, "the first baseline must be the first observed value"
+        assert float(ema(v1)) == 0.0, "the first baseline must not depend on the first value (0: none seen yet)"
         assert float(ema(v2)) == 2.0, "the baseline used now is the average before seeing the value"
         assert math.isclose(float(ema(v1)), decay * 2.0 + (1 - decay) * 4.0, rel_tol=1e-6), "EMA update is wrong"
 

@@ -116,8 +116,9 @@ def test_moe(router, E, d_model, k, cf, drop_policy, iw, lead, xdtype, mdtype, x
         moe.train(training)
         return moe
 
-    # base and gumbel_matching assign every token in training: a capacity factor below 1 is refused when built
-    refused = router in ("base", "gumbel_matching") and cf is not None and cf < 1
+    # base and gumbel_matching assign every token in training, and batchwise gives every expert its
+    # quota: a capacity factor below 1 is refused when built
+    refused = router in ("base", "gumbel_matching", "batchwise") and cf is not None and cf < 1
     ok, moe = call(build, names=("router", "k", "capacity_factor"), valid=not refused, what=f"MoE(router={router!r})")
     if not ok:
         return

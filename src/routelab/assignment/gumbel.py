@@ -83,18 +83,19 @@ def sample_gumbel(shape: torch.Size | tuple[int, ...], *, dtype: torch.dtype = t
                   device: torch.device | str | None = None, generator: torch.Generator | None = None) -> Tensor:
     """I.i.d. standard Gumbel noise ``-log(-log U)``, drawn only through ``generator``.
 
-    ``U`` is clamped to ``[tiny, 1 - eps]``, so the noise is finite (within about ``[-4.5, 16.6]``
-    in float32). Half-precision dtypes are drawn in float32 and rounded.
+    ``U`` is drawn in float64 and clamped to ``[tiny, 1 - eps]`` there, so the noise is finite,
+    within about ``[-6.6, 36.1]``, and then rounded to ``dtype``: a float32 ``U`` would cap the
+    noise at 16.6, and a pair that only a larger draw can select would have zero probability
+    while its importance weight assumes otherwise (a review finding).
     """
     check_generator(generator)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.float32), got {dtype!r}")
     shape = _check_shape(shape)
-    if dtype in (torch.float16, torch.bfloat16):
-        return sample_gumbel(shape, dtype=torch.float32, device=device, generator=generator).to(dtype)
-    u = random_tensor(torch.rand, shape, dtype=dtype, device=device, generator=generator)
-    tiny = torch.finfo(dtype).tiny
-    return -torch.log(-torch.log(u.clamp(min=tiny, max=1.0 - torch.finfo(dtype).eps)))
+    wide = torch.float32 if device is not None and torch.device(device).type == "mps" else torch.float64  # (no fp64)
+    u = random_tensor(torch.rand, shape, dtype=wide, device=device, generator=generator)
+    g = -torch.log(-torch.log(u.clamp(min=torch.finfo(wide).tiny, max=1.0 - torch.finfo(wide).eps)))
+    return g.to(dtype)
 
 
 def _check_shape(shape: object) -> tuple[int, ...]:
@@ -166,12 +167,17 @@ def gumbel_matching(
     else:
         g = sample_gumbel(logits.shape, dtype=work, device=logits.device, generator=generator)
         g_top = _GUMBEL_BOUND
-    # The perturbed scores cannot overflow when |a| / tau + |g| stays below half the dtype's range
-    # (decided on the host from the summary); else _solver_scores tests them (a second read).
-    fits = t == 0.0 or a_top / t + g_top <= 0.5 * torch.finfo(work).max
+    # The solver's scores are formed in float64 and shifted per token: a / tau + g in float32 at
+    # |a| / tau = 5e7 rounds the noise away (identical tokens then went to the lowest index, and the
+    # conditionals, exact, no longer described the sample: a review measured z-scores of 70). They
+    # stay within the logits' dtype when 2 |a| / tau + |g| is below half its range (decided on
+    # the host from the summary); else _solver_scores tests them (a second read), and rescales.
+    limit = torch.finfo(work).max
+    fits = t == 0.0 or 2 * a_top / t + g_top <= 0.5 * limit
     n, k = logits.shape[-2], logits.shape[-1]
     batch = logits.shape[:-2]
-    S, A, E, e_bound = _solver_scores(a.reshape(-1, n, k), t, g.reshape(-1, n, k), fits=fits)
+    S, A, E, e_bound = _solver_scores(a.to(torch.float64).reshape(-1, n, k), t,
+                                      g.to(torch.float64).reshape(-1, n, k), fits=fits, limit=limit)
     sol = solve_balanced(S, capacity, name="logits")
     z = sol.expert  # [B, n]
     # d* in the units of S (the solver normalised S once more by 2^log2_scale).
@@ -196,7 +202,7 @@ def gumbel_matching(
     return GumbelMatching(
         expert=z.view(*batch, n),
         conditional_log_probs=log_q.to(work).view(*batch, n, k),
-        scores=S.view(a.shape),
+        scores=_reported_scores(a, t, g, S, a_top, g_top).view(a.shape),
         gumbels=g,
         shortest_paths=d.view(*batch, k, k),
         capacity=sol.capacity,
@@ -205,8 +211,7 @@ def gumbel_matching(
     )
 
 
-#: A bound on |g| for :func:`sample_gumbel`'s noise in any dtype (float32: within [-4.5, 16.6];
-#: float64: within [-6.6, 36.1]).
+#: A bound on |g| for :func:`sample_gumbel`'s noise in any dtype (within [-6.6, 36.1]).
 _GUMBEL_BOUND = 40.0
 
 
@@ -229,20 +234,34 @@ def _value_summary(logits: Tensor, gumbels: Tensor | None) -> tuple[float, float
     return hi, a_top, g_finite, g_top
 
 
-def _solver_scores(a: Tensor, t: float, g: Tensor, *, fits: bool = False) -> tuple[Tensor, Tensor, Tensor, int | None]:
+def _reported_scores(a: Tensor, t: float, g: Tensor, S: Tensor, a_top: float, g_top: float) -> Tensor:
+    """The ``scores`` field: the literal ``a / t + g`` in ``a``'s dtype where it fits that dtype,
+    else the solver's scores (shifted per token, in units of ``2^log2_scale``) in it."""
+    if t == 0.0:
+        return a
+    if a_top / t + g_top <= 0.5 * torch.finfo(a.dtype).max:
+        return a / t + g
+    return S.to(a.dtype)
+
+
+def _solver_scores(a: Tensor, t: float, g: Tensor, *, fits: bool = False,
+                   limit: float | None = None) -> tuple[Tensor, Tensor, Tensor, int | None]:
     """What the solver maximises, the noise-free part of it, and their units.
 
-    The perturbed scores ``a / t + g`` themselves (exponent 0) whenever they are finite at every
-    allowed pair: the sample is then exact for the very numbers returned as ``scores``. Where
+    The perturbed scores shifted per token, ``(a - max_j a) / t + g`` (exponent 0), whenever they
+    are finite at every allowed pair: the same assignment as ``a / t + g``, and the shift keeps
+    the noise resolved where ``|a| / t`` is large (identical tokens are equal after it). Where
     they overflow the dtype, the same problem brought to a common power-of-two exponent ``E``
     (:func:`._normalise.perturbed_scores`): ``a / t + g = 2^E S`` + per-token constants.
 
     Args:
-        a: ``[B, n, k]`` logits (``-inf`` forbids a pair).
-        t: temperature (``0``: no noise, ``S = a``).
+        a: ``[B, n, k]`` logits (``-inf`` forbids a pair), float64 from :func:`gumbel_matching`.
+        t: temperature (``0``: no noise, ``S`` the shifted ``a``).
         g: ``[B, n, k]`` the noise (zeros at ``t = 0``).
-        fits: the caller knows that ``a / t + g`` is finite wherever ``a`` is not ``-inf``
-            (no test, no host synchronisation); else it is tested here.
+        fits: the caller knows that the shifted scores are within ``limit`` wherever ``a`` is
+            not ``-inf`` (no test, no host synchronisation); else it is tested here.
+        limit: the largest magnitude the literal scores may have (the logits' dtype's; default
+            ``a``'s), beyond which they are rescaled (and reported so, in that dtype).
 
     Returns:
         ``(S, A, E, bound)``: ``[B, n, k]`` scores to solve, ``[B, n, k]`` float64 ``a / t`` in the
@@ -250,13 +269,15 @@ def _solver_scores(a: Tensor, t: float, g: Tensor, *, fits: bool = False) -> tup
         on the host (0 for the literal scores; else ``None``).
     """
     B = a.shape[0]
-    literal = a if t == 0.0 else a / t + g
-    if fits or not bool((torch.isinf(literal) & ~torch.isneginf(a)).any()):
-        a64 = a.to(torch.float64)
-        top = a64.amax(-1, keepdim=True)
-        shifted = a64 - torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-        A = shifted if t == 0.0 else shifted / t  # finite: |a| / t does not overflow here
-        return literal, A, torch.zeros(B, dtype=torch.long, device=a.device), 0
+    top = a.amax(-1, keepdim=True)
+    shifted = a - torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # <= 0 per token
+    A = shifted if t == 0.0 else shifted / t
+    # a / t + g up to a constant per token (the same assignment); at t = 0 the logits themselves
+    # (no noise to resolve, and their shift can overflow near the dtype's maximum)
+    literal = a if t == 0.0 else A + g
+    limit = torch.finfo(a.dtype).max if limit is None else limit
+    if fits or not bool(((literal.abs() > limit) & ~torch.isneginf(a)).any()):
+        return literal, A.to(torch.float64), torch.zeros(B, dtype=torch.long, device=a.device), 0
     S, A, E = perturbed_scores(a, t, g)
     return S, A.to(torch.float64), E, None
 

@@ -250,7 +250,7 @@ def _temperature(tau: float | Tensor, batch: torch.Size, like: Tensor, top: Tens
         flags.append(T.reshape(()).to(torch.float64))
     bad, *rest = torch.stack(flags).tolist()
     if bad:
-        raise bad_tau(tau)
+        raise bad_tau(tau, dtype=like.dtype)
     if top is not None and rest.pop(0):
         _dead_row(top)
     finite = bool(rest.pop(0)) if check_finite is not None else False

@@ -33,7 +33,9 @@ class EMABaseline:
     Args:
         decay: weight of the old value, 0.99 in Kool et al. (2021).
 
-    The first update sets the average to the observed value. Works elementwise on batched values
+    The baseline of a step never depends on that step's value: the first call returns 0 (no
+    value seen yet; returning the value itself made the first REINFORCE step's gradient exactly
+    0, biased) and sets the average to the observed value. Works elementwise on batched values
     (one baseline per independent run).
     """
 
@@ -50,7 +52,7 @@ class EMABaseline:
             raise ValueError(f"EMABaseline averages values of one shape: got {tuple(observed.shape)} after "
                              f"{tuple(self.value.shape)} (use one baseline per shape, or reset it: "
                              f"baseline.value = None)")
-        current = observed if self.value is None else self.value
+        current = torch.zeros_like(observed) if self.value is None else self.value
         self.value = observed if self.value is None else self.decay * self.value + (1 - self.decay) * observed
         return current
 

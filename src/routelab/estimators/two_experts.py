@@ -124,9 +124,13 @@ def sample_two(
     batch = logits.shape[:-2]
     s = logits[..., 1] - logits[..., 0]  # [..., n], differentiable
     tau = T.squeeze(-1)  # [..., 1] or [1]
-    # Clamped so that a tiny tau gives huge but finite scores (inf - inf would be NaN below).
-    lim = score_limit(s.dtype, n, 2)
-    s_q = (s.detach() / tau).clamp(-lim, lim)
+    # The proposal's scores, the noise, the matching and the thresholds in float64: float32
+    # s / tau + noise at |s| / tau = 1e7 rounds the noise to whole numbers, and the ties went to
+    # the lowest index while the conditionals assume continuous noise (a review measured
+    # z-scores of 33). Clamped so that a tiny tau gives huge but finite scores (inf - inf would
+    # be NaN below).
+    lim = score_limit(torch.float64, n, 2)
+    s_q = (s.detach().to(torch.float64) / tau.to(torch.float64)).clamp(-lim, lim)
     if sinkhorn:
         s_q = _sinkhorn_shift(s_q, sinkhorn_tol, sinkhorn_sweeps)
     noise = _logistic(s_q.shape, s_q, generator)
@@ -137,18 +141,22 @@ def sample_two(
         s_ref = s_q
         if method != "sample":
             keep, load = _skip_two(z, c, generator)
-            correction = skip_correction(method, keep, load.to(s_q.dtype), c)
+            correction = skip_correction(method, keep, load.to(s.dtype), c)
     else:
-        z, t = _matching(s_q + noise, c)
+        # With n = 2c each expert takes exactly c tokens whatever the zero point of the scores, so
+        # they are centred first (the same assignment): identical tokens' scores are then 0, and
+        # the noise decides their order at any tau.
+        centre = s_q.mean(-1, keepdim=True) if 2 * c == n else torch.zeros_like(s_q[..., :1])
+        z, t = _matching(s_q - centre + noise, c)
         if method == "gumbel_matching_iw":
-            s_ref = s_q - t
+            s_ref = s_q - centre - t
         elif method == "gumbel_matching_sh":
             s_ref = s_q if sinkhorn else _sinkhorn_shift(s_q, sinkhorn_tol, sinkhorn_sweeps)
         else:
             s_ref = s_q
-    sign = torch.where(z, 1.0, -1.0).to(s.dtype)
-    log_q_z = F.logsigmoid(sign * s_ref)
-    log_p_z = F.logsigmoid(sign * s)
+    sign = torch.where(z, 1.0, -1.0)
+    log_q_z = F.logsigmoid(sign.to(s_ref.dtype) * s_ref).to(s.dtype)
+    log_p_z = F.logsigmoid(sign.to(s.dtype) * s)
     # Switch balance loss 2 * sum_j f_j P_j, f from the router's argmax (routing.losses): the
     # probabilities of the two experts are sigmoid(-s) and sigmoid(s).
     balance = switch_balance(torch.stack([torch.sigmoid(-s), torch.sigmoid(s)], -1))
