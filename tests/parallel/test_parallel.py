@@ -219,7 +219,9 @@ def _diverging_with_equal_counts_worker(rank: int, world: int) -> None:
     # Found by a review: two tokens per rank, Gumbel-Matching with rank-seeded generators. The ranks'
     # plans send the same number of rows between every pair of ranks, but different tokens in them:
     # the count check passed and the layer returned wrong outputs. The plans' fingerprints differ.
-    gen = torch.Generator().manual_seed(rank)
+    # (Seeds 2 and 3: ranks whose plans have equal counts under the noise stream of 2026-11-26,
+    # float64 uniforms; found by trying seeds, as seeds 0 and 1 were for the float32 stream.)
+    gen = torch.Generator().manual_seed(rank + 2)
     torch.manual_seed(0)
     moe = MoE(8, 8, 4, router="gumbel_matching", capacity_factor=None, generator=gen)
     with torch.no_grad():
