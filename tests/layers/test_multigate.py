@@ -273,3 +273,15 @@ def test_a_layer_names_its_non_finite_static_gate_and_reads_all_gates_in_one_syn
     stacked = MultiGateMoE(StackedLinear(4, 3, 2), gates)  # (no flags to read: the check alone)
     with pytest.raises(ValueError, match="SoftmaxGate weights are not finite"):
         stacked(torch.randn(2, 3))
+
+
+@pytest.mark.compile
+def test_stacked_experts_under_static_gates_compile_as_one_graph() -> None:
+    """The static gates' finite checks are value reads: skipped while torch.compile traces (as
+    every routelab value check), so the layer stays one graph (fullgraph=True)."""
+    torch.manual_seed(0)
+    layer = MultiGateMoE(StackedLinear(4, 3, 2), [DSelectK(4, 2), SoftmaxGate(4)])
+    x = torch.randn(5, 3)
+    compiled = torch.compile(layer, fullgraph=True, backend="eager")
+    for got, want in zip(compiled(x), layer(x), strict=True):
+        torch.testing.assert_close(got, want)

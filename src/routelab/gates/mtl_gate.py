@@ -56,6 +56,7 @@ from .._checks import (
     check_pos,
     check_positive_int,
     check_seed,
+    checks_run,
     floating_input,
 )
 from .protocol import GateOutput, aux_sum
@@ -163,8 +164,8 @@ class MTLGate(nn.Module):
         gate): the first row of a static gate's (its rows are all alike, from its parameters), None
         for a per-example gate (it checks its scores in :meth:`gate`), with ``check_finite`` off, or
         for an empty batch."""
-        if self.per_example or not self.check_finite or not weights.shape[0]:
-            return None
+        if self.per_example or not self.check_finite or not weights.shape[0] or not checks_run():
+            return None  # (checks_run: not while torch.compile traces, as every value check)
         return weights[:1]
 
     def check_rows(self, rows: torch.Tensor) -> None:
