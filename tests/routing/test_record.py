@@ -246,3 +246,32 @@ def test_results_summed_into_one_loss_are_consumed_by_one_backward():
     expected = sum(sum(r.aux.values()) for r in routes).detach()
     (y.sum() + routelab.aux_loss(net.a) + routelab.aux_loss(net.b)).backward()
     torch.testing.assert_close(routelab.aux_loss(net), expected)
+
+
+def test_a_checkpointed_backward_of_two_forwards_leaves_the_latest_record() -> None:
+    """Review finding: activation checkpointing recomputes in backward, in reverse order, and every
+    recomputation replaced the record: after a backward through two calls (a DPO pair, say),
+    aux_loss and routing_stats gave the first call's values, unlike the same step without
+    checkpointing. A recomputation now leaves the record in place."""
+    results = []
+    for use_checkpoint in (False, True):
+        torch.manual_seed(0)
+        moe = MoE(8, 16, 4, router="topk", k=2)
+        a, b = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)), torch.randn(8, 8)
+
+        def run(x: torch.Tensor, moe: MoE = moe) -> torch.Tensor:
+            return moe(x)[0]
+
+        # (early stop off: the recomputation runs the whole forward, its record included, as a
+        # patched transformers gate's does, which records before the experts)
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            ya = checkpoint(run, a, use_reentrant=False) if use_checkpoint else run(a)
+            yb = checkpoint(run, b, use_reentrant=False) if use_checkpoint else run(b)
+        before = float(routelab.aux_loss(moe).detach())
+        stats = routelab.routing_stats(moe)[""]["tokens_per_expert"].clone()
+        (ya.square().mean() + yb.square().mean() + routelab.aux_loss(moe)).backward()
+        after = float(routelab.aux_loss(moe).detach())
+        assert after == before
+        assert torch.equal(routelab.routing_stats(moe)[""]["tokens_per_expert"], stats)
+        results.append((before, stats))
+    assert results[0][0] == results[1][0] and torch.equal(results[0][1], results[1][1])

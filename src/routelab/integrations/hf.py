@@ -56,6 +56,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -420,6 +421,19 @@ def _build_router(router: str | RouterFactory, d_model: int, num_experts: int, k
     return built
 
 
+
+def _model_k(gate: nn.Module, rule: Any, model: nn.Module) -> int | None:
+    """The experts per token of the model's own ``gate``: its ``top_k``, its probed rule's ``k``, the
+    config's ``num_experts_per_tok``, or the ``Top<k>`` of its class name (NLLB-MoE's
+    ``NllbMoeTop2Router``, which says it nowhere else); None when none says it (defaulting to 1
+    patched NLLB-MoE's top-2 as top-1, a review found)."""
+    for value in (getattr(gate, "top_k", None), rule.k,
+                  getattr(getattr(model, "config", None), "num_experts_per_tok", None)):
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1:
+            return int(value)
+    named = re.search(r"Top(\d+)", type(gate).__name__)
+    return int(named.group(1)) if named else None
+
 def patch_moe(
     model: nn.Module,
     router: str | RouterFactory = "topk",
@@ -564,9 +578,11 @@ def patch_moe(
         notice = replaced_rule(rule, unused)
         if notice is not None:
             notices.setdefault(type(gate).__name__, notice)
-        model_k = getattr(gate, "top_k", None) or rule.k
-        if model_k is None:
-            model_k = getattr(getattr(model, "config", None), "num_experts_per_tok", 1)
+        model_k = _model_k(gate, rule, model)
+        if model_k is None and k is None:
+            raise ValueError(f"patch_moe cannot read how many experts per token the gate {type(gate).__name__} of "
+                             f"block {name!r} routes to (no top_k on the gate, no k in its rule, no "
+                             f"config.num_experts_per_tok): pass k=")
         use_k = model_k if k is None else k
         check_positive_int("k", use_k, upper=E, upper_name=f"num_experts of block {name!r}")
         if renormalize is not None:

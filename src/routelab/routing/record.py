@@ -76,9 +76,17 @@ class RoutingRecord:
             aux: named scalar losses, already multiplied by their coefficients.
             stats: named diagnostics (e.g. ``tokens_per_expert [E]``, ``dropped_fraction``, ``load_cv``).
         """
+        recomputing = not torch.compiler.is_compiling() and in_backward()
+        if recomputing and self._routelab_record is not None:
+            # Activation checkpointing's recomputation of a forward already recorded: its values are
+            # that forward's, and it must not replace the record in place. With two forwards before
+            # one backward the recomputations run in reverse, so replacing left the *first* call's
+            # routing in aux_loss / routing_stats after backward (a review found it), or an eval
+            # forward's record between forward and backward replaced by a training call's.
+            return
         aux = dict(aux)
         consumed = None
-        if self._routelab_consumed is not None and not torch.compiler.is_compiling() and in_backward():
+        if self._routelab_consumed is not None and recomputing:
             consumed = self._routelab_consumed  # the recomputation of the step the backward consumed
         object.__setattr__(self, "_routelab_record", (aux, {name: value.detach() for name, value in stats.items()}))
         object.__setattr__(self, "_routelab_consumed", consumed)
