@@ -84,34 +84,68 @@ def two_expert_sinkhorn(log_p: Tensor, target: Tensor, *, tol: float, max_iter: 
     iterations where the alternating sweeps may need thousands (peaked ``p``). ``max_iter``
     bounds the Newton steps. Returns ``None`` (use the sweeps) for non-finite input or a target
     of 0 or ``n`` on one side.
+
+    ``beta`` is searched in float64 whatever the dtype (a shift of 1000 nats in float32 leaves
+    the column sums 1e-4 off) and without autograd: its gradient is that of the fixed point,
+    by the implicit function theorem on ``F(beta; d, t) = 0``, ``dbeta/dd_i = -w_i / W`` and
+    ``dbeta/dt_1 = 1 / W`` with ``w_i = q_i1 q_i0`` and ``W = sum_i w_i``, not that of the
+    search's stopped iterate (which is far off where ``W`` is tiny, i.e. ``p`` is sharp).
+
+    Returns:
+        ``(log_q [..., n, 2], err)``: ``err`` is the largest error of either column sum.
     """
     n = log_p.shape[-2]
     if log_p.numel() == 0:  # an empty batch: nothing to balance
         return log_p.clone(), 0.0
-    d = log_p[..., 1] - log_p[..., 0]  # [..., n]
-    t1 = target[..., 1].expand(d.shape[:-1]) if target.ndim > 1 else target[1].expand(d.shape[:-1])
+    d = log_p[..., 1].double() - log_p[..., 0].double()  # [..., n]
+    t = target.double().expand(*d.shape[:-1], 2)  # [..., 2]
+    t1 = t[..., 1:]  # [..., 1]
     if bool(torch.stack([~torch.isfinite(d).all(), ((t1 <= 0) | (t1 >= n)).any()]).any()):  # one read
         return None
-    work = torch.float64 if d.dtype == torch.float64 else torch.float32
-    d = d.to(work)
-    t1 = t1.to(work).unsqueeze(-1)  # [..., 1]
+    beta, err = _two_expert_dual(d.detach(), t.detach(), tol=tol, max_iter=max_iter)
+    if torch.is_grad_enabled() and (d.requires_grad or t.requires_grad):
+        # The fixed point's derivative (above): beta's value, the implicit gradient.
+        q1 = torch.sigmoid(d + beta)
+        slope = (q1 * (1 - q1)).sum(-1, keepdim=True).detach().clamp(min=torch.finfo(torch.float64).tiny)
+        implicit = -(q1.sum(-1, keepdim=True) - t1) / slope
+        beta = beta + (implicit - implicit.detach())
+    z = d + beta
+    out = torch.stack([torch.nn.functional.logsigmoid(-z), torch.nn.functional.logsigmoid(z)], dim=-1)
+    return out.to(log_p.dtype), err
+
+
+def _two_expert_dual(d: Tensor, t: Tensor, *, tol: float, max_iter: int) -> tuple[Tensor, float]:
+    """``beta [..., 1]`` with ``sum_i sigmoid(d_i + beta) = t_1`` (``d [..., n]``, ``t [..., 2]``,
+    float64, no autograd): at most ``max_iter`` safeguarded Newton steps, stopping once both column
+    sums are within float64's resolution of their targets (a few more steps than ``tol`` needs, on
+    ``n`` numbers: the gradient is that of the fixed point only at the fixed point, and where ``p``
+    is sharp a column error of ``tol`` leaves ``beta`` nats away from it); returns ``beta`` and the
+    largest column error.
+
+    (``tol`` still bounds the work where float64 cannot resolve the sums any better: the search
+    stops at ``max_iter`` or once a step no longer changes ``beta``.)"""
+    n = d.shape[-1]
+    tight = min(tol, 4 * torch.finfo(torch.float64).eps * n**0.5 * max(1.0, float(t.amax())))
+    t0, t1 = t[..., :1], t[..., 1:]
     base = torch.log(t1 / (n - t1))  # logit of the mean target
     lo = base - d.amax(-1, keepdim=True)  # F(lo) <= 0: every entry at most t1/n
     hi = base - d.amin(-1, keepdim=True)  # F(hi) >= 0
     beta = base - d.mean(-1, keepdim=True)
-    err = float("inf")
+    err, settled = float("inf"), False
     for step in range(max_iter + 1):
         q1 = torch.sigmoid(d + beta)
-        f = q1.sum(-1, keepdim=True) - t1
-        err = float(f.detach().abs().amax())
-        if err <= tol or step == max_iter:
+        s1 = q1.sum(-1, keepdim=True)
+        f = s1 - t1
+        # (column 0's sum is n - s1: its target may differ from n - t1 by the rounding of the targets)
+        err = float(torch.maximum(f.abs(), (n - s1 - t0).abs()).amax())
+        if err <= tight or step == max_iter or (err <= tol and settled):
             break
         lo = torch.where(f < 0, beta, lo)
         hi = torch.where(f > 0, beta, hi)
         slope = (q1 * (1 - q1)).sum(-1, keepdim=True)
-        newton = beta - f / slope.clamp(min=torch.finfo(work).tiny)
+        newton = beta - f / slope.clamp(min=torch.finfo(torch.float64).tiny)
         inside = (newton > lo) & (newton < hi) & torch.isfinite(newton)
-        beta = torch.where(inside, newton, 0.5 * (lo + hi))
-    z = (d + beta).to(log_p.dtype)
-    out = torch.stack([torch.nn.functional.logsigmoid(-z), torch.nn.functional.logsigmoid(z)], dim=-1)
-    return out, err
+        stepped = torch.where(inside, newton, 0.5 * (lo + hi))
+        settled = bool((stepped == beta).all()) if err <= tol else False
+        beta = stepped
+    return beta, err

@@ -40,7 +40,7 @@ def sinkhorn(
             its own dtype. An empty batch (a leading
             dimension of size 0) gives an empty result of the same shape.
         col_sum: target column sums, a number or a ``[..., k]`` tensor (broadcast over the batch);
-            default ``n / k``. They must be non-negative and add up to ``n``. A column with target
+            default ``n / k``. They must be non-negative and add up to ``n`` (within ``1e-6 * n``). A column with target
             0 is ``-inf`` in the result (no token uses it), with gradient 0 to its entries of
             ``log_p`` and to that target itself (the derivative there is one-sided: a target of 0
             is a constant); the other columns are balanced exactly as if it had been removed.
@@ -52,7 +52,9 @@ def sinkhorn(
 
     Returns:
         ``[..., n, k]`` log of the balanced matrix ``q`` (``q.exp().sum(-1) == 1``,
-        ``q.exp().sum(-2) == col_sum``).
+        ``q.exp().sum(-2) == col_sum`` within ``tol`` in the computation's dtype; a float16 or
+        bfloat16 result adds its own rounding, up to ``n`` times its ``eps`` relative to a column sum).
+        Targets within the ``1e-6 * n`` slack of adding up to ``n`` are scaled to add up to it.
 
     Raises:
         ValueError: NaN/+inf input, marginals that cannot be met (negative targets, targets that
@@ -65,7 +67,11 @@ def sinkhorn(
     check_score_matrix(log_p, "log_p", values=False)
     n, k = log_p.shape[-2], log_p.shape[-1]
     check_positive_int("max_iter", max_iter)
-    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not tol > 0:
+    if isinstance(tol, Tensor) and tol.numel() == 1 and tol.is_floating_point():
+        tol = float(tol)  # a 0-d tensor holding the number
+    if isinstance(tol, bool) or not isinstance(tol, numbers.Real):
+        raise ValueError(f"tol must be a number > 0 (a Python float), got {type(tol).__name__} {tol!r}")
+    if not tol > 0:
         raise ValueError(f"tol must be positive (a number > 0), got {tol!r}")
     out_dtype = log_p.dtype
     if out_dtype not in (torch.float32, torch.float64):  # half precision: balance in float32
@@ -93,7 +99,12 @@ def sinkhorn(
             f"cannot sum to 1; give every token at least one finite entry"
         )
     if bad_col:
-        raise ValueError("log_p has a column that is all -inf but a positive col_sum: that target cannot be met")
+        where = tuple(dead_col.nonzero()[0].tolist())
+        instance = f" of batch entry {where[:-1]}" if len(where) > 1 else ""
+        raise ValueError(
+            f"log_p's column {where[-1]}{instance} is all -inf but its col_sum is positive: no token may use that "
+            f"expert, so its target cannot be met; give it col_sum 0 (and the other columns its share) or a finite "
+            f"entry")
     if bad_stranded:
         raise ValueError(
             f"log_p {_first_row(stranded)} has finite entries only in columns whose col_sum is 0: that token "
@@ -444,4 +455,9 @@ def _target_columns(col_sum: float | Tensor | None, log_p: Tensor, n: int, k: in
             f"col_sum must add up to n={n} (every row sums to 1), got {total.flatten()[:4].tolist()}; "
             f"for equal columns use col_sum=n/k={n / k:g}"
         )
+    if n > 0:
+        # Within that slack (e.g. n/k rounded in float32, used with float64 log_p), the targets are
+        # scaled to add up to n in log_p's dtype: column sums that exceed n by 1e-6 n can otherwise
+        # never all be met (rows sum to 1). Exact targets are unchanged (a factor of exactly 1).
+        target = target * (n / total.detach()).unsqueeze(-1)
     return target
