@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_gather_rows", "all_to_all", "exchange_counts", "exchange_counts_and_tags", "group_rank", "group_size"]
+__all__ = ["all_gather_rows", "all_to_all", "comm_device", "exchange_counts", "exchange_counts_and_tags", "group_rank",
+           "group_size"]
 
 
 def group_size(group: dist.ProcessGroup | None = None) -> int:
@@ -34,6 +35,14 @@ def group_size(group: dist.ProcessGroup | None = None) -> int:
 def group_rank(group: dist.ProcessGroup | None = None) -> int:
     """This process's rank within ``group``."""
     return dist.get_rank(group)
+
+
+def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where small control tensors (counts, flags, norms) of ``group``'s collectives live: the
+    current CUDA device for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _as_splits(name: str, splits: Sequence[int] | Tensor, world: int) -> list[int]:

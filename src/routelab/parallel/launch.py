@@ -60,21 +60,48 @@ def default_backend(local_world_size: int = 1) -> str:
     return "nccl" if torch.cuda.device_count() >= local_world_size else "gloo"
 
 
+def _backend_from_environment() -> str:
+    """:func:`default_backend` for this machine's ``LOCAL_WORLD_SIZE``, the same on every rank.
+
+    Without ``LOCAL_WORLD_SIZE`` (an env:// launcher other than torchrun) the number of processes per
+    machine is unknown, and guessing it from the rank's ``LOCAL_RANK`` would let the ranks of one
+    job pick different backends (NCCL on local rank 0, gloo on rank 1 of a one-GPU machine): gloo
+    where NCCL is out of the question anyway, else a RuntimeError naming the variable.
+    """
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    if value is None:
+        if default_backend(1) == "gloo":  # no CUDA or no NCCL: gloo whatever the local world size
+            return "gloo"
+        raise RuntimeError(
+            "init_distributed(backend=None) picks NCCL only when every process on a machine has a GPU of its "
+            "own, which needs LOCAL_WORLD_SIZE (the processes per machine; torchrun sets it) and this launcher "
+            "did not set it: set LOCAL_WORLD_SIZE, or pass backend='nccl' or backend='gloo'")
+    try:
+        local_world = int(value)
+    except ValueError:
+        raise ValueError(
+            f"LOCAL_WORLD_SIZE must be a positive integer (processes per machine), got {value!r}") from None
+    return default_backend(local_world)
+
+
 def init_distributed(backend: str | None = None, *, timeout: float = 300.0) -> tuple[int, int]:
     """Initialise the default process group from the ``torchrun`` environment.
 
     Args:
         backend: ``"nccl"``, ``"gloo"`` or ``None``: NCCL if CUDA and NCCL are available and the
             machine has a GPU for each of its local ranks (``LOCAL_WORLD_SIZE``; NCCL cannot put
-            two ranks of one group on the same GPU), else gloo.
+            two ranks of one group on the same GPU), else gloo. The choice is the same on every
+            rank: without ``LOCAL_WORLD_SIZE`` it is gloo where CUDA or NCCL is missing, else a
+            RuntimeError that asks for the variable or an explicit ``backend``.
         timeout: seconds before a stuck collective raises instead of hanging.
 
     Returns:
         ``(rank, world_size)``. With NCCL the current CUDA device is set to ``LOCAL_RANK``.
 
     Raises:
-        RuntimeError: not started by ``torchrun`` (the environment variables are missing), or
-            ``backend="nccl"`` without a GPU for this process's ``LOCAL_RANK``.
+        RuntimeError: not started by ``torchrun`` (the environment variables are missing),
+            ``backend="nccl"`` without a GPU for this process's ``LOCAL_RANK``, or ``backend=None``
+            on a machine with CUDA and NCCL without ``LOCAL_WORLD_SIZE``.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -84,9 +111,8 @@ def init_distributed(backend: str | None = None, *, timeout: float = 300.0) -> t
             "script with torchrun --nproc_per_node=N script.py (or use run_workers for local gloo workers)"
         )
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
     if backend is None:
-        backend = default_backend(local_world)
+        backend = _backend_from_environment()
     if backend == "nccl":
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if local_rank >= gpus:

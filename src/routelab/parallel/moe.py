@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .._checks import check_positive_int, floating_input, token_mask
+from .._checks import check_capacity, check_positive_int, floating_input, token_mask
 from ..layers.config import MoEConfig
 from ..layers.experts import StackedExperts
 from ..layers.moe import MoE
@@ -45,7 +45,7 @@ from ..routers import Router
 from ..routes import Routes
 from ..routing import DispatchPlan
 from ..routing.masks import real_tokens, scatter_routes
-from .comm import all_gather_rows, all_to_all, exchange_counts, exchange_counts_and_tags
+from .comm import all_gather_rows, all_to_all, comm_device, exchange_counts, exchange_counts_and_tags
 
 #: The prime of :meth:`ExpertParallelMoE._plan_fingerprint`.
 _FINGERPRINT_PRIME = 2**31 - 1
@@ -60,6 +60,18 @@ def _require_initialized() -> None:
             "routelab.parallel.init_distributed() (or torch.distributed.init_process_group) first, "
             "e.g. under torchrun --nproc_per_node=N"
         )
+
+
+def _group_position(process_group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """``(world_size, rank)`` of this process in ``process_group``; ValueError if it is no member
+    (``torch.distributed.new_group`` hands non-members a placeholder whose rank is -1)."""
+    rank = dist.get_rank(process_group)
+    if rank < 0:
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of process_group: an ExpertParallelMoE "
+            "shards its experts over the group's ranks, so build (and call) it only on the ranks passed to "
+            "torch.distributed.new_group (e.g. `if rank in ranks:`), or pass a group this rank belongs to")
+    return dist.get_world_size(process_group), rank
 
 
 def _check_shardable(config: MoEConfig) -> None:
@@ -93,7 +105,14 @@ class ExpertParallelMoE(MoE):
       every rank. Diverging decisions are detected (the exchanged counts do not match the
       plan) and raise ``RuntimeError``;
     * every rank calls the layer the same number of times, and runs backward through the same
-      loss expression (the exchanges are collectives).
+      loss expression (the exchanges are collectives);
+    * a layer pickled whole (``torch.save(model)``) keeps its rank's shard: its forward raises
+      unless it runs as that rank of a group of that size (move checkpoints between ranks with
+      ``state_dict()``, saved and loaded per rank).
+
+    The router is called as in ``MoE`` (``router(x, capacity)``), so its hooks run: a forward
+    pre-hook on this rank's tokens (it may change their values, not their number), a forward
+    hook on the proposal for the global batch (``Routes [N, slots]``, the same on every rank).
 
     Cost of global routing: every rank receives the ``[N, E]`` logits (``N E`` floats, small
     next to the ``N d`` activations) and solves the routing problem of the global batch;
@@ -103,10 +122,13 @@ class ExpertParallelMoE(MoE):
     Gradients: the gradient of the experts on rank ``r`` is already the full gradient of
     ``sum_s loss_s`` (tokens of every rank flow back through the all-to-all). The router's
     gradient on rank ``r`` only holds its share; :meth:`reduce_replicated_grads` sums it over
-    the ranks (call it after ``backward``, before the optimizer step). ``routes.aux`` holds the
-    auxiliary losses of the global batch, the same on every rank: add ``aux / world_size`` to
-    each rank's loss (or add it on one rank only) so the summed gradient counts it once; the
-    same holds for ``routelab.aux_loss(model)``, which reads those records (divide it by the
+    the ranks (call it after ``backward``, before the optimizer step). Clip with
+    :func:`routelab.parallel.clip_grad_norm_` (the norm of every rank's experts, the same on
+    every rank; torch's sees one shard and pulls the router replicas apart), and with a
+    ``GradScaler`` call :func:`routelab.parallel.all_reduce_found_inf` after ``unscale_``.
+    ``routes.aux`` holds the auxiliary losses of the global batch, the same on every rank: add
+    ``aux / world_size`` to each rank's loss (or add it on one rank only) so the summed gradient
+    counts it once; the same holds for ``routelab.aux_loss(model)``, which reads those records (divide it by the
     world size too).
 
     Args:
@@ -121,8 +143,11 @@ class ExpertParallelMoE(MoE):
         gated: gated (GLU, e.g. ``activation="swiglu"``) experts, sharded like plain ones.
         experts: not supported (the layer shards routelab's stacked experts): a ValueError unless ``None``.
         seed: base seed of the experts' initialisation; expert ``e`` is initialised from
-            ``seed + e``, so the weights do not depend on the world size. ``None``: drawn on
-            rank 0 from torch's global generator and broadcast.
+            ``seed + e``, so the weights do not depend on the world size. ``None``: drawn from
+            torch's global generator (one number on every rank, after the router is built) and
+            rank 0's broadcast. The experts draw nothing from torch's global generator, so the
+            layer consumes it alike at every world size: a model built after one
+            ``torch.manual_seed`` is the same at any world size.
         check_decisions: exchange the per-rank dispatch counts and a fingerprint of the global
             plan (one small all-to-all per forward) and raise if either differs from this
             rank's, i.e. if the ranks' routing decisions diverged (plans that differ in any row
@@ -170,8 +195,7 @@ class ExpertParallelMoE(MoE):
         _sync: bool = True,
     ) -> None:
         _require_initialized()
-        world = dist.get_world_size(process_group)
-        rank = dist.get_rank(process_group)
+        world, rank = _group_position(process_group)
         check_positive_int("num_experts", num_experts)
         if num_experts % world:
             raise ValueError(
@@ -186,7 +210,11 @@ class ExpertParallelMoE(MoE):
         _check_shardable(config)
         # The full expert stack is built on the meta device (no memory) and replaced by this
         # rank's slice: only E / world experts are ever materialised. A router built by name is
-        # built on the real device.
+        # built on the real device. The slice too is built on the meta device and then allocated
+        # (to_empty) before init_experts or from_moe fills it: building it on the real device would
+        # draw E / world experts' nn.Linear initialisation from torch's global generator, so that
+        # everything built after this layer (the next layer's router, the seed drawn below) would
+        # depend on the world size.
         nn.Module.__init__(self)
         self._build(config, generator=generator, device="meta", dtype=dtype, router_device=device)
         self.process_group = process_group
@@ -195,8 +223,9 @@ class ExpertParallelMoE(MoE):
         self.world_size, self.rank = world, rank
         self.local_experts = num_experts // world
         self.expert_offset = rank * self.local_experts
-        self.experts = StackedExperts(d_model, d_hidden, self.local_experts, activation=config.activation,
-                                      bias=config.bias, gated=config.gated, device=device, dtype=dtype)
+        local = StackedExperts(d_model, d_hidden, self.local_experts, activation=config.activation,
+                               bias=config.bias, gated=config.gated, device="meta", dtype=dtype)
+        self.experts = local.to_empty(device=torch.device(device) if device is not None else torch.get_default_device())
         if _sync:
             if seed is None:
                 drawn = torch.randint(0, 2**62, (1,), dtype=torch.long)
@@ -247,7 +276,10 @@ class ExpertParallelMoE(MoE):
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickling (``torch.save`` of the whole layer) over a sub-group is refused with the fix:
-        a process group belongs to the running job and cannot be saved."""
+        a process group belongs to the running job and cannot be saved. A layer over the default
+        group pickles with its shard (``rank``, ``world_size``, ``expert_offset``): the forward of
+        the unpickled layer raises unless it runs as that rank of a group of that size (save
+        ``state_dict()`` per rank to move checkpoints between ranks)."""
         if self.process_group is not None:
             raise TypeError("an ExpertParallelMoE over a process group other than the default one cannot be pickled "
                             "whole (the group belongs to the running job): save layer.state_dict() (this rank's "
@@ -259,10 +291,12 @@ class ExpertParallelMoE(MoE):
                  check_decisions: bool = True) -> ExpertParallelMoE:
         """Shard an existing single-process :class:`~routelab.layers.MoE` (same on every rank).
 
-        The router is copied (its ``generator``, if any, is shared with ``moe``, not copied);
-        this rank keeps a copy of its slice of the experts. Nothing is broadcast: ``moe`` must
-        hold the same weights on every rank (build it after an identical ``torch.manual_seed``,
-        or load one checkpoint).
+        The router is copied (its ``generator``, if any, is shared with ``moe``, not copied: the
+        router's own generator stays the router's, the layer's ``generator`` the layer's, as in
+        ``moe``); this rank keeps a copy of its slice of the experts, with their
+        ``requires_grad`` (frozen experts stay frozen). Nothing is broadcast: ``moe`` must hold the
+        same weights on every rank (build it after an identical ``torch.manual_seed``, or load one
+        checkpoint).
         """
         _require_initialized()
         if not isinstance(moe, MoE) or isinstance(moe, ExpertParallelMoE):
@@ -271,6 +305,7 @@ class ExpertParallelMoE(MoE):
         if moe.router.generator is not None:
             memo[id(moe.router.generator)] = moe.router.generator
         router = copy.deepcopy(moe.router, memo)
+        router_generator = router.generator  # moe.router's own (the layer build below sets the layer's)
         _check_shardable(moe.config)
         ex = moe.experts
         param = ex.w1
@@ -278,12 +313,15 @@ class ExpertParallelMoE(MoE):
         out = cls(**config.layer_kwargs(), process_group=process_group,
                   generator=moe.generator, device=param.device, dtype=param.dtype, check_decisions=check_decisions,
                   _sync=False)
+        out.router.generator = router_generator
         lo, hi = out.expert_offset, out.expert_offset + out.local_experts
         with torch.no_grad():
             for name in ("w1", "w2", "w3", "b1", "b2", "b3"):
                 src = getattr(ex, name)
                 if src is not None:
-                    getattr(out.experts, name).copy_(src[lo:hi])
+                    dst = getattr(out.experts, name)
+                    dst.copy_(src[lo:hi])
+                    dst.requires_grad_(src.requires_grad)
         out.train(moe.training)
         return out
 
@@ -316,10 +354,30 @@ class ExpertParallelMoE(MoE):
 
     def _comm_device(self) -> torch.device:
         """Device of small control tensors: CUDA for NCCL, else the CPU."""
-        backend = dist.get_backend(self.process_group)
-        if backend == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return comm_device(self.process_group)
+
+    def _check_position(self) -> None:
+        """RuntimeError unless this process is still the rank of the process group whose experts the
+        layer holds (host-side lookups, no collective).
+
+        A layer pickled whole (``torch.save(model)``) keeps the shard of the rank that saved it:
+        loaded on another rank, or in a job of another size, it would silently compute as that rank.
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "ExpertParallelMoE needs an initialised torch.distributed process group at every call (a layer "
+                "loaded with torch.load outside a distributed job cannot run): call "
+                "routelab.parallel.init_distributed() first; to use the experts in a single process, gather the "
+                "ranks' state_dicts into a routelab MoE")
+        world, rank = _group_position(self.process_group)
+        if (world, rank) != (self.world_size, self.rank):
+            last = self.expert_offset + self.local_experts - 1
+            raise RuntimeError(
+                f"this ExpertParallelMoE holds the experts {self.expert_offset}..{last} of rank {self.rank} of "
+                f"{self.world_size}, but runs on rank {rank} of {world} of its process group: a layer pickled "
+                "whole (torch.save(model) / torch.load) keeps the shard of the rank that saved it. Save and load "
+                "layer.state_dict() per rank instead (each rank loads the one it saved, into a layer built "
+                "on this job's group), or re-shard a single-process MoE with ExpertParallelMoE.from_moe")
 
     def _broadcast(self, t: Tensor) -> Tensor:
         src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
@@ -380,17 +438,46 @@ class ExpertParallelMoE(MoE):
     # ------------------------------------------------------------------ forward
 
     def _route_global(self, flat: Tensor, counts: list[int], capacity: int) -> Routes:
-        """The router's proposal for the global batch, from the gathered per-token features."""
+        """The router's proposal for the global batch, from the gathered per-token features.
+
+        The router is called as a module, ``router(flat, capacity)``, as :class:`~routelab.layers.MoE`
+        calls it, with its ``forward`` standing in for one that computes this rank's features,
+        all-gathers them and routes the global batch: the router's hooks (and torch's global module
+        hooks) run as in ``MoE``. A forward pre-hook sees (and may replace) this rank's tokens
+        ``[n_r, d_model]`` and the global capacity; a forward hook sees the proposal for the global
+        batch (``Routes [N, slots]``, the same on every rank, as ``MoE`` on the concatenated batch)
+        and may replace it. Every rank runs the hooks.
+        """
         router = self.router
-        if type(router).forward is not Router.forward:
+        if type(router).forward is not Router.forward or "forward" in vars(router):
             raise ValueError(
                 f"{type(router).__name__} overrides Router.forward; ExpertParallelMoE routes the global batch "
                 "from gathered per-token features (Router.features, then Router.route): put the token-local "
                 "computation in features() and the batch-level rule in route()"
             )
-        feats = router.features(flat)
-        gathered = all_gather_rows(feats, counts, self.process_group)
-        return router.route_features(gathered, capacity)
+        group, mine = self.process_group, counts[self.rank]
+
+        def route_global_batch(x: Tensor, capacity: int | None = None, *, mask: Tensor | None = None) -> Routes:
+            if mask is not None:
+                raise ValueError("ExpertParallelMoE calls its router without a mask (the layer drops masked tokens "
+                                 "itself): a forward pre-hook on the router must not add mask=")
+            if not isinstance(x, Tensor) or x.ndim != 2 or x.shape != (mine, router.d_model):
+                got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+                raise ValueError(
+                    f"the router of an ExpertParallelMoE must be called with this rank's {mine} tokens "
+                    f"[{mine}, {router.d_model}], got {got}: a forward pre-hook on the router may change the "
+                    "tokens' values but not their number (the other ranks expect this rank's count)")
+            feats = router.gate(x).scores
+            gathered = all_gather_rows(feats, counts, group)
+            return router.route_features(gathered, check_capacity(capacity))
+
+        # An instance attribute shadows Router.forward for this one call: nn.Module.__call__ then
+        # runs the hooks around it exactly as it does around Router.forward in MoE.
+        router.forward = route_global_batch
+        try:
+            return router(flat, capacity)
+        finally:
+            del router.forward
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Routes]:
         """Apply the layer to this rank's tokens.
@@ -405,7 +492,15 @@ class ExpertParallelMoE(MoE):
             ``(y [..., d_model], routes)``: ``y`` equals this rank's rows of the single-process
             layer's output on the global batch; ``routes`` covers this rank's tokens (``aux``
             and ``stats`` the global batch).
+
+        Raises:
+            RuntimeError: no initialised process group, or the layer holds another rank's shard
+                (pickled whole on another rank, or in a job of another size); the ranks' routing
+                decisions diverged (``check_decisions``).
+            ValueError: ``x`` of the wrong shape or dtype; a router pre-hook changed the number
+                of tokens.
         """
+        self._check_position()  # a layer unpickled on another rank / in another world: an error, not rank r's shard
         self.forget_routing()  # the last step's graph goes before this one is built (record.py)
         # The dtype policy of MoE: the experts compute (and the ranks exchange tokens) in the
         # experts' dtype whatever each rank's input dtype; the output comes back in x's dtype.
@@ -437,34 +532,39 @@ class ExpertParallelMoE(MoE):
         local_routes = Routes(
             expert=routes.expert[lo:lo + n], gate=routes.gate[lo:lo + n], keep=routes.keep[lo:lo + n],
             weight=routes.weight[lo:lo + n], log_prob=routes.log_prob[lo:lo + n], aux=routes.aux,
-            stats={**routes.stats, "global_tokens": torch.tensor(N)},
+            stats={**routes.stats, "global_tokens": torch.tensor(N, device=routes.expert.device)},
         )
         C = plan.capacity
         if C == 0:  # no real token on any rank: a zero output that stays in the graph, as MoE's does
             self.record_routing(local_routes.aux, local_routes.stats)
             return (flat * 0).reshape(*lead, d), local_routes
 
-        # Who sends what to whom: every rank derives it from the same global plan.
+        # Who sends what to whom: every rank derives it from the same global plan. The counts (and
+        # the plan's fingerprint) are computed on the device and read to the host at once: one
+        # host sync; the row lists are then sliced from stable sorts to those known lengths.
         El = self.local_experts
         rows_per_rank = El * C
-        tok = plan.token_of_row.to(dev)  # [E*C], N where the row is empty
+        tok = plan.token_of_row.to(dev)  # [E*C] = [W * rows_per_rank], N where the row is empty
         bounds = torch.tensor(off[1:], device=dev)
         src = torch.bucketize(tok, bounds, right=True)  # rank owning each row's token (W if empty)
-        row_ids = torch.arange(tok.numel(), device=dev)
-        mine = src == r  # rows holding my tokens, ascending = grouped by destination rank
-        send_rows = row_ids[mine]
-        send_tok = tok[mine] - lo
-        send_counts = torch.bincount(send_rows // rows_per_rank, minlength=W).tolist()
-        local = slice(r * rows_per_rank, (r + 1) * rows_per_rank)
-        local_src = src[local]
-        filled = local_src < W
-        recv_src = local_src[filled]
-        order = torch.argsort(recv_src, stable=True)
-        recv_rows = torch.arange(rows_per_rank, device=dev)[filled][order]  # receive order: by source rank
-        planned = torch.bincount(recv_src, minlength=W).tolist()
+        mine = src == r  # rows holding my tokens; ascending row order = grouped by destination rank
+        send_counts_t = mine.view(W, rows_per_rank).sum(1)  # [W] rows to each expert rank
+        local_src = src[r * rows_per_rank:(r + 1) * rows_per_rank]
+        planned_t = torch.zeros(W + 1, dtype=torch.long, device=dev).scatter_add_(
+            0, local_src, torch.ones_like(local_src))[:W]  # [W] rows of my experts from each rank
+        head = [send_counts_t, planned_t]
+        if self.check_decisions:
+            head.append(self._plan_fingerprint_tensor(tok).view(1))
+        host = torch.cat(head).tolist()  # the one device-to-host read of the plan
+        send_counts, planned = host[:W], host[W:2 * W]
+        # My rows in ascending order (rows not mine sort after them), and my experts' filled rows
+        # by source rank, ascending within each (empty rows, source W, last): stable sorts.
+        send_rows = torch.argsort((~mine).to(torch.uint8), stable=True)[:sum(send_counts)]
+        send_tok = tok[send_rows] - lo
+        recv_rows = torch.argsort(local_src, stable=True)[:sum(planned)]  # receive order: by source rank
         recv_counts, differ = planned, None
         if self.check_decisions:
-            mine_tag = self._plan_fingerprint(tok)
+            mine_tag = host[2 * W]
             recv_counts, tags = exchange_counts_and_tags(send_counts, mine_tag, group, device=self._comm_device())
             if recv_counts != planned:
                 differ = f"receiving {recv_counts} rows per rank, the plan says {planned}"
@@ -497,13 +597,17 @@ class ExpertParallelMoE(MoE):
         """``sum_r (token_of_row[r] + 1) m_r mod P`` (``P = 2^31 - 1``, ``m_r`` uniform in ``[1, P)`` from
         a fixed seed): equal on ranks whose plans fill every row with the same token; two plans that
         differ in any row give the same value with probability about ``1 / P``. One host read."""
+        return int(self._plan_fingerprint_tensor(token_of_row))
+
+    def _plan_fingerprint_tensor(self, token_of_row: Tensor) -> Tensor:
+        """:meth:`_plan_fingerprint` as a 0-dim ``LongTensor`` on ``token_of_row``'s device (no host read)."""
         rows = token_of_row.numel()
         weights = self._fingerprint_weights
         if weights is None or weights.numel() != rows or weights.device != token_of_row.device:
             weights = torch.randint(1, _FINGERPRINT_PRIME, (rows,), generator=torch.Generator().manual_seed(0))
             weights = self._fingerprint_weights = weights.to(token_of_row.device)
         terms = (token_of_row.long() % _FINGERPRINT_PRIME + 1) * weights % _FINGERPRINT_PRIME  # < 2^31 each
-        return int(terms.sum() % _FINGERPRINT_PRIME)  # a sum of < 2^32 terms of < 2^31: no overflow
+        return terms.sum() % _FINGERPRINT_PRIME  # a sum of < 2^32 terms of < 2^31: no overflow
 
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", world_size={self.world_size}, rank={self.rank}, "

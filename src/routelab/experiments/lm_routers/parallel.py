@@ -32,7 +32,6 @@ loss curve to 1e-4.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -42,7 +41,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ...layers import MoE, StackedExperts
-from ...parallel import ExpertParallelMoE
+from ...parallel import ExpertParallelMoE, clip_grad_norm_
 from ...routing import aux_loss
 from .data import CharCorpus
 from .model import RouterSpec, Settings, lr_at, unpatched_model
@@ -131,41 +130,15 @@ def expert_parallel(model: nn.Module, process_group: dist.ProcessGroup | None = 
     return DistributedDataParallel(model, process_group=ddp_group, device_ids=device_ids)
 
 
-def _sharded(name: str) -> bool:
-    return ".moe.experts." in name
-
-
 def clip_grad_norm(model: nn.Module, max_norm: float, process_group: dist.ProcessGroup | None = None) -> float:
-    """Clip the gradients of ``model`` (single-process or :func:`expert_parallel`) by their global 2-norm.
-
-    In the parallel form the experts' squared norms are summed over the ranks (each rank holds a shard)
-    and the replicated parameters counted once, so every rank scales by the single-process factor.
+    """Clip the gradients of ``model`` (single-process or :func:`expert_parallel`) by their global 2-norm
+    (:func:`routelab.parallel.clip_grad_norm_`: the experts' squared norms summed over the ranks, the
+    replicated parameters counted once, so every rank scales by the single-process factor).
 
     Returns:
         The global norm before clipping.
     """
-    module = model.module if hasattr(model, "module") else model
-    parallel = any(isinstance(m, ExpertParallelMoE) for m in module.modules())
-    rep = torch.zeros((), dtype=torch.float64)
-    shard = torch.zeros((), dtype=torch.float64)
-    grads = []
-    for name, p in module.named_parameters():
-        if p.grad is None:
-            continue
-        sq = p.grad.detach().double().pow(2).sum().cpu()
-        if parallel and _sharded(name):
-            shard += sq
-        else:
-            rep += sq
-        grads.append(p.grad)
-    if parallel:
-        dist.all_reduce(shard, group=process_group)
-    norm = math.sqrt(float(rep + shard))
-    scale = max_norm / (norm + 1e-6)
-    if scale < 1.0:
-        for g in grads:
-            g.mul_(scale)
-    return norm
+    return float(clip_grad_norm_(model, max_norm, process_group=process_group))
 
 
 def train_steps(model: nn.Module, settings: Settings, corpus: CharCorpus, steps: int, seed: int, *,
