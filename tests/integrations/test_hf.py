@@ -704,6 +704,44 @@ def test_probing_reads_rules_other_than_softmax_top_k():
     assert (scaled.k, scaled.renormalize, scaled.differs) == (2, False, None) and scaled.scale == pytest.approx(16)
 
 
+def test_the_scale_of_a_gate_with_a_rule_of_its_own_is_read_on_the_experts_it_chose():
+    """A review case: the scale was read only where a gate's weights sum to a constant, so
+    DeepSeek-V2 as released (group-limited softmax top-k, not renormalised, times 16) and a sigmoid
+    top-k without normalisation (times 2.5) were patched with combine_scale 1: routed outputs 16x
+    too small. Read on the gate's own choice (its weights / its softmax or sigmoid scores there)."""
+    grouped = tiny("deepseek_v2_scaled", n_group=2, topk_group=1, topk_method="group_limited_greedy")
+    rule = probe_gate(gate_of(sparse_moe_blocks(grouped)[0][1]))
+    assert rule.differs and rule.scale == pytest.approx(16) and not rule.scale_unread
+    sigmoid = tiny("deepseek_v3", norm_topk_prob=False, routed_scaling_factor=2.5)
+    gate = gate_of(sparse_moe_blocks(sigmoid)[0][1])
+    with torch.no_grad():
+        gate.e_score_correction_bias.normal_()  # the choice differs from the scores' top-k
+    rule = probe_gate(gate)
+    assert rule.differs and rule.scale == pytest.approx(2.5) and not rule.scale_unread
+    with pytest.warns(UserWarning, match=r"the scale 16 of its weights is kept"):
+        blocks = patch_moe(grouped, "topk")
+    assert all(gate_of(b).combine_scale == pytest.approx(16) for b in blocks)
+
+
+def test_a_gate_whose_scale_cannot_be_read_uses_its_routed_scaling_factor_or_says_so():
+    from routelab.integrations.hf_blocks import GateRule, _roles_with_block_inputs, replaced_rule
+
+    class HashGate(torch.nn.Module):  # DeepSeek-V4's hash router: an input the probe cannot make up
+        def __init__(self, scale=None):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(4, 8))
+            if scale is not None:
+                self.routed_scaling_factor = scale
+
+        def forward(self, hidden_states, input_ids):
+            raise AssertionError("not run")
+
+    assert _roles_with_block_inputs(HashGate(1.5), None, ("input_ids",), 4, 0) == (None, 1.5)
+    assert _roles_with_block_inputs(HashGate(), None, ("input_ids",), 4, 0) == (None, None)
+    unread = GateRule(k=2, differs="its own", scale_unread=True)
+    assert "could not be read" in replaced_rule(unread, [])
+
+
 def test_a_gate_bias_is_shared_with_the_router_and_trained():
     model = tiny("gpt_oss").train()
     blocks = patch_moe(model, "topk")

@@ -268,6 +268,42 @@ def test_experts_that_cannot_take_one_expert_per_token_get_two_slots():
     assert all(b.experts._routelab_two_slots for b in blocks)
 
 
+def test_experts_that_cannot_take_one_expert_per_token_run_a_one_slot_router_without_padding():
+    """A review case: with a one-slot router (``switch``) and every slot routed (no padding mask),
+    the experts' own forward ran on ``[n, 1]`` slots and LongCat-Flash's failed inside transformers
+    (``not enough values to unpack``); it now takes the two-slot fallback there too. The unpadded
+    row's logits equal those of a run with padding in the other row (routed through the kept pairs:
+    dropless top-1 routing is per token)."""
+    if not hasattr(tf, "LongcatFlashForCausalLM"):
+        pytest.skip(f"transformers {tf.__version__} has no LongCat-Flash")
+    torch.manual_seed(0)
+    config = tf.LongcatFlashConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=4, max_position_embeddings=64, head_dim=4, n_routed_experts=4,
+                                   moe_topk=2, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                                   v_head_dim=8, pad_token_id=0, ffn_hidden_size=48, expert_ffn_hidden_size=24,
+                                   zero_expert_num=2)
+    model = tf.LongcatFlashForCausalLM(config).eval()
+    if probe_gate(routing_child(sparse_moe_blocks(model)[0][1])[1]).contract is not None:
+        pytest.skip(f"transformers {tf.__version__}: the LongCat-Flash gate answers by another contract")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # its bias-corrected choice is replaced; k=2 -> 1
+        patch_moe(model, "switch")
+    x = ids()
+    mask = torch.ones_like(x)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        unpadded = model(x).logits
+        padded = model(x, attention_mask=mask).logits
+        ones = model(x, attention_mask=torch.ones_like(x)).logits
+    assert torch.isfinite(unpadded).all()
+    torch.testing.assert_close(unpadded[0], padded[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ones, unpadded, rtol=0, atol=0)
+    with torch.no_grad():
+        gen = model.generate(x[:, :4], attention_mask=torch.ones_like(x[:, :4]), max_new_tokens=2, do_sample=False,
+                             pad_token_id=0)
+    assert gen.shape == (2, 6)
+
+
 def test_experts_that_fail_on_two_slots_too_say_so():
     class OneTokenExperts(_Experts):
         def forward(self, hidden_states, top_k_index, top_k_weights):

@@ -275,10 +275,10 @@ class RoutedExperts:
             torch.compiler.is_compiling() or top_k_index._version == state.version)
         state.fully_routed = None
         if told:  # the gate's own indices, unchanged, which it knows name an expert in every slot: no sync
-            return super().forward(hidden_states, top_k_index, top_k_weights)  # type: ignore[misc]
+            return self._every_slot(hidden_states, top_k_index, top_k_weights)
         routed = (top_k_index >= 0) & (top_k_index < E)
         if bool(routed.all()):  # one host sync
-            return super().forward(hidden_states, top_k_index, top_k_weights)  # type: ignore[misc]
+            return self._every_slot(hidden_states, top_k_index, top_k_weights)
         token, slot = routed.nonzero(as_tuple=True)
         if token.numel() == 0:  # nothing routed (e.g. a batch of padding): no expert runs
             return hidden_states.new_zeros(hidden_states.shape)
@@ -296,6 +296,23 @@ class RoutedExperts:
                 out = self._two_slots(rows, index, weights, error)
         out = out.reshape(-1, flat.shape[-1]).to(hidden_states.dtype)
         return flat.new_zeros(flat.shape).index_add(0, token, out).view(hidden_states.shape)
+
+    def _every_slot(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """The experts' own forward when every slot names an expert; with one slot per token (a
+        ``k = 1`` router), through :meth:`_two_slots` for experts that fail on one (LongCat-Flash)."""
+        if top_k_index.shape[-1] != 1:
+            return super().forward(hidden_states, top_k_index, top_k_weights)  # type: ignore[misc]
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        if getattr(self, "_routelab_two_slots", False):
+            out = self._two_slots(flat, top_k_index, top_k_weights[:, 0])
+        else:
+            try:
+                return super().forward(hidden_states, top_k_index, top_k_weights)  # type: ignore[misc]
+            except (IndexError, ValueError, RuntimeError) as error:
+                if isinstance(error, (torch.OutOfMemoryError, torch.AcceleratorError)):
+                    raise
+                out = self._two_slots(flat, top_k_index, top_k_weights[:, 0], error)
+        return out.reshape(hidden_states.shape).to(hidden_states.dtype)
 
     def _two_slots(self, rows: Tensor, index: Tensor, weights: Tensor, error: Exception | None = None) -> Tensor:
         """The kept pairs as rows of two slots, the pair's expert twice with weights ``(w/2, w/2)``

@@ -138,8 +138,9 @@ class GateRule:
             renormalised over the chosen ``k`` / not (the full softmax's); None when it routes
             otherwise or could not be probed.
         scale: the constant its combine weights carry on top of that (DeepSeek's
-            ``routed_scaling_factor``; also read when its rule is another one whose weights sum to a
-            constant per token, as DeepSeek-V3's sigmoid scores renormalised times 2.5); 1.0 otherwise.
+            ``routed_scaling_factor``); also read when its rule is another one
+            (:func:`_own_rule_scale`: DeepSeek-V3's sigmoid scores renormalised times 2.5,
+            DeepSeek-V2's group-limited softmax times 16); 1.0 otherwise.
         logit_bias: its logits are ``x @ weight.T + bias`` (GPT-OSS), not ``x @ weight.T``.
         differs: why its routing is not softmax top-k of its logits (PhiMoE's sparsemixer,
             DeepSeek-V3's bias-corrected sigmoid top-k), or None.
@@ -160,6 +161,8 @@ class GateRule:
             :data:`ROUTE_METHOD` (Jamba 5.17: ``("experts", "weights")``); else None.
         training: what it does in ``train()`` mode only (DBRX's jitter: it scales its input in
             place), which the routelab router does not do; None when it computes the same in both.
+        scale_unread: a gate with a rule of its own whose weights' scale could not be read
+            (:func:`_own_rule_scale`): ``scale`` is then 1.0, and ``patch_moe``'s warning says so.
     """
 
     k: int | None = None
@@ -174,12 +177,44 @@ class GateRule:
     outputs: tuple[str, ...] = CONTRACT
     block_routes: tuple[str, ...] | None = None
     training: str | None = None
+    scale_unread: bool = False
 
 
 def _scale_of(weights: Tensor, reference: Tensor) -> float | None:
     """The constant ``c`` with ``weights == c * reference`` (all ``[n, k]``), or None if there is none."""
     c = float((weights * reference).sum() / (reference * reference).sum().clamp_min(1e-30))
     return c if c > 0 and torch.allclose(weights, c * reference, rtol=1e-4, atol=1e-6) else None
+
+
+def _own_rule_scale(gate: nn.Module, logits: Tensor, weights: Tensor, experts: Tensor) -> float | None:
+    """The constant a gate with a routing rule of its own puts on its combine weights, or None.
+
+    Read, in this order: a constant per-token sum of its ``weights [n, k]`` (DeepSeek-V3's sigmoid
+    scores renormalised times 2.5); the constant ``c`` with ``weights == c * score`` (or ``c *`` the
+    scores renormalised over the chosen experts), ``score`` the softmax or the sigmoid of its
+    ``logits [n, E]`` at the experts ``experts [n, k]`` *it* chose (DeepSeek-V2's group-limited
+    softmax top-k times 16, a sigmoid top-k times 2.5 without normalisation); the gate's
+    ``routed_scaling_factor`` attribute."""
+    sums = weights.sum(-1)
+    if sums.numel() and torch.allclose(sums, sums.mean().expand_as(sums), rtol=1e-4):
+        return float(sums.mean())
+    if logits.dim() == 2 and experts.dim() == 2 and experts.shape == weights.shape and not experts.is_floating_point() \
+            and experts.numel() and int(experts.min()) >= 0 and int(experts.max()) < logits.shape[-1]:
+        for score in (logits.softmax(-1), logits.sigmoid()):
+            chosen = score.gather(1, experts.long())
+            for reference in (chosen, chosen / chosen.sum(-1, keepdim=True).clamp_min(1e-30)):
+                scale = _scale_of(weights, reference)
+                if scale is not None:
+                    return scale
+    return _scaling_attribute(gate)
+
+
+def _scaling_attribute(gate: nn.Module) -> float | None:
+    """The gate's ``routed_scaling_factor`` attribute (a positive finite number), or None."""
+    own = getattr(gate, "routed_scaling_factor", None)
+    if isinstance(own, (int, float)) and not isinstance(own, bool) and 0 < own < float("inf"):
+        return float(own)
+    return None
 
 
 def _fresh_state(module: nn.Module, dtype: torch.dtype,
@@ -268,17 +303,19 @@ def _roles(out: object, tokens: int, E: int, reference: tuple[Tensor, ...]) -> t
 
 
 def _roles_with_block_inputs(gate: nn.Module, block: nn.Module | None, extras: tuple[str, ...], tokens: int,
-                             seed: int) -> tuple[str, ...] | str | None:
+                             seed: int) -> tuple[tuple[str, ...] | str | None, float | None]:
     """The roles of the outputs of a gate that takes inputs of its own (MiniMax-M2's, HY-V3's and
     AFMoE's ``e_score_correction_bias``/``expert_bias``, NLLB-MoE's ``padding_mask``), read by running
     a parameter-fresh copy of it on copies of the block's tensors of those names, or, for an input
     the block does not hold, the input's default (NLLB-MoE's ``None``); a str says why they cannot be
     read. None when an input is neither (DeepSeek-V4's ``input_ids``) or the copy cannot run: the
-    outputs are then taken to follow the contract, unread."""
+    outputs are then taken to follow the contract, unread. Second: the scale of its combine weights
+    (:func:`_own_rule_scale`; only the gate's ``routed_scaling_factor`` where the copy does not run)."""
+    unread = (None, _scaling_attribute(gate))
     try:
         params = inspect.signature(type(gate).forward).parameters
     except (TypeError, ValueError):
-        return None
+        return unread
     values = []
     for name in extras:
         held = getattr(block, name, None) if block is not None else None
@@ -288,12 +325,12 @@ def _roles_with_block_inputs(gate: nn.Module, block: nn.Module | None, extras: t
         elif name in params and params[name].default is not inspect.Parameter.empty:
             values.append(params[name].default)
         else:
-            return None
+            return unread
     E, d = scorer_parameter(gate, "weight").shape
     g = torch.Generator().manual_seed(seed)
     run = _fresh_copy(gate, torch.float32, g)
     if run is None:
-        return None
+        return unread
     probe, fresh = run
     x = torch.randn(tokens, d, generator=g)
     copies = values
@@ -301,8 +338,12 @@ def _roles_with_block_inputs(gate: nn.Module, block: nn.Module | None, extras: t
         with torch.no_grad():
             out = type(gate).forward(probe, x, *copies)
     except Exception:  # noqa: BLE001 - a gate that cannot run on a CPU copy is simply not read
-        return None
-    return _roles(out, tokens, E, (nn.functional.linear(x, fresh[scorer_key(gate, "weight")]),))
+        return unread
+    roles = _roles(out, tokens, E, (nn.functional.linear(x, fresh[scorer_key(gate, "weight")]),))
+    if isinstance(roles, str):
+        return roles, unread[1]
+    found = dict(zip(roles, out, strict=True))
+    return roles, _own_rule_scale(gate, found["logits"].float(), found["weights"].float(), found["experts"])
 
 
 def _run_gate(gate: nn.Module, probe: nn.Module, x: Tensor, block: nn.Module | None,
@@ -373,10 +414,11 @@ def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0, *, block: nn.Mo
     inputs = _positional_inputs(type(gate).forward)
     if inputs is not None and len(inputs) > 1:
         extras = tuple(inputs[1:])
-        roles = _roles_with_block_inputs(gate, block, extras, tokens, seed)
+        roles, scale = _roles_with_block_inputs(gate, block, extras, tokens, seed)
         if isinstance(roles, str):
             return GateRule(inputs=extras, contract=f"it takes inputs of its own ({', '.join(extras)}) and {roles}")
-        return GateRule(inputs=extras, outputs=roles or CONTRACT)
+        return GateRule(scale=1.0 if scale is None else scale, inputs=extras, outputs=roles or CONTRACT,
+                        scale_unread=scale is None)
     E, d = scorer_parameter(gate, "weight").shape
     g = torch.Generator().manual_seed(seed)
     run = _fresh_copy(gate, torch.float32, g)
@@ -424,14 +466,17 @@ def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0, *, block: nn.Mo
     if isinstance(bias, Tensor) and bias.shape == (E,) and got_logits.shape == logits.shape:
         logit_bias = torch.allclose(got_logits, logits + bias, rtol=1e-4, atol=1e-5)
         logits = logits + bias if logit_bias else logits
-    sums = got_weights.sum(-1)
-    constant_sum = float(sums.mean()) if torch.allclose(sums, sums.mean().expand_as(sums), rtol=1e-4) else None
+    # (a rule of its own: the scale its weights carry, read on the experts it chose)
+    own = _own_rule_scale(gate, got_logits, got_weights, chosen)
+    own_scale = dict(scale=1.0 if own is None else own, scale_unread=own is None)
     if not torch.allclose(got_logits, logits, rtol=1e-4, atol=1e-5):
         scorer = scorer_key(gate, "weight").removesuffix("weight") or "its "
-        return GateRule(k, None, constant_sum or 1.0, logit_bias,
-                        f"the router_logits it returns are not hidden_states @ {scorer}weight.T", **shape)
+        return GateRule(k, None, logit_bias=logit_bias,
+                        differs=f"the router_logits it returns are not hidden_states @ {scorer}weight.T", **own_scale,
+                        **shape)
     if k > E or not torch.equal(chosen.sort(-1).values, logits.topk(k, -1).indices.sort(-1).values):
-        return GateRule(k, None, constant_sum or 1.0, logit_bias, "it does not choose the k largest logits", **shape)
+        return GateRule(k, None, logit_bias=logit_bias, differs="it does not choose the k largest logits",
+                        **own_scale, **shape)
     p = logits.softmax(-1).gather(1, chosen)
     for renormalize, reference in ((True, p / p.sum(-1, keepdim=True)), (False, p)):
         scale = _scale_of(got_weights, reference)
@@ -439,9 +484,9 @@ def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0, *, block: nn.Mo
             in_half_logits, in_half_weights = _half_precision_outputs(gate, block, GateRule(**shape))
             return GateRule(k, renormalize, scale, logit_bias, input_dtype_logits=in_half_logits,
                             input_dtype_weights=in_half_weights, **shape)
-    return GateRule(k, None, constant_sum or 1.0, logit_bias,
-                    "its weights are not the softmax of its logits, renormalised over the chosen experts or not",
-                    **shape)
+    return GateRule(k, None, logit_bias=logit_bias,
+                    differs="its weights are not the softmax of its logits, renormalised over the chosen experts or "
+                            "not", **own_scale, **shape)
 
 
 def _training_difference(gate: nn.Module, probe: nn.Module, x: Tensor, eval_out: object) -> str | None:
@@ -484,6 +529,9 @@ def replaced_rule(rule: GateRule, unused: list[str]) -> str | None:
     if not said:
         return None
     kept = f" (the scale {rule.scale:g} of its weights is kept)" if rule.scale != 1 else ""
+    if rule.scale_unread:
+        kept = (" (the scale of its weights could not be read, and it has no routed_scaling_factor: the routelab "
+                "router's weights are used unscaled)")
     return ("; ".join(said) + ": the routelab router replaces its routing rule, so router='topk' does not "
             "reproduce the unpatched model" + kept)
 
