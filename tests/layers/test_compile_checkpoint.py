@@ -86,6 +86,33 @@ def test_checkpointing_gives_the_uncheckpointed_gradients(case: str, mode: str, 
         torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["reentrant", "nonreentrant"])
+@pytest.mark.parametrize("case", sorted(STOCHASTIC))
+def test_an_eval_forward_between_a_checkpointed_forward_and_its_backward_changes_no_gradient(case: str,
+                                                                                            mode: str) -> None:
+    """A review case: the random drop policy recorded its draw in eval mode too, so a validation
+    forward (eval, no_grad) between a checkpointed forward and its backward pushed the record that
+    the recomputation then replayed: gradients off by 0.16, silently."""
+    name, options = STOCHASTIC[case]
+
+    def grads(checkpointed: bool) -> list[torch.Tensor]:
+        moe = build(name, torch.Generator().manual_seed(1234), **options)
+        x = inputs().requires_grad_(True)
+        if checkpointed:
+            y = checkpoint(lambda t: moe(t)[0], x, use_reentrant=mode == "reentrant")
+        else:
+            y = moe(x)[0]
+        moe.eval()
+        with torch.no_grad():
+            moe(torch.randn(2, 5, D, generator=torch.Generator().manual_seed(3)))
+        moe.train()
+        (y * torch.linspace(-1, 1, D)).sum().backward()
+        return [x.grad] + [torch.zeros_like(p) if p.grad is None else p.grad for p in moe.parameters()]
+
+    for g, w in zip(grads(True), grads(False), strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("case", sorted(STOCHASTIC))
 def test_without_the_replay_checkpointing_would_change_the_gradients(case: str, monkeypatch) -> None:
     """The check above can fail: with the replay switched off, a seeded generator draws new noise

@@ -133,18 +133,19 @@ def test_gradcheck_dispatch_and_combine(seed) -> None:
     torch.testing.assert_close(y, (w * keep).sum(-1, keepdim=True) * x, rtol=1e-12, atol=1e-12)
 
 
-def test_same_token_twice_in_one_row_reads_it_twice() -> None:
-    """Pairs of *one* token may share a row (only different tokens must not): combine reads it
-    once per slot."""
+def test_same_token_twice_in_one_row_is_rejected() -> None:
+    """Two slots of *one* token may not share a row either (they were allowed, and read once per
+    slot by the plain gathers; the adjoint gathers, CUDA's default, keep one weight per row and
+    counted the token's gradient twice: a review case, 1.0 instead of 0.8)."""
     expert = torch.tensor([[1, 1], [0, 1]])
     keep = torch.tensor([[True, True], [True, True]])
     position = torch.tensor([[0, 0], [0, 1]])
-    plan = DispatchPlan.build(expert, keep, position, 2, 2)
+    with pytest.raises(ValueError, match=r"kept pair \(0, 0\) in the \(expert, position\) = \(1, 0\) buffer row"):
+        DispatchPlan.build(expert, keep, position, 2, 2)
+    plan = DispatchPlan.build(expert, keep, torch.tensor([[0, 1], [0, 2]]), 2, 3)  # distinct rows: fine
     x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
-    buf = plan.dispatch(x)
-    torch.testing.assert_close(buf, torch.tensor([[[3.0, 4.0], [0.0, 0.0]], [[1.0, 2.0], [3.0, 4.0]]]))
     w = torch.tensor([[0.25, 0.5], [1.0, 2.0]])
-    torch.testing.assert_close(plan.combine(buf, w), torch.tensor([[0.75, 1.5], [9.0, 12.0]]))
+    torch.testing.assert_close(plan.combine(plan.dispatch(x), w), torch.tensor([[0.75, 1.5], [9.0, 12.0]]))
 
 
 def test_build_rejects_two_tokens_in_one_row_and_rows_outside_the_buffer() -> None:

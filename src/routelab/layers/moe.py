@@ -400,7 +400,9 @@ class MoE(RoutingRecord, nn.Module):
             skip correction, and the layer's ``stats``.
         """
         E = self.num_experts
-        random = self.drop_policy == "random"
+        # (recorded for checkpointing's replay in training only, as the routers' noise: an eval
+        # forward between a checkpointed forward and its backward must not push a record)
+        random = self.drop_policy == "random" and self.training
         # Dropless and grouped: no limit at all (every proposed pair; rows are one per pair), which
         # apply_capacity plans without the dropping steps. Buffers keep the token count: compiled,
         # they are sized C = tokens, so a router that names an expert twice for a token must not

@@ -96,8 +96,8 @@ class DispatchPlan(_TokenPlan):
         Args:
             expert: ``LongTensor [tokens, slots]``.
             keep: ``BoolTensor [tokens, slots]``; kept pairs must have ``0 <= expert <
-                num_experts``, ``0 <= position < capacity``, and pairs of different tokens
-                distinct (expert, position).
+                num_experts``, ``0 <= position < capacity``, and distinct (expert, position)
+                rows (also two slots of one token).
             position: ``LongTensor [tokens, slots]`` row within the expert's buffer.
             num_experts: ``E >= 1``.
             capacity: ``C >= 0``.
@@ -129,8 +129,11 @@ class DispatchPlan(_TokenPlan):
         token_ids = torch.arange(n, device=expert.device).unsqueeze(-1).expand(n, s)
         token_of_row.scatter_(0, row.reshape(-1), token_ids.reshape(-1))
         if check:
-            # Two kept pairs in one row: only one token can own it, so the other reads it back wrong.
-            shared = placed & (token_of_row[row] != token_ids)
+            # Two kept pairs in one row: only one token can own it, so the other reads it back wrong;
+            # two slots of one token in one row double-count its gradient in the adjoint gathers.
+            per_row = torch.zeros(rows + 1, dtype=torch.long, device=expert.device).scatter_add_(
+                0, row.reshape(-1), placed.reshape(-1).long())
+            shared = placed & (per_row[row] > 1)
             bad_e, bad_p, bad_shared = torch.stack([bad_expert.any(), bad_position.any(), shared.any()]).tolist()
             if bad_e:
                 t, j = bad_expert.nonzero()[0].tolist()
@@ -141,8 +144,11 @@ class DispatchPlan(_TokenPlan):
                 raise ValueError(f"position[{t}, {j}] = {int(position[t, j])} is kept but outside the expert's "
                                  f"buffer [0, capacity={capacity}); build positions with apply_capacity")
             if bad_shared:
-                raise ValueError("position puts kept pairs of two tokens in the same (expert, position) buffer "
-                                 "row; kept pairs need distinct rows (apply_capacity's positions are)")
+                t, j = shared.nonzero()[0].tolist()
+                raise ValueError(f"position puts kept pair ({t}, {j}) in the (expert, position) = "
+                                 f"({int(expert[t, j])}, {int(position[t, j])}) buffer row with another kept pair "
+                                 "(of another token or of another slot of the same one); kept pairs need distinct "
+                                 "rows (apply_capacity's positions are)")
         return cls(num_experts, capacity, token_of_row[:rows], row)
 
     @classmethod
