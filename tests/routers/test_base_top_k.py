@@ -88,3 +88,15 @@ def test_moe_with_base_k2_trains_balanced():
         losses.append(float(loss.detach()))
     assert moe.router.proj.weight.grad is not None and moe.router.proj.weight.grad.abs().sum() > 0
     assert losses[-1] < 0.5 * losses[0], (losses[0], losses[-1])
+
+
+def test_an_eval_capacity_below_the_quota_of_a_router_balanced_at_inference_is_refused_when_built() -> None:
+    """A review case: ``eval_capacity_factor < 1`` with ``base(eval_balanced=True)`` was accepted
+    and failed at the first eval forward, in an error naming ``capacity_factor``."""
+    with pytest.raises(ValueError, match=r"eval_capacity_factor=0.5 is below 1, but the BASERouter assigns every "
+                                         r"token .*also at inference: eval_balanced=True"):
+        MoE(8, 16, 4, router="base", eval_capacity_factor=0.5, router_kwargs={"eval_balanced": True})
+    # balanced in training only: inference routes by each token's own scores, any eval capacity
+    layer = MoE(8, 16, 4, router="base", eval_capacity_factor=0.5).eval()
+    layer(torch.randn(16, 8))
+    assert layer.last_stats["tokens_per_expert"].max() <= 2  # C = ceil(0.5 * 16 / 4)

@@ -608,6 +608,7 @@ def patch_moe(
             norm = rule.renormalize if rule.renormalize is not None else _model_norm_topk(gate, model)
         built = _build_router(router, d, E, use_k, k is not None, norm, dict(router_kwargs or {}))
         check_capacity_for(built, capacity_factor)
+        check_capacity_for(built, eval_capacity_factor, eval=True)
         plans.append((block, gate, built, share_bias, rule))
     for gate_class, notice in notices.items():
         warnings.warn(f"the model's gate {gate_class} {notice}", stacklevel=2)

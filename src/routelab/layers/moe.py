@@ -204,6 +204,7 @@ class MoE(RoutingRecord, nn.Module):
         self._d_hidden = config.d_hidden
         self.router = config.build_router(device if router_device is _SAME else router_device)
         check_capacity_for(self.router, config.capacity_factor)
+        check_capacity_for(self.router, config.eval_capacity_factor, eval=True)
         # what `config` reports while this router is the layer's, as built: its name and options
         object.__setattr__(self, "_router_spec", None if isinstance(config.router, Router) else
                            (self.router, config.router, config.k, config.router_kwargs, config.check_finite,

@@ -264,17 +264,25 @@ class ChoosesK:
         self.slots = check_positive_int("k", value, upper=self.num_experts, upper_name="num_experts")
 
 
-def check_capacity_for(router: Router, capacity_factor: float | None) -> None:
+def check_capacity_for(router: Router, capacity_factor: float | None, *, eval: bool = False) -> None:
     """ValueError for a ``capacity_factor`` below 1 with a router that assigns every token
     (:attr:`Router.assigns_every_token`): its balanced solve needs the quota ``ceil(k n / E)`` of
     every expert (it would fail at the first forward instead); or that fills every expert's quota
-    in training (:attr:`Router.fills_quotas`: batchwise gating, whose picks would be dropped)."""
+    in training (:attr:`Router.fills_quotas`: batchwise gating, whose picks would be dropped).
+    With ``eval=True`` the factor is the ``eval_capacity_factor``, checked where the router
+    balances at inference too (``eval_balanced``)."""
     if capacity_factor is None or capacity_factor >= 1:
         return
+    name = "eval_capacity_factor" if eval else "capacity_factor"
+    if eval and not getattr(router, "eval_balanced", False):
+        return
     if getattr(router, "assigns_every_token", False):
-        raise ValueError(f"capacity_factor={capacity_factor} is below 1, but the {type(router).__name__} assigns "
-                         f"every token (a balanced solve at the quota ceil(k*n/E)): use capacity_factor >= 1 "
+        raise ValueError(f"{name}={capacity_factor} is below 1, but the {type(router).__name__} assigns "
+                         f"every token (a balanced solve at the quota ceil(k*n/E)"
+                         f"{', also at inference: eval_balanced=True' if eval else ''}): use {name} >= 1 "
                          f"(or None, dropless)")
+    if eval:
+        return
     if getattr(router, "fills_quotas", False):
         raise ValueError(f"capacity_factor={capacity_factor} is below 1, but the {type(router).__name__} gives every "
                          f"expert its quota floor/ceil(k*n/E) in training, which a capacity below it would cut: use "
