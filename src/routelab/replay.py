@@ -13,15 +13,20 @@ top-k's noise, Gumbel-Matching's samples, the random drop policy). Around each d
 * in a forward pass (outside autograd's backward), it records the generator's state before the
   draw, on a short stack (the most recent ``depth`` forward draws);
 * in a recomputation (the same code run again *inside* the backward pass, which is where
-  checkpointing recomputes, re-entrant or not), it pops the most recent record, sets the
-  generator to it for the draw, and afterwards puts the generator back where it was, so the
-  recomputation draws exactly the forward's noise and leaves the generator's stream untouched.
+  checkpointing recomputes, re-entrant or not), it takes the most recent record not yet replayed
+  by this backward pass, sets the generator to it for the draw, and afterwards puts the generator
+  back where it was, so the recomputation draws exactly the forward's noise and leaves the
+  generator's stream untouched.
 
-Records pop last-in first-out, the order in which backward recomputes the checkpointed
-segments of a forward (the last segment first). Without a generator (``None``: torch's global
-generator) nothing is recorded: torch's checkpoint restores the global state itself. Under
-``torch.compile`` nothing is recorded either (a generator's state cannot be traced; compiled
-stochastic routers should use the global generator).
+Records are replayed last-in first-out within one backward pass (autograd's graph task), the
+order in which backward recomputes the checkpointed segments of a forward (the last segment
+first). A replay does not consume its record: a second backward pass through the same graph
+(``retain_graph=True``: a gradient penalty, per-loss gradient norms) starts again from the most
+recent record and replays the same noise. The next forward starts a new round of records.
+
+Without a generator (``None``: torch's global generator) nothing is recorded: torch's checkpoint
+restores the global state itself. Under ``torch.compile`` nothing is recorded either (a
+generator's state cannot be traced; compiled stochastic routers should use the global generator).
 
 Limits: a record is matched by order, not by identity. Between a checkpointed forward and its
 backward, do not run the same stochastic module again in training mode (another forward would
@@ -55,9 +60,17 @@ class NoiseReplay:
             checkpointed uses of the module between one forward and its backward.
     """
 
+    #: (class defaults: a replay pickled before they existed)
+    _task: int | None = None
+    _unreplayed: int = 0
+
     def __init__(self, depth: int = 64) -> None:
         self.depth = check_positive_int("depth", depth)
         self._states: deque[torch.Tensor] = deque(maxlen=self.depth)
+        # The backward pass (graph task id) replaying, and how many records it has not replayed yet
+        # (the next replay takes the record just below that count).
+        self._task: int | None = None
+        self._unreplayed = 0
 
     def __len__(self) -> int:
         return len(self._states)
@@ -65,6 +78,7 @@ class NoiseReplay:
     def clear(self) -> None:
         """Forget every record."""
         self._states.clear()
+        self._task, self._unreplayed = None, 0
 
     @contextmanager
     def draw(self, generator: torch.Generator | None) -> Iterator[None]:
@@ -81,15 +95,20 @@ class NoiseReplay:
             return
         if not in_backward():
             self._states.append(generator.get_state())
+            self._task = None  # a new forward: the next backward pass replays from the newest record
             yield
             return
-        if not self._states:
+        task = torch._C._current_graph_task_id()
+        if task != self._task:  # the first recomputation of this backward pass
+            self._task, self._unreplayed = task, len(self._states)
+        if self._unreplayed == 0:
             raise RuntimeError(
                 "a stochastic routelab module is being recomputed by activation checkpointing but has no recorded "
                 "forward noise to replay; set its generator before the checkpointed forward"
             )
+        self._unreplayed -= 1
         current = generator.get_state()
-        generator.set_state(self._states.pop())
+        generator.set_state(self._states[self._unreplayed])
         try:
             yield
         finally:

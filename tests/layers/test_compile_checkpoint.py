@@ -113,6 +113,31 @@ def test_an_eval_forward_between_a_checkpointed_forward_and_its_backward_changes
         torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("warm_up", [False, True], ids=["first_forward", "after_a_plain_forward"])
+@pytest.mark.parametrize("case", sorted(STOCHASTIC))
+def test_a_second_backward_through_a_checkpointed_layer_gives_the_uncheckpointed_gradients(case: str,
+                                                                                          warm_up: bool) -> None:
+    """A review case: a replay consumed its record, so a second backward pass through the same
+    graph (``retain_graph=True``: a gradient penalty, per-loss gradient norms) raised "no recorded
+    forward noise", or, after an earlier uncheckpointed forward, replayed that forward's noise
+    (gradients off by 0.56, silently)."""
+    name, options = STOCHASTIC[case]
+
+    def grads(checkpointed: bool) -> list[torch.Tensor]:
+        moe = build(name, torch.Generator().manual_seed(1234), **options)
+        if warm_up:
+            moe(inputs())
+        x = inputs().requires_grad_(True)
+        y = checkpoint(lambda t: moe(t)[0], x, use_reentrant=False) if checkpointed else moe(x)[0]
+        loss = (y * torch.linspace(-1, 1, D)).sum()
+        first = torch.autograd.grad(loss, [x, *moe.parameters()], retain_graph=True, allow_unused=True)
+        second = torch.autograd.grad(loss, [x, *moe.parameters()], allow_unused=True)
+        return [torch.zeros(()) if g is None else g for g in (*first, *second)]
+
+    for g, w in zip(grads(True), grads(False), strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("case", sorted(STOCHASTIC))
 def test_without_the_replay_checkpointing_would_change_the_gradients(case: str, monkeypatch) -> None:
     """The check above can fail: with the replay switched off, a seeded generator draws new noise
@@ -140,7 +165,8 @@ def test_replay_leaves_the_generator_stream_untouched() -> None:
 
     x.register_hook(recompute)
     (x * 2).backward()
-    assert torch.equal(gen.get_state(), after) and len(replay) == 0
+    (x * 2).backward()  # another backward pass replays the same record (it is not consumed)
+    assert torch.equal(gen.get_state(), after) and len(replay) == 1
     with pytest.raises(TypeError, match="generator must be a torch.Generator"):
         with replay.draw(3):
             pass
@@ -343,3 +369,16 @@ def test_a_compiled_mae_layer_with_a_mask_asks_for_causal_gate() -> None:
     dynamo.reset()
     compiled = torch.compile(mae, fullgraph=True, backend="eager")(q, q, q, attn_mask=mask, causal_gate=True)
     torch.testing.assert_close(compiled, mae(q, q, q, attn_mask=mask), rtol=0, atol=0)
+
+
+def test_a_dropless_random_policy_draws_nothing() -> None:
+    """A review case: ``drop_policy="random"`` drew its ranks where nothing can drop (a dropless
+    eval forward), so how often one validated changed the training noise of the same seed."""
+    moe = build("topk", torch.Generator().manual_seed(1), drop_policy="random", capacity_factor=0.5).eval()
+    before = moe.generator.get_state()
+    with torch.no_grad():
+        y, routes = moe(inputs())  # eval_capacity_factor None: dropless
+    assert torch.equal(moe.generator.get_state(), before) and bool(routes.keep.all())
+    moe.train()
+    moe(inputs())  # capacity factor 0.5: drops, and draws
+    assert not torch.equal(moe.generator.get_state(), before)

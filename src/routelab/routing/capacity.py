@@ -163,7 +163,8 @@ def apply_capacity(
         num_experts: ``E``, an integer ``>= 1``.
         policy: one of :data:`DROP_POLICIES`.
         score: ``[tokens, slots]`` priority for ``policy="score"`` (larger kept first; no NaN).
-        generator: randomness for ``policy="random"``.
+        generator: randomness for ``policy="random"`` (no draw where ``C >= tokens * slots``:
+            nothing can drop there, and the pairs take the ``"position"`` order).
         check: check the values (expert range, NaN scores; one host synchronisation). ``False``
             is for callers whose experts are valid by construction (the MoE layer with a router
             whose ``check_finite`` is off); an expert outside the range then fails inside an
@@ -215,9 +216,11 @@ def apply_capacity(
     # Counts by scatter-add, not bincount: a static shape, so torch.compile traces it.
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
     counts.scatter_add_(0, group, torch.ones_like(group))
-    if policy == "random":
+    if policy == "random" and capacity < n * s:
         rank = random_ranks(group, num_experts + 1, generator, counts=counts)
-    elif policy == "position":  # the slot-major item order itself: one stable sort of the groups
+    elif policy in ("position", "random"):  # the slot-major item order itself: one stable sort of the groups
+        # (random where nothing can drop: who stays does not depend on the order, so no draw is
+        # made and the generator's stream is left as it was)
         rank = rank_within_groups(group, None, num_experts + 1, counts=counts)
     else:
         priority = score.detach().t().reshape(-1).to(torch.float64)
