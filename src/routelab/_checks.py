@@ -100,11 +100,17 @@ def _real_number(v: Any) -> Any:
 
 def check_nonneg(name: str, v: Any) -> float:
     """``v`` as a float if it is a finite real number ``>= 0`` (a Python or numpy scalar or a 0-dim
-    tensor, not a bool), else a ValueError naming ``name``."""
+    tensor, not a bool), else a ValueError naming ``name``. While ``torch.compile`` traces, ``v``
+    passes unchecked: under ``dynamic=True`` a module's float attribute is a symbolic graph input,
+    which the check would turn into a graph break (the value was checked where it was set, e.g. a
+    router's constructor)."""
+    if torch.compiler.is_compiling():
+        return v
     v = _real_number(v)
     if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
         raise ValueError(f"{name} must be a finite number >= 0, got {v!r}.")
     return float(v)
+
 
 
 def check_pos(name: str, v: Any) -> float:
@@ -234,6 +240,8 @@ def check_tau(tau: Any, *, positive: bool = False, name: str = "tau") -> float:
         ArgumentTypeError: ``tau`` is a bool or not a real number.
         ValueError: ``tau`` is NaN, infinite, negative, or ``0`` when ``positive``.
     """
+    if torch.compiler.is_compiling():  # (checked where it was set: see check_nonneg)
+        return tau
     if isinstance(tau, (bool, str, bytes)) or (
         isinstance(tau, Tensor) and (tau.is_complex() or tau.dtype == torch.bool)
     ):

@@ -254,11 +254,13 @@ def test_inductor_compiled_training_step_equals_eager(name: str) -> None:
 
 @pytest.mark.compile
 @needs_compile
+@pytest.mark.parametrize("name", ["topk", "batchwise"])
 @pytest.mark.parametrize("capacity_factor", [1.0, None])
-def test_dynamic_shapes_compile_whole(capacity_factor: float | None) -> None:
+def test_dynamic_shapes_compile_whole(capacity_factor: float | None, name: str) -> None:
     """``dynamic=True``: one graph for every token count (the capacity factor, a symbolic float
-    there, is not checked with math.isfinite while tracing), equal to the eager layer."""
-    moe = build("topk", None, capacity_factor=capacity_factor)
+    there, is not checked with math.isfinite while tracing; nor is batchwise's threshold_coef, a
+    review case: 6 graph breaks), equal to the eager layer."""
+    moe = build(name, None, capacity_factor=capacity_factor)
     dynamo.reset()
     compiled = torch.compile(lambda t: moe(t)[0], backend="aot_eager", dynamic=True, fullgraph=True)
     for n in (12, 20):
@@ -382,3 +384,33 @@ def test_a_dropless_random_policy_draws_nothing() -> None:
     moe.train()
     moe(inputs())  # capacity factor 0.5: drops, and draws
     assert not torch.equal(moe.generator.get_state(), before)
+
+
+@pytest.mark.compile
+@needs_compile
+@pytest.mark.skipif(dynamo is None or not hasattr(dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"),
+                    reason="this torch's Dynamo has no skip_fwd_side_effects_in_bwd_under_checkpoint")
+@pytest.mark.parametrize("name", ["topk", "batchwise"])
+def test_a_checkpointed_layer_compiles_whole_with_dynamos_side_effect_flag(name: str) -> None:
+    """The README's recipe: the routing record is a side effect Dynamo refuses inside a checkpointed
+    region; with ``skip_fwd_side_effects_in_bwd_under_checkpoint`` the region compiles with
+    ``fullgraph=True``, and the outputs, gradients and ``aux_loss`` equal the eager layer's."""
+    import routelab
+
+    def step(moe: MoE, compiled: bool) -> list[torch.Tensor]:
+        def f(t: torch.Tensor) -> torch.Tensor:
+            return checkpoint(lambda u: moe(u)[0], t, use_reentrant=False)
+
+        run = torch.compile(f, backend="aot_eager", fullgraph=True) if compiled else f
+        x = inputs().requires_grad_(True)
+        y = run(x)
+        loss = (y * torch.linspace(-1, 1, D)).sum() + routelab.aux_loss(moe)
+        loss.backward()
+        return [y, routelab.aux_loss(moe).detach(), x.grad, *(p.grad for p in moe.parameters())]
+
+    with dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        dynamo.reset()
+        got = step(build(name, None, check_finite=False), compiled=True)
+    want = step(build(name, None, check_finite=False), compiled=False)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
