@@ -557,8 +557,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt:
-        print("\nroutelab: interrupted; every finished run is recorded, rerun the same command to resume.",
-              file=sys.stderr)
+        if args.command == "bench":  # benchmarks record nothing: the rows printed were measured, the rest not
+            said = "nothing was written (--out is written at the end); the rows printed above were measured"
+        else:
+            said = ("every finished run is recorded (an experiment that trains in chunks, as kool-toy, loses the "
+                    "chunk in progress), rerun the same command to resume")
+        print(f"\nroutelab: interrupted; {said}.", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 

@@ -138,11 +138,12 @@ def test_claim_verdicts_follow_the_criteria() -> None:
     bw = {"acc_batchwise": {"40": 0.95, "8": 0.90}, "acc_threshold_batch1": 0.952, "mask_agreement": 0.95,
           "threshold_experts_per_token": 2.0}
     records = [rec("switch", 0, 0.90, 0.4, 0.2), rec("batchwise", 0, 0.95, batchwise=bw), rec("base", 0, 0.93)]
-    verdicts = {c.text[:30]: c.verdict for c in claims(records, TINY)}
+    verdicts = {c.text[:30]: c.outcome for c in claims(records, TINY)}  # (one seed: the verdicts say so)
     assert list(verdicts.values()) == [HOLDS] * 4
+    assert all("1 seed" in c.verdict for c in claims(records, TINY))
     bw_bad = {**bw, "acc_threshold_batch1": 0.80, "mask_agreement": 0.5}
     records[1] = rec("batchwise", 0, 0.95, cv=0.1, batchwise=bw_bad)
-    got = [c.verdict for c in claims(records, TINY)]
+    got = [c.outcome for c in claims(records, TINY)]
     assert got[:2] == [NOT_HOLD, NOT_HOLD]
 
 

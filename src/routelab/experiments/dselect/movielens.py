@@ -21,7 +21,7 @@ from torch import nn
 from routelab.data import DataUnavailable
 from routelab.layers import MultiGateMoE, SharedBottom, StackedLinear
 
-from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown, write_claims_json
+from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown, single_seed, write_claims_json
 from ..kit.divergence import train_or_fail
 from ..kit.experiment import Experiment
 from ..kit.failed_runs import add_failures_to_report
@@ -414,6 +414,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MovieLensSetti
         "Per-example gates: binary on the batch of that step (all gates of the model).",
         "",
     ]
+    claims = single_seed(claims, s.reps)  # a one-seed (quick) run's verdicts say so
     if claims:
         lines += ["## Claims", "", claims_markdown(claims), ""]
     write_claims_json(out_dir, claims, experiment="dselect-movielens", paper=common.PAPER, quick=s.quick)

@@ -31,7 +31,7 @@ from routelab.gates.dselect import ALPHA_INIT, ENTROPY_EPS, num_code_bits
 from routelab.gates.mtl_gate import uniform_init
 from routelab.layers import StackedLinear
 
-from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown, write_claims_json
+from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown, single_seed, write_claims_json
 from ..kit.divergence import check_finite, diverged_on_error, train_or_fail
 from ..kit.experiment import Experiment
 from ..kit.failed_runs import add_failures_to_report
@@ -477,6 +477,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSetti
                   "default γ = 1.", "",
                   md_table(["tasks", "runs", "test MSE", "binary S(Z) fraction", "experts selected per task"],
                            prow), ""]
+    claims = single_seed(claims, s.reps)  # a one-seed (quick) run's verdicts say so
     if claims:
         lines += ["## Claims", "", claims_markdown(claims), ""]
     if fig:

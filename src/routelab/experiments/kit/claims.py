@@ -33,6 +33,7 @@ __all__ = [
     "claims_markdown",
     "count_verdicts",
     "read_claims_json",
+    "single_seed",
     "verdict_of",
     "write_claims_json",
 ]
@@ -133,6 +134,31 @@ def verdict_of(parts: Sequence[bool]) -> str:
     if any(parts):
         return PARTLY
     return NOT_HOLD
+
+
+#: The qualifier :func:`single_seed` adds to a verdict judged on one seed.
+SINGLE_SEED = "1 seed: no seed spread to judge against"
+
+
+def single_seed(claims: Sequence[Claim], seeds: int) -> list[Claim]:
+    """``claims`` with :data:`SINGLE_SEED` added to every verdict reached on fewer than two seeds.
+
+    A criterion "beyond 2 s.e. of the seed-paired difference" has no standard error on one seed:
+    its verdict is then the sign of one comparison, which a reader must see (a quick run's holds
+    and does-not-holds are not a full run's). ``not measured`` is left as it is.
+    """
+    if seeds >= 2:
+        return list(claims)
+    out = []
+    for c in claims:
+        if c.outcome == NOT_MEASURED:
+            out.append(c)
+            continue
+        head, _, rest = c.verdict.partition(" (")
+        qualifier = f"({SINGLE_SEED}; {rest}" if rest else f"({SINGLE_SEED})"
+        out.append(Claim(text=c.text, criterion=c.criterion, measured=c.measured, verdict=f"{head} {qualifier}",
+                         paper=c.paper, id=c.id))
+    return out
 
 
 def count_verdicts(claims: Sequence[Claim]) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ...machine import cpu_model as _cpu_model
-from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, Claim, claims_markdown, count_verdicts, verdict_of
+from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, Claim, claims_markdown, count_verdicts, single_seed, verdict_of
 from ..kit.plots import pyplot, router_bars, save_figure
 from ..kit.provenance import software_line
 from ..kit.router_sweep import figures_markdown, invocations_markdown, missing_runs_markdown
@@ -305,7 +305,7 @@ def claims(records: Sequence[Mapping[str, Any]], settings: Settings) -> list[Cla
                      + "; training pairs dropped by switch: "
                      + _pct(aggregate(records, "switch", "train.dropped_fraction").mean),
             verdict=(HOLDS if diff <= bound else NOT_HOLD) if se is not None else NOT_MEASURED))
-    return out
+    return single_seed(out, len({r["seed"] for r in records}))  # verdicts on one seed say so
 
 
 def _se_note(d: Stat, scale: float = 100.0) -> str:
