@@ -75,7 +75,9 @@ def test_imports_go_one_way() -> None:
 def test_mean_se_and_its_format() -> None:
     s = mean_se([1.0, 2.0, 3.0, None, float("nan"), float("inf")])
     assert s.n == 3 and s.mean == 2.0 and s.se == pytest.approx(1 / math.sqrt(3))
-    assert s.fmt() == "2.00 ± 0.58" and s.fmt(1, scale=100) == "200.0 ± 57.7"
+    assert s.non_finite == 2  # NaN and inf are left out, and said
+    assert s.fmt() == "2.00 ± 0.58 (2 non-finite left out)"
+    assert s.fmt(1, scale=100) == "200.0 ± 57.7 (2 non-finite left out)"
     one = mean_se(x for x in [0.5])
     assert one.se is None and one.fmt(3) == "0.500"
     none = mean_se([])
