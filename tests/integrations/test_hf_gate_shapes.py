@@ -232,11 +232,8 @@ def test_dbrx_jitter_is_named_in_the_warning():
         patch_moe(model, "topk")
 
 
-def test_experts_that_cannot_take_one_expert_per_token_get_two_slots():
-    """LongCat-Flash's experts index ``expert_mask[e].squeeze(0)``, which fails for one expert per
-    row (their own error: ``not enough values to unpack``). A block that leaves slots out (padding)
-    then passes each kept pair as two slots of its expert, weights ``(w/2, w/2)``: the real tokens'
-    logits equal the unpatched model's (its gate's rule, a zero correction bias here, is topk's)."""
+def _tiny_longcat() -> nn.Module:
+    """A tiny random-init LongCat-Flash (its experts cannot take one expert per token), in eval mode."""
     if not hasattr(tf, "LongcatFlashForCausalLM"):
         pytest.skip(f"transformers {tf.__version__} has no LongCat-Flash")
     torch.manual_seed(0)
@@ -245,7 +242,15 @@ def test_experts_that_cannot_take_one_expert_per_token_get_two_slots():
                                    moe_topk=2, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
                                    v_head_dim=8, pad_token_id=0, ffn_hidden_size=48, expert_ffn_hidden_size=24,
                                    zero_expert_num=2)
-    model = tf.LongcatFlashForCausalLM(config).eval()
+    return tf.LongcatFlashForCausalLM(config).eval()
+
+
+def test_experts_that_cannot_take_one_expert_per_token_get_two_slots():
+    """LongCat-Flash's experts index ``expert_mask[e].squeeze(0)``, which fails for one expert per
+    row (their own error: ``not enough values to unpack``). A block that leaves slots out (padding)
+    then passes each kept pair as two slots of its expert, weights ``(w/2, w/2)``: the real tokens'
+    logits equal the unpatched model's (its gate's rule, a zero correction bias here, is topk's)."""
+    model = _tiny_longcat()
     with torch.no_grad():
         for _, block in sparse_moe_blocks(model):
             routing_child(block)[1].classifier.weight.normal_()
@@ -274,15 +279,7 @@ def test_experts_that_cannot_take_one_expert_per_token_run_a_one_slot_router_wit
     (``not enough values to unpack``); it now takes the two-slot fallback there too. The unpadded
     row's logits equal those of a run with padding in the other row (routed through the kept pairs:
     dropless top-1 routing is per token)."""
-    if not hasattr(tf, "LongcatFlashForCausalLM"):
-        pytest.skip(f"transformers {tf.__version__} has no LongCat-Flash")
-    torch.manual_seed(0)
-    config = tf.LongcatFlashConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=4, max_position_embeddings=64, head_dim=4, n_routed_experts=4,
-                                   moe_topk=2, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
-                                   v_head_dim=8, pad_token_id=0, ffn_hidden_size=48, expert_ffn_hidden_size=24,
-                                   zero_expert_num=2)
-    model = tf.LongcatFlashForCausalLM(config).eval()
+    model = _tiny_longcat()
     if probe_gate(routing_child(sparse_moe_blocks(model)[0][1])[1]).contract is not None:
         pytest.skip(f"transformers {tf.__version__}: the LongCat-Flash gate answers by another contract")
     with warnings.catch_warnings():
