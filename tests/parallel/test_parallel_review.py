@@ -73,12 +73,17 @@ def test_a_layer_pickled_whole_runs_only_as_the_rank_that_saved_it():
 
 # ---------------------------------------------------------------- 2. hooks on the router
 
-def _hooks_worker(rank: int, world: int) -> dict:
+def _layer_and_shard() -> tuple[MoE, ExpertParallelMoE]:
+    """A seeded top-2 ``MoE`` with a router sharp enough to route unevenly, and this rank's shard of it."""
     torch.manual_seed(0)
     moe = MoE(D, H, 4, router="topk", k=2, capacity_factor=1.0)
     with torch.no_grad():
         moe.router.proj.weight.normal_(0.0, 0.7)
-    ep = ExpertParallelMoE.from_moe(moe)
+    return moe, ExpertParallelMoE.from_moe(moe)
+
+
+def _hooks_worker(rank: int, world: int) -> dict:
+    moe, ep = _layer_and_shard()
     seen: dict[str, list] = {"moe": [], "ep": []}
 
     def flip(module, args):  # a pre-hook that changes the decisions: the router sees -x
@@ -149,11 +154,7 @@ def test_a_seeded_model_is_the_same_at_any_world_size(seeds):
 def _clip_worker(rank: int, world: int) -> dict:
     from routelab.parallel import clip_grad_norm_
 
-    torch.manual_seed(0)
-    moe = MoE(D, H, 4, router="topk", k=2, capacity_factor=1.0)
-    with torch.no_grad():
-        moe.router.proj.weight.normal_(0.0, 0.7)
-    ep = ExpertParallelMoE.from_moe(moe)
+    moe, ep = _layer_and_shard()
     x = _global_batch(12, 1) * 3
     mine = slice(6 * rank, 6 * rank + 6)
     out: dict = {"norms": []}
