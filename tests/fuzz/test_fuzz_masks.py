@@ -111,8 +111,10 @@ def test_scatter_routes(n, real, slots, kind, seed) -> None:
 @fuzz(30)
 @given(steps=st.lists(st.sampled_from(("forward", "recompute")), min_size=1, max_size=8), seed=seeds)
 def test_noise_replay_replays_the_last_forward(steps, seed) -> None:
-    """Forward draws advance the generator; a recomputation (inside backward) draws exactly the most
-    recent unreplayed forward's numbers and leaves the generator where it was."""
+    """Forward draws advance the generator; a recomputation (inside a backward pass) draws exactly
+    the most recent forward's numbers and leaves the generator where it was. Each backward pass
+    starts again from the most recent record (a record is not consumed: ``retain_graph``'s second
+    backward replays the same noise)."""
     gen = fresh(seed)
     replay = guarded(R.NoiseReplay, depth=8)
     drawn: list[torch.Tensor] = []
@@ -137,7 +139,7 @@ def test_noise_replay_replays_the_last_forward(steps, seed) -> None:
         x.register_hook(hook)
         (2 * x).backward()
         if drawn:
-            assert torch.equal(result["value"], drawn.pop()) and result["untouched"]
+            assert torch.equal(result["value"], drawn[-1]) and result["untouched"]
         else:
             assert "no recorded" in str(result["error"])
     ok, _ = call(R.NoiseReplay, depth=0, names=("depth",), valid=False, what="NoiseReplay(depth=0)")
