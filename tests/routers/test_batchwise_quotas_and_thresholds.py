@@ -60,3 +60,34 @@ def test_the_functional_rule_checks_its_coefficient_and_thresholds(coef: float) 
     for bad in (torch.zeros(5), torch.zeros(2, 4)):
         with pytest.raises(ValueError, match=r"thresholds must be a tensor \[E\] = \[4\]"):
             batchwise_routes(logits, 1, bad, threshold_coef=0.0)
+
+
+def test_an_eval_capacity_below_the_quota_is_refused_at_construction_when_inference_is_batchwise() -> None:
+    with pytest.raises(ValueError, match="eval_capacity_factor=0.5 is below 1, but the Batchwise.* at inference"):
+        MoE(8, 16, 4, router="batchwise", router_kwargs={"inference": "batchwise"}, eval_capacity_factor=0.5)
+    # threshold inference keeps no quota: any eval capacity is fine
+    MoE(8, 16, 4, router="batchwise", eval_capacity_factor=0.5)
+
+
+@pytest.mark.parametrize("dtype, gap", [(torch.float32, 90.0), (torch.float32, 100.0), (torch.float16, 12.0)])
+@pytest.mark.parametrize("training", [True, False])
+def test_eq16_gives_a_tokens_single_kept_expert_weight_one_however_small_its_probability(
+        dtype: torch.dtype, gap: float, training: bool) -> None:
+    # Token 1's only kept expert has probability exp(-gap): below the dtype's smallest normal.
+    logits = torch.tensor([[0.0, -gap - 10], [0.0, -gap]], dtype=dtype)
+    thresholds = torch.tensor([2.0, 0.0])  # inference: expert 0 never passes, expert 1 always
+    routes = batchwise_routes(logits, 1, thresholds, training=training)
+    p = torch.softmax(logits.double(), -1) * routes.keep
+    oracle = p / p.sum(-1, keepdim=True).clamp_min(1e-300)  # eq. 16 in float64
+    assert routes.keep[1].tolist() == [False, True]
+    torch.testing.assert_close(routes.gate.double(), oracle, rtol=1e-3, atol=0)
+
+
+def test_eq16_gate_is_zero_not_nan_for_a_token_whose_kept_experts_all_have_probability_zero() -> None:
+    logits = torch.tensor([[0.0, float("-inf")], [0.0, float("-inf")]], requires_grad=True)
+    routes = batchwise_routes(logits, 1, torch.full((2,), 0.5), training=True)  # expert 1 must take a token
+    assert routes.keep[:, 1].any()
+    assert torch.isfinite(routes.gate).all()
+    assert routes.gate[routes.keep[:, 1], 1].tolist() == [0.0]
+    routes.gate.sum().backward()
+    assert torch.isfinite(logits.grad).all()

@@ -270,7 +270,8 @@ def check_capacity_for(router: Router, capacity_factor: float | None, *, eval: b
     every expert (it would fail at the first forward instead); or that fills every expert's quota
     in training (:attr:`Router.fills_quotas`: batchwise gating, whose picks would be dropped).
     With ``eval=True`` the factor is the ``eval_capacity_factor``, checked where the router
-    balances at inference too (``eval_balanced``)."""
+    balances at inference too (``eval_balanced``: a balanced router's option, batchwise gating's
+    ``inference='batchwise'``)."""
     if capacity_factor is None or capacity_factor >= 1:
         return
     name = "eval_capacity_factor" if eval else "capacity_factor"
@@ -281,9 +282,8 @@ def check_capacity_for(router: Router, capacity_factor: float | None, *, eval: b
                          f"every token (a balanced solve at the quota ceil(k*n/E)"
                          f"{', also at inference: eval_balanced=True' if eval else ''}): use {name} >= 1 "
                          f"(or None, dropless)")
-    if eval:
-        return
     if getattr(router, "fills_quotas", False):
-        raise ValueError(f"capacity_factor={capacity_factor} is below 1, but the {type(router).__name__} gives every "
-                         f"expert its quota floor/ceil(k*n/E) in training, which a capacity below it would cut: use "
-                         f"capacity_factor >= 1 (or None, dropless)")
+        when = "at inference too (inference='batchwise')" if eval else "in training"
+        raise ValueError(f"{name}={capacity_factor} is below 1, but the {type(router).__name__} gives every "
+                         f"expert its quota floor/ceil(k*n/E) {when}, which a capacity below it would cut: use "
+                         f"{name} >= 1 (or None, dropless)")

@@ -53,6 +53,12 @@ class BatchwiseRouter(ChoosesK, Router):
         start = 1.0 / num_experts if num_experts > 1 else 0.5
         self.thresholds = nn.Parameter(torch.full((num_experts,), start))
 
+    @property
+    def eval_balanced(self) -> bool:
+        """Whether inference fills the quotas too (``inference="batchwise"``): an
+        ``eval_capacity_factor`` below 1 is then refused as ``capacity_factor`` is."""
+        return self.inference == "batchwise"
+
     def mask(self, probs: Tensor) -> Tensor:
         """The mask in use: batchwise in training (or if ``inference="batchwise"``), else threshold."""
         return batchwise_mask_in_use(probs, self.k, self.thresholds, training=self.training, inference=self.inference,

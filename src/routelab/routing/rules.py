@@ -260,9 +260,13 @@ def batchwise_routes(logits: Tensor, k: int, thresholds: Tensor, *, training: bo
     log_p = torch.log_softmax(logits, -1)
     probs = log_p.exp()
     mask = batchwise_mask_in_use(probs, k, thresholds, training=training, inference=inference, check_nan=check_nan)
-    masked = probs * mask
-    total = masked.sum(-1, keepdim=True)
-    gate = torch.where(total > 0, masked / total.clamp(min=torch.finfo(probs.dtype).tiny), torch.zeros_like(masked))
+    # Eq. 16 as a softmax over the kept logits: exact however small the kept mass (a quotient of
+    # probabilities is off once the kept ones fall below the dtype's smallest normal, 6e-5 in float16).
+    # A token with no expert of positive probability gets the zero gate (its row is softmaxed at 0
+    # and masked out), as the quotient's 0 / 0 convention.
+    live = mask & (log_p > float("-inf"))
+    kept_log_p = log_p.masked_fill(~live, float("-inf")).masked_fill(~live.any(-1, keepdim=True), 0.0)
+    gate = torch.softmax(kept_log_p, -1) * live
     aux = {}
     if training and n and threshold_coef:
         loss = batchwise_threshold_loss(probs.detach(), thresholds, mask, check_nan=check_nan)
