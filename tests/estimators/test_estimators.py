@@ -992,3 +992,50 @@ def test_a_temperature_outside_the_logits_dtype_names_it() -> None:
             sample_routes(torch.randn(4, 3), "sample", tau=tau, generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="tau must be a finite number > 0"):
         sample_routes(torch.randn(4, 3), "sample", tau=-1.0, generator=torch.Generator().manual_seed(0))
+
+
+# ===================================== pairs no balanced sample can use; temperatures below resolution
+
+# tokens 0 and 1 may only use expert 0
+STRANDED = torch.tensor([[0.0, NEG_INF], [0.5, NEG_INF], [0.0, 0.0], [0.3, 1.0]], dtype=torch.float64)
+
+
+@pytest.mark.filterwarnings("ignore:gumbel_matching_iw. the -inf logits")
+def test_unreachable_mass_is_reported_and_warned_where_gumbel_matching_iw_cannot_be_unbiased() -> None:
+    """Capacity 2: tokens 0 and 1 fill expert 0, so no balanced sample gives it to token 2 or 3,
+    whose router mass there (p_20 + p_30) no importance weight can recover: stated, not lost silently."""
+    n, k = STRANDED.shape
+    p = torch.softmax(STRANDED.double(), -1)
+    missed = float(p[2:, 0].sum()) / n  # per token, as the stat is
+    with pytest.warns(RuntimeWarning, match="unreachable_mass"):
+        r = sample_routes(STRANDED.expand(200, n, k), "gumbel_matching_iw", capacity=2, generator=gen(60))
+    assert torch.allclose(r.stats["unreachable_mass"].double(), torch.tensor(missed, dtype=torch.float64), atol=1e-6)
+    # The estimate is unbiased for the reachable pairs and misses exactly that mass.
+    est = contributions(sample_routes(STRANDED.expand(R, n, k), "gumbel_matching_iw", capacity=2,
+                                      generator=gen(61)), k)
+    reachable = p.clone()
+    reachable[2:, 0] = 0.0
+    zc = zscores(est, reachable)
+    assert float(zc.abs().max()) < z_bound(n * k), zc
+
+
+@pytest.mark.parametrize("method", ["sample", "sample_skip_iw"])
+def test_unreachable_mass_is_zero_for_the_sampling_methods_on_the_same_input(method: str) -> None:
+    r = sample_routes(STRANDED.expand(50, 4, 2), method, capacity=2, generator=gen(62))
+    assert float(r.stats["unreachable_mass"].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize(("logits", "tau", "capacity"), [
+    ([[0.0, 1.0]] * 4, 1e-20, 3),             # two experts, closed form: s / tau = 1e20
+    ([[1e15, 1e15, 0.0]] * 4, 1.0, 2),        # general solver: a spread of 1e15 tau
+], ids=["two-experts", "general"])
+def test_gumbel_matching_iw_stays_unbiased_when_tau_is_far_below_the_logit_spread(
+        logits: list, tau: float, capacity: int) -> None:
+    """The noise of size tau falls under the float64 resolution of the scores: without the floor
+    (BALANCED_TAU_FLOOR) every token tied and the last index took the spare slot (|z| > 50)."""
+    x = torch.tensor(logits, dtype=torch.float64)
+    n, k = x.shape
+    p = torch.softmax(x, -1)
+    r = sample_routes(x.expand(R, n, k), "gumbel_matching_iw", tau=tau, capacity=capacity, generator=gen(63))
+    zc = zscores(contributions(r, k), p)
+    assert float(zc.abs().max()) < z_bound(n * k), zc

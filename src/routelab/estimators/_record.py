@@ -50,7 +50,7 @@ def skip_correction(method: str, keep: Tensor, load: Tensor, capacity: int) -> T
 
 
 def routes_record(expert: Tensor, keep: Tensor, log_p_z: Tensor, log_q_z: Tensor, correction: Tensor | None,
-                  balance: Tensor, counts: Tensor) -> Routes:
+                  balance: Tensor, counts: Tensor, unreachable: Tensor | None = None) -> Routes:
     """The single-choice :class:`~routelab.Routes` ``[..., n, 1]`` of a sample.
 
     Args:
@@ -61,13 +61,16 @@ def routes_record(expert: Tensor, keep: Tensor, log_p_z: Tensor, log_q_z: Tensor
         correction: ``[..., n]`` extra factor of the weight (the skip correction), or ``None`` (1).
         balance: ``[...]`` Switch balance loss.
         counts: ``[..., k]`` kept tokens per expert.
+        unreachable: ``[...]`` router mass per token on pairs the weight's reference probability
+            gives 0 (:func:`unreachable_mass`), or ``None`` (0: it gives every pair of ``p > 0``
+            a positive probability).
 
     Returns:
         Routes with one slot per token (per-slot fields ``[..., n, 1]``),
         ``weight = (p_z / q_z) * correction`` (0 where skipped, detached), computed
         in log space and clamped at :data:`MAX_WEIGHT` (``stats["weights_clamped"]`` counts the
         clamped kept weights per instance; ``p_z = 0`` gives weight 0 whatever ``q_z``),
-        ``gate = p_z``, ``log_prob = log p_z``.
+        ``gate = p_z``, ``log_prob = log p_z``, ``stats["unreachable_mass"]`` ``[...]``.
     """
     log_w = log_p_z.detach() - log_q_z.detach()
     if correction is not None:
@@ -85,5 +88,20 @@ def routes_record(expert: Tensor, keep: Tensor, log_p_z: Tensor, log_q_z: Tensor
         log_prob=log_p_z.unsqueeze(-1),
         aux={"balance": balance},
         stats={"tokens_per_expert": counts, "dropped_fraction": (~keep).float().mean(-1),
-               "weights_clamped": clamped},
+               "weights_clamped": clamped,
+               "unreachable_mass": torch.zeros_like(balance, dtype=log_p_z.dtype) if unreachable is None
+               else unreachable.to(log_p_z.dtype)},
     )
+
+
+def unreachable_mass(log_p: Tensor, log_q: Tensor) -> Tensor:
+    """``[...]``: the router probability per token, ``(1/n) sum_ij p_ij [q_ij = 0]``, on the pairs
+    the weight's reference probability ``q`` (``[..., n, k]``, log) gives 0 while ``p`` does not.
+
+    An importance-weighted estimate never sees those pairs: its expectation misses ``p_ij h_ij``
+    there, so it is unbiased only where this is 0. Gumbel-Matching's conditionals give it when
+    forbidden (``-inf``) pairs and the capacity force a token off an expert it has probability
+    for (token 0 may only use expert 0, capacity 1: token 1 never gets expert 0).
+    """
+    missed = (log_q == float("-inf")) & (log_p > float("-inf"))
+    return (log_p.detach().exp() * missed).sum((-2, -1)) / max(log_p.shape[-2], 1)

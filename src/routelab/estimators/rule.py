@@ -30,8 +30,9 @@ def gumbel_matching_routes(logits: Tensor, capacity: int | None = None, *, metho
     ``"gumbel_matching_iw"``: a balanced Gumbel-Matching sample of ``softmax(logits / tau)`` under
     ``capacity``, importance weights ``p / q`` from the exact conditionals, App. D.5; the sampling
     methods skip what does not fit). ``gate = p(expert | x)``, ``weight`` the importance weight,
-    ``log_prob`` for REINFORCE, ``stats["weights_clamped"]``. The sample balances at the quota
-    ``ceil(tokens / E)`` whatever the layer's buffer capacity (:func:`balanced_capacity`).
+    ``log_prob`` for REINFORCE, ``stats["weights_clamped"]`` and ``stats["unreachable_mass"]``. The
+    sample balances at the quota ``ceil(tokens / E)`` whatever the layer's buffer capacity
+    (:func:`balanced_capacity`).
     Inference (``training=False``): ``argmax`` of the logits (each token by its own score, so
     its route depends on no other token; the default), or the deterministic balanced
     assignment (the ``tau -> 0`` limit, BASE) when ``eval_balanced=True``. ``mask``
@@ -73,5 +74,5 @@ def gumbel_matching_routes(logits: Tensor, capacity: int | None = None, *, metho
     c = balanced_capacity(n, E, capacity, "gumbel_matching")
     r = _sample_routes(logits, method, tau=tau, capacity=c, sinkhorn=sinkhorn, generator=generator)
     r.aux = {"balance": balance_coef * r.aux["balance"]} if balance_coef else {}
-    r.stats = {"weights_clamped": r.stats["weights_clamped"]}
+    r.stats = {name: r.stats[name] for name in ("weights_clamped", "unreachable_mass")}
     return r

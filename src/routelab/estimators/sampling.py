@@ -11,6 +11,8 @@ and the capacity did, so that for the unbiased methods and any table ``h``
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -27,7 +29,7 @@ from ..assignment import (
 from ..routes import Routes
 from ..routing.capacity import random_skip
 from ..routing.losses import switch_balance
-from ._record import MAX_WEIGHT, routes_record, score_limit, skip_correction
+from ._record import MAX_WEIGHT, routes_record, score_limit, skip_correction, unreachable_mass
 from .two_experts import sample_two
 
 __all__ = ["MAX_WEIGHT", "METHODS", "UNBIASED_METHODS", "CAPPED_METHODS", "sample_routes", "switch_balance_loss"]
@@ -48,6 +50,15 @@ SINKHORN_TOL = 1e-6
 SINKHORN_SWEEPS = 100
 #: The methods that respect the expert capacity.
 CAPPED_METHODS: tuple[str, ...] = METHODS[1:]
+#: The smallest temperature of a balanced (Gumbel-Matching) sample, relative to the spread of the
+#: instance's finite logits (max - min). Below it the Gumbel noise, of size ``tau``, falls under
+#: the balanced solver's relative resolution of the scores (float64; a review measured wrong
+#: assignments from a ratio of 1e12 and conditionals off by 0.4 at 1e15): the sample would no
+#: longer be the Gumbel-Matching sample its conditionals describe. A floored proposal is still
+#: exactly what is sampled and what the weights correct for, so every unbiased method stays
+#: unbiased; at ``1e-9`` it differs from the deterministic balanced assignment only between
+#: assignments whose scores agree to 1e-8 of the spread (where the noise is the fair tie-break).
+BALANCED_TAU_FLOOR = 1e-9
 
 
 def sample_routes(
@@ -73,7 +84,10 @@ def sample_routes(
     * ``gumbel_matching`` — a balanced n x k Gumbel-Matching sample (eq. 4) of the proposal;
       weight ``p / q`` corrects for the temperature only, not the balancing (biased).
     * ``gumbel_matching_iw`` — the same sample with weight ``p / q(z_i | A, G_-i)``, the
-      conditionals of eq. 6-9 (unbiased, App. D.5).
+      conditionals of eq. 6-9 (unbiased, App. D.5, wherever a conditional is positive where
+      ``p`` is: when ``-inf`` pairs and the capacity force a token off an expert it has
+      probability for, that mass is missed, reported in ``stats["unreachable_mass"]`` and warned
+      about).
     * ``gumbel_matching_sh`` — the same sample with the Sinkhorn marginals of the proposal as
       ``q`` (a biased heuristic, Sec. 2.3).
 
@@ -95,7 +109,8 @@ def sample_routes(
             batch dimension of size 0 gives empty routes of the right shapes.
         method: one of :data:`METHODS`.
         tau: proposal temperature ``> 0``: a number, or a tensor of the batch shape ``[...]``
-            (one temperature per instance).
+            (one temperature per instance). The Gumbel-Matching methods floor it at
+            :data:`BALANCED_TAU_FLOOR` times the spread of the instance's finite logits.
         capacity: tokens per expert for the capped methods, at least ``ceil(n / k)``; default
             ``n / k`` (then ``k`` must divide ``n``). Ignored by ``sample`` (validated all the
             same).
@@ -108,8 +123,10 @@ def sample_routes(
         ``weight`` (detached importance weight, finite, at most :data:`MAX_WEIGHT`); ``gate = p[expert]`` and
         ``log_prob = log p[expert]`` (differentiable); ``aux["balance"]`` the Switch
         load-balancing loss ``[...]``; ``stats["tokens_per_expert"]`` ``[..., k]``,
-        ``stats["dropped_fraction"]`` ``[...]`` and ``stats["weights_clamped"]`` ``[...]``
-        (long). ``gate``, ``log_prob`` and ``aux["balance"]`` have the logits' dtype;
+        ``stats["dropped_fraction"]`` ``[...]``, ``stats["weights_clamped"]`` ``[...]``
+        (long) and ``stats["unreachable_mass"]`` ``[...]`` (the router mass per token on pairs
+        the weights' reference probability gives 0, which the estimate misses; 0 whenever the
+        method is unbiased). ``gate``, ``log_prob`` and ``aux["balance"]`` have the logits' dtype;
         ``weight`` has it too, except for float16/bfloat16 logits, whose weights are float32
         (importance weights need its range and resolution).
 
@@ -134,8 +151,10 @@ def sample_routes(
     a = x.detach()
     two = k == 2 and uses_closed_form(k)  # the closed forms of two_experts.py (one switch for k <= 2)
     top = None if two else amax(a)  # [..., n] row maxima, -inf only for a row without an expert
+    # A balanced sample's temperature is floored relative to the logit spread (BALANCED_TAU_FLOOR).
+    floor = _balanced_tau_floor(a) if method.startswith("gumbel_matching") and a.numel() else None
     # One host sync validates tau and the rows (or, for k = 2, asks whether every logit is finite).
-    T, tau_value, finite = _temperature(tau, batch, x, top, check_finite=a if two else None)
+    T, tau_value, finite = _temperature(tau, batch, x, top, check_finite=a if two else None, floor=floor)
     if finite:  # k = 2 and every logit finite
         # Closed forms on the logit difference: same distributions, half the work (two_experts.py).
         return _cast_routes(sample_two(x, method, T, c, sinkhorn, generator, sinkhorn_tol=SINKHORN_TOL,
@@ -161,6 +180,7 @@ def sample_routes(
         # above about 1e-16, far below 1 / MAX_WEIGHT, can be drawn, as its importance weight assumes.
         expert = argmax(log_q + sample_gumbel(log_q.shape, dtype=torch.float64, device=log_q.device,
                                               generator=generator))
+        q_ref = log_q
         log_q_z = log_q.gather(-1, expert.unsqueeze(-1)).squeeze(-1)
         keep = torch.ones_like(expert, dtype=torch.bool)
         correction = None
@@ -168,7 +188,8 @@ def sample_routes(
             keep, load = random_skip(expert, k, c, generator)
             correction = skip_correction(method, keep, load.to(log_q.dtype), c)
     else:
-        # The solver takes the temperature itself (exact at any tau), on the row-shifted logits.
+        # The solver takes the temperature itself (floored above: BALANCED_TAU_FLOOR), on the
+        # row-shifted logits.
         # One temperature per instance (a tau tensor) is not in gumbel_matching's contract (a
         # float): those instances are scaled here.
         # With Sinkhorn the balanced proposal is the one sampled: its column offsets change the
@@ -191,11 +212,20 @@ def sample_routes(
         keep = torch.ones_like(expert, dtype=torch.bool)
         correction = None
 
+    unreachable = None if a.numel() == 0 else unreachable_mass(log_p, q_ref)
+    if method == "gumbel_matching_iw" and a.numel() and float(unreachable.amax()) > 0:
+        warnings.warn(
+            f"gumbel_matching_iw: the -inf logits and the capacity force tokens off experts they have probability "
+            f"for (up to {float(unreachable.amax()):.3g} of the router mass per token is on pairs no balanced "
+            f"sample can use), so the importance-weighted estimate misses that mass: it is unbiased only for "
+            f"the feasible pairs. routes.stats['unreachable_mass'] reports it; raise the capacity or forbid fewer "
+            f"pairs", RuntimeWarning, stacklevel=2)
     log_p_z = log_p.gather(-1, expert.unsqueeze(-1)).squeeze(-1)
     counts = torch.zeros((*batch, k), dtype=torch.long, device=logits.device)
     counts.scatter_add_(-1, expert, keep.long())
     balance = switch_balance(log_p.exp())
-    return _cast_routes(routes_record(expert, keep, log_p_z, log_q_z, correction, balance, counts), logits.dtype)
+    return _cast_routes(routes_record(expert, keep, log_p_z, log_q_z, correction, balance, counts, unreachable),
+                        logits.dtype)
 
 
 def switch_balance_loss(probs: Tensor, expert: object = None, keep: object = None) -> Tensor:
@@ -231,31 +261,46 @@ def switch_balance_loss(probs: Tensor, expert: object = None, keep: object = Non
 
 
 def _temperature(tau: float | Tensor, batch: torch.Size, like: Tensor, top: Tensor | None = None,
-                 check_finite: Tensor | None = None) -> tuple[Tensor, float | None, bool]:
+                 check_finite: Tensor | None = None, floor: Tensor | None = None) -> tuple[Tensor, float | None, bool]:
     """``(T, value, finite)``: ``tau`` as a ``[..., 1, 1]`` tensor, validated ``> 0`` in one host sync.
 
     ``value`` is ``tau`` as a float when it is one temperature for every instance (a number or a
     0-dim tensor), else ``None``. The same sync also checks, given ``top`` (the row maxima of the
     logits), that no row is all ``-inf``, and reports whether every entry of ``check_finite`` is
-    finite (False if not given).
+    finite (False if not given). ``floor`` (``[..., 1, 1]``, optional): the smallest temperature
+    of each instance; ``T`` is raised to it, and ``value`` is then ``None`` where it bites.
     """
     T, invalid = tau_tensor(tau, batch, like)  # the temperature contract (routelab._checks)
     scalar = not isinstance(tau, Tensor) or tau.ndim == 0
     flags = [invalid.to(torch.float64)]
+    given = T
+    if floor is not None:
+        T = torch.maximum(given, floor.to(given.dtype))
+        if scalar:  # one temperature no longer, where some instance's floor bites
+            flags.append((given < floor).any().to(torch.float64))
     if top is not None:
         flags.append((top == float("-inf")).any().to(torch.float64))
     if check_finite is not None:
         flags.append(torch.isfinite(check_finite).all().to(torch.float64))
     if scalar and isinstance(tau, Tensor):
-        flags.append(T.reshape(()).to(torch.float64))
+        flags.append(given.reshape(()).to(torch.float64))
     bad, *rest = torch.stack(flags).tolist()
     if bad:
         raise bad_tau(tau, dtype=like.dtype)
+    bites = bool(rest.pop(0)) if floor is not None and scalar else False
     if top is not None and rest.pop(0):
         _dead_row(top)
     finite = bool(rest.pop(0)) if check_finite is not None else False
-    value = (rest.pop(0) if isinstance(tau, Tensor) else float(tau)) if scalar else None
+    value = (rest.pop(0) if isinstance(tau, Tensor) else float(tau)) if scalar and not bites else None
     return T, value, finite
+
+
+def _balanced_tau_floor(a: Tensor) -> Tensor:
+    """``[..., 1, 1]``: :data:`BALANCED_TAU_FLOOR` times the spread of each instance's finite logits."""
+    finite = torch.isfinite(a)
+    hi = torch.where(finite, a, float("-inf")).amax((-2, -1), keepdim=True)
+    lo = torch.where(finite, a, float("inf")).amin((-2, -1), keepdim=True)
+    return (BALANCED_TAU_FLOOR * (hi - lo)).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).clamp_(min=0.0)
 
 
 def _dead_row(top: Tensor) -> None:

@@ -141,8 +141,10 @@ class MoE(RoutingRecord, nn.Module):
         the router's weighted auxiliary losses and ``stats``: ``tokens_per_expert [E]``,
         ``load_cv`` (coefficient of variation of the kept load), ``dropped_fraction`` (of the
         proposed pairs), ``tokens_dropped`` (fraction of tokens with no expert at all),
-        ``capacity``, plus the router's own diagnostics (``weights_clamped``, the importance
-        weights clamped at :data:`routelab.estimators.MAX_WEIGHT`, for the Gumbel-Matching router).
+        ``capacity``, plus the router's own diagnostics (for the Gumbel-Matching router:
+        ``weights_clamped``, the importance weights clamped at
+        :data:`routelab.estimators.MAX_WEIGHT`, and ``unreachable_mass``, the router mass per
+        token its samples cannot reach, which the estimate misses).
 
     Example:
         >>> moe = MoE(16, 32, 4, router="topk", k=2, capacity_factor=None)  # dropless

@@ -95,7 +95,7 @@ class GumbelMatchingRouter(Router):
 
     Training: one expert per token from :func:`routelab.estimators.sample_routes` with
     ``method`` (default ``"gumbel_matching_iw"``: a balanced n x E Gumbel-Matching sample of
-    ``softmax(x W / tau)`` under the layer's capacity, with importance weights ``p / q`` from the
+    ``softmax(x W / tau)`` at the balanced quota, with importance weights ``p / q`` from the
     exact conditionals, App. D.5). Any method of :data:`routelab.estimators.METHODS` works
     (``"sample_skip_iw"`` etc.). ``gate = p(expert | x)`` (differentiable), ``weight`` the
     importance weight, ``log_prob`` for REINFORCE. The sample balances at the quota
@@ -104,8 +104,12 @@ class GumbelMatchingRouter(Router):
     ``tau -> 0`` limit, BASE) if ``eval_balanced=True``. Its samples are replayed by activation
     checkpointing (:class:`~routelab.replay.NoiseReplay`).
 
-    Use the layer's ``importance_weighting=True`` to multiply the combine weight by ``weight``
-    (the unbiased estimate of the dense mixture of Kool et al. Sec. 3.1).
+    Use the layer's ``importance_weighting=True`` to multiply the combine weight by ``weight``:
+    the differentiable gating *with importance weights* of Kool et al. Sec. 3.1, which the paper
+    calls biased training. The output ``gate * weight * expert(x)`` has expectation
+    ``sum_j p_j^2 expert_j(x)``, not the dense mixture ``sum_j p_j expert_j(x)``; unbiased
+    estimates of a loss come from :func:`routelab.estimators.reinforce_objective` /
+    :func:`~routelab.estimators.gating_objective` with the weights.
 
     Args:
         d_model: token width.
