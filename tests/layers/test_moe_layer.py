@@ -312,3 +312,59 @@ def test_nothing_proposed_means_nothing_dropped() -> None:
         y, routes = moe(torch.randn(1, D))
     assert float(routes.stats["dropped_fraction"]) == 0.0
     assert float(routes.stats["tokens_dropped"]) == 1.0 and torch.equal(y, torch.zeros_like(y))
+
+
+@pytest.mark.parametrize("router, kwargs", [("noisy_topk", {"k": 2}), ("gumbel_matching", {})])
+def test_a_generator_assigned_after_construction_reaches_the_router(router: str, kwargs: dict) -> None:
+    """One explicit seed reproduces the routing whatever torch's global seed: also when the
+    generator is assigned to the built layer (it used to stay with the layer's random drops only)."""
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(0))
+    layer = MoE(16, 32, 4, router=router, capacity_factor=1.25, **kwargs)
+    layer.generator = torch.Generator()
+    assert layer.router.generator is layer.generator
+    runs = []
+    for global_seed in (1, 2):
+        layer.generator.manual_seed(7)
+        torch.manual_seed(global_seed)
+        y, routes = layer(x)
+        runs.append((y, routes.expert))
+    assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][0], runs[1][0])
+    layer.generator = None
+    assert layer.router.generator is None
+    with pytest.raises(TypeError, match="generator must be a torch.Generator or None"):
+        layer.generator = "seed"
+
+
+def test_a_router_passed_with_its_own_generator_keeps_it_when_the_layer_gets_none() -> None:
+    from routelab.routers import make_router
+    own = torch.Generator().manual_seed(3)
+    router = make_router("gumbel_matching", 16, 4)
+    router.generator = own
+    assert MoE(16, 32, 4, router=router).router.generator is own
+
+
+@pytest.mark.parametrize("name", ["importance_weighting", "bias", "gated"])
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_flags_must_be_bools(name: str, value: object) -> None:
+    with pytest.raises(TypeError, match=f"{name} must be True or False"):
+        MoE(8, 16, 4, **{name: value})
+
+
+def test_the_noisy_topk_load_loss_has_finite_gradients_for_huge_finite_logit_gaps() -> None:
+    """App. A's Phi((clean - threshold) / std) saturates; its gradient is 0 there, not NaN
+    (the division's backward overflowed at a gap of 1e35 over a noise scale of 0.01)."""
+    from routelab.routing.rules import noisy_topk_routes
+    logits = torch.tensor([[0.0, 0.0, -1e35]], requires_grad=True)
+    noise_std = torch.tensor([[1.0, 1.0, 0.01]], requires_grad=True)
+    r = noisy_topk_routes(logits, noise_std, 1, generator=torch.Generator().manual_seed(0), importance_coef=0.0,
+                          load_coef=1.0)
+    r.aux["load"].backward()
+    assert torch.isfinite(logits.grad).all() and torch.isfinite(noise_std.grad).all()
+    assert logits.grad[0, 2] == 0 and noise_std.grad[0, 2] == 0  # saturated: Phi is flat there
+    # The other entries' gradients are those of a merely large gap (-100, saturated in float32 too,
+    # where the division never overflowed).
+    moderate = torch.tensor([[0.0, 0.0, -100.0]], requires_grad=True)
+    std = torch.tensor([[1.0, 1.0, 0.01]], requires_grad=True)
+    noisy_topk_routes(moderate, std, 1, generator=torch.Generator().manual_seed(0), importance_coef=0.0,
+                      load_coef=1.0).aux["load"].backward()
+    assert torch.allclose(logits.grad, moderate.grad) and torch.allclose(noise_std.grad, std.grad)

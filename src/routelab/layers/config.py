@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._checks import check_capacity_factor, check_positive_int
+from .._checks import check_capacity_factor, check_flag, check_positive_int
 from ..routers import Router, check_router_arguments, make_router
 from ..routing import DROP_POLICIES
 from .experts import resolve_activation
@@ -133,8 +133,8 @@ class MoEConfig:
                              f"{type(self.experts).__name__} runs on buffers: use dispatch='buffers' or 'auto'")
         if self.drop_policy not in DROP_POLICIES:
             raise ValueError(f"drop_policy must be one of {', '.join(DROP_POLICIES)}, got {self.drop_policy!r}")
-        object.__setattr__(self, "importance_weighting", bool(self.importance_weighting))
-        object.__setattr__(self, "bias", bool(self.bias))
+        object.__setattr__(self, "importance_weighting", check_flag("importance_weighting", self.importance_weighting))
+        object.__setattr__(self, "bias", check_flag("bias", self.bias))
 
     def build_router(self, device: torch.device | str | None = None) -> Router:
         """The router: the instance itself, or a new one built by name (on ``device``), with

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._checks import check_positive_int, floating_input
+from .._checks import check_flag, check_positive_int, floating_input
 from ._grouped import grouped_mm, grouped_mm_unsupported_reason
 
 __all__ = ["ACTIVATIONS", "GATED_ACTIVATIONS", "StackedExperts"]
@@ -36,16 +36,18 @@ def resolve_activation(activation: str | Callable[[Tensor], Tensor], gated: bool
 
     Raises:
         ValueError: an unknown name or a non-callable, naming ``activation``.
+        TypeError: ``gated`` not True or False.
     """
+    gated = check_flag("gated", gated)
     if isinstance(activation, str):
         if activation in GATED_ACTIVATIONS:
             return ACTIVATIONS[GATED_ACTIVATIONS[activation]], True
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; choose one of "
                              f"{', '.join([*ACTIVATIONS, *GATED_ACTIVATIONS])} or pass a callable")
-        return ACTIVATIONS[activation], bool(gated)
+        return ACTIVATIONS[activation], gated
     if callable(activation):
-        return activation, bool(gated)
+        return activation, gated
     raise ValueError(f"activation must be a name or a callable, got {type(activation).__name__}")
 
 

@@ -120,7 +120,8 @@ class MoE(RoutingRecord, nn.Module):
         experts: the experts module (the protocol above) instead of the stacked experts built from
             ``d_hidden``, ``activation``, ``bias`` and ``gated``.
         generator: randomness of stochastic routers and of ``drop_policy="random"`` (a
-            :class:`torch.Generator` or ``None``; anything else is a TypeError).
+            :class:`torch.Generator` or ``None``; anything else is a TypeError). Assigning
+            ``layer.generator`` later sets the router's too.
         check_finite: the router's NaN/inf check of its scores (``None``: the router's setting,
             ``True`` unless changed; ``False`` saves its host sync and that of the capacity
             step's index check).
@@ -219,9 +220,25 @@ class MoE(RoutingRecord, nn.Module):
         self.importance_weighting = config.importance_weighting
         self._activation = config.activation
         check_generator(generator)
-        self.generator = generator
+        self.__dict__["_generator"] = generator  # (a router passed with a generator of its own keeps it)
         if generator is not None:
             self.router.generator = generator
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The randomness of ``drop_policy="random"`` and, when set, of the router (``None``:
+        torch's global generator). Assigning it sets the router's ``generator`` too (``None``
+        included), so that one seed keeps reproducing a run; anything but a
+        :class:`torch.Generator` or ``None`` is a TypeError at the assignment."""
+        return self.__dict__.get("_generator")
+
+    @generator.setter
+    def generator(self, value: torch.Generator | None) -> None:
+        check_generator(value, "generator")
+        self.__dict__["_generator"] = value
+        router = self._modules.get("router")
+        if router is not None and hasattr(router, "generator"):
+            router.generator = value
 
     @classmethod
     def from_config(cls, config: MoEConfig, *, generator: torch.Generator | None = None,

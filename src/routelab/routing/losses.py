@@ -79,6 +79,20 @@ def noisy_topk_load(clean: Tensor, noisy: Tensor, noise_std: Tensor, top_values:
     threshold_if_out = top_values[:, k - 1 : k]
     is_in = noisy > threshold_if_in
     # The standard normal CDF (torch.distributions.Normal.cdf validates its input: host syncs).
-    prob_if_in = torch.special.ndtr((clean - threshold_if_in) / noise_std)
-    prob_if_out = torch.special.ndtr((clean - threshold_if_out) / noise_std)
+    prob_if_in = torch.special.ndtr(_z_score(clean - threshold_if_in, noise_std))
+    prob_if_out = torch.special.ndtr(_z_score(clean - threshold_if_out, noise_std))
     return torch.where(is_in, prob_if_in, prob_if_out).sum(0)
+
+
+#: Where the standard normal CDF is 0 or 1 in every float format (``Phi(-40) < 1e-300``).
+_Z_SATURATED = 40.0
+
+
+def _z_score(gap: Tensor, noise_std: Tensor) -> Tensor:
+    """``gap / noise_std`` clamped to ``[-40, 40]``, with a finite gradient at any magnitude.
+
+    The gap is clamped at ``40 noise_std`` *before* the division: clamping the quotient after it
+    leaves the division's backward to form ``gap / noise_std^2``, which overflows for finite
+    inputs (a logit gap of 3e35 at noise 0.01) and turns the zero gradient into NaN."""
+    bound = _Z_SATURATED * noise_std
+    return torch.minimum(torch.maximum(gap, -bound), bound) / noise_std
