@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 import numpy as np
 import pytest
@@ -49,6 +50,34 @@ def test_tiny_benchmark_report():
         assert all(float(r.removesuffix("x")) > 0 for r in ratios), c
         assert (c[5] == "missing") != has_ortools
     assert out.getvalue().strip() == text.strip()
+
+
+def test_report_states_the_date_and_versions():
+    """A review found the b-matching report gave only the CPU, threads and load: no date, no versions."""
+    import scipy
+
+    import routelab
+
+    text = run_b_matching_benchmark(((12, 3, 1),), seeds=1)
+    head = text.split("| n | E |")[0]
+    assert re.search(r"date: \d{4}-\d{2}-\d{2} \d{2}:\d{2}", head)
+    for version in (f"routelab {routelab.__version__}", f"torch {torch.__version__}", f"scipy {scipy.__version__}",
+                    f"numpy {np.__version__}"):
+        assert version in head
+    ortools = _has("ortools")
+    assert ("OR-Tools missing" in head) != ortools
+    if ortools:
+        import ortools as ot_pkg
+
+        assert f"OR-Tools {ot_pkg.__version__}" in head
+
+
+def test_ortools_is_not_called_network_simplex():
+    """OR-Tools documents SimpleMinCostFlow as cost-scaling push-relabel; a review found it called
+    network simplex (POT's ot.emd is the network simplex)."""
+    import routelab.bench.b_matching as module
+
+    assert "network simplex" not in module.__doc__ and "push-relabel" in module.__doc__
 
 
 def test_speedup_is_the_peers_median_over_routelabs():

@@ -64,3 +64,17 @@ def test_torchrun_entry_point():
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "torchrun" in done.stdout and "| 2 | dropless |" in done.stdout
+
+
+def test_header_names_the_gpu_under_nccl(monkeypatch):
+    """Under NCCL the timings are GPU timings: the header names the GPU model (a review found it
+    named the CPU only); under gloo it names none."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU 80GB")
+    nccl = "\n".join(moe_parallel._header(TINY, False, (False, "disabled"), "nccl", "torchrun"))
+    gloo = "\n".join(moe_parallel._header(TINY, False, (False, "disabled"), "gloo", "local workers"))
+    machine = next(line for line in nccl.splitlines() if line.startswith("- machine:"))
+    assert "NVIDIA Test GPU 80GB" in machine and "backend nccl" in machine
+    assert "NVIDIA Test GPU" not in gloo

@@ -11,9 +11,9 @@ capacity ``c = n / k``, it measures
 * :func:`routelab.assignment.gumbel_matching` (``tau = 1``, with its conditionals);
 * :func:`routelab.assignment.sinkhorn` of ``log_softmax`` of the scores (``tol = 1e-4``).
 
-Every reported time is the median over the timed calls (one per instance) after one untimed
-warm-up call, all taken in the same run. The report is markdown; it is written to ``out`` line by line while it is
-being measured, and returned whole.
+Every reported time is the median over the timed calls (one per instance) after two warm-up
+calls (not among the timed ones; :func:`_time_paired`), all taken in the same run. The report is
+markdown; it is written to ``out`` line by line while it is being measured, and returned whole.
 
 **Batched section** (``--device cuda``; :func:`_batched_section`, which runs on any device). For each
 ``(b, n, k)`` of :data:`BATCH_SIZES` (``64 x 4096 x 64`` and ``64 x 256 x 16``), on batches of float32
@@ -30,7 +30,7 @@ one table with a row per method, each timed call solving a whole batch:
 * "host": the batch copied to the CPU, solved there in one batched call, the result copied back,
   all inside the timed call (not run on device cpu, where it would be the first row).
 
-The methods alternate batch by batch after one untimed warm-up each (:func:`_time_paired`; on CUDA
+The methods alternate batch by batch after two warm-up calls each (:func:`_time_paired`; on CUDA
 ``torch.cuda.synchronize()`` before and after every timed call), at most :data:`BATCH_REPEATS`
 batches (:data:`QUICK_BATCH_REPEATS` in quick mode) and fewer when the warm-ups show that they would
 exceed the time budget. Columns: median ms per call (per batch), ms per instance, the ratio of the
@@ -79,11 +79,11 @@ FULL_NS: tuple[int, ...] = (256, 1024, 4096, 16384)
 QUICK_NS: tuple[int, ...] = (256, 1024, 4096)
 KS: tuple[int, ...] = (4, 16, 64)
 
-#: Timed calls per measurement (after one warm-up), by n.
+#: Timed calls per measurement (after the warm-up calls), by n.
 FULL_REPEATS: dict[int, int] = {256: 9, 1024: 9, 4096: 11, 16384: 5}
 QUICK_REPEATS: dict[int, int] = {256: 5, 1024: 5, 4096: 3}
 
-#: Time budget of one measurement: fewer timed calls (at least one) when the warm-up shows that
+#: Time budget of one measurement: fewer timed calls (at least one) when the second warm-up call shows that
 #: the requested number would take longer.
 FULL_BUDGET_S = 20.0
 QUICK_BUDGET_S = 3.0
@@ -102,7 +102,7 @@ GUMBEL_TAU = 1.0
 
 #: The batched section (on CUDA): ``(instances, n, k)`` of each of its tables.
 BATCH_SIZES: tuple[tuple[int, int, int], ...] = ((64, 4096, 64), (64, 256, 16))
-#: Timed batches per size of the batched section (after one warm-up), full and quick.
+#: Timed batches per size of the batched section (after the warm-up calls), full and quick.
 BATCH_REPEATS = 5
 QUICK_BATCH_REPEATS = 3
 
@@ -118,7 +118,7 @@ class Timing:
 
     Attributes:
         median_ms: median wall time of the timed calls, in milliseconds.
-        runs: number of timed calls (the untimed warm-up call not counted).
+        runs: number of timed calls (the warm-up calls not counted).
     """
 
     median_ms: float
@@ -188,11 +188,12 @@ def _synchronize(device: str) -> None:
 def _time_calls(
     fn: Callable[[int], Any], *, repeats: int, budget_s: float, device: str
 ) -> tuple[Timing, list[Any]]:
-    """Median wall time of ``fn(i)`` for instances ``i = 0, 1, ...`` after one untimed warm-up.
+    """Median wall time of ``fn(i)`` for instances ``i = 0, 1, ...`` after two warm-up calls.
 
     Timed call ``r`` solves instance ``r`` (a fresh random problem each time, so the median is over
-    instances, not over one lucky or unlucky draw). The warm-up call's duration sets how many
-    timed calls fit in ``budget_s``: at most ``repeats``, at least one.
+    instances, not over one lucky or unlucky draw). The second warm-up call's duration (the first
+    pays one-off costs) sets how many timed calls fit in ``budget_s``: at most ``repeats``, at
+    least one.
 
     Returns:
         The :class:`Timing` and the results of the timed calls, in instance order.
@@ -206,16 +207,22 @@ def _time_paired(
 ) -> tuple[dict[str, Timing], dict[str, list[Any]]]:
     """Like :func:`_time_calls` for several functions, timed alternately on every instance.
 
-    Each function is warmed up once on instance 0; then, instance by instance, every function
-    solves it in turn (the order rotating from one instance to the next). The speed of a shared
-    machine drifts over seconds; alternating makes the drift hit every function alike, so the
-    ratio of their medians is stable where separate blocks of timing would not be. The summed
-    warm-up time sets how many instances fit in ``budget_s`` (at most ``repeats``, at least one).
+    Each function is warmed up twice on instance 0: a first call, untimed, pays one-off costs (in a
+    fresh process, loading the compiled kernel made routelab's first call at n = 256 take 1.7 s on
+    this project's CPU, the next 0.4 ms), then a second, timed one. Then, instance by instance,
+    every function solves it in turn (the order rotating from one instance to the next). The speed
+    of a shared machine drifts over seconds; alternating makes the drift hit every function alike,
+    so the ratio of their medians is stable where separate blocks of timing would not be. The summed
+    time of the second warm-up calls sets how many instances fit in ``budget_s`` (at most
+    ``repeats``, at least one).
 
     Returns:
         ``(timings, results)``, both keyed like ``fns``; results in instance order.
     """
     names = list(fns)
+    for name in names:  # the first calls: one-off costs, which would make the budget look spent
+        fns[name](0)
+    _synchronize(device)
     warmup_s = 0.0
     for name in names:
         _synchronize(device)
@@ -436,8 +443,9 @@ def _notes(rows: Sequence[Row], *, device: str) -> list[str]:
     lines += [
         "Notes:",
         "",
-        f"- Times are wall-clock medians {where}, in ms, of the timed calls after one untimed "
-        "warm-up call; every number above was measured in this run. routelab and scipy are "
+        f"- Times are wall-clock medians {where}, in ms, of the timed calls after two warm-up calls "
+        "(the first pays one-off costs such as loading a compiled kernel; the second sizes the run to the time "
+        "budget); every number above was measured in this run. routelab and scipy are "
         "timed alternately, instance by instance, so that drifts in the machine's speed affect "
         "both alike.",
         "- scipy: `linear_sum_assignment(-E)` where `E` is the `n x n` float64 matrix of the "
@@ -680,8 +688,8 @@ def _measure_batched(
 
     Batch ``r`` is float32 ``torch.randn(b, n, k)`` from seed ``seed + r``, made on the CPU and
     moved to ``device`` before timing. Every method solves every batch, alternating batch by batch
-    (:func:`_time_paired`: one untimed warm-up each, synchronised timing, at most ``repeats``
-    batches and fewer when the warm-ups show that they exceed ``budget_s``). The host syncs of
+    (:func:`_time_paired`: two warm-up calls each, synchronised timing, at most ``repeats``
+    batches and fewer when the second warm-ups show that they exceed ``budget_s``). The host syncs of
     one call are counted afterwards, untimed.
 
     Raises:
@@ -804,8 +812,9 @@ def _batched_notes(sizes: Sequence[BatchedSize], *, device: str) -> list[str]:
         "- ms per call: median over the timed batches of one call that solves the whole batch (the per-instance rows "
         "loop over its instances inside the call), wall clock"
         + (", with `torch.cuda.synchronize()` before and after every timed call" if device == "cuda" else "")
-        + "; one untimed warm-up call each; the methods alternate batch by batch. ms per instance = ms per call / "
-        "instances. ratio to batched = ms per call / routelab batched's ms per call (> 1: slower than it).",
+        + "; two warm-up calls each (not timed in the results); the methods alternate batch by batch. "
+        "ms per instance = ms per call / instances. ratio to batched = ms per call / routelab batched's ms per call "
+        "(> 1: slower than it).",
         "- host syncs per call: synchronizing operations counted with `torch.cuda.set_sync_debug_mode(\"warn\")` "
         "over one untimed call: of the whole batch for the batched and host rows, of instance 0 alone for the "
         "per-instance rows (a batch makes that many calls; the auction's count is its number of rounds on that "
@@ -927,7 +936,7 @@ def run_benchmark(
         report.emit(*_header(quick=quick, device=device))
         report.emit(f"Sizes: n in {list(ns)}, k in {list(KS)}, capacity n/k, scores "
                     "`torch.randn(n, k)`, a new instance (seed 0, 1, ...) for each timed call, the same instances "
-                    "for every method. Timed calls (instances) per size after one warm-up: "
+                    "for every method. Timed calls (instances) per size after two warm-up calls: "
                     + ", ".join(f"{r} at n={n}" for n, r in repeats.items()) + ".", "")
         text = report.text()
         text += _benchmark([(n, k) for n in ns for k in KS], repeats, device=device,

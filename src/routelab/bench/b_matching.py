@@ -5,8 +5,8 @@ pairs) or ``(n, E, k, f)`` (a capacity ``ceil(f k n / E)``, no lower bound) and 
 scores are solved by
 
 * :func:`routelab.assignment.balanced_b_matching` (``k`` distinct experts per token);
-* OR-Tools' ``SimpleMinCostFlow`` (network simplex on the flow graph source -> token -> expert ->
-  sink, integer costs ``round(-s * 2^24 / max|s|)``; building the graph is timed), when
+* OR-Tools' ``SimpleMinCostFlow`` (a cost-scaling push-relabel algorithm, on the flow graph source ->
+  token -> expert -> sink, integer costs ``round(-s * 2^24 / max|s|)``; building the graph is timed), when
   OR-Tools is installed (the ``bench`` extra), else reported as missing;
 * :func:`scipy.optimize.linprog` (``method="highs"``) on the ``n E``-variable LP relaxation
   (totally unimodular, so its optimum is the integer optimum), and
@@ -18,7 +18,9 @@ some experts and not others, the case that a balanced instance does not exercise
 median wall time of each over the seeds (after one untimed warm-up call of routelab's solver; milp
 only up to ``MILP_MAX_PAIRS`` variables), each peer's median over routelab's (> 1: routelab is
 faster), and whether routelab's objective equals every peer's optimum within ``1e-6`` relative to
-the scores' spread times ``k n`` (OR-Tools': within its cost rounding). Run it with
+the scores' spread times ``k n`` (OR-Tools': within its cost rounding). The report opens with the
+machine, the versions (routelab, torch, numpy, scipy, OR-Tools, ...), the threads, the date and the
+load, as the other benchmark reports (:func:`routelab.bench.peers._header`). Run it with
 ``routelab bench b-matching [--quick]``.
 """
 
@@ -41,7 +43,8 @@ from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 from .._checks import positive_int_arg
 from ..assignment import balanced_b_matching
 from ..assignment.b_matching import b_matching_quotas
-from ..machine import cpu_model, load_average
+from ..machine import load_average
+from .peers import _header
 
 __all__ = ["ortools_b_matching", "run_b_matching_benchmark", "scipy_b_matching"]
 
@@ -208,10 +211,11 @@ def _measure(sizes: Sequence[Size], seeds: int, out: TextIO | None) -> str:
             print(line, file=out, flush=True)
 
     has_ortools = _ortools_flow() is not None
-    emit(f"CPU: {cpu_model()}; torch threads: {torch.get_num_threads()}; load average at start: {load_average()}")
-    if not has_ortools:
+    for line in _header("routelab balanced b-matching vs OR-Tools and HiGHS", torch.get_num_threads()):
+        emit(line)
+    if not has_ortools:  # (the header ends with an empty line)
         emit("OR-Tools is not installed (pip install ortools, or the `bench` extra): its column is empty.")
-    emit("")
+        emit("")
     emit("| n | E | k | capacity | routelab ms | OR-Tools min-cost flow ms | scipy linprog (HiGHS) ms "
          "| scipy milp (HiGHS) ms | OR-Tools / routelab | linprog / routelab | milp / routelab | same optimum |")
     emit("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")

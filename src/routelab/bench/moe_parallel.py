@@ -228,12 +228,16 @@ def _table(cfg: ParallelBenchConfig, results: dict[int, dict]) -> list[str]:
 
 
 def _header(cfg: ParallelBenchConfig, quick: bool, ds: tuple[bool, str], backend: str, launcher: str) -> list[str]:
+    """The report's opening lines: versions, the machine (under NCCL, which times GPUs, the GPU model
+    of this rank's device: every rank has its own), the sizes, the date and the load."""
     deepspeed = f"DeepSpeed {ds[1]}" if ds[0] else f"DeepSpeed absent ({ds[1]}); its columns are empty"
+    gpu = (f"; GPU: {torch.cuda.get_device_name()} (one per rank)"
+           if backend == "nccl" and torch.cuda.is_available() else "")
     return [
         f"# Expert-parallel MoE benchmark{' (quick)' if quick else ''}",
         "",
         f"- routelab {routelab.__version__}, torch {torch.__version__}, {deepspeed}",
-        f"- machine: {_cpu_model()}, {os.cpu_count()} logical CPUs; backend {backend}; {launcher}",
+        f"- machine: {_cpu_model()}, {os.cpu_count()} logical CPUs{gpu}; backend {backend}; {launcher}",
         f"- per rank: {cfg.tokens_per_rank} tokens, d_model={cfg.d_model}, d_hidden={cfg.d_hidden}; "
         f"E={cfg.experts} experts in all (E/W per rank), top-1 (Switch) routing, capacity factor 1 or dropless",
         f"- forward + backward, median of {cfg.repeats} steps after {cfg.warmup} warm-up steps, slowest rank; "
