@@ -144,6 +144,7 @@ def test_run_writes_report_resumes_and_judges(tmp_path: Path, monkeypatch: pytes
     runs = read_jsonl(tmp_path / "runs.jsonl")
     idents = read_jsonl(tmp_path / "identifiability.jsonl")
     assert len(runs) == 2 * 2 * len(rc.configs(s)) and len(idents) == 2
+    assert len({r["commit"] for r in runs + idents}) == 1 and "code of the runs: " in text
     assert idents[0]["fitted_rank"] is not None and idents[1]["fitted_rank"] is None
     for part in ("## Identifiability", "## Chosen settings", "## Claims (QUICK verdicts)", "## Every setting"):
         assert part in text

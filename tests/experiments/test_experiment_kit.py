@@ -88,8 +88,9 @@ def test_paired_difference_and_its_side_at_the_seed_spread() -> None:
     # Seeds 0-2 in both; seed 3 only in a; seed 2 failed in b (None): paired over seeds 0 and 1.
     d = paired_difference({0: 1.0, 1: 2.0, 2: 5.0, 3: 9.0}, {0: 0.5, 1: 1.0, 2: None})
     assert d.n == 2 and d.mean == pytest.approx(0.75) and d.se == pytest.approx(0.25)
-    assert beyond_spread(d) == 1  # 0.75 > 2 * 0.25
-    assert beyond_spread(d, spread=4.0) == 0  # within 4 s.e.: a tie
+    # two seeds: the 95 % t bound is t(0.975, 1) = 12.71 s.e. = 3.18, so 0.75 is a tie (it is beyond 2 s.e.)
+    assert beyond_spread(d) == 0
+    assert beyond_spread(d, confidence=0.5) == 1  # t(0.75, 1) = 1.0 s.e. = 0.25 < 0.75
     assert beyond_spread(paired_difference({0: 1.0, 1: 3.0}, {0: 2.0, 1: 0.0})) == 0  # +/-: a tie
     assert beyond_spread(paired_difference({0: 1.0}, {0: 2.0})) == -1  # one seed: its sign
     assert beyond_spread(paired_difference({0: 1.0}, {1: 2.0})) is None  # no seed in common

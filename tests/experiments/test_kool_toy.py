@@ -191,7 +191,7 @@ def test_tiny_sweep_writes_everything_and_rerun_skips(tmp_path: Path, monkeypatc
     assert "## Router collapse" in text and "## Claim 2 re-checked" in text  # gradients.json: TINY's check
     rec = read_jsonl(tmp_path / "runs.jsonl")[0]
     for field in ("mse", "argmax_mse", "success", "load", "argmax_load", "collapsed", "tokens_per_expert",
-                  "chunk_wall_s", "iw_max"):
+                  "chunk_wall_s", "iw_max", "commit"):
         assert field in rec
 
     def boom(*a, **k):

@@ -39,6 +39,8 @@ def test_run_selects_the_gate_lr_on_dev_pairs_seeds_and_counts_g_steps(tmp_path:
                 ft_epochs=((0.05, 1),), train_limit=40, uni_runs=1, pmi_min_count=1)
     text = mae_exp.run(tmp_path, s).read_text()
     runs = read_jsonl(tmp_path / "runs.jsonl")
+    stamped = runs + read_jsonl(tmp_path / "analyses.jsonl") + read_jsonl(tmp_path / "finetune.jsonl")
+    assert len({r["commit"] for r in stamped}) == 1 and "code of the runs: " in text  # the code that trained them
     cands = [r for r in runs if r["variant"] == "MAE-7" and r["seed"] == 0 and r["dim"] == 8]
     assert sorted(r["gate_lr"] for r in cands) == [1.0, 30.0]
     chosen = min(cands, key=lambda r: r["dev_loss"])["gate_lr"]

@@ -309,6 +309,7 @@ def test_run_end_to_end_and_resume(tmp_path, monkeypatch) -> None:
     assert "Quick form" in text and "## Claims" in text and (tmp_path / "fig_learning_curves.png").exists()
     runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
     assert sorted(r["variant"] for r in runs) == sorted(TINY.variants)
+    assert len({r["commit"] for r in runs}) == 1 and "code of the runs: " in text  # the code that trained them
     for r in runs:
         assert 0.0 <= r["test_bleu"] <= 100.0 and math.isfinite(r["test_loss"])
         assert ("top1_dev_bleu" in r) == (r["variant"] in ("MAE-7", "MAE-6", "NOBCD"))

@@ -99,6 +99,7 @@ def test_sweep_resumes_and_reports(tmp_path: Path, fake_mnist) -> None:
     lines = (tmp_path / "runs.jsonl").read_text().splitlines()
     assert len(lines) == 3 and len(fake_mnist) == 1
     assert {json.loads(line)["router"] for line in lines} == {"switch", "batchwise", "base"}
+    assert len({json.loads(line)["commit"] for line in lines}) == 1  # the code that trained them (one invocation)
     text = report.read_text()
     assert "## Claims" in text and "Batchwise gating at inference" in text and "Wall time" in text
     assert "| switch |" in text

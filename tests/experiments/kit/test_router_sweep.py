@@ -100,3 +100,26 @@ def test_the_sweeps_settings_refuse_repeats_naming_them():
             dataclasses.replace(settings, routers=settings.routers[:1] * 2).validate()
     with pytest.raises(ValueError, match="Settings.seeds names 0"):
         check_settings_can_run(dataclasses.replace(MT, seeds=(0, 0)))
+
+
+def test_a_settings_key_holding_a_tuple_is_reported_and_not_retrained(tmp_path):
+    """A review: a key with a tuple was stored as a JSON list; the resume check froze both sides (done), the
+    report compared the raw key (``[200, 8] != (200, 8)``), so 3 trained runs were never reported."""
+    trained = []
+
+    def train(router, seed, data, say):
+        trained.append((router, seed))
+        return {"router": router, "seed": seed, "acc": 0.5}
+
+    key = {"epochs": 1, "eval_batches": (200, 8)}
+    for _ in range(2):
+        train_router_seeds("t", tmp_path, key=key, routers=["a", "b", "c"], seeds=[0], threads=1,
+                           load_data=lambda: None, train=train, summary=lambda r: "ok", progress=False)
+    assert len(trained) == 3  # the second invocation resumed all three
+    runs = recorded_runs(tmp_path, key=key, routers=["a", "b", "c"], seeds=[0])
+    assert runs.total == 3 and len(runs.invocations) == 1
+    # the list form of the same key reads the same runs
+    assert recorded_runs(tmp_path, key={"epochs": 1, "eval_batches": [200, 8]}, routers=["a", "b", "c"],
+                         seeds=[0]).total == 3
+    with pytest.raises(TypeError, match="key must be JSON-serialisable"):
+        recorded_runs(tmp_path, key={"epochs": object()}, routers=["a"], seeds=[0])

@@ -25,8 +25,8 @@ from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_ma
 from ..kit.divergence import train_or_fail
 from ..kit.experiment import Experiment
 from ..kit.failed_runs import add_failures_to_report
-from ..kit.provenance import software_line
-from ..kit.stats import beyond_spread, mean_se, paired_difference
+from ..kit.provenance import CommitStamp, software_line
+from ..kit.stats import beyond_spread, mean_se, paired_difference, spread_bound
 from ..kit.store import append_jsonl_atomic, atomic_write_text, completed_keys, is_failed, read_jsonl, split_failed
 from ..kit.tables import md_table
 from . import common
@@ -227,6 +227,8 @@ def run_movielens(out_dir: Path, s: MovieLensSettings) -> Path:
     timer = Timer()
     try:
         done = completed_keys(path, ("model", "alpha", "seed"))
+        stamp = CommitStamp("dselect-movielens")  # the commit on every record, a warning when resuming another's
+        recorded = read_jsonl(path)
         for seed in range(s.reps):
             data = None
             for alpha in s.alphas:
@@ -235,6 +237,7 @@ def run_movielens(out_dir: Path, s: MovieLensSettings) -> Path:
                         continue
                     if data is None:
                         data = build_examples(seed, s.subsample)
+                    stamp.before_training(recorded)
                     t = Timer()
                     model = build_model(kind, data["ml"], s, seed)
                     tr = data["train"]
@@ -254,7 +257,7 @@ def run_movielens(out_dir: Path, s: MovieLensSettings) -> Path:
                     label = f"dselect-movielens rep {seed + 1}/{s.reps} alpha={alpha} {kind}"
                     rec = train_or_fail(train, {"model": kind, "alpha": alpha, "seed": seed},
                                         on_fail=lambda why, label=label: log(f"{label}: FAILED, {why}"))
-                    append_jsonl_atomic(path, rec)
+                    append_jsonl_atomic(path, stamp(rec))
                     if not is_failed(rec):
                         log(f"{label}: loss {rec['loss']:.4f} acc {rec['t1_acc']:.3f} mse {rec['t2_mse']:.3f} "
                             f"experts {rec['experts']} {rec['wall_s']:.0f}s")
@@ -315,7 +318,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MovieLensSetti
             return mean_se(r["loss"] for r in sel(kind, a)).mean
 
         def side(a_kind: str, b_kind: str, a: float) -> int | None:
-            """-1 / +1: a's test loss below / above b's beyond 2 s.e. of the seed-paired difference
+            """-1 / +1: a's test loss below / above b's beyond the 95 % t interval of the seed-paired difference
             (its sign with one repetition); 0: a tie; None: no repetition measured both."""
             return beyond_spread(paired_difference({r["seed"]: r["loss"] for r in sel(a_kind, a)},
                                                    {r["seed"]: r["loss"] for r in sel(b_kind, a)}))
@@ -330,8 +333,8 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MovieLensSetti
         n_a = len(s.alphas)
         # the quick form trains some α only: "every α" is then judged over those (the report says which)
         of_alphas = "" if s.alphas == ALPHAS else f" (α = {', '.join(map(str, s.alphas))} only)"
-        spread = ("; lower = the seed-paired difference of test losses beyond 2 s.e. (with one repetition, its "
-                  "sign)")
+        spread = ("; lower = the seed-paired difference of test losses beyond its 95 % Student-t interval "
+                  "(t(0.975, n − 1) s.e. over n repetitions; with one repetition, its sign)")
 
         def verdict(count: int) -> str:
             return HOLDS if count == n_a else (PARTLY if count else NOT_HOLD)
@@ -348,12 +351,13 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MovieLensSetti
 
         def at_most_k(kind: str, a: float) -> bool:
             per_run = mean_se(sum(r["experts"]) / len(r["experts"]) for r in sel(kind, a) if r["experts"])
-            return per_run.n > 0 and per_run.mean + 2 * (per_run.se or 0.0) <= s.k
+            return per_run.n > 0 and per_run.mean + spread_bound(per_run) <= s.k
 
         fewer = sum(at_most_k("dselect_static", a) and at_most_k("dselect_per_example", a) for a in s.alphas)
         claims.append(Claim(text=f"DSelect-k selects at most k = {s.k} experts on average "
                                  "(paper: 1.1–2.7 with k tuned in {2, 4}).",
-                            criterion="both DSelect-k gates ≤ k at every α (their mean + 2 s.e.): holds; "
+                            criterion="both DSelect-k gates ≤ k at every α (the upper end of the 95 % t interval "
+                                      "of their mean, mean + t(0.975, n − 1) s.e.): holds; "
                                       "some α: partly",
                             measured=f"{fewer}/{n_a} α{of_alphas}", verdict=verdict(fewer)))
     lines = [
@@ -370,7 +374,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MovieLensSetti
         "- Wall time of the last invocation (runs already recorded are not re-run): "
         f"{wall:.0f} s (training recorded in runs.jsonl: "
         f"{sum(r['wall_s'] for r in records):.0f} s over {len(records)} runs).",
-        f"- {software_line(torch.get_num_threads())}, CPU.",
+        f"- {software_line(torch.get_num_threads(), runs=records)}, CPU.",
     ]
     if missing:
         lines += ["", f"**Data unavailable:** {missing}"]

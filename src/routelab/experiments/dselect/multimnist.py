@@ -24,8 +24,8 @@ from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_ma
 from ..kit.divergence import train_or_fail
 from ..kit.experiment import Experiment
 from ..kit.failed_runs import add_failures_to_report
-from ..kit.provenance import software_line
-from ..kit.stats import mean_se
+from ..kit.provenance import CommitStamp, software_line
+from ..kit.stats import difference_bound, mean_se
 from ..kit.store import (
     append_jsonl_atomic,
     atomic_write_text,
@@ -167,6 +167,8 @@ def run_multimnist(out_dir: Path, s: MultiMnistSettings) -> Path:
     missing: list[str] = []
     key = settings_key(s)  # a run's record is reused only under the same settings (quick and full apart)
     done = completed_keys(path, ("dataset", "model", "seed", "settings"))
+    stamp = CommitStamp("dselect-multimnist")  # the commit on every record, a warning when resuming another's
+    recorded = [r for r in read_jsonl(path) if r.get("settings") == key]
     for seed in range(s.reps):
         for name in DATASETS:
             data = None
@@ -179,6 +181,7 @@ def run_multimnist(out_dir: Path, s: MultiMnistSettings) -> Path:
                     except DataUnavailable as err:
                         missing.append(f"{name}: {err}")
                         break
+                stamp.before_training(recorded)
                 t = Timer()
                 model = build_model(kind, s, seed)
 
@@ -197,7 +200,7 @@ def run_multimnist(out_dir: Path, s: MultiMnistSettings) -> Path:
                 label = f"dselect-multimnist rep {seed + 1}/{s.reps} {name} {kind}"
                 rec = train_or_fail(train, {"dataset": name, "model": kind, "seed": seed},
                                     on_fail=lambda why, label=label: log(f"{label}: FAILED, {why}"))
-                append_jsonl_atomic(path, {**rec, "settings": key})
+                append_jsonl_atomic(path, stamp({**rec, "settings": key}))
                 if not is_failed(rec):
                     log(f"{label}: acc {rec['acc1']:.3f}/{rec['acc2']:.3f} experts {rec['experts']} "
                         f"{rec['wall_s']:.0f}s")
@@ -233,7 +236,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MultiMnistSett
         "- Wall time of the last invocation (runs already recorded are not re-run): "
         f"{wall:.0f} s (training recorded in runs.jsonl: "
         f"{sum(r['wall_s'] for r in records):.0f} s over {len(records)} runs).",
-        f"- {software_line(torch.get_num_threads())}, CPU.",
+        f"- {software_line(torch.get_num_threads(), runs=records)}, CPU.",
     ]
     for m in missing:
         lines += [f"- **Data unavailable:** {m}"]
@@ -282,28 +285,30 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MultiMnistSett
             continue
 
         def verdict(a: str, b: str) -> str:
-            """holds: a > b by more than 2 combined standard errors; partly: a > b within noise (or with
-            one repetition, which has no standard error)."""
+            """holds: a > b beyond the 95 % Welch t interval of the difference (unpaired); partly: a > b within
+            it (or with one repetition, which has no standard error)."""
             sa, sb = (mean_se((r["acc1"] + r["acc2"]) / 2 for r in sel(name, kind)) for kind in (a, b))
             if sa.mean <= sb.mean:
                 return NOT_HOLD
-            if sa.se is not None and sb.se is not None and sa.mean - sb.mean > 2 * (sa.se**2 + sb.se**2) ** 0.5:
+            bound = difference_bound(sa, sb)
+            if bound is not None and sa.mean - sb.mean > bound:
                 return HOLDS
-            return f"{PARTLY} (within 2 s.e.)"
+            return f"{PARTLY} (within the 95 % t interval)"
 
         statics = ("dselect_static", "topk_static", "gumbel_static")
         best_static = max(statics, key=avg)
         runner_up = max((k for k in statics if k != "dselect_static"), key=avg)
         claims.append(Claim(
             text=f"{title}: static DSelect-k has the best mean accuracy of the static gates.",
-            criterion="DSelect-k (static) highest, by more than 2 s.e. of the difference: holds; highest within "
-                      "noise: partly",
+            criterion="DSelect-k (static) highest, beyond the 95 % Welch t interval of the difference of the "
+                      "means over repetitions: holds; highest within it: partly",
             measured=f"best static: {GATE_LABELS[best_static]} ({100 * avg(best_static):.2f} %; DSelect-k "
                      f"{100 * avg('dselect_static'):.2f} %, Top-k {100 * avg('topk_static'):.2f} %, Gumbel "
                      f"{100 * avg('gumbel_static'):.2f} %)",
             verdict=verdict("dselect_static", runner_up)))
         claims.append(Claim(text=f"{title}: DSelect-k (static) beats the shared bottom.",
-                            criterion="higher mean accuracy by more than 2 s.e.: holds; higher within noise: partly",
+                            criterion="higher mean accuracy, beyond the 95 % Welch t interval of the difference: "
+                                      "holds; higher within it: partly",
                             measured=f"{100 * avg('dselect_static'):.2f} % vs {100 * avg('shared_bottom'):.2f} %",
                             verdict=verdict("dselect_static", "shared_bottom")))
         e = experts_per_run(sel(name, "dselect_static"))

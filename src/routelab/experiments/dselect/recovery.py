@@ -38,6 +38,7 @@ from routelab.gates.dselect import ENTROPY_EPS, SELECTOR_INITS
 from ..kit.divergence import check_finite, diverged_on_error, nonfinite_rows
 from ..kit.experiment import Experiment
 from ..kit.failed_runs import add_failures_to_report
+from ..kit.provenance import CommitStamp
 from ..kit.store import append_jsonl_atomic, completed_keys, failed_record, is_failed, read_jsonl, split_failed
 from . import identifiability as ident
 from .common import Timer, log, make_gate, minibatches, steps_per_epoch
@@ -545,6 +546,7 @@ def run_recovery(out_dir: Path, s: RecoverySettings) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path, ipath = out_dir / "runs.jsonl", out_dir / "identifiability.jsonl"
     done = completed_keys(path, KEY)
+    stamp = CommitStamp("dselect-recovery")  # the commit on every record, a warning when resuming another's
     timer = Timer()
     rows = configs(s)
     keys = [(c.gate, c.unit, c.init, c.lr, c.entropy_reg, ep) for c in rows for ep in s.eval_epochs]
@@ -552,11 +554,12 @@ def run_recovery(out_dir: Path, s: RecoverySettings) -> Path:
         missing = [k for k in keys if k + (seed,) not in done]
         if not missing:
             continue
+        stamp.before_training(read_jsonl(path))
         recs = train_rep(rows, seed, s, make_problem(seed, s), record_traj=(seed == 0))
         want = set(missing)
         for rec in recs:
             if tuple(rec[f] for f in KEY[:-1]) in want:
-                append_jsonl_atomic(path, rec)
+                append_jsonl_atomic(path, stamp(rec))
         n_failed = sum(is_failed(r) for r in recs)
         log(f"dselect-recovery rep {seed + 1}/{s.reps}: {len(recs)} runs ({n_failed} failed) in {timer():.0f}s so far")
     n_fitted = _n_fitted(s)
@@ -565,7 +568,7 @@ def run_recovery(out_dir: Path, s: RecoverySettings) -> Path:
         if seed in idone:
             continue
         rec = identifiability_record(seed, s, make_problem(seed, s), fitted=seed < n_fitted)
-        append_jsonl_atomic(ipath, rec)
+        append_jsonl_atomic(ipath, stamp(rec))
         log(f"dselect-recovery rep {seed + 1}/{s.reps} identifiability: the true set ranks {rec['frozen_rank']} "
             f"(frozen unit), {rec['fitted_rank']} (fitted unit) of {rec['n_sets']}")
     planned = set(keys)

@@ -204,7 +204,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: Any, wall: flo
         f"runs. All settings of a repetition train together as one batched model (independent rows); recorded "
         f"training wall time {train_s:.0f} s over {len(per_rep)} repetitions, identifiability check "
         f"{sum(r['wall_s'] for r in idents):.0f} s.",
-        f"- {software_line(torch.get_num_threads())}, CPU.",
+        f"- {software_line(torch.get_num_threads(), runs=records)}, CPU.",
         "",
         "## Setup",
         "",

@@ -35,8 +35,8 @@ from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_ma
 from ..kit.divergence import check_finite, diverged_on_error, train_or_fail
 from ..kit.experiment import Experiment
 from ..kit.failed_runs import add_failures_to_report
-from ..kit.provenance import software_line
-from ..kit.stats import Stat, beyond_spread, mean_se, paired_difference
+from ..kit.provenance import CommitStamp, software_line
+from ..kit.stats import Stat, beyond_spread, mean_se, paired_difference, spread_bound
 from ..kit.store import append_jsonl_atomic, atomic_write_text, completed_keys, is_failed, read_jsonl, split_failed
 from ..kit.tables import md_table
 from . import common
@@ -256,6 +256,8 @@ def run_synthetic(out_dir: Path, s: SyntheticSettings) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "runs.jsonl"
     done = completed_keys(path, ("gate", "tasks", "seed"))
+    stamp = CommitStamp("dselect-synthetic")  # the commit on every record, a warning when resuming another's
+    recorded = read_jsonl(path)
     timer = Timer()
     for seed in range(s.reps):
         data = None
@@ -266,10 +268,11 @@ def run_synthetic(out_dir: Path, s: SyntheticSettings) -> Path:
                 if data is None:
                     data = make_data(seed, s)
                 label = f"dselect-synthetic rep {seed + 1}/{s.reps} T={tasks} {kind}"
+                stamp.before_training(recorded)
                 rec = train_or_fail(lambda: train_one(kind, tasks, seed, s, data),
                                     {"gate": kind, "tasks": tasks, "seed": seed},
                                     on_fail=lambda why: log(f"{label}: FAILED, {why}"))
-                append_jsonl_atomic(path, rec)
+                append_jsonl_atomic(path, stamp(rec))
                 if not is_failed(rec):
                     log(f"{label}: test MSE {rec['test_mse']:.3f}, J related {rec['jaccard_related']}, "
                         f"{rec['wall_s']:.0f}s")
@@ -315,10 +318,11 @@ def _figure(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSettings) 
 
 
 def _below(stat: Stat, bound: float) -> str:
-    """Holds when ``stat``'s mean plus 2 s.e. (its mean alone for one run) is below ``bound``."""
+    """Holds when the upper end of ``stat``'s 95 % Student-t interval (:func:`.kit.stats.spread_bound`; its
+    mean alone for one run) is below ``bound``."""
     if stat.n == 0:
         return NOT_MEASURED
-    return HOLDS if stat.mean + 2 * (stat.se or 0.0) < bound else NOT_HOLD
+    return HOLDS if stat.mean + spread_bound(stat) < bound else NOT_HOLD
 
 
 def write_report(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSettings, wall: float) -> Path:
@@ -349,7 +353,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSetti
         return {r["seed"]: r[key] for r in records if r["gate"] == kind and r["tasks"] == t}
 
     def side(a: str, b: str, t: int, key: str) -> int | None:
-        """-1 / +1: a's value below / above b's beyond 2 s.e. of the seed-paired difference; 0: a tie;
+        """-1 / +1: a's value below / above b's beyond the 95 % t interval of the seed-paired difference; 0: a tie;
         None: no repetition measured both (e.g. every run of the cell failed)."""
         return beyond_spread(paired_difference(by_seed(a, t, key), by_seed(b, t, key)))
 
@@ -368,7 +372,8 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSetti
         text = f"{what} at {hits}/{total} T, {other} at {against}, tied at {total - hits - against - missing}"
         return text + (f", not measured at {missing}" if missing else "")
 
-    spread_note = " (each T: the seed-paired difference beyond 2 s.e.; within it, a tie)"
+    spread_note = (" (each T: the seed-paired difference beyond its 95 % Student-t interval, t(0.975, n − 1) s.e. "
+                   "over n repetitions; within it, a tie)")
     claims = []
     tmax = max((t for t in s.tasks if any(r["tasks"] == t for r in records)), default=None)
     if tmax is not None:
@@ -409,7 +414,8 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSetti
         ent = mean_se(r["experts_selected_mean"] for r in records
                       if r["gate"] == "ablation_entropy" and r["tasks"] == tmax)
         claims.append(Claim(text="Ablation (entropy) ends up with fewer than k = 4 distinct experts (often 2).",
-                            criterion="mean distinct argmax experts + 2 s.e. < 4 at the largest T: holds",
+                            criterion="the upper end of the 95 % t interval of the mean distinct argmax experts "
+                                      "(mean + t(0.975, n − 1) s.e.) < 4 at the largest T: holds",
                             measured=f"{ent.fmt(2)} at T = {tmax}",
                             verdict=_below(ent, 4.0)))
     lines = [
@@ -421,7 +427,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: SyntheticSetti
         "- Wall time of the last invocation (runs already recorded are not re-run): "
         f"{wall:.0f} s (training recorded in runs.jsonl: "
         f"{sum(r['wall_s'] for r in records):.0f} s over {len(records)} runs).",
-        f"- {software_line(torch.get_num_threads())}, CPU.",
+        f"- {software_line(torch.get_num_threads(), runs=records)}, CPU.",
         "",
         "## Setup",
         "",

@@ -6,7 +6,8 @@
 * :mod:`.divergence` — a training run whose loss or parameters become non-finite is recorded as
   failed instead of stopping the sweep;
 * report helpers: :mod:`.provenance` (version, commit, software, load), :mod:`.tables`
-  (markdown tables, CSV cells), :mod:`.stats` (mean ± s.e.), :mod:`.claims` (a paper's claims,
+  (markdown tables, CSV cells), :mod:`.stats` (mean ± s.e., the 95 % t interval a difference is judged
+  against), :mod:`.claims` (a paper's claims,
   their verdicts and table, ``claims.json``), :mod:`.failed_runs` (the failed-runs section);
 * :mod:`.scoreboard` — the table of every experiment's claims that opens ``routelab reproduce``'s report.
 

@@ -46,10 +46,13 @@ _FORMAT = 1
 
 # A number starts a word: not the digits of an identifier ("top2", "top1_switch") nor the "-1" of a name
 # ("top-1", "MAE-7"); a sign counts where no digit precedes it ("0.0-99.9" is a range of two numbers).
-_NUMBER = re.compile(r"(?<![\w.])(?<![A-Za-z_][-−])(?:(?<![\d.])[-+−])?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
+# Thousands separators join: a comma followed by exactly three digits is inside a number ("60,000", "1,234.5"),
+# any other comma separates two ("1, 2", "1,2", "1,2345").
+_NUMBER = re.compile(r"(?<![\w.])(?<![A-Za-z_][-−])(?:(?<![\d.])[-+−])?"
+                     r"(?:\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d*)?|\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
 
 HOLDS, PARTLY, NOT_HOLD, NOT_MEASURED = "holds", "partly", "does not hold", "not measured"
-"""The verdicts. A verdict may add a qualifier in parentheses, e.g. ``"partly (within 2 s.e.)"``."""
+"""The verdicts. A verdict may add a qualifier in parentheses, e.g. ``"partly (within the 95 % t interval)"``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,7 +83,7 @@ class Claim:
 
     @property
     def outcome(self) -> str:
-        """The verdict without its qualifier (``"partly (within 2 s.e.)"`` -> ``"partly"``)."""
+        """The verdict without its qualifier (``"partly (within the 95 % t interval)"`` -> ``"partly"``)."""
         return self.verdict.split(" (")[0]
 
     @property
@@ -94,8 +97,9 @@ class Claim:
 
     @property
     def numbers(self) -> list[float]:
-        """The numbers in :attr:`measured`, in order (``"1.5 of 4, 40 %"`` -> ``[1.5, 4.0, 40.0]``)."""
-        return [float(m.replace("\u2212", "-")) for m in _NUMBER.findall(self.measured)]
+        """The numbers in :attr:`measured`, in order (``"1.5 of 4, 40 %"`` -> ``[1.5, 4.0, 40.0]``; a thousands
+        separator joins: ``"60,000 images"`` -> ``[60000.0]``)."""
+        return [float(m.replace("\u2212", "-").replace(",", "")) for m in _NUMBER.findall(self.measured)]
 
     def to_json(self, paper_name: str = "") -> dict[str, Any]:
         """One ``claims.json`` object: ``id``, ``paper`` (``paper_name``: which paper), ``text``,
@@ -143,7 +147,7 @@ SINGLE_SEED = "1 seed: no seed spread to judge against"
 def single_seed(claims: Sequence[Claim], seeds: int) -> list[Claim]:
     """``claims`` with :data:`SINGLE_SEED` added to every verdict reached on fewer than two seeds.
 
-    A criterion "beyond 2 s.e. of the seed-paired difference" has no standard error on one seed:
+    A criterion "beyond the 95 % t interval of the seed-paired difference" has no standard error on one seed:
     its verdict is then the sign of one comparison, which a reader must see (a quick run's holds
     and does-not-holds are not a full run's). ``not measured`` is left as it is.
     """

@@ -4,11 +4,14 @@
 not hold yet under the same settings key, one after the other, appending each finished run's record
 atomically (a rerun resumes after the last finished run), recording a diverged run as failed
 (:func:`.divergence.train_or_fail`) and each invocation that trained something in
-``invocations.jsonl`` (start time, wall time, machine load).
+``invocations.jsonl`` (start time, wall time, machine load). Every record holds the commit of the code
+that trained it (:data:`.provenance.COMMIT`); resuming runs recorded at another commit warns
+(:class:`.provenance.CommitStamp`).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +23,7 @@ from typing import Any
 import torch
 
 from .divergence import train_or_fail
-from .provenance import load_average
+from .provenance import COMMIT, CommitStamp, commit_label, load_average
 from .store import ResultsFileError, append_jsonl_atomic, is_failed, missing_keys, read_jsonl, split_failed
 
 __all__ = ["RecordedRuns", "SweepResult", "check_distinct", "figures_markdown", "invocations_markdown",
@@ -48,6 +51,21 @@ def check_distinct(name: str, values: Sequence[Any]) -> None:
         raise ValueError(f"{name} names {twice[0]!r} more than once ({tuple(values)}); give each once")
 
 
+def _normal_key(key: Any) -> Any:
+    """``key`` as it reads back from a record (a JSON round trip: tuples become lists), so that a key is
+    compared in the form it is stored in.
+
+    Raises:
+        TypeError: when ``key`` is not JSON-serialisable (naming the argument and the fix).
+    """
+    try:
+        return json.loads(json.dumps(key))
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"key must be JSON-serialisable (it is stored in every record), got {key!r}: {err}; "
+                        "build it from numbers, strings, lists and dicts (e.g. dataclasses.asdict of the "
+                        "settings).") from None
+
+
 def train_router_seeds(
     name: str,
     out_dir: Path,
@@ -66,7 +84,8 @@ def train_router_seeds(
     Args:
         name: the experiment's name (progress lines).
         out_dir: holds ``runs.jsonl`` and ``invocations.jsonl`` (created if needed).
-        key: the settings key stored with every record; a record with another key is not reused.
+        key: the settings key stored with every record (JSON: a tuple is stored, and compared, as a list); a
+            record with another key is not reused.
         routers, seeds: the sweep.
         threads: torch threads while training (restored afterwards).
         load_data: called once, only when something is trained; its result is passed to ``train``.
@@ -75,8 +94,14 @@ def train_router_seeds(
         progress: print progress lines on stderr.
 
     Returns:
-        :class:`SweepResult`. Every record gets ``settings`` (the key), ``threads`` and ``run_s``.
+        :class:`SweepResult`. Every record gets ``settings`` (the key), ``threads``, ``run_s`` and ``commit``
+        (:func:`.provenance.git_commit` at the start; the invocation record too).
+
+    Warns:
+        RuntimeWarning: when it trains runs next to recorded ones of another commit (naming both).
     """
+    key = _normal_key(key)
+    stamp = CommitStamp(name)
     t_start = time.perf_counter()
     started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     load_start = load_average()
@@ -88,6 +113,10 @@ def train_router_seeds(
     plan = [(r, s) for s in seeds for r in routers]
     pending = [(r, s) for r, s, _ in missing_keys([(r, s, key) for r, s in plan], runs_path,
                                                   ("router", "seed", "settings"))]
+    if pending and len(pending) < len(plan):
+        planned = set(plan)
+        stamp.before_training([r for r in read_jsonl(runs_path) if (r.get("router"), r.get("seed")) in planned
+                               and r.get("settings") == key])
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     trained, finished = 0, False
@@ -104,6 +133,7 @@ def train_router_seeds(
             record = train_or_fail(lambda: train(router, seed, data, say), {"router": router, "seed": seed},
                                    on_fail=lambda why: say(f"FAILED, {why}"))
             record["settings"] = key
+            stamp(record)
             record["threads"] = torch.get_num_threads()
             record["run_s"] = round(time.perf_counter() - t_run, 1)
             append_jsonl_atomic(runs_path, record)
@@ -118,7 +148,7 @@ def train_router_seeds(
         if trained:
             invocation = {"started": started, "wall_s": round(time.perf_counter() - t_start, 1),
                           "trained": trained, "settings": key, "load_start": load_start,
-                          "load_end": load_average(), "threads": threads}
+                          "load_end": load_average(), "threads": threads, COMMIT: stamp.commit}
             if not finished:
                 invocation["interrupted"] = True
             append_jsonl_atomic(out_dir / "invocations.jsonl", invocation)
@@ -148,7 +178,9 @@ class RecordedRuns:
 
 def recorded_runs(out_dir: Path, *, key: Any, routers: Sequence[str], seeds: Sequence[int]) -> RecordedRuns:
     """The runs of ``routers`` x ``seeds`` recorded in ``out_dir/runs.jsonl`` under settings ``key`` (the
-    ``key`` :func:`train_router_seeds` stored), and the invocations that trained them."""
+    ``key`` :func:`train_router_seeds` stored, compared as it reads back from JSON), and the invocations that
+    trained them."""
+    key = _normal_key(key)
     out_dir = Path(out_dir)
     order = {(r, s): i for i, (r, s) in enumerate((r, s) for r in routers for s in seeds)}
     records = [r for r in read_jsonl(out_dir / "runs.jsonl")
@@ -168,12 +200,13 @@ def recorded_runs(out_dir: Path, *, key: Any, routers: Sequence[str], seeds: Seq
 
 
 def invocations_markdown(invocations: Sequence[dict[str, Any]]) -> list[str]:
-    """A report line listing the invocations that trained runs (``invocations.jsonl``); none: no line."""
+    """A report line listing the invocations that trained runs (``invocations.jsonl``), each with the commit
+    it trained at (:func:`.provenance.commit_label`); none: no line."""
     trained = [i for i in invocations if i.get("trained")]
     if not trained:
         return []
     return ["- Invocations that trained runs: " + "; ".join(
-        f"{i['started']}: {i['trained']} runs in {i['wall_s']:.0f} s"
+        f"{i['started']} ({commit_label(i)}): {i['trained']} runs in {i['wall_s']:.0f} s"
         f"{' (interrupted)' if i.get('interrupted') else ''}, 1-minute load average "
         f"{i['load_start']} at start and {i['load_end']} at the end" for i in trained) + "."]
 

@@ -121,7 +121,7 @@ def _outcome(verdict: str) -> str | None:
 def agreement(rows: Sequence[ScoreRow]) -> dict[str, tuple[int, int]]:
     """Per experiment (in row order): ``(same, both)``, the claims that this run and the committed full
     run both judged (a verdict other than "—" or not measured), and how many of them have the same
-    outcome (``"partly (within 2 s.e.)"`` and ``"partly"`` are the same)."""
+    outcome (``"partly (within the 95 % t interval)"`` and ``"partly"`` are the same)."""
     counts: dict[str, tuple[int, int]] = {}
     for r in rows:
         same, both = counts.get(r.experiment, (0, 0))

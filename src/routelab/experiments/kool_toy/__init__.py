@@ -33,7 +33,7 @@ import torch
 
 from ..kit.claims import write_claims_json
 from ..kit.experiment import Experiment
-from ..kit.provenance import load_average, routelab_version
+from ..kit.provenance import COMMIT, CommitStamp, load_average, routelab_version
 from ..kit.store import append_jsonl_atomic, atomic_write_text, is_failed, read_jsonl, split_failed
 from .claims import evaluate_claims
 from .figures import FIGURES, draw_figures
@@ -107,7 +107,9 @@ def run_sweep(
     unknown = sorted(set(skip_chunks) - {c.name for c in chunks})
     if unknown:
         raise ValueError(f"unknown chunk(s) {unknown}; the chunks are {', '.join(c.name for c in chunks)}")
-    done = {record_key(r) for r in read_jsonl(runs_path)}
+    recorded = read_jsonl(runs_path)
+    done = {record_key(r) for r in recorded}
+    stamp = CommitStamp("kool-toy")  # the commit on every record, a warning when resuming another's runs
     pending = [
         c for c in chunks
         if c.name not in skip_chunks and not all(run_key(r, c, settings.steps) in done for r in c.runs)
@@ -122,7 +124,7 @@ def run_sweep(
         if done_chunk.error is not None:
             rec = {"chunk": chunk.name, "error": done_chunk.error, "steps": settings.steps}
             errors.append(rec)
-            append_jsonl_atomic(out_dir / "errors.jsonl", rec)
+            append_jsonl_atomic(out_dir / "errors.jsonl", stamp(rec))
             print(f"kool-toy: chunk {chunk.name} failed: {done_chunk.error}", file=sys.stderr)
             return
         wanted = {r.key for r in chunk.runs if run_key(r, chunk, settings.steps) not in done}
@@ -130,7 +132,7 @@ def run_sweep(
         for res in done_chunk.results or []:
             if (res["config"], res["method"], res["tau"], res["seed"]) in wanted:
                 res.update(chunk=chunk.name, chunk_wall_s=round(done_chunk.wall_s, 3))
-                append_jsonl_atomic(runs_path, res)
+                append_jsonl_atomic(runs_path, stamp(res))
                 diverged += is_failed(res)
         if diverged:
             print(f"kool-toy: chunk {chunk.name}: {diverged} run(s) diverged and are recorded as failed "
@@ -140,10 +142,13 @@ def run_sweep(
             "wall_s": round(done_chunk.wall_s, 3),
             "timings_s": {k: round(v, 3) for k, v in done_chunk.timings.items()},
             "threads": settings.threads if settings.threads is not None else torch.get_num_threads(),
-            "workers": workers, "routelab": routelab_version(),
+            "workers": workers, "routelab": routelab_version(), COMMIT: stamp.commit,
         })
 
     workers = settings.resolved_workers(len(pending))
+    if pending:
+        planned = set(planned_keys(settings))
+        stamp.before_training([r for r in recorded if record_key(r) in planned])
     try:
         bar = _progress_bar(len(pending) * settings.steps, enabled=progress)
         try:
@@ -157,7 +162,7 @@ def run_sweep(
             append_jsonl_atomic(out_dir / "invocations.jsonl", {
                 "started": started, "wall_s": round(time.perf_counter() - t_start, 1), "steps": settings.steps,
                 "chunks": [c.name for c in pending], "workers": workers, "load_start": load_start,
-                "load_end": load_average(), "routelab": routelab_version()})
+                "load_end": load_average(), "routelab": routelab_version(), COMMIT: stamp.commit})
         marginals = _marginals(out_dir, settings)
         gradients = _gradients(out_dir, settings)
     finally:

@@ -255,6 +255,7 @@ def render_report(
             "",
         ]
     wall_txt = "n/a" if wall_s is None else f"{wall_s:.1f} s"
+    threads = settings.threads if settings.threads is not None else torch.get_num_threads()
     counts = {v: sum(c.outcome == v for c in claims) for v in (HOLDS, PARTLY, NOT_HOLD, NOT_MEASURED)}
     disagree = [str(i) for i, c in enumerate(claims, 1) if c.outcome in (NOT_HOLD, PARTLY)]
     partial = [str(i) for i, c in enumerate(claims, 1)
@@ -277,7 +278,7 @@ def render_report(
             f"{i['started']}: {', '.join(f'`{c}`' for c in i['chunks'])} in {i['wall_s']:.0f} s on "
             f"{i['workers']} worker(s), 1-minute load average {i['load_start']} at the start and {i['load_end']} "
             f"at the end (routelab {i['routelab']})" for i in invocations) + "."] if invocations else []),
-        f"- {software_line(settings.threads if settings.threads is not None else torch.get_num_threads())}"
+        f"- {software_line(threads, runs=all_records)}"
         + (f" per worker, chunks trained on {max(c.get('workers', 1) for c in chunks)} worker process(es) side by side."
            if chunks else "."),
         f"- Runs recorded: {len(all_records)} of {n_planned} planned"

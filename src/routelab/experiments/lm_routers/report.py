@@ -2,8 +2,9 @@
 
 Every comparison of two routers is *paired by seed* (the same seed gives both the same initial
 weights and the same batches): the difference ``d_s`` per seed, its mean and standard error. A claim
-that one router is better holds when the mean difference exceeds two standard errors; "as well as"
-holds when the difference is within two standard errors or in its favour. With one seed there is no
+that one router is better holds when the mean difference lies beyond the 95 % Student-t interval
+(``t(0.975, n - 1)`` standard errors for n seeds: a paired t-test at 5 %); "as well as" holds when the
+difference is within that interval or in its favour. With one seed there is no
 spread to judge against: those claims are *not measured* (the measured text says what the sign alone
 would say); the exact-balance claim needs no spread and is judged.
 """
@@ -24,7 +25,7 @@ from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_ma
 from ..kit.plots import pyplot, router_bars, save_figure
 from ..kit.provenance import software_line
 from ..kit.router_sweep import figures_markdown, invocations_markdown, missing_runs_markdown
-from ..kit.stats import Stat, mean_se
+from ..kit.stats import Stat, mean_se, spread_bound, spread_note
 from ..kit.tables import csv_cell, md_table
 from .model import ROUTER_SPECS, Settings
 
@@ -112,15 +113,16 @@ def paired(records: Sequence[Record], a: str, b: str, value: Callable[[Record], 
 
 
 def _bound(stat: Stat) -> float:
-    """Two standard errors (0 with one seed: the sign decides)."""
-    return 2 * stat.se if stat.se is not None else 0.0
+    """The half-width of the 95 % Student-t interval, t(0.975, n - 1) standard errors (0 with one seed: the
+    sign decides)."""
+    return spread_bound(stat)
 
 
 def _diff(stat: Stat, digits: int = 4) -> str:
     if stat.n == 0:
         return "no seed finished for both"
-    two = f" (2 s.e. {_bound(stat):.{digits}f}, {stat.n} seeds)" if stat.se is not None else " (one seed)"
-    return f"{stat.mean:+.{digits}f}{two}"
+    bound = f" ({spread_note(stat, digits=digits)})" if stat.se is not None else " (one seed)"
+    return f"{stat.mean:+.{digits}f}{bound}"
 
 
 def _as_good(d: Stat) -> str:
@@ -131,7 +133,7 @@ def _as_good(d: Stat) -> str:
     if d.mean <= 0:
         return HOLDS
     if d.mean <= _bound(d):
-        return f"{HOLDS} (worse, within 2 s.e.)"
+        return f"{HOLDS} (worse, within the 95 % t interval)"
     return NOT_HOLD
 
 
@@ -177,7 +179,7 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
     # spread to judge against: not measured (with one seed planned, the guard at the end says so for all).
     multi = len(settings.seeds) >= 2
     rule_better = ("paired by seed (same initial weights and batches); 'lower' means the mean difference "
-                   "exceeds 2 standard errors of it")
+                   "lies beyond its 95 % Student-t interval (t(0.975, n − 1) standard errors over n seeds)")
     out: list[Claim] = []
 
     def missing(cid: str, text: str, paper: str, need: Sequence[str]) -> Claim:
@@ -209,13 +211,14 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
         aux = _stat(records, "base", "aux").mean
         verdict = HOLDS if all(oks) else (PARTLY if any(oks) else NOT_HOLD)
         if verdict == HOLDS and any(within):
-            verdict += " (worse, within 2 s.e.)"
+            verdict += " (worse, within the 95 % t interval)"
         if multi and not all(spread):  # failed runs left fewer than two shared seeds
             verdict = NOT_MEASURED
         out.append(Claim(id="base-matches-topk", text=text, paper=paper,
                          criterion="BASE's test loss (nats/char) is not above that of top-1+Switch loss and of top-2 "
-                                   "by more than 2 s.e. of the paired difference (BASE has no aux loss: reported). "
-                                   "holds: both comparisons, qualified '(worse, within 2 s.e.)' when a difference is "
+                                   "beyond the 95 % t interval of the paired difference (t(0.975, n − 1) s.e. over n "
+                                   "seeds; BASE has no aux loss: reported). holds: both comparisons, qualified "
+                                   "'(worse, within the 95 % t interval)' when a difference is "
                                    "positive but inside the spread; partly: one; does not hold: neither." + note,
                          measured="; ".join(parts) + f"; BASE aux loss {aux:g}", verdict=verdict))
     else:
@@ -271,14 +274,17 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
     as_good_as("gm-iw-as-good-as-switch",
                "Gumbel-Matching with importance weights (differentiable gating) trains as well as top-1 routing "
                "with the Switch balance loss.", "Kool et al. 2021, Sec. 3.1 and 4", "gm_iw", "top1_switch",
-               "GM-IW's test loss is not above top-1+Switch's by more than 2 s.e. of the paired difference: holds; "
+               "GM-IW's test loss is not above top-1+Switch's beyond the 95 % t interval of the paired difference "
+               "(t(0.975, n − 1) s.e. over n seeds): holds; "
                "otherwise does not hold.")
 
     # 5. Switch (top-1) matches top-2 at equal compute.
     as_good_as("switch-matches-top2", "Top-1 (Switch) routing preserves the quality of top-2 routing.",
                "Fedus et al. 2022 (Switch Transformer), Sec. 2.1", "top1_switch", "top2",
                "at equal expert FLOPs per token (wide experts for top-1), top-1's test loss is not above top-2's by "
-               "more than 2 s.e. of the paired difference: holds; otherwise does not hold.")
+               "more than the half-width of the 95 % t interval of the paired difference (t(0.975, n − 1) s.e. over "
+               "n seeds): holds; "
+               "otherwise does not hold.")
 
     # 6. exact balance of the balanced routers in training.
     text = "Balanced assignment routers give every expert the same number of tokens in every training batch."
@@ -309,7 +315,8 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
         out.append(Claim(id="thresholds-replace-batchwise-mask", text=text, paper=paper,
                          criterion="validation loss with the threshold mask (causal, any batch) is not above that "
                                    f"with the batchwise mask over evaluation batches of {settings.eval_batch} windows "
-                                   "by more than 2 s.e. (paired by seed): holds; otherwise does not hold." + note,
+                                   "beyond the 95 % t interval (t(0.975, n − 1) s.e. over n seeds, paired by seed): "
+                                   "holds; otherwise does not hold." + note,
                          measured=f"val loss threshold − batchwise mask: {_diff(diffs)}",
                          verdict=NOT_MEASURED if multi and diffs.n < 2 else _as_good(diffs)))
 
@@ -503,7 +510,7 @@ def render_report(settings: Settings, records: Sequence[Record], *, wall_s: floa
         f"- Hardware: {cpu_model()} ({os.cpu_count()} logical CPUs), device {device}, "
         f"{', '.join(map(str, threads))} torch thread(s); other jobs may have shared the machine, so times and "
         "tokens/s are indicative (every router ran under the same conditions, one after the other).",
-        f"- {software_line()}.",
+        f"- {software_line(runs=records)}.",
         "",
         "## Setup",
         "",
@@ -579,7 +586,8 @@ def render_report(settings: Settings, records: Sequence[Record], *, wall_s: floa
                   f"with the batchwise mask over batches of {settings.eval_batch} windows (not causal) {mask}."]
     L += ["", "## Claims", "",
           "Each verdict follows its stated criterion, computed by the code from the run records; comparisons are "
-          "paired by seed and judged against two standard errors of the paired difference."
+          "paired by seed and judged against the 95 % Student-t interval of the paired difference (t(0.975, n − 1) "
+          "standard errors over n seeds: a paired t-test at the 5 % level)."
           + (" With one seed (quick form) a comparison has no spread to be judged against: it is not measured "
              "(its sign is shown)." if len(settings.seeds) < 2 else ""),
           ""]

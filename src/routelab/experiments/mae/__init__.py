@@ -35,6 +35,7 @@ from routelab.layers.bcd import EVAL_ROUTING
 from ..kit.divergence import RunDiverged, train_or_fail
 from ..kit.experiment import Experiment
 from ..kit.failed_runs import add_failures_to_report
+from ..kit.provenance import CommitStamp
 from ..kit.store import append_jsonl_atomic, failed_record, is_failed, read_jsonl, split_failed
 from .analyses import attribution_shares, collect_gates, mean_entropy, pmi_tokens
 from .corpus import build_corpus
@@ -173,6 +174,7 @@ def run(out_dir: Path, s: Settings) -> Path:
     if unknown or not s.seeds or not s.gate_lrs:
         raise ValueError(f"Settings.variants must name variants of {tuple(variants)} (got unknown {unknown}); "
                          f"seeds and gate_lrs must not be empty.")
+    stamp = CommitStamp("mae")  # the commit on every record written, a warning when resuming another's runs
     models_dir, ckpt_dir = out_dir / "models", out_dir / "checkpoints"
     models_dir.mkdir(exist_ok=True)
     runs_path = out_dir / "runs.jsonl"
@@ -193,13 +195,14 @@ def run(out_dir: Path, s: Settings) -> Path:
             models[key] = model.eval()
             return
         sched = replace(s.schedule, seed=seed, gate_lr=gate_lr if gate_lr is not None else s.schedule.gate_lr)
+        stamp.before_training(done.values())
         _log(f"training {label} ({v.mode}, drop_heads={v.drop_heads})")
         ident = {"variant": name, "seed": seed, "gate_lr": gate_lr, "dim": dim, "mode": v.mode,
                  "drop_heads": v.drop_heads}
         try:
             model, state = train_variant(v, cfg, train, dev, sched, ckpt_dir, label)
         except RunDiverged as err:
-            rec = failed_record(ident, err.reason, err.step)
+            rec = stamp(failed_record(ident, err.reason, err.step))
             append_jsonl_atomic(runs_path, rec)
             done[key] = rec
             _log(f"{label}: FAILED, {err.reason}")
@@ -216,7 +219,7 @@ def run(out_dir: Path, s: Settings) -> Path:
                "params": total_params if gated else total_params - gate_params,
                "gate_params": gate_params if gated else 0, "steps": state["steps"],
                "curve": state["curve"], "seconds": state["seconds"]}
-        append_jsonl_atomic(runs_path, rec)
+        append_jsonl_atomic(runs_path, stamp(rec))
         done[key] = rec
         models[key] = model
         _log(f"{label}: dev ppl {rec['dev_ppl']:.2f}, test ppl {rec['test_ppl']:.2f}, G steps {state['steps']['g']}")
@@ -232,7 +235,7 @@ def run(out_dir: Path, s: Settings) -> Path:
         _log(f"analyses of {run_name(name, seed, lr, dim, s.dim)}")
         arec = _analyse(models[key], name, dev, test, s)
         arec.update({"name": "model", "variant": name, "seed": seed, "gate_lr": lr})
-        append_jsonl_atomic(an_path, arec)
+        append_jsonl_atomic(an_path, stamp(arec))
         analyses[(name, seed, lr)] = arec
 
     # ---- 1. the gate learning rate, chosen on dev (MAE-7, first seed) among the uncollapsed ones
@@ -270,7 +273,7 @@ def run(out_dir: Path, s: Settings) -> Path:
         tokens, gates = collect_gates(models[main_key], torch.cat([dev, test]))
         pmi_rec = {"name": "pmi", "seed": seed0, "gate_lr": chosen,
                    "pmi": [pmi_tokens(tokens, g, corpus.itos, min_count=s.pmi_min_count) for g in gates]}
-        append_jsonl_atomic(an_path, pmi_rec)
+        append_jsonl_atomic(an_path, stamp(pmi_rec))
 
     # ---- 5. transfer (Sec. 5.2): pretrained on the Old Testament, fine-tuned on the New
     ft_path = out_dir / "finetune.jsonl"
@@ -284,7 +287,7 @@ def run(out_dir: Path, s: Settings) -> Path:
                      "best_dev_loss": evaluate(models[key], nt_dev, routing),
                      "test_loss_at_best": evaluate(models[key], nt_test, routing),
                      "best_step": 0, "updated_params": 0, "curve": []}
-                append_jsonl_atomic(ft_path, r)
+                append_jsonl_atomic(ft_path, stamp(r))
                 ft_done[(method, 0.0)] = r
         sched = replace(s.schedule, seed=seed0, gate_lr=chosen)
         for frac, epochs in s.ft_epochs:
@@ -295,13 +298,14 @@ def run(out_dir: Path, s: Settings) -> Path:
             for method in FINETUNE_METHODS:
                 if (method, frac) in ft_done:
                     continue
+                stamp.before_training([*done.values(), *ft_done.values()])
                 _log(f"fine-tuning MAE-7 with {method} on {frac:.0%} of the New Testament windows")
                 key = {"method": method, "fraction": frac, "windows": int(sub.shape[0]), "gate_lr": chosen}
                 r = train_or_fail(lambda: finetune(models[main_key], method, sub, nt_dev, nt_test, ft_sched,
                                                    ckpt_dir, f"{method}_{frac}_g{chosen:g}"), key,
                                   on_fail=lambda why: _log(f"fine-tuning {method} on {frac:.0%}: FAILED, {why}"))
                 r.update(key)
-                append_jsonl_atomic(ft_path, r)
+                append_jsonl_atomic(ft_path, stamp(r))
                 ft_done[(method, frac)] = r
 
     elapsed = time.perf_counter() - t_start

@@ -13,7 +13,7 @@ from ..kit.failed_runs import with_failures_section
 from ..kit.provenance import software_line
 from ..kit.stats import mean_se
 from ..kit.store import atomic_write_text, split_failed
-from .compare import INCONCLUSIVE, less_verdict, paired, pooled_sd, single_verdict
+from .compare import INCONCLUSIVE, less_verdict, paired, pooled_dof, pooled_sd, single_threshold, single_verdict
 from .train import FINETUNE_METHODS
 
 __all__ = ["HEADLINE", "Results", "claims", "write_failed_report", "write_report"]
@@ -156,11 +156,18 @@ class Results:
     def loss(self, variant: str, seeds: list[int], field: str = "test_loss") -> list[float]:
         return [self.run(variant, sd)[field] for sd in seeds]  # type: ignore[index]
 
+    def _loss_groups(self) -> list[list[float]]:
+        """The test losses of each variant over the seeds it ran."""
+        names = sorted({r["variant"] for r in self.runs})
+        return [[r["test_loss"] for sd in self.seeds if (r := self.run(v, sd)) is not None] for v in names]
+
     def pooled_sd(self) -> float | None:
         """Pooled seed standard deviation of the test loss of the variants run at several seeds."""
-        names = {r["variant"] for r in self.runs}
-        return pooled_sd([[r["test_loss"] for sd in self.seeds if (r := self.run(v, sd)) is not None]
-                          for v in names])
+        return pooled_sd(self._loss_groups())
+
+    def pooled_dof(self) -> int:
+        """The degrees of freedom of :meth:`pooled_sd` (0: no variant ran at two seeds)."""
+        return pooled_dof(self._loss_groups())
 
 
 def _pct(loss_diff: float) -> str:
@@ -184,9 +191,9 @@ def _ppl_claim(res: Results, text: str, paper: str, a: str, b: str) -> Claim | N
 
 def claims(res: Results) -> list[Claim]:
     """The paper's claims next to what it reports, each verdict computed from the numbers (paired over
-    seeds, tie threshold 2 s.e. of the paired differences; see :mod:`.compare`)."""
+    seeds, tie threshold the 95 % Student-t interval of the paired differences; see :mod:`.compare`)."""
     rows: list[Claim | None] = []
-    sd = res.pooled_sd()
+    sd, dof = res.pooled_sd(), res.pooled_dof()
     s0 = res.seeds[0]
     if res.has("MAE-7", "BASE", "UNI-MAE-7"):
         seeds = res.seeds_of("MAE-7", "BASE", "UNI-MAE-7")
@@ -217,7 +224,7 @@ def claims(res: Results) -> list[Claim]:
     if m6 and m7r:
         rows.append(Claim(text="MAE-6 slightly underperforms MAE-7 (Table 2)", paper="MAE-6 below MAE-7",
                           measured=f"test ppl {m7r['test_ppl']:.2f} vs {m6['test_ppl']:.2f} (seed {s0})",
-                          verdict=single_verdict(m7r["test_loss"], m6["test_loss"], sd)))
+                          verdict=single_verdict(m7r["test_loss"], m6["test_loss"], sd, dof)))
     rows.append(_ppl_claim(res, "UNI-MAE-7 underperforms BASE in language modelling (Table 4)",
                            "higher ppl than BASE", "BASE", "UNI-MAE-7"))
     rows.append(_ppl_claim(res, "NOBCD underperforms BASE (Tables 2, 4)", "worse than BASE", "BASE", "NOBCD"))
@@ -263,7 +270,7 @@ def claims(res: Results) -> list[Claim]:
                               measured=f"{mean_se(a).fmt()} vs {mean_se(b).fmt()} dev ppl ({len(seeds)} seeds)",
                               verdict=less_verdict(paired(a, b))))
 
-    rows += _ft_claims(res, sd)
+    rows += _ft_claims(res, sd, dof)
     if res.has("BASE", "NOBCD", "MAE-7"):
         seeds = res.seeds_of("BASE", "NOBCD", "MAE-7")
         curves = {n: [res.run(n, s)["curve"] for s in seeds] for n in ("BASE", "NOBCD", "MAE-7")}  # type: ignore[index]
@@ -281,26 +288,26 @@ def claims(res: Results) -> list[Claim]:
                           measured=f"best dev loss {mean_se(best['MAE-7']).fmt(3)} vs the better of the two "
                                    f"{mean_se(both).fmt(3)}",
                           verdict=less_verdict(paired(best["MAE-7"], both))))
-    rows += _scale_claims(res, sd)
+    rows += _scale_claims(res, sd, dof)
     rows += _selection_claims(res)
     return [r for r in rows if r is not None]
 
 
-def _ft_match_verdict(ftg: float, ftg_plus: float, ftall: float, sd: float | None) -> str:
+def _ft_match_verdict(ftg: float, ftg_plus: float, ftall: float, sd: float | None, dof: int) -> str:
     """"FTG+ almost matches FTALL; FTG is well behind" from single runs' test losses, judged with the
-    single-run tie threshold ``2 sqrt(2) sd``: (a) FTG+ within it of FTALL; (b) FTG above FTG+ by more
-    than it. holds: both; partly: one; does not hold: neither. Without a seed spread, the sign alone
-    (FTG+ closer to FTALL than FTG is), labelled."""
+    single-run tie threshold (:func:`.compare.single_threshold`: ``t(0.975, dof) sqrt(2) sd``): (a) FTG+
+    within it of FTALL; (b) FTG above FTG+ by more than it. holds: both; partly: one; does not hold: neither.
+    Without a seed spread, the sign alone (FTG+ closer to FTALL than FTG is), labelled."""
     if sd is None:
         return f"{HOLDS if abs(ftg_plus - ftall) < abs(ftg - ftall) else NOT_HOLD} (one seed, no seed spread)"
-    t = 2.0 * math.sqrt(2.0) * sd
+    t = single_threshold(sd, dof)
     parts = [abs(ftg_plus - ftall) <= t, ftg - ftg_plus > t]
     verdict = HOLDS if all(parts) else PARTLY if any(parts) else NOT_HOLD
     return (f"{verdict} (FTG+ - FTALL {ftg_plus - ftall:+.3f}, FTG - FTG+ {ftg - ftg_plus:+.3f} nats; "
             f"threshold {t:.3g}; one seed)")
 
 
-def _ft_claims(res: Results, sd: float | None) -> list[Claim]:
+def _ft_claims(res: Results, sd: float | None, dof: int) -> list[Claim]:
     ft = res.ft
     by = {(r["method"], r["fraction"]): r for r in ft}
     noft = by.get(("NOFT", 0.0))
@@ -313,11 +320,11 @@ def _ft_claims(res: Results, sd: float | None) -> list[Claim]:
         n0 = math.exp(noft["test_loss_at_best"])
         rows.append(Claim(text="FTG improves over NOFT (Table 7)", paper="+0.8 BLEU",
                           measured=f"NT test ppl {g:.2f} vs {n0:.2f}",
-                          verdict=single_verdict(lg, noft["test_loss_at_best"], sd)))
+                          verdict=single_verdict(lg, noft["test_loss_at_best"], sd, dof)))
         rows.append(Claim(text="FTG+ almost matches FTALL; FTG is well behind (Table 7)",
                           paper="FTG+ -0.2, FTG -1.8 BLEU from FTALL",
                           measured=f"NT test ppl FTG {g:.2f}, FTG+ {gp:.2f}, FTALL {al:.2f}",
-                          verdict=_ft_match_verdict(lg, lgp, lal, sd)))
+                          verdict=_ft_match_verdict(lg, lgp, lal, sd, dof)))
         gs = {m: by[(m, full)]["best_step"] for m in ("FTG", "FTG+", "FTALL")}
         rows.append(Claim(
             text="FTG / FTG+ reach their best in fewer steps than FTALL (Table 7)", paper="~1K vs more",
@@ -331,7 +338,7 @@ def _ft_claims(res: Results, sd: float | None) -> list[Claim]:
         rows.append(Claim(text="with less data the FTG+ - FTALL gap shrinks (Fig. 2)",
                           paper="FTG+ wins below 20% of the data",
                           measured=f"gap {_pct(gap_small)} at {small:.0%} vs {_pct(gap_full)} at {full:.0%}",
-                          verdict=single_verdict(gap_small, gap_full, sd)))
+                          verdict=single_verdict(gap_small, gap_full, sd, dof)))
     return rows
 
 
@@ -347,7 +354,7 @@ def _scale_gaps(res: Results) -> list[tuple[int, float, float | None]]:
     return out
 
 
-def _scale_claims(res: Results, sd: float | None) -> list[Claim]:
+def _scale_claims(res: Results, sd: float | None, dof: int) -> list[Claim]:
     gaps = _scale_gaps(res)
     if len(gaps) < 2:
         return []
@@ -356,7 +363,7 @@ def _scale_claims(res: Results, sd: float | None) -> list[Claim]:
                   paper="MAE-7 beats BASE at the paper's sizes",
                   measured="MAE-7 - BASE test ppl: " + ", ".join(f"d={d}: {_pct(g)}" for d, g, _ in gaps)
                            + f" (seed {res.seeds[0]})",
-                  verdict=single_verdict(g1, g0, sd))]
+                  verdict=single_verdict(g1, g0, sd, dof))]
 
 
 def _selection_claims(res: Results) -> list[Claim]:
@@ -462,12 +469,15 @@ def write_report(out_dir: Path, s: Any, corpus: Any, run_list: list[dict[str, An
             v not in s.multi_seed for v in s.variants) else "")
         + ". A seed fixes the initial weights, the batches and the sampled experts, so the variants of "
         "one seed are paired. **Tie threshold from the seed spread**: a claim `a < b` holds when the mean "
-        "of the per-seed differences is below -2 s.e. of those differences, does not hold above +2 s.e., "
-        "and is inconclusive in between; single-run comparisons use 2 sqrt(2) times the pooled seed "
+        "of the per-seed differences lies below the 95 % Student-t interval of that mean (t(0.975, n − 1) "
+        "standard errors over n seeds: a paired t-test at the 5 % level), does not hold above it, "
+        "and is inconclusive within it; single-run comparisons use t(0.975, dof) sqrt(2) times the pooled seed "
         "standard deviation of the test loss"
-        + (f" ({res.pooled_sd():.4f} nats)" if res.pooled_sd() is not None else "") + ".",
+        + (f" ({res.pooled_sd():.4f} nats, {res.pooled_dof()} degrees of freedom)"
+           if res.pooled_sd() is not None else "") + ".",
         f"- **Run time**: training and fine-tuning took {train_secs / 60:.1f} min of recorded epochs; the last "
-        f"invocation of `routelab reproduce mae` ran {elapsed / 60:.1f} min ({software_line(threads=1)}), "
+        f"invocation of `routelab reproduce mae` ran {elapsed / 60:.1f} min "
+        f"({software_line(threads=1, runs=[*used, *ft])}), "
         "on a 2-core AMD EPYC shared with other jobs."
         + (f" `runs.jsonl` also records {unused} runs at a gate lr that an earlier invocation had selected; "
            "they are not used in this report." if unused else ""), ""]

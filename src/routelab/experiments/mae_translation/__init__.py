@@ -35,6 +35,7 @@ from routelab.layers.bcd import EVAL_ROUTING, BCDTrainer
 from routelab.layers.mae import set_routing
 
 from ..kit.divergence import RunDiverged
+from ..kit.provenance import CommitStamp
 from ..kit.router_sweep import check_distinct
 from ..kit.store import append_jsonl_atomic, atomic_write_text, failed_record, read_jsonl
 from ..mae.train import VARIANTS, Schedule, _log, evaluate, run_training
@@ -229,7 +230,9 @@ def run(out_dir: Path, s: Settings) -> Path:
         return length_batches(data, sched.batch, sched.seed, epoch, sched.batches_per_epoch)
 
     runs_path = out_dir / "runs.jsonl"
-    done = {_record_key(r) for r in read_jsonl(runs_path)}
+    recorded = read_jsonl(runs_path)
+    done = {_record_key(r) for r in recorded}
+    stamp = CommitStamp("mae-translation")  # the commit on every record, a warning when resuming another's runs
     for seed in s.seeds:
         for name in s.variants:
             if (name, seed) in done:
@@ -239,6 +242,7 @@ def run(out_dir: Path, s: Settings) -> Path:
             sched = replace(s.schedule, seed=seed, gate_lr=s.gate_lr)
             ident = {"variant": name, "seed": seed, "mode": v.mode, "drop_heads": v.drop_heads,
                      "gate_lr": s.gate_lr}
+            stamp.before_training(recorded)
             _log(f"translation: training {label} ({v.mode}, drop_heads={v.drop_heads}) on {s.device}")
             torch.manual_seed(seed)
             model = TranslationModel(s.model_config(corpus, v.drop_heads)).to(s.device)
@@ -250,7 +254,7 @@ def run(out_dir: Path, s: Settings) -> Path:
                 state = run_training(model, trainer, train, dev, sched, out_dir / "checkpoints" / f"{label}.pt",
                                      label, evaluate_fn=dev_loss, batches_fn=batches)
             except RunDiverged as err:
-                append_jsonl_atomic(runs_path, failed_record(ident, err.reason, err.step))
+                append_jsonl_atomic(runs_path, stamp(failed_record(ident, err.reason, err.step)))
                 _log(f"{label}: FAILED, {err.reason}")
                 continue
             routing = EVAL_ROUTING[v.mode]
@@ -266,7 +270,7 @@ def run(out_dir: Path, s: Settings) -> Path:
                         "seconds": state["seconds"], "decode_seconds": time.perf_counter() - t0,
                         "params": sum(p.numel() for p in model.parameters()), "device": s.device,
                         "machine": machine_name(s.device)})
-            append_jsonl_atomic(runs_path, rec)
+            append_jsonl_atomic(runs_path, stamp(rec))
             _log(f"{label}: dev BLEU {rec['dev_bleu']:.2f}, test BLEU {rec['test_bleu']:.2f} "
                  f"({rec['seconds']:.0f}s training, {rec['decode_seconds']:.0f}s decoding)")
     settings = {**asdict(s), "schedule": asdict(s.schedule)}

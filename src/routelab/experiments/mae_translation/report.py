@@ -2,8 +2,9 @@
 learning curves, sample translations, and ``claims.json``.
 
 Claims compare per-seed BLEU differences (:mod:`routelab.experiments.mae.compare`): a claim "a
-below b" holds when the mean difference is below -2 s.e. of the paired differences, does not hold
-above +2 s.e., and is inconclusive in between; with one seed the verdict is the sign, labelled.
+below b" holds when the mean difference lies below the 95 % Student-t interval of the paired differences
+(t(0.975, n - 1) s.e. for n seeds), does not hold above it, and is inconclusive within it; with one seed
+the verdict is the sign, labelled.
 """
 
 from __future__ import annotations
@@ -141,7 +142,8 @@ def write_report(out_dir: Path, s: dict[str, Any], corpus: TranslationCorpus, re
         "",
         *(["**Quick form**: one seed and a tiny model, to check the pipeline; its BLEU and verdicts mean "
            "nothing.", ""] if s["quick"] else []),
-        f"- **Ran on** {machines}; report written with {software_line()}. This invocation took {elapsed / 60:.1f} min; "
+        f"- **Ran on** {machines}; report written with {software_line(runs=list(runs.by.values()))}. This invocation "
+        f"took {elapsed / 60:.1f} min; "
         f"training took {sum(r['seconds'] for r in runs.by.values()) / 60:.1f} min and decoding "
         f"{sum(r['decode_seconds'] for r in runs.by.values()) / 60:.1f} min over the {len(runs.by)} runs recorded.",
         f"- **Data**: the parallel Bible (Reina-Valera 1909 -> World English Bible), verse pairs split by index "
@@ -191,8 +193,9 @@ def write_report(out_dir: Path, s: dict[str, Any], corpus: TranslationCorpus, re
                              f"{runs.by[(v, sd)]['top1_dev_bleu'] - runs.by[(v, sd)]['dev_bleu']:+.2f}"]
                             for v, sd in sorted(top1)]), ""]
     found = claims(runs)
-    lines += ["## Claims", "", "A claim 'a below b' holds when the mean paired difference is below -2 s.e. of the "
-              "per-seed differences, does not hold above +2 s.e., and is inconclusive in between.", "",
+    lines += ["## Claims", "", "A claim 'a below b' holds when the mean paired difference lies below the 95 % "
+              "Student-t interval of the per-seed differences (t(0.975, n − 1) standard errors over n seeds: a "
+              "paired t-test at the 5 % level), does not hold above it, and is inconclusive within it.", "",
               count_verdicts(found) + ".", "", claims_markdown(found), ""]
     drawn: list[str] = []
     if runs.variants:

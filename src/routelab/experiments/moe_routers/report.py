@@ -15,7 +15,7 @@ from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, Claim, claims_markdown, 
 from ..kit.plots import pyplot, router_bars, save_figure
 from ..kit.provenance import software_line
 from ..kit.router_sweep import figures_markdown, invocations_markdown, missing_runs_markdown
-from ..kit.stats import Stat, beyond_spread, mean_se, paired_difference
+from ..kit.stats import Stat, beyond_spread, mean_se, paired_difference, spread_bound, spread_note
 from ..kit.tables import csv_cell, md_table
 from .model import MNIST_MEAN, MNIST_STD, ROUTER_SPECS, Settings
 
@@ -194,10 +194,10 @@ def claims(records: Sequence[Mapping[str, Any]], settings: Settings) -> list[Cla
         acc_t1 = mean_se([r["batchwise"]["acc_threshold_batch1"] for r in bw])
         agree = mean_se([r["batchwise"]["mask_agreement"] for r in bw])
         epx = mean_se([r["batchwise"]["threshold_experts_per_token"] for r in bw])
-        # (a) paired by seed: the threshold mask may lose up to the margin, plus the seed spread
+        # (a) paired by seed: the threshold mask may lose up to the margin, plus the seed spread (95 % t bound)
         d_t1 = paired_difference({r["seed"]: r["batchwise"]["acc_threshold_batch1"] for r in bw},
                                  {r["seed"]: r["batchwise"]["acc_batchwise"][b] for r in bw})
-        a = d_t1.mean >= -(ACC_MARGIN + 2 * (d_t1.se or 0.0))
+        a = d_t1.mean >= -(ACC_MARGIN + spread_bound(d_t1))
         g = agree.mean >= AGREEMENT_MIN
         verdict = verdict_of([a, g])
         out.append(Claim(
@@ -206,7 +206,8 @@ def claims(records: Sequence[Mapping[str, Any]], settings: Settings) -> list[Cla
                  "mask can be used at inference where there is no large batch.",
             criterion=f"(a) test accuracy with the threshold mask at batch size 1 is at least that of the "
                       f"batchwise mask over batches of the training size ({settings.batch_size}) minus "
-                      f"{100 * ACC_MARGIN:.1f} point and 2 standard errors of the difference, paired by seed "
+                      f"{100 * ACC_MARGIN:.1f} point and the half-width of the 95 % Student-t interval of the "
+                      "difference (t(0.975, n − 1) standard errors over n seeds), paired by seed "
                       f"(one seed: the margin alone); (b) the two masks agree on at least {AGREEMENT_MIN:.0%} "
                       "of the (image, expert) "
                       "entries of the test set. holds: (a) and (b); partly: one; does not hold: neither.",
@@ -227,7 +228,8 @@ def claims(records: Sequence[Mapping[str, Any]], settings: Settings) -> list[Cla
                  "be a large batch of examples.",
             criterion=f"the batchwise mask at inference over batches of {small} loses at least "
                       f"{100 * ACC_MARGIN:.1f} point of test accuracy against batches of {settings.batch_size}, and "
-                      "more than 2 standard errors of the loss, paired by seed (one seed: its sign): holds; "
+                      "beyond the 95 % Student-t interval of the loss (n − 1 degrees of freedom over n seeds), "
+                      "paired by seed (one seed: its sign): holds; "
                       "otherwise does not hold.",
             measured=f"batchwise mask @ batch {small}: {_pct(acc_small.mean)} vs @ batch {b}: {_pct(acc_bw.mean)} "
                      f"(paired {100 * -drop.mean:+.2f} points{_se_note(drop)})" + quick_note,
@@ -261,7 +263,7 @@ def claims(records: Sequence[Mapping[str, Any]], settings: Settings) -> list[Cla
         def by_seed(router: str, field: str, scale: float = 1.0) -> dict[Any, float]:
             return {r["seed"]: scale * _get(r, field) for r in records if r["router"] == router}
 
-        # paired by seed, beyond 2 standard errors of the difference (one seed: its sign)
+        # paired by seed, beyond the 95 % t interval of the difference (one seed: its sign)
         half = paired_difference(by_seed("sinkhorn", "train.dropped_fraction"),
                                  by_seed("switch", "train.dropped_fraction", 0.5))
         cv = paired_difference(by_seed("sinkhorn", "train.proposed_load_cv"),
@@ -271,8 +273,9 @@ def claims(records: Sequence[Mapping[str, Any]], settings: Settings) -> list[Cla
             paper="Kool et al. 2021, Sec. 2.3; S-BASE (as in routelab's SinkhornRouter)",
             text="Balancing the router probabilities by Sinkhorn before the top-1 choice approximates a balanced "
                  "assignment at a fraction of its cost.",
-            criterion="in training, Sinkhorn top-1 against plain top-1 (switch), paired by seed and beyond 2 "
-                      "standard errors of the difference (one seed: its sign): (a) fewer than half the dropped "
+            criterion="in training, Sinkhorn top-1 against plain top-1 (switch), paired by seed and beyond the 95 % "
+                      "Student-t interval of the difference (n − 1 degrees of freedom over n seeds; one seed: its "
+                      "sign): (a) fewer than half the dropped "
                       "pairs; (b) a lower proposed-load CV. holds: both; partly: one; does not hold: neither.",
             measured=f"dropped pairs: sinkhorn {_pct(sk_d)} vs switch {_pct(sw_d)} (sinkhorn - switch / 2: "
                      f"{100 * half.mean:+.2f} points{_se_note(half)}); proposed-load CV: sinkhorn {sk_cv:.3f} vs "
@@ -289,19 +292,19 @@ def claims(records: Sequence[Mapping[str, Any]], settings: Settings) -> list[Cla
         shared = sorted(seed for router, seed in acc if router == "switch" and ("gumbel_matching", seed) in acc)
         d = mean_se([acc["gumbel_matching", seed] - acc["switch", seed] for seed in shared])
         diff, se = d.mean, d.se
-        bound = 2 * se if se is not None else 0.0
+        bound = spread_bound(d)
         out.append(Claim(
             paper="Kool et al. 2021, Sec. 4 (Discussion)",
             text="Balanced sampling with importance weights does not beat skipping: the variance of the importance "
                  "weights eliminates the benefit of using all the capacity. (Shown there on a REINFORCE toy; here "
                  "an analogue with differentiable gating on MNIST.)",
             criterion="test accuracy of Gumbel-Matching with importance weights (nothing skipped) is not above that of "
-                      "top-1 with capacity skipping (switch) by more than 2 standard errors of the difference, paired "
-                      "by seed (needs at least two seeds both finished: with one there is no spread to judge "
-                      "against). holds: so; does not hold: otherwise.",
+                      "top-1 with capacity skipping (switch) beyond the 95 % Student-t interval of the difference "
+                      "(n − 1 degrees of freedom over n seeds), paired by seed (needs at least two seeds both "
+                      "finished: with one there is no spread to judge against). holds: so; does not hold: otherwise.",
             measured=f"gumbel_matching {_pct(gm.mean)} vs switch {_pct(sw.mean)}: paired difference "
                      + (f"{100 * diff:+.2f} points" if d.n else "none (no seed finished for both)")
-                     + (f" (2 s.e. = {200 * se:.3f}, {d.n} seeds)" if se is not None else " (no spread)")
+                     + (f" ({spread_note(d, scale=100)})" if se is not None else " (no spread)")
                      + "; training pairs dropped by switch: "
                      + _pct(aggregate(records, "switch", "train.dropped_fraction").mean),
             verdict=(HOLDS if diff <= bound else NOT_HOLD) if se is not None else NOT_MEASURED))
@@ -309,10 +312,9 @@ def claims(records: Sequence[Mapping[str, Any]], settings: Settings) -> list[Cla
 
 
 def _se_note(d: Stat, scale: float = 100.0) -> str:
-    """``", 2 s.e. 0.123, 3 seeds"`` for a paired difference (``scale``: 100 for points), or the one seed."""
-    if d.se is None:
-        return f", {d.n} seed" + ("s" if d.n != 1 else "")
-    return f", 2 s.e. {2 * scale * d.se:.3g}, {d.n} seeds"
+    """``", 95 % t bound 0.123 (4.30 s.e., 3 seeds)"`` for a paired difference (``scale``: 100 for points), or
+    the one seed."""
+    return f", {spread_note(d, scale=scale)}"
 
 
 # ----------------------------------------------------------------------------- report
@@ -378,7 +380,7 @@ def render_report(settings: Settings, records: Sequence[Mapping[str, Any]], *, w
     L += [
         f"- Hardware: {_cpu_model()} ({os.cpu_count()} logical CPUs), CPU only, {', '.join(map(str, threads))} "
         "torch thread(s); other jobs shared the machine, so times are indicative.",
-        f"- {software_line()}.",
+        f"- {software_line(runs=records)}.",
         "",
         "## Setup",
         "",
