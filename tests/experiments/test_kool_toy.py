@@ -319,8 +319,9 @@ def test_claims_1_2_3() -> None:
 
 
 def test_claims_4_5_6_7_8() -> None:
-    paper = (
-        table("reinforce", {"sample": HIGH}) + table("reinforce_sinkhorn", {"sample": (4.642, 10.0)})
+    paper = (  # (GM IW learns with IW at low τ: the reference of claim 7 (b))
+        table("reinforce", {"sample": HIGH, "gumbel_matching_iw": LOW})
+        + table("reinforce_sinkhorn", {"sample": (4.642, 10.0)})
         + table("reinforce_no_iw", {"sample": LOW, "sample_skip": LOW})
         + table("reinforce_balance0.1", {})
         + table("gating", {"gumbel_matching_iw": (0.2154,)})
@@ -382,7 +383,11 @@ def test_quick_cells_of_the_committed_full_run_give_its_verdicts() -> None:
     """Why the quick form has the cells it has: restricted to them (same seeds, full-length runs), the
     committed full run's own records give the full run's verdicts on every claim whose configurations
     the quick form trains (all but claim 6, which needs Sinkhorn). The quick run's sampling noise is
-    its own, so this bounds what the choice of cells can do, not the noise."""
+    its own, so this bounds what the choice of cells can do, not the noise.
+
+    Claim 5 is the exception: its Fisher test pools gating's runs over τ, and the quick form's 3 τ hold too few
+    of them to separate without-IW from with-IW (6/180 against 13/180, p = 0.08; the full run's 39/780
+    against 66/780 gives p = 0.004), so there it reads partly where the full run reads holds."""
     docs = Path(__file__).resolve().parents[2] / "docs" / "kool-toy"
     records = read_jsonl(docs / "runs.jsonl")
     full = rep.evaluate_claims(records, None)
@@ -395,6 +400,9 @@ def test_quick_cells_of_the_committed_full_run_give_its_verdicts() -> None:
     for i, (a, b) in enumerate(zip(quick, full), 1):
         if i == 6:
             assert a.verdict == "not measured" or "not run" in a.measured
+        elif i == 5:
+            assert (a.outcome, b.outcome) == ("partly", "holds"), (a.verdict, b.verdict)
+            assert "without IW 6/180, with IW 13/180" in a.measured
         else:
             assert a.verdict == b.verdict, (i, a.measured, b.measured)
 

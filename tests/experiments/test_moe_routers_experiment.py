@@ -192,3 +192,30 @@ def test_committed_full_run_regenerates_its_committed_claims_and_csv(tmp_path: P
     mr.write_outputs(tmp_path, mr.FULL, figures=False)
     for name in ("claims.json", "results.csv"):
         assert (tmp_path / name).read_bytes() == (docs / name).read_bytes(), name
+
+
+def test_gumbel_matching_against_switch_is_judged_at_equal_test_conditions() -> None:
+    """A review (F3): the claim compared switch at capacity factor 1, which drops test images, with
+    Gumbel-Matching's balanced assignment at test, which drops none. Judged dropless (both routers send every
+    image to its argmax expert), switch ahead in every seed makes it hold, whatever the capacity-limited
+    accuracy says; a clear Gumbel-Matching lead dropless makes it fail."""
+    def rec(router, seed, acc, dropless, drop):
+        return {"router": router, "seed": seed,
+                "test": {"acc": acc, "dropped_fraction": drop}, "test_dropless": {"acc": dropless},
+                "test_batch1": {"acc": dropless},
+                "train": {"proposed_load_cv": 0.0, "load_cv": 0.0, "dropped_fraction": drop}}
+
+    def claim(records):
+        return [c for c in claims(records, TINY) if c.text.startswith("Balanced sampling with importance")][0]
+
+    gaps = (0.010, 0.012, 0.008)  # switch ahead dropless by 0.8-1.2 points; behind by 3 points at the capacity
+    records = [rec("switch", s, 0.90, 0.95, 0.15) for s in range(3)]
+    records += [rec("gumbel_matching", s, 0.93, 0.95 - g, 0.0) for s, g in enumerate(gaps)]
+    c = claim(records)
+    assert c.verdict == HOLDS, c.measured
+    assert "dropless: gumbel_matching 94.00 % vs switch 95.00 %: paired difference -1.00 points" in c.measured
+    assert "paired difference +3.00 points" in c.measured and "15.00 % of the test pairs" in c.measured
+    assert "REINFORCE" in c.paper and "opposite" in c.paper and "Sample Skip IW" in c.text
+    ahead = [rec("switch", s, 0.90, 0.95, 0.15) for s in range(3)]
+    ahead += [rec("gumbel_matching", s, 0.93, 0.95 + g, 0.0) for s, g in enumerate(gaps)]
+    assert claim(ahead).verdict == NOT_HOLD
