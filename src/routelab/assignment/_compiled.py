@@ -22,7 +22,9 @@ time below ``n = 4096``. This module runs the same outline as straight loops, co
    (:func:`._cycles.cycle_tolerance`).
 
 Sinkhorn (:mod:`.sinkhorn`) uses :func:`shift_rows` and :func:`scaling_sinkhorn`: the sweeps in the
-scaling domain, one fused pass over ``K = exp(log_p - rowmax)`` per sweep with float64 sums.
+scaling domain, one fused pass over ``K = exp(log_p - rowmax)`` per sweep with float64 sums; its
+small-input fast path calls the same kernel on host arrays (:func:`scaling_sinkhorn_host`) after
+:func:`shift_rows_checked` (the value scan and the row shift in one pass).
 
 The PyTorch path stays the reference: it runs on other devices, without numba, and whenever
 :data:`ENABLED` is ``False`` (environment: ``ROUTELAB_PURE_TORCH=1``); the tests check that both
@@ -44,8 +46,8 @@ from ._normalise import _chunk
 from ._workspace import NORMALISED, scratch
 
 __all__ = [
-    "ENABLED", "PHASES", "available", "compiled_phases", "host_available", "scaling_sinkhorn", "shift_rows",
-    "solve_normalised", "solve_scores",
+    "ENABLED", "PHASES", "available", "compiled_phases", "host_available", "scaling_sinkhorn",
+    "scaling_sinkhorn_host", "shift_rows", "shift_rows_checked", "solve_normalised", "solve_scores",
 ]
 
 #: The switch of the compiled path (``False``: every call takes the PyTorch path).
@@ -188,12 +190,29 @@ def scaling_sinkhorn(K: Tensor, target: Tensor, tol: float, max_iter: int, x: Te
         The largest column error of any instance; ``None`` when a scaling left the floating range
         (``out`` is then garbage and the caller's log domain takes over).
     """
-    B, n, k = K.shape
-    err = np.empty(B)
+    B, k = K.shape[0], K.shape[-1]
     t = target.detach().to(torch.float64).expand(B, k).contiguous().numpy()
-    ok = _kernel("sinkhorn")(K.detach().numpy(), t, tol, max_iter, x.detach().numpy(), out.detach().numpy(), err)
+    return scaling_sinkhorn_host(K.detach().numpy(), t, tol, max_iter, x.detach().numpy(), out.detach().numpy())
+
+
+def scaling_sinkhorn_host(K: np.ndarray, t: np.ndarray, tol: float, max_iter: int, x: np.ndarray,
+                          out: np.ndarray) -> float | None:
+    """:func:`scaling_sinkhorn` on the host arrays themselves (``t``: ``[B, k]`` C-contiguous float64
+    targets): the same kernel without the tensor conversions, for callers that hold the arrays."""
+    B = K.shape[0]
+    err = np.empty(B)
+    ok = _kernel("sinkhorn")(K, t, tol, max_iter, x, out, err)
     worst = float(err.max()) if B else 0.0
     return worst if ok and worst == worst else None
+
+
+def shift_rows_checked(log_p: np.ndarray, out: np.ndarray) -> tuple[float, float, float] | None:
+    """:func:`shift_rows` that also scans the values, in the same pass: ``(lo, hi, low)``, the
+    smallest and largest entry of ``log_p`` and the smallest entry of ``out = log_p - rowmax``;
+    ``None`` (``out`` then unset) when an entry is NaN or infinite. ``[B, n, k]`` float32/float64
+    host arrays. (Compiled without ``nnan``: the NaN test must survive.)"""
+    finite, lo, hi, low = _kernel("shift_rows_checked")(log_p, out)
+    return (float(lo), float(hi), float(low)) if finite else None
 
 
 def _raise_on(info: np.ndarray) -> None:
@@ -226,6 +245,8 @@ def _kernel(name: str):
         # shift_rows' input is validated (no NaN): its row maxima may be reassociated.
         fast = numba.njit(cache=True, nogil=True, fastmath={"nnan", "nsz", "reassoc"})
         _COMPILED["shift_rows"] = fast(_shift_rows_py)
+        # ... but shift_rows_checked's is not: it finds the NaN (no fastmath, the max stays exact).
+        _COMPILED["shift_rows_checked"] = jit(_shift_rows_checked_py)
         # Reassociated sums vectorise (the row sums of K b were one serial chain of adds); no
         # flag that assumes finite values: the NaN test of a scaling that left the range stays.
         _COMPILED["sinkhorn"] = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})(_sinkhorn_py)
@@ -285,6 +306,28 @@ def _shift_rows_py(lp, out):
                 out[b, i, j] = d
                 low = min(low, d if d > -np.inf else 0.0)  # a select, not a branch
     return low
+
+
+def _shift_rows_checked_py(lp, out):
+    B, n, k = lp.shape
+    lo = np.inf
+    hi = -np.inf
+    low = 0.0
+    for b in range(B):
+        for i in range(n):
+            m = lp[b, i, 0]
+            for j in range(k):
+                v = lp[b, i, j]
+                if not (-np.inf < v < np.inf):  # NaN or an infinity: the caller's general path
+                    return False, lo, hi, low
+                m = max(m, v)
+                lo = min(lo, v)
+            hi = max(hi, m)
+            for j in range(k):
+                d = lp[b, i, j] - m  # in the dtype of lp, as PyTorch's (and shift_rows') subtraction
+                out[b, i, j] = d
+                low = min(low, d)
+    return True, lo, hi, low
 
 
 def _sinkhorn_py(K, t, tol, max_iter, x, out, err_out):

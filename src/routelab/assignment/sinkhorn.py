@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -73,6 +74,11 @@ def sinkhorn(
         raise ValueError(f"tol must be a number > 0 (a Python float), got {type(tol).__name__} {tol!r}")
     if not tol > 0:
         raise ValueError(f"tol must be positive (a number > 0), got {tol!r}")
+    # (speed machinery: the commonest call's first round of sweeps, without the general path's
+    # tensor operations; its result when that round converged, else the general path's start)
+    first_round = _small_cpu_first_round(log_p, tol, max_iter) if col_sum is None else None
+    if first_round is not None and first_round[2]:
+        return first_round[0]
     out_dtype = log_p.dtype
     if out_dtype not in (torch.float32, torch.float64):  # half precision: balance in float32
         log_p = log_p.float()
@@ -86,7 +92,8 @@ def sinkhorn(
     if lo > float("-inf"):
         # Every entry finite (the usual case): no row or column can be dead or stranded (the
         # targets add up to n > 0), so the checks below have nothing to find.
-        return _balanced_or_raise(log_p, target, tol, max_iter, out_dtype, top, spread=hi - lo)
+        return _balanced_or_raise(log_p, target, tol, max_iter, out_dtype, top, spread=hi - lo,
+                                  first_round=first_round[:2] if first_round is not None else None)
     finite = torch.isfinite(log_p)
     dead_row = ~finite.any(-1)
     dead_col = (~finite.any(-2)) & (target > 0)
@@ -117,24 +124,23 @@ def sinkhorn(
 
 def _balanced_or_raise(
     log_p: Tensor, target: Tensor, tol: float, max_iter: int, out_dtype: torch.dtype, top: float | None = None,
-    *, spread: float | None = None,
+    *, spread: float | None = None, first_round: tuple[Tensor, float] | None = None,
 ) -> Tensor:
     """:func:`balance` at the floored tolerance; the result in ``out_dtype``, or ValueError.
     ``top``: the largest target when the caller knows it (else read from ``target``). ``spread``:
-    ``max - min`` of an all-finite ``log_p`` (``None``: it has ``-inf`` entries), for the message."""
+    ``max - min`` of an all-finite ``log_p`` (``None``: it has ``-inf`` entries), for the message.
+    ``first_round``: ``balance``'s result for the first round of sweeps when the caller has it
+    (:func:`_small_cpu_first_round`), which then is not computed again."""
     n = log_p.shape[-2]
     # Below a few rounding errors of a sum of n terms of size up to max(1, target) the output
     # dtype cannot resolve column errors, so the tolerance is floored there.
     if top is None:
         top = float(target.detach().max()) if target.numel() else 0.0
     # (in the dtype of the computation: half precision is balanced, and judged, in float32)
-    resolution = 4 * torch.finfo(log_p.dtype).eps * n**0.5 * max(1.0, top)
-    eff_tol = max(tol, resolution)
+    eff_tol = _floored_tol(tol, log_p.dtype, n, top)
     differentiable = torch.is_grad_enabled() and (log_p.requires_grad or target.requires_grad)
     k = log_p.shape[-1]
-    # (two experts: their closed form restarts its own search at each call, so no rounds there)
-    newton = not differentiable and 2 < k <= NEWTON_MAX_K and max_iter > 2 * NEWTON_AFTER \
-        and log_p.numel() > 0 and target.numel() > 0
+    newton = not differentiable and _newton_rounds(k, max_iter) and log_p.numel() > 0 and target.numel() > 0
     if newton:
         # where the sweeps are cheap (the scaling domain: every entry within 80 nats of its row's
         # maximum, which the spread bounds), they have more room first
@@ -144,10 +150,10 @@ def _balanced_or_raise(
             top = log_p.amax(-1, keepdim=True)
             low = torch.where(torch.isneginf(log_p), top, log_p).amin(-1, keepdim=True)
             cheap = float((top - low).amax()) <= limit
-        x, err = _sweeps_then_newton(log_p, target, eff_tol, max_iter, first=16 * NEWTON_AFTER if cheap else None,
-                                     room=NEWTON_SWEEPS if cheap else NEWTON_SWEEPS // 8)
+        x, err = _sweeps_then_newton(log_p, target, eff_tol, max_iter, first=CHEAP_FIRST if cheap else None,
+                                     room=NEWTON_SWEEPS if cheap else NEWTON_SWEEPS // 8, first_round=first_round)
     else:
-        x, err = balance(log_p, target, tol=eff_tol, max_iter=max_iter)
+        x, err = first_round or balance(log_p, target, tol=eff_tol, max_iter=max_iter)
     if err <= eff_tol:
         return x if x.dtype == out_dtype else x.to(out_dtype)
     if spread is None:
@@ -173,6 +179,63 @@ def _balanced_or_raise(
 FEASIBILITY_CHECKS = 16
 
 
+#: Largest ``log_p.numel()`` the fast path of :func:`_small_cpu_first_round` takes (its scan of the
+#: values is not vectorised; above this size the fixed overhead no longer matters).
+FAST_PATH_NUMEL = 1 << 18
+
+
+def _small_cpu_first_round(log_p: Tensor, tol: float, max_iter: int) -> tuple[Tensor, float, bool] | None:
+    """Speed machinery only: the first round of :func:`sinkhorn`'s sweeps for its commonest call.
+
+    The common call (default ``col_sum``, a small contiguous float32/float64 CPU ``log_p`` with every
+    entry finite, no autograd, more than 2 columns) spends most of its time on dozens of small
+    tensor operations around the compiled sweeps. This runs the same steps on host arrays: the value
+    scan and the row shift in one compiled pass (:func:`._compiled.shift_rows_checked`),
+    ``K = exp(x)`` by PyTorch, and the same compiled sweeps (:func:`._compiled.scaling_sinkhorn_host`)
+    with the same targets, tolerance and sweep count as :func:`_balanced_or_raise` ->
+    :func:`_sweeps_then_newton` -> :func:`_balance_scaling`, so the result is the same bit for bit.
+
+    Returns:
+        ``(x, err, converged)``: ``balance``'s result for that round and whether it is
+        :func:`sinkhorn`'s answer (``err`` within the floored ``tol``); when not, the general path
+        goes on from it (``first_round`` of :func:`_balanced_or_raise`). ``None`` for any other
+        call (``-inf``/NaN/+inf entries, a spread beyond the scaling domain, a scaling leaving the
+        range): the general path then runs from the start (its checks raise, or it balances).
+    """
+    n, k = log_p.shape[-2], log_p.shape[-1]
+    dtype = log_p.dtype
+    if not (k > 2 and dtype in (torch.float32, torch.float64) and 0 < log_p.numel() <= FAST_PATH_NUMEL
+            and log_p.is_cpu and log_p.is_contiguous()
+            and not (log_p.requires_grad and torch.is_grad_enabled())
+            and not torch.compiler.is_compiling() and _compiled.available(log_p)):
+        return None
+    lp = log_p.detach().numpy().reshape(-1, n, k)
+    # x = log_p - rowmax and K = exp(x), in one scratch slot (one look-up)
+    work = scratch("sinkhorn.fast", (2, *lp.shape), dtype, log_p.device)
+    x, K = work.unbind(0)
+    x_host, K_host = work.numpy()
+    scanned = _compiled.shift_rows_checked(lp, x_host)
+    if scanned is None:  # NaN/+inf (an error) or -inf entries: the general path's checks
+        return None
+    lo, hi, low = scanned
+    limit = COMPILED_SCALING_RANGE[dtype]
+    # _balanced_or_raise's choices for these targets (n / k each: the largest is n / k)
+    eff_tol = _floored_tol(tol, dtype, n, n / k)
+    newton = _newton_rounds(k, max_iter)
+    if newton and not hi - lo <= limit:  # not "cheap" there: a shorter first round, after a per-row check
+        return None
+    if not low >= -limit:  # outside the scaling domain: _balance_scaling hands over to the log domain
+        return None
+    sweeps = _first_round_sweeps(CHEAP_FIRST, max_iter) if newton else max_iter
+    torch.exp(x, out=K)  # PyTorch's exp, as _balance_scaling's (bit for bit)
+    # the targets as _target_columns makes them (n / k in log_p's dtype), widened to float64 as
+    # scaling_sinkhorn does
+    t = np.full((lp.shape[0], k), np.array(n / k, dtype=lp.dtype), dtype=np.float64)
+    out = torch.empty(log_p.shape, dtype=dtype)
+    err = _compiled.scaling_sinkhorn_host(K_host, t, eff_tol, sweeps, x_host, out.numpy().reshape(lp.shape))
+    return None if err is None else (out, err, err <= eff_tol)
+
+
 def _infeasible_instance(log_p: Tensor, target: Tensor) -> str | None:
     """Why the ``-inf`` pattern of ``log_p [..., n, k]`` admits no matrix with row sums 1 and column
     sums ``target`` (a Hall violator of the first infeasible instance, in words), or None when the
@@ -193,8 +256,23 @@ def _infeasible_instance(log_p: Tensor, target: Tensor) -> str | None:
     return None
 
 
+def _floored_tol(tol: float, dtype: torch.dtype, n: int, top: float) -> float:
+    """``tol`` floored at ``4 eps(dtype) sqrt(n) max(1, top)`` (``top``: the largest target): below a
+    few rounding errors of a sum of ``n`` terms of size up to ``max(1, top)`` the computation's
+    dtype cannot resolve column errors."""
+    return max(tol, 4 * torch.finfo(dtype).eps * n**0.5 * max(1.0, top))
+
+
+def _newton_rounds(k: int, max_iter: int) -> bool:
+    """Whether a balancing without autograd of ``k`` columns runs in rounds finished by Newton's
+    method (:func:`_sweeps_then_newton`). (Two experts: their closed form restarts its own search at
+    each call, so no rounds there.)"""
+    return 2 < k <= NEWTON_MAX_K and max_iter > 2 * NEWTON_AFTER
+
+
 def _sweeps_then_newton(log_p: Tensor, target: Tensor, tol: float, max_iter: int,
-                        first: int | None = None, room: int = 200) -> tuple[Tensor, float]:
+                        first: int | None = None, room: int = 200,
+                        first_round: tuple[Tensor, float] | None = None) -> tuple[Tensor, float]:
     """:func:`balance` within ``max_iter`` sweeps, finished by Newton's method where the sweeps crawl.
 
     ``first`` sweeps (default :data:`NEWTON_AFTER`), then :data:`NEWTON_AFTER` more that measure the
@@ -203,10 +281,11 @@ def _sweeps_then_newton(log_p: Tensor, target: Tensor, tol: float, max_iter: int
     many run first. Then Newton's steps on the column dual finish from their iterate
     (the same fixed point; at most as many steps as sweeps are left), and where Newton fails, the
     sweeps go on from that iterate (a continuation: the sweeps from a row and column scaling of
-    ``log_p`` are its sweeps) for the rest of ``max_iter``.
+    ``log_p`` are its sweeps) for the rest of ``max_iter``. ``first_round``: the first ``first``
+    sweeps' ``balance`` result, when the caller has computed it.
     """
-    first = min(first or NEWTON_AFTER, max_iter - NEWTON_AFTER)
-    x, err_first = balance(log_p, target, tol=tol, max_iter=first)
+    first = _first_round_sweeps(first, max_iter)
+    x, err_first = first_round or balance(log_p, target, tol=tol, max_iter=first)
     if err_first <= tol:
         return x, err_first
     x, err = balance(x, target, tol=tol, max_iter=NEWTON_AFTER)
@@ -225,6 +304,11 @@ def _sweeps_then_newton(log_p: Tensor, target: Tensor, tol: float, max_iter: int
     if polished is not None:
         return polished
     return balance(x, target, tol=tol, max_iter=left) if left > 0 else (x, err)
+
+
+def _first_round_sweeps(first: int | None, max_iter: int) -> int:
+    """The sweeps of :func:`_sweeps_then_newton`'s first round (``first``: ``None`` for the default)."""
+    return min(first or NEWTON_AFTER, max_iter - NEWTON_AFTER)
 
 
 def _first_row(mask: Tensor) -> str:
@@ -308,6 +392,8 @@ def balance(log_p: Tensor, target: Tensor, *, tol: float, max_iter: int) -> tupl
 #: without autograd that has not converged goes on by Newton's method
 #: (:func:`~routelab.assignment._newton.newton_balance`), the sweeps being slow on sharp matrices...
 NEWTON_AFTER = 16
+#: The first round of sweeps before that where the sweeps are cheap (see :func:`_balanced_or_raise`).
+CHEAP_FIRST = 16 * NEWTON_AFTER
 #: ... where the sweeps' rate of convergence predicts more than this many further sweeps (Newton's
 #: few steps cost about as much as a few hundred sweeps: at 512 x 16 on this project's CPU, the
 #: compiled sweeps converge in 0.3 ms at logit scale 10, and Newton's finish takes 1-2 ms).
