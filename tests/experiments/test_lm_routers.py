@@ -304,3 +304,28 @@ def test_comparisons_left_with_one_shared_seed_by_failed_runs_are_not_measured()
                 "thresholds-replace-batchwise-mask"):
         assert by_id[cid].verdict == NOT_MEASURED, (cid, by_id[cid].verdict)
     assert {c.verdict for c in claims(records, FULL)} != {NOT_MEASURED}  # all seeds: judged
+
+
+def test_a_not_worse_claim_is_refuted_by_a_one_sided_t_test_and_never_held_by_a_positive_difference() -> None:
+    """``_as_good`` against scipy's one-sided t-test: significantly worse (p < 5 %) does not hold, a
+    positive difference that is not significant is partly (not "holds"), a mean <= 0 holds."""
+    import numpy as np
+    from scipy.stats import ttest_1samp
+
+    from routelab.experiments.kit.claims import HOLDS, NOT_HOLD, PARTLY
+    from routelab.experiments.kit.stats import mean_se
+    from routelab.experiments.lm_routers.report import _as_good
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        diffs = rng.normal(rng.normal(0, 1), 1, size=int(rng.integers(2, 8)))
+        verdict = _as_good(mean_se(diffs.tolist()))
+        p = ttest_1samp(diffs, 0.0, alternative="greater").pvalue
+        if diffs.mean() <= 0:
+            assert verdict == HOLDS
+        elif p < 0.05:
+            assert verdict == NOT_HOLD, (diffs, p)
+        else:
+            assert verdict.startswith(PARTLY), (diffs, p)
+    # the committed case: +0.0787 nats over 3 seeds with t = 3.45 (one-sided p = 0.037)
+    assert _as_good(mean_se([0.0787 - 0.0228 * 3 ** 0.5 * x for x in (-1.0, 0.0, 1.0)])) == NOT_HOLD
