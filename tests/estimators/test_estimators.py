@@ -1039,3 +1039,22 @@ def test_gumbel_matching_iw_stays_unbiased_when_tau_is_far_below_the_logit_sprea
     r = sample_routes(x.expand(R, n, k), "gumbel_matching_iw", tau=tau, capacity=capacity, generator=gen(63))
     zc = zscores(contributions(r, k), p)
     assert float(zc.abs().max()) < z_bound(n * k), zc
+
+
+def test_the_temperature_floor_ignores_a_tokens_logit_offset_and_survives_spreads_beyond_the_range() -> None:
+    """A constant added to one token's logits changes no distribution, so not the sample either
+    (the floor once read the instance's spread: one token far below the rest raised tau 20x)."""
+    base = torch.randn(8, 4, dtype=torch.float64, generator=gen(70))
+    shifted = base.clone()
+    shifted[7] -= 1e9
+    for logits in (base, shifted):
+        r = sample_routes(logits, "gumbel_matching_iw", tau=0.05, generator=gen(71))
+        s = sample_routes(base, "gumbel_matching_iw", tau=0.05, generator=gen(71))
+        assert torch.equal(r.expert, s.expert) and torch.allclose(r.weight, s.weight)
+    # rows that each span 1e300 within float64 while the instance spans beyond it: still floored
+    huge = torch.tensor([[0.9e308, 0.9e308 - 1e300, 0.9e308 - 2e300], [-0.9e308, -0.9e308 + 1e300, -0.9e308]] * 2,
+                        dtype=torch.float64)
+    p = torch.softmax(huge, -1)
+    r = sample_routes(huge.expand(R // 4, 4, 3), "gumbel_matching_iw", tau=1.0, capacity=2, generator=gen(72))
+    zc = zscores(contributions(r, 3), p)
+    assert float(zc.abs().max()) < z_bound(12), zc

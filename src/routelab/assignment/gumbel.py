@@ -127,10 +127,10 @@ def gumbel_matching(
     finite logits and any ``tau >= 0`` give finite, normalised conditionals (``tau = 1e-30`` or
     ``1e300``-scale float64 logits included). The assignment is the exact optimum of the perturbed
     scores while the noise ``tau * g`` stays above the solver's resolution of the scores, i.e.
-    while ``tau`` is above about ``1e-11`` times the spread of the finite logits (a review
+    while ``tau`` is above about ``1e-11`` times a row's spread of finite logits (a review
     measured wrong assignments from a spread of ``1e12 tau``, conditionals off by 0.4 at
     ``1e15 tau``); :func:`routelab.estimators.sample_routes` floors its temperature at ``1e-9``
-    times the spread for that reason (``BALANCED_TAU_FLOOR``). float16/bfloat16 logits are
+    times the largest row spread for that reason (``BALANCED_TAU_FLOOR``). float16/bfloat16 logits are
     computed in float32, and every floating output is then float32.
 
     Args:

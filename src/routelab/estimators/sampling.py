@@ -50,9 +50,9 @@ SINKHORN_TOL = 1e-6
 SINKHORN_SWEEPS = 100
 #: The methods that respect the expert capacity.
 CAPPED_METHODS: tuple[str, ...] = METHODS[1:]
-#: The smallest temperature of a balanced (Gumbel-Matching) sample, relative to the spread of the
-#: instance's finite logits (max - min). Below it the Gumbel noise, of size ``tau``, falls under
-#: the balanced solver's relative resolution of the scores (float64; a review measured wrong
+#: The smallest temperature of a balanced (Gumbel-Matching) sample, relative to the largest spread
+#: of a row's finite logits (max - min per token) in the instance. Below it the Gumbel noise, of
+#: size ``tau``, falls under the balanced solver's relative resolution of the scores (float64; a review measured wrong
 #: assignments from a ratio of 1e12 and conditionals off by 0.4 at 1e15): the sample would no
 #: longer be the Gumbel-Matching sample its conditionals describe. A floored proposal is still
 #: exactly what is sampled and what the weights correct for, so every unbiased method stays
@@ -110,7 +110,7 @@ def sample_routes(
         method: one of :data:`METHODS`.
         tau: proposal temperature ``> 0``: a number, or a tensor of the batch shape ``[...]``
             (one temperature per instance). The Gumbel-Matching methods floor it at
-            :data:`BALANCED_TAU_FLOOR` times the spread of the instance's finite logits.
+            :data:`BALANCED_TAU_FLOOR` times the largest spread of a token's finite logits.
         capacity: tokens per expert for the capped methods, at least ``ceil(n / k)``; default
             ``n / k`` (then ``k`` must divide ``n``). Ignored by ``sample`` (validated all the
             same).
@@ -296,11 +296,17 @@ def _temperature(tau: float | Tensor, batch: torch.Size, like: Tensor, top: Tens
 
 
 def _balanced_tau_floor(a: Tensor) -> Tensor:
-    """``[..., 1, 1]``: :data:`BALANCED_TAU_FLOOR` times the spread of each instance's finite logits."""
+    """``[..., 1, 1]``: :data:`BALANCED_TAU_FLOOR` times the largest spread of a row's finite logits
+    in each instance (``max - min`` per row: the solver sees row-shifted scores, and a constant
+    added to one token's logits changes no distribution, so it must not change the floor either).
+
+    Scaled before the subtraction, so that a spread beyond the dtype's range still gives a finite floor.
+    """
     finite = torch.isfinite(a)
-    hi = torch.where(finite, a, float("-inf")).amax((-2, -1), keepdim=True)
-    lo = torch.where(finite, a, float("inf")).amin((-2, -1), keepdim=True)
-    return (BALANCED_TAU_FLOOR * (hi - lo)).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).clamp_(min=0.0)
+    hi = torch.where(finite, a, float("-inf")).amax(-1) * BALANCED_TAU_FLOOR
+    lo = torch.where(finite, a, float("inf")).amin(-1) * BALANCED_TAU_FLOOR
+    spread = (hi - lo).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # (rows without a finite logit: 0)
+    return spread.amax(-1).clamp_(min=0.0)[..., None, None]
 
 
 def _dead_row(top: Tensor) -> None:

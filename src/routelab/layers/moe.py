@@ -145,7 +145,9 @@ class MoE(RoutingRecord, nn.Module):
         ``capacity``, plus the router's own diagnostics (for the Gumbel-Matching router:
         ``weights_clamped``, the importance weights clamped at
         :data:`routelab.estimators.MAX_WEIGHT`, and ``unreachable_mass``, the router mass per
-        token its samples cannot reach, which the estimate misses).
+        token on pairs its weights' reference probability gives 0: with ``gumbel_matching_iw``
+        those no balanced sample can reach, which the estimate misses; the biased methods'
+        reference is the proposal, positive everywhere, so it reads 0 for them).
 
     Example:
         >>> moe = MoE(16, 32, 4, router="topk", k=2, capacity_factor=None)  # dropless
