@@ -421,3 +421,23 @@ def test_a_method_that_did_not_run_makes_its_claims_not_measured() -> None:
     no_iw = evaluate_claims([r for r in records if r["method"] != "sample_skip_iw"], None)
     assert no_skip[1].verdict == NOT_MEASURED and no_iw[0].verdict == NOT_MEASURED
     assert full[0].verdict != NOT_MEASURED and full[1].verdict != NOT_MEASURED
+
+
+def test_runs_recorded_without_a_commit_take_their_chunks_commit_in_the_provenance_line() -> None:
+    """The committed run's records predate the per-run commit field, but chunks.jsonl names each chunk's
+    commit (a review: the report said "commit not recorded (7800 runs)" while its Cost table named ba96d28).
+    Oracle: the chunk records, counted by hand: 4 chunks at ba96d28, their runs 1950 + 3250 + 1430 + 1170."""
+    docs = Path(__file__).resolve().parents[2] / "docs" / "kool-toy"
+    records, chunks = read_jsonl(docs / "runs.jsonl"), read_jsonl(docs / "chunks.jsonl")
+    assert {c["routelab"] for c in chunks} == {"0.1.0 (commit ba96d28)"} and sum(c["runs"] for c in chunks) == 7800
+    text = kt.render_report(kt.FULL, records, marginals=None, errors=(), wall_s=None, n_planned=len(records),
+                            chunks=chunks)
+    assert "code of the runs: commit ba96d28 (7800 runs);" in text and "commit not recorded" not in text
+    # a new run keeps its own commit; a run whose chunk names none stays unrecorded
+    mixed = [{"chunk": "reinforce"}, {"chunk": "reinforce", "commit": "abc1234"}, {"chunk": "other"}]
+    from routelab.experiments.kit.provenance import trained_commits
+    from routelab.experiments.kool_toy.report import _with_chunk_commits
+
+    assert trained_commits(_with_chunk_commits(mixed, chunks + [{"chunk": "other", "routelab": "0.1.0"}])) == (
+        "3 code versions, so not every number comes from the same code: commit abc1234 (1 run), commit ba96d28 "
+        "(1 run), commit not recorded (1 run)")

@@ -14,7 +14,7 @@ import pytest
 from scipy.stats import fisher_exact
 
 import routelab.experiments.kool_toy as kt
-from routelab.experiments.kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY
+from routelab.experiments.kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim
 from routelab.experiments.kit.store import read_jsonl
 from routelab.experiments.kool_toy import claims as cl
 from routelab.experiments.kool_toy.model import CONFIGS
@@ -213,3 +213,73 @@ def test_report_gives_the_sensitivity_and_the_deviations_from_the_paper() -> Non
     # F5: the App. E claim never run is said to be untested
     dev = deviations_markdown(kt.FULL, cl.sensitivity(records, None))
     assert "REINFORCE with balance loss 0.01" in dev and "**not tested**" in dev
+
+
+# ----------------------------------------------------------------------------- a second review: F1, F2, F7
+
+
+def _one_sided(a: tuple[int, int], b: tuple[int, int]) -> float:
+    """scipy's one-sided Fisher p that ``a`` succeeds more often than ``b`` (the oracle of the tests below)."""
+    return float(fisher_exact([[a[0], a[1] - a[0]], [b[0], b[1] - b[0]]], alternative="greater").pvalue)
+
+
+def test_a_significant_claim_2_is_judged_though_sample_succeeds_in_fewer_than_10_runs() -> None:
+    """Sample 9/10 at τ = 2.154 (a solved cell) and nothing else, Sample Skip never: 9/60 against 0/60 pooled and
+    9/10 against 0/10 at that τ both reject at 5 % (scipy), so the claim holds. Before the fix: not measured
+    (9 < 10)."""
+    records = cells("reinforce", {"sample": {2.154: 9}})
+    assert _one_sided((9, 60), (0, 60)) < 0.05 and _one_sided((9, 10), (0, 10)) < 0.05
+    claim = cl.evaluate_claims(records, None)[1]
+    assert claim.verdict == HOLDS, claim.verdict
+    assert "not measured" not in claim.measured
+
+
+def test_a_significant_failure_is_judged_though_the_reference_succeeds_in_fewer_than_10_runs() -> None:
+    """Gating with IW 9/10 at τ = 0.1 (solved), without IW never: 9/360 against 0/360 (scipy p < 0.05) and no
+    cell solved without IW, so claim 5 holds, and so does claim 7's part (c). Before the fix both were not
+    measured."""
+    ref = cells("gating", {"gumbel_matching_iw": {0.1: 9}})
+    assert _one_sided((9, 360), (0, 360)) < 0.05
+    claims = cl.evaluate_claims(ref + cells("gating_no_iw", {}), None)
+    assert claims[4].verdict == HOLDS, claims[4].verdict
+    works = cells("reinforce", {"sample": at(LOW, 10)})  # (a): Sample solves τ < 1 without IW too
+    claim7 = cl.evaluate_claims(works + cells("reinforce_no_iw", {"sample": at(LOW, 10)}) + ref
+                                + cells("gating_no_iw", {}), None)[6]
+    assert "(c) gating_no_iw: 0/360 successful runs vs 9/360 in gating" in claim7.measured, claim7.measured
+    # (a) holds, (b) has no power (no GM method succeeds with or without IW), (c) holds
+    assert claim7.verdict == "holds (only (a), (c) measured)", claim7.verdict
+
+
+def test_without_power_a_failure_is_not_measured_and_the_text_names_the_failing_group() -> None:
+    """Gating with IW succeeds once in each of 4 cells (4/360, no cell solved), without IW never: one-sided
+    p = 0.06 (scipy), no power: not measured, and the text says gating *without* IW fails."""
+    assert _one_sided((4, 360), (0, 360)) > 0.05
+    ref = {"gumbel_matching_iw": {0.01: 1, 0.1: 1}, "sample_skip_iw": {0.01: 1, 0.1: 1}}
+    claim = cl.evaluate_claims(cells("gating", ref) + cells("gating_no_iw", {}), None)[4]
+    assert claim.verdict == NOT_MEASURED
+    assert "reference gating with IW succeeds in only 4/360 runs" in claim.measured
+    assert "so gating without IW failing here says nothing" in claim.measured
+    claim2 = cl.evaluate_claims(cells("reinforce", {}), None)[1]
+    assert claim2.verdict == NOT_MEASURED and "so Sample Skip failing here says nothing" in claim2.measured
+
+
+def test_not_measured_at_another_fraction_is_not_fragility() -> None:
+    """The review's case A: gating with IW 5/10 at τ = 0.1, without IW 8/10 there. Without IW solves that cell
+    at fractions ≤ 0.8 (does not hold: it does not fail); at 0.9 it solves nothing, the reference neither, and
+    5/360 against 8/360 is no evidence (not measured). No fraction supports the claim, so it does not hold; before
+    the fix it read partly (fragile)."""
+    records = (cells("gating", {"gumbel_matching_iw": {0.1: 5}})
+               + cells("gating_no_iw", {"gumbel_matching_iw": {0.1: 8}}))
+    sens = cl.sensitivity(records, None)
+    assert {f: sens.outcomes[("mse", f)][4] for f in cl.SENSITIVITY_FRACTIONS} == {
+        0.5: NOT_HOLD, 0.6: NOT_HOLD, 0.7: NOT_HOLD, 0.8: NOT_HOLD, 0.9: NOT_MEASURED}
+    assert sens.claims[4].verdict == "does not hold (by the solved fraction, does not hold at 0.5–0.8, not " \
+                                     "measured at 0.9)"
+    assert 5 not in sens.fragile()
+
+
+def test_tau_lists_are_read_as_separate_numbers() -> None:
+    """τ = 1 and 100 written "τ=1,100" read as 1100 (a thousands separator); with ", " they are two numbers."""
+    text = cl._cells_str([("sample", 1.0), ("sample", 100.0), ("sample_skip", 2.0), ("sample_skip", 154.0)])
+    numbers = Claim(text="t", criterion="c", measured=text, verdict=HOLDS).numbers
+    assert numbers == [1.0, 100.0, 2.0, 154.0], (text, numbers)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+import subprocess
+import types
 import warnings
 
 import pytest
@@ -87,3 +90,50 @@ def test_an_experiment_resumed_at_another_commit_warns_and_its_report_names_both
     assert [r[COMMIT] for r in _lines(tmp_path / "runs.jsonl")] == ["aaaaaaa"] * per_rep + ["bbbbbbb"] * per_rep
     assert (f"2 code versions, so not every number comes from the same code: commit aaaaaaa ({per_rep} runs), "
             f"commit bbbbbbb ({per_rep} runs); report written at commit bbbbbbb") in report.read_text()
+
+
+def _git(cwd, *args):
+    return subprocess.run(["git", "-C", str(cwd), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _fake_routelab(monkeypatch, init_py):
+    init_py.parent.mkdir(parents=True)
+    init_py.write_text("")
+    monkeypatch.setattr(provenance, "routelab", types.SimpleNamespace(__file__=str(init_py), __version__="0.1.0"))
+
+
+def test_git_commit_names_a_checkout_but_not_an_installed_copy_inside_one(tmp_path, monkeypatch):
+    """A copy of routelab installed into a virtual environment inside some checkout is no checkout's code:
+    ``None``, not the enclosing repository's HEAD (a review: it was that HEAD, and clean). Oracle: git itself."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "README").write_text("x\n")
+    _git(repo, "add", "README")
+    _git(repo, "commit", "-q", "-m", "init")
+    head = _git(repo, "rev-parse", "--short", "HEAD")
+
+    _fake_routelab(monkeypatch, repo / ".venv2" / "lib" / "python3.11" / "site-packages" / "routelab" / "__init__.py")
+    assert provenance.git_commit() is None
+
+    monkeypatch.undo()
+    _fake_routelab(monkeypatch, repo / "src" / "routelab" / "__init__.py")  # a checkout's src/: untracked, dirty
+    assert provenance.git_commit() == f"{head}+dirty"
+
+    nested = repo / "sub"  # <root>/src/routelab under a folder of the repository, not at its top
+    monkeypatch.undo()
+    _fake_routelab(monkeypatch, nested / "src" / "routelab" / "__init__.py")
+    assert provenance.git_commit() is None
+
+
+def test_commit_of_version_reads_back_routelab_version(monkeypatch):
+    from routelab.experiments.kit.provenance import commit_of_version, routelab_version
+
+    assert commit_of_version("0.1.0 (commit ba96d28)") == "ba96d28"
+    assert commit_of_version("0.1.0 (commit ba96d28+dirty)") == "ba96d28+dirty"
+    assert commit_of_version("0.1.0") is None and commit_of_version("?") is None
+    monkeypatch.setattr(provenance, "git_commit", lambda: "abc1234")
+    assert commit_of_version(routelab_version()) == "abc1234"

@@ -10,6 +10,7 @@ runs recorded at another commit says so with :func:`warn_other_commits`.
 from __future__ import annotations
 
 import platform
+import re
 import subprocess
 import warnings
 from collections import Counter
@@ -20,8 +21,8 @@ from typing import Any
 import routelab
 from routelab.machine import load_average  # re-exported: reports state it too
 
-__all__ = ["COMMIT", "NO_CHECKOUT", "NOT_RECORDED", "CommitStamp", "commit_label", "git_commit", "load_average",
-           "routelab_version", "software_line", "trained_commits", "warn_other_commits"]
+__all__ = ["COMMIT", "NO_CHECKOUT", "NOT_RECORDED", "CommitStamp", "commit_label", "commit_of_version", "git_commit",
+           "load_average", "routelab_version", "software_line", "trained_commits", "warn_other_commits"]
 
 COMMIT = "commit"
 """The field of a run (or invocation) record that holds :func:`git_commit` at the start of the invocation
@@ -37,9 +38,20 @@ NO_CHECKOUT = "no git checkout"
 
 def git_commit() -> str | None:
     """The short commit of the routelab checkout, with ``+dirty`` when ``src/`` has changes;
-    ``None`` when routelab does not run from a git checkout (or git is missing)."""
-    root = Path(routelab.__file__).resolve().parents[2]
+    ``None`` when routelab does not run from a git checkout (or git is missing).
+
+    The imported package must be ``<root>/src/routelab`` and ``<root>`` the top of its git work tree: an
+    installed copy of routelab (say in a virtual environment inside some checkout) is no checkout's code,
+    even when a git repository encloses it."""
+    package = Path(routelab.__file__).resolve().parent
+    root = package.parents[1]
+    if package != root / "src" / "routelab":
+        return None
     try:
+        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        if not top or Path(top).resolve() != root:
+            return None
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, timeout=10, check=True).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "src"], capture_output=True,
@@ -50,9 +62,17 @@ def git_commit() -> str | None:
 
 
 def routelab_version() -> str:
-    """``"0.1.0 (commit abc1234)"``: the version, and the commit when there is one."""
+    """``"0.1.0 (commit abc1234)"``: the version, and the commit when there is one (read back by
+    :func:`commit_of_version`)."""
     commit = git_commit()
     return f"{routelab.__version__} (commit {commit})" if commit else routelab.__version__
+
+
+def commit_of_version(version: str) -> str | None:
+    """The commit a :func:`routelab_version` string names (``"0.1.0 (commit abc1234)"`` -> ``"abc1234"``),
+    ``None`` when it names none (written outside a git checkout, or not such a string)."""
+    match = re.search(r"\(commit ([^()\s]+)\)", version)
+    return match.group(1) if match else None
 
 
 def software_line(threads: int | None = None, runs: Iterable[Mapping[str, Any]] | None = None) -> str:

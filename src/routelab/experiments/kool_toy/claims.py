@@ -19,9 +19,13 @@ choices:
 * a comparison ("A succeeds more often than B") is Fisher's exact test on the two success counts,
   pooled over the cells the claim names (:func:`fisher_p`), one-sided at the 5 % level
   (``1 - kit.stats.CONFIDENCE``); success counts pooled over τ do not depend on the solved fraction;
-* a claim that a configuration *fails* is judged only against a reference configuration that
-  learns: one with at least :data:`MIN_REFERENCE_SUCCESSES` successful runs; otherwise it is *not
-  measured* (a model that learns nothing anywhere supports no claim of failure);
+* a claim that a configuration *fails* is *not measured* only when the comparison has no power: its test
+  is not significant (nor, where the claim has one, its per-τ test), the configuration solves no cell, and
+  the reference it is compared with does not learn: fewer than :data:`MIN_REFERENCE_SUCCESSES` successful
+  runs and no solved cell (a model that learns nothing anywhere supports no claim of failure; a significant
+  test or a reference that solves a cell is judged, :func:`_learns`);
+* a verdict is *fragile* when its judged outcomes (holds / partly / does not hold) differ between solved
+  fractions; a fraction where the claim is not measured is named but is no change of verdict;
 * **low** tau means tau < 1, **high** tau means tau > 1.
 """
 
@@ -72,8 +76,9 @@ PRIMARY_METRIC = "mse"
 """The field that decides success in the verdicts: the expected MSE under the router, which the paper
 trains and thresholds (Sec. 3); ``argmax_mse`` (the test-time rule of Sec. 1) is the second view."""
 MIN_REFERENCE_SUCCESSES = 10
-"""Successful runs the reference configuration of a "fails" claim needs (one cell's worth of seeds) for the
-claim to be judged; with fewer, the claim is *not measured*."""
+"""Successful runs (one cell's worth of seeds) with which the reference configuration of a "fails" claim
+learns even without a solved cell (:func:`_learns`); a claim whose reference does not learn and whose test is
+not significant is *not measured*."""
 ALPHA = round(1.0 - CONFIDENCE, 10)
 """The level of the one-sided Fisher exact tests (0.05)."""
 GM_METHODS = ("gumbel_matching", "gumbel_matching_iw", "gumbel_matching_sh")
@@ -246,7 +251,8 @@ def _cells_str(cells: Sequence[tuple[str, float]]) -> str:
     by_m: dict[str, list[str]] = defaultdict(list)
     for m, t in cells:
         by_m[m].append(tau_str(t))
-    return "; ".join(f"{METHOD_LABELS.get(m, m)} at τ={','.join(ts)}" for m, ts in by_m.items())
+    # ", " and not ",": the claims' number reader takes "1,100" for one thousand one hundred
+    return "; ".join(f"{METHOD_LABELS.get(m, m)} at τ={', '.join(ts)}" for m, ts in by_m.items())
 
 
 def _verdict_of(parts: Mapping[str, bool | None]) -> str:
@@ -289,14 +295,19 @@ def _unrun_methods(table: SuccessTable, cfg: str, methods: Sequence[str], text: 
     return None
 
 
-def _learns(count: tuple[int, int]) -> bool:
-    """Whether a reference configuration learns enough to judge a "fails" claim against it."""
-    return count[0] >= MIN_REFERENCE_SUCCESSES
+def _learns(table: SuccessTable, config: str, methods: Collection[str] | None = None) -> bool:
+    """Whether ``config`` (over ``methods``; all: ``None``) learns enough for a failure beside it to mean
+    something: at least :data:`MIN_REFERENCE_SUCCESSES` successful runs pooled over τ, or a solved cell."""
+    return (table.pooled(config, methods)[0] >= MIN_REFERENCE_SUCCESSES
+            or any(methods is None or m in methods for m, _ in table.solved_cells(config)))
 
 
-def _too_few(name: str, count: tuple[int, int]) -> str:
-    return (f"not measured: the reference {name} succeeds in {_count(count)} runs, fewer than "
-            f"{MIN_REFERENCE_SUCCESSES}, so its failing here says nothing")
+def _no_power(reference: str, count: tuple[int, int], failing: str, tested: bool = True) -> str:
+    """Why a "fails" claim is not measured: ``failing`` fails, but so does ``reference`` (``count``: its
+    ``(successes, runs)``), and (``tested``: the claim has a test) no test is significant."""
+    return (f"not measured: the reference {reference} succeeds in only {_count(count)} runs (fewer than "
+            f"{MIN_REFERENCE_SUCCESSES}) and solves no cell{', and no test is significant' if tested else ''}, so "
+            f"{failing} failing here says nothing")
 
 
 def _high(t: float) -> bool:
@@ -385,7 +396,8 @@ def skip_without_iw_falls_behind(table: SuccessTable, gradients: Sequence[Mappin
     crit = (
         "REINFORCE, Sample succeeds more often than Sample Skip by Fisher's exact test (one-sided, p < 0.05): "
         f"(a) pooled over τ; (b) at some τ. holds: both; partly: one; does not hold: neither; not measured when "
-        f"neither method succeeds in {MIN_REFERENCE_SUCCESSES} runs (nothing learns)."
+        f"neither test is significant and neither method solves a cell or succeeds in {MIN_REFERENCE_SUCCESSES} "
+        "runs (nothing learns)."
     )
     cfg = "reinforce"
     if (m := _missing(table, [cfg], text, crit) or _unrun_methods(table, cfg, ["sample", "sample_skip"], text, crit)):
@@ -402,9 +414,10 @@ def skip_without_iw_falls_behind(table: SuccessTable, gradients: Sequence[Mappin
         + f"; success-rate gap Sample − Sample Skip per τ: {', '.join(f'{g:+.1f}' for g in gaps)}"
         + gradient_summary(gradients)
     )
-    if not _learns(ps) and not _learns(pk):
-        return Claim(text=text, criterion=crit, measured=f"{_too_few('Sample', ps)}; {measured}", verdict=NOT_MEASURED)
     a, b = _below(p_pool), any(_below(p) for p in per_tau.values())
+    if not (a or b) and not _learns(table, cfg, ["sample"]) and not _learns(table, cfg, ["sample_skip"]):
+        return Claim(text=text, criterion=crit, measured=f"{_no_power('Sample', ps, 'Sample Skip')}; {measured}",
+                     verdict=NOT_MEASURED)
     return Claim(text=text, criterion=crit, measured=measured, verdict=verdict_of([a, b]))
 
 
@@ -516,15 +529,16 @@ def _fails_against(table: SuccessTable, cfg: str, ref: str, methods: Collection[
         tuple[bool | None, str]:
     """Whether ``cfg`` fails where ``ref`` learns (over ``methods``; all: ``None``): it solves no cell and, pooled
     over τ, succeeds less often than ``ref`` (Fisher's exact test, one-sided p < 0.05); ``None`` (not measured)
-    when ``cfg`` solves nothing and ``ref`` has fewer than :data:`MIN_REFERENCE_SUCCESSES` successful runs (a
-    solved cell refutes the failure whatever ``ref`` does). Returns the answer and its evidence."""
+    when the comparison has no power: ``cfg`` solves nothing, the test is not significant and ``ref`` does not
+    learn (:func:`_learns`). A solved cell refutes the failure whatever ``ref`` does. Returns the answer and its
+    evidence."""
     c, r = table.pooled(cfg, methods), table.pooled(ref, methods)
     solved = [(m, t) for m, t in table.solved_cells(cfg) if methods is None or m in methods]
     p = fisher_p(r, c)
     text = (f"{cfg}: {_count(c)} successful runs vs {_count(r)} in {ref} (Fisher p {_p_str(p)}), solved cells: "
             f"{_cells_str(solved)}")
-    if not _learns(r) and not solved:
-        return None, f"{cfg}: {_too_few(ref, r)}"
+    if not solved and not _below(p) and not _learns(table, ref, methods):
+        return None, f"{cfg}: {_no_power(ref, r, cfg)}"
     return not solved and _below(p), text
 
 
@@ -534,8 +548,9 @@ def gating_fails_without_iw(table: SuccessTable) -> Claim:
     crit = (
         "gating (balance 0.01) without importance weights: (a) succeeds less often than with them, pooled over "
         "methods and τ (Fisher's exact test, one-sided p < 0.05); (b) solves no cell. holds: both; partly: one; "
-        "does not hold: neither; not measured when neither solves a cell and gating with importance weights "
-        f"succeeds in fewer than {MIN_REFERENCE_SUCCESSES} runs (then failing without them says nothing)."
+        "does not hold: neither; not measured when (a)'s test is not significant, neither solves a cell and gating "
+        f"with importance weights succeeds in fewer than {MIN_REFERENCE_SUCCESSES} runs (then failing without them "
+        "says nothing)."
     )
     if (m := _missing(table, ["gating_no_iw", "gating"], text, crit)):
         return m
@@ -544,9 +559,9 @@ def gating_fails_without_iw(table: SuccessTable) -> Claim:
     cells = table.solved_cells("gating_no_iw")
     measured = (f"successful runs without IW {_count(c)}, with IW {_count(r)} (Fisher p {_p_str(p)}); solved cells "
                 f"without IW: {len(cells)} ({_cells_str(cells)}), with IW: {len(table.solved_cells('gating'))}")
-    if not _learns(r) and not cells:
-        return Claim(text=text, criterion=crit, measured=f"{_too_few('gating with IW', r)}; {measured}",
-                     verdict=NOT_MEASURED)
+    if not cells and not _below(p) and not _learns(table, "gating"):
+        return Claim(text=text, criterion=crit, measured=f"{_no_power('gating with IW', r, 'gating without IW')}; "
+                     f"{measured}", verdict=NOT_MEASURED)
     return Claim(text=text, criterion=crit, measured=measured, verdict=verdict_of([_below(p), not cells]))
 
 
@@ -601,21 +616,23 @@ def dropping_iw_works_only_for_reinforce_at_low_tau(table: SuccessTable) -> Clai
         "τ > 1; (b) the Gumbel-Matching methods without IW solve no cell and succeed less often than with IW "
         "(REINFORCE, pooled over τ; Fisher's exact test, one-sided p < 0.05); (c) gating without IW solves "
         "nothing and succeeds less often than with IW (the same test). A part whose configuration without IW solves "
-        f"nothing is judged only where the one with IW it is compared with succeeds in ≥ {MIN_REFERENCE_SUCCESSES} "
-        "runs (REINFORCE for (a), its Gumbel-Matching methods for (b), gating for (c)). holds: all judged parts; "
-        "partly: some; does not hold: none."
+        "nothing, with a test (if it has one) that is not significant, is judged only where the one with IW it is "
+        f"compared with solves a cell or succeeds in ≥ {MIN_REFERENCE_SUCCESSES} runs (REINFORCE for (a), its "
+        "Gumbel-Matching methods for (b), gating for (c)). holds: all judged parts; partly: some; does not hold: "
+        "none."
     )
     if (m := _missing(table, ["reinforce", "reinforce_no_iw", "gating", "gating_no_iw"], text, crit)):
         return m
     cells = table.solved_cells("reinforce_no_iw")
     non_gm = [(mm, t) for mm, t in cells if mm not in GM_METHODS]
     ref = table.pooled("reinforce")
-    a = (any(_low(t) for _, t in non_gm) and not any(_high(t) for _, t in non_gm)) if _learns(ref) or non_gm else None
+    a = ((any(_low(t) for _, t in non_gm) and not any(_high(t) for _, t in non_gm))
+         if _learns(table, "reinforce") or non_gm else None)
     b, b_text = _fails_against(table, "reinforce_no_iw", "reinforce", GM_METHODS)
     c, c_text = _fails_against(table, "gating_no_iw", "gating")
     measured = (
         f"(a) REINFORCE without IW solves: {_cells_str(cells)}"
-        + ("" if a is not None else f" ({_too_few('reinforce', ref)})")
+        + ("" if a is not None else f" ({_no_power('reinforce', ref, 'reinforce_no_iw', tested=False)})")
         + f"; (b) Gumbel-Matching methods: {b_text}; (c) {c_text}"
         + _gaps(table, ["reinforce_no_iw", "gating_no_iw"])
     )
@@ -628,9 +645,9 @@ def strong_balance_loss_fails_every_method(table: SuccessTable) -> Claim:
     crit = (
         "with balance weight 0.1, (a) REINFORCE and (b) gating each solve no cell and succeed less often "
         "than without the loss (REINFORCE: weight 0; gating: 0.01, the configuration that works), pooled "
-        "over methods and τ (Fisher's exact test, one-sided p < 0.05). A part that solves no cell is judged only "
-        f"where the configuration without the loss succeeds in ≥ {MIN_REFERENCE_SUCCESSES} runs. holds: both; "
-        "partly: one; does not hold: neither."
+        "over methods and τ (Fisher's exact test, one-sided p < 0.05). A part that solves no cell and whose test is "
+        "not significant is judged only where the configuration without the loss solves a cell or succeeds in ≥ "
+        f"{MIN_REFERENCE_SUCCESSES} runs. holds: both; partly: one; does not hold: neither."
     )
     # (configuration, reference, the τ where the reference works, for the per-method counts)
     pairs = {"a": ("reinforce_balance0.1", "reinforce", "τ ≥ 1", lambda t: t >= 1 - 1e-9),
@@ -713,14 +730,21 @@ class Sensitivity:
     missing_metrics: tuple[str, ...] = ()
 
     def fragile(self, metric: str = PRIMARY_METRIC) -> list[int]:
-        """The claims (numbered from 1) whose outcome under ``metric`` changes with the solved fraction."""
+        """The claims (numbered from 1) whose judged outcome under ``metric`` changes with the solved fraction
+        (:func:`_changes`: a fraction where a claim is not measured is no change)."""
         rows = [v for (m, _), v in self.outcomes.items() if m == metric]
-        return [i + 1 for i in range(len(self.claims)) if len({r[i] for r in rows}) > 1]
+        return [i + 1 for i in range(len(self.claims)) if _changes(r[i] for r in rows)]
 
     def metric_dependent(self) -> list[int]:
         """The claims (numbered from 1) whose outcome at :data:`SOLVED_FRACTION` differs between the metrics."""
         rows = [v for (_, f), v in self.outcomes.items() if f == SOLVED_FRACTION]
         return [i + 1 for i in range(len(self.claims)) if len({r[i] for r in rows}) > 1]
+
+
+def _changes(outcomes: Iterable[str]) -> bool:
+    """Whether the judged outcomes among ``outcomes`` differ: holds, partly and does not hold are compared,
+    not measured is left out (it is no evidence for or against the claim, so no change of verdict)."""
+    return len({o for o in outcomes if o != NOT_MEASURED}) > 1
 
 
 def _spans(by_fraction: Mapping[float, str]) -> str:
@@ -736,18 +760,21 @@ def _spans(by_fraction: Mapping[float, str]) -> str:
 
 def _robust(claim: Claim, by_fraction: Mapping[float, str], others: Mapping[str, tuple[str, bool]]) -> Claim:
     """``claim`` (judged at the primary metric and fraction) with its robustness said in the verdict: a verdict
-    that changes with the solved fraction is fragile, and a fragile holds / does not hold becomes partly; an
+    whose judged outcome changes with the solved fraction (:func:`_changes`) is fragile, and a fragile holds /
+    does not hold becomes partly; fractions where the claim is not measured are named, without lowering it; an
     outcome another metric changes is named. ``others``: ``{metric: (outcome at the primary fraction, whether
     it is fragile)}``."""
     head, _, rest = claim.verdict.partition(" (")
     notes = [rest.removesuffix(")")] if rest else []
     outcome = head
-    if len(set(by_fraction.values())) > 1:
+    if _changes(by_fraction.values()):
         if head in (HOLDS, NOT_HOLD):
             outcome = PARTLY
             notes.append(f"fragile, lowered from {head}: by the solved fraction, {_spans(by_fraction)}")
         else:
             notes.append(f"fragile: by the solved fraction, {_spans(by_fraction)}")
+    elif len(set(by_fraction.values())) > 1:  # judged the same wherever judged, not measured elsewhere
+        notes.append(f"by the solved fraction, {_spans(by_fraction)}")
     for metric, (o, fragile) in others.items():
         if o != head:
             notes.append(f"metric-dependent: {o} under the {METRICS[metric]}" + (" (fragile)" if fragile else ""))
@@ -775,7 +802,7 @@ def sensitivity(records: Sequence[Mapping], marginals: Sequence[Mapping] | None,
     final = []
     for i, claim in enumerate(primary):
         by_fraction = {f: outcomes[(PRIMARY_METRIC, f)][i] for f in fractions}
-        others = {m: (outcomes[(m, SOLVED_FRACTION)][i], len({outcomes[(m, f)][i] for f in fractions}) > 1)
+        others = {m: (outcomes[(m, SOLVED_FRACTION)][i], _changes(outcomes[(m, f)][i] for f in fractions))
                   for m in metrics if m != PRIMARY_METRIC}
         final.append(_robust(claim, by_fraction, others))
     return Sensitivity(outcomes, final, tuple(m for m in METRICS if m not in metrics))
@@ -789,8 +816,8 @@ def evaluate_claims(records: Sequence[Mapping], marginals: Sequence[Mapping] | N
 
     Each is judged with the expected MSE (:data:`PRIMARY_METRIC`) and cells solved at :data:`SOLVED_FRACTION`,
     then again at every fraction of :data:`SENSITIVITY_FRACTIONS` and with the argmax MSE where the records
-    hold it (:func:`sensitivity`). A verdict that changes with the fraction says "fragile" and its holds or
-    does not hold is lowered to partly; one that the argmax MSE changes says "metric-dependent" and what it
-    would be (e.g. ``"partly (fragile, lowered from holds: by the solved fraction, partly at 0.5–0.6, holds
-    at 0.7–0.9)"``)."""
+    hold it (:func:`sensitivity`). A verdict whose judged outcome changes with the fraction says "fragile" and
+    its holds or does not hold is lowered to partly (a fraction where it is not measured is named, no change);
+    one that the argmax MSE changes says "metric-dependent" and what it would be (e.g. ``"partly (fragile,
+    lowered from holds: by the solved fraction, partly at 0.5–0.6, holds at 0.7–0.9)"``)."""
     return sensitivity(records, marginals, gradients).claims

@@ -14,7 +14,7 @@ import torch
 from ...estimators import MAX_WEIGHT, METHODS
 from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, claims_markdown
 from ..kit.failed_runs import failures_markdown
-from ..kit.provenance import software_line
+from ..kit.provenance import COMMIT, commit_of_version, software_line
 from ..kit.store import is_failed, split_failed
 from ..kit.tables import csv_cell
 from . import claims as cl
@@ -133,8 +133,8 @@ def deviations_markdown(settings: Settings, sens: cl.Sensitivity) -> str:
          f"**yes**: claim(s) {fragile} change with it (marked fragile)"),
         ("when one method is better", "no rule (read off the plots)", "Fisher's exact test (one-sided, 5 %) on the "
          "success counts pooled over the τ (and methods) the claim names", "the test's choice, not a tuned number"),
-        ("\"fails\"", "no rule", f"judged only against a reference configuration with ≥ "
-         f"{cl.MIN_REFERENCE_SUCCESSES} successful runs (else not measured)", "only where nothing learns"),
+        ("\"fails\"", "no rule", "not measured when the test is not significant and the reference configuration "
+         f"neither solves a cell nor has ≥ {cl.MIN_REFERENCE_SUCCESSES} successful runs", "only where nothing learns"),
         ("final MSE", "\"the MSE under sampling of the experts\" (Sec. 3); at test \"the most probable expert\" "
          "(Sec. 1)", "expected MSE under the router (primary); the argmax expert's MSE as the second view",
          f"**yes**: claim(s) {by_metric} change with it (marked metric-dependent)"),
@@ -260,6 +260,16 @@ def _chunk_walls(records: Sequence[Mapping], chunks: Sequence[Mapping]) -> dict[
     return out
 
 
+def _with_chunk_commits(records: Sequence[Mapping], chunks: Sequence[Mapping]) -> list[Mapping]:
+    """``records`` where a run recorded without a commit (before runs carried :data:`~..kit.provenance.COMMIT`)
+    takes the one its chunk's record in chunks.jsonl names (``"routelab": "0.1.0 (commit abc1234)"``): the
+    code that trained the chunk trained its runs. Of a chunk's records, the last one written before chunks
+    carried a commit field is read; a run whose chunk names no commit is left as it is."""
+    named = {c["chunk"]: commit for c in chunks
+             if COMMIT not in c and (commit := commit_of_version(str(c.get("routelab", "")))) is not None}
+    return [r if COMMIT in r or r.get("chunk") not in named else {**r, COMMIT: named[r["chunk"]]} for r in records]
+
+
 def _balance_note() -> str:
     """A line on what the library's balance loss does for balanced (Gumbel-Matching) assignments,
     measured now (so the report stays true if the library changes)."""
@@ -360,7 +370,7 @@ def render_report(
             f"{i['started']}: {', '.join(f'`{c}`' for c in i['chunks'])} in {i['wall_s']:.0f} s on "
             f"{i['workers']} worker(s), 1-minute load average {i['load_start']} at the start and {i['load_end']} "
             f"at the end (routelab {i['routelab']})" for i in invocations) + "."] if invocations else []),
-        f"- {software_line(threads, runs=all_records)}"
+        f"- {software_line(threads, runs=_with_chunk_commits(all_records, chunks or ()))}"
         + (f" per worker, chunks trained on {max(c.get('workers', 1) for c in chunks)} worker process(es) side by side."
            if chunks else "."),
         f"- Runs recorded: {len(all_records)} of {n_planned} planned"
@@ -398,13 +408,14 @@ def render_report(
         "per τ; it says neither when a method works at a τ nor when one method beats another): a (method, τ) "
         f"cell is **solved** when ≥ {cl.SOLVED_FRACTION:.0%} of its seeds succeed ({need} of {n_seeds}); "
         "every verdict is recomputed with the solved threshold at "
-        f"{', '.join(f'{f:.0%}' for f in cl.SENSITIVITY_FRACTIONS)}, and one that changes is *fragile* (a "
-        "fragile holds or does not hold reads partly); a comparison of two methods or configurations is "
+        f"{', '.join(f'{f:.0%}' for f in cl.SENSITIVITY_FRACTIONS)}, and one whose judged outcome changes is "
+        "*fragile* (a fragile holds or does not hold reads partly; a threshold where a claim is not measured is "
+        "named, not counted as a change); a comparison of two methods or configurations is "
         "Fisher's exact test (one-sided, p < 0.05 unless the claim says otherwise) on their success counts "
         "pooled over the τ (and methods) the claim names, which no threshold enters; a claim that something "
-        f"*fails* is judged only where the configuration it is compared with succeeds in ≥ "
-        f"{cl.MIN_REFERENCE_SUCCESSES} runs (else *not measured*: a model that learns nothing supports no "
-        "claim of failure). Low τ: τ < 1; high τ: τ > 1.",
+        "*fails* is *not measured* only when the comparison has no power: its test is not significant and the "
+        f"configuration it is compared with neither solves a cell nor succeeds in ≥ {cl.MIN_REFERENCE_SUCCESSES} "
+        "runs (a model that learns nothing supports no claim of failure). Low τ: τ < 1; high τ: τ > 1.",
         _balance_note(),
         "- All runs of a chunk are one batched model (parameters [R], one Adam, one `sample_routes` "
         "call per method and step with one τ per run); sampling noise comes from generators seeded by "
