@@ -227,7 +227,23 @@ def test_the_grouped_probe_runs_where_saved_tensor_hooks_are_disabled(monkeypatc
     expected = _grouped._probe(torch.device("cpu"), torch.float32)
     monkeypatch.setattr(_grouped, "_PROBED", {})
     with torch.autograd.graph.disable_saved_tensors_hooks("disabled here"):
-        assert _grouped.grouped_mm_supported(torch.device("cpu"), torch.float32, (16, 16)) == expected
+        assert _grouped.grouped_mm_supported(torch.device("cpu"), torch.float32, (16, 16)) == (expected is None)
+
+
+def test_a_dtype_torch_cannot_group_is_refused_with_torchs_reason(monkeypatch) -> None:
+    """Where torch's grouped matmul raises (float64 on CPU), the error quotes torch's reason; it
+    said the tiny product 'did not match', which read as a wrong result."""
+    from routelab.layers import _grouped
+
+    monkeypatch.setattr(_grouped, "_PROBED", {})
+    reason = _grouped.grouped_mm_unsupported_reason(torch.device("cpu"), torch.float64, (16, 16))
+    if reason is None:
+        pytest.skip(f"torch {torch.__version__} groups float64 matmuls on CPU")
+    assert reason.startswith("torch's grouped matmul raised on cpu in torch.float64"), reason
+    moe = MoE(16, 16, 4, router="topk", k=1, capacity_factor=None, dispatch="grouped", dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"dispatch='grouped' cannot run here: torch's grouped matmul raised.*"
+                                         r"use dispatch='auto' or 'buffers'"):
+        moe(torch.randn(8, 16, dtype=torch.float64))
 
 
 class Doubling(nn.Module):

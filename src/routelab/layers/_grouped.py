@@ -27,8 +27,9 @@ _ALIGNMENT_BYTES = 16
 #: The operator: the public name where torch has it, else the private one (torch 2.8-2.9), else None.
 _OPERATOR = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
-#: The probe's verdict per (device type, device index, dtype).
-_PROBED: dict[tuple[str, int | None, torch.dtype], bool] = {}
+#: The probe's verdict per (device type, device index, dtype): ``None`` where the grouped product
+#: matched per-expert matmuls, else why not.
+_PROBED: dict[tuple[str, int | None, torch.dtype], str | None] = {}
 
 
 def grouped_mm(rows: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
@@ -100,23 +101,26 @@ def grouped_mm_unsupported_reason(device: torch.device, dtype: torch.dtype, widt
         return (f"d_model and d_hidden must be multiples of {_ALIGNMENT_BYTES} bytes: {widths} x "
                 f"{dtype.itemsize} bytes ({dtype})")
     key = (device.type, device.index, dtype)
-    probe_failed = (f"a tiny grouped product did not match per-expert matmuls on {device.type} in {dtype} "
-                    f"(torch {torch.__version__})")
     if torch.compiler.is_compiling():  # (storage addresses cannot be read while tracing)
         if dtype != torch.bfloat16:
             return (f"under torch.compile only bfloat16 runs grouped, not {dtype} "
                     "(torch's grouped matmul cannot be traced in it)")
-        return None if _PROBED.get(key, True) else probe_failed
+        return _PROBED.get(key)
     if any(_misaligned(t) for t in tensors):
         return (f"the expert weights' storage must start at a multiple of {_ALIGNMENT_BYTES} bytes "
                 "(memory-mapped weights need not)")
     if key not in _PROBED:
         _PROBED[key] = _probe(device, dtype)
-    return None if _PROBED[key] else probe_failed
+    return _PROBED[key]
 
 
-def _probe(device: torch.device, dtype: torch.dtype) -> bool:
-    """Run a tiny grouped product forward and backward against per-group matmuls."""
+def _probe(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Run a tiny grouped product forward and backward against per-group matmuls.
+
+    Returns ``None`` where it matched, else why not: torch's own error where the product raised
+    (e.g. a dtype its kernel does not take), or that its values or gradients differed.
+    """
+    where = f"on {device.type} in {dtype} (torch {torch.__version__})"
     gen = torch.Generator().manual_seed(0)
     a, b = 16, 8
     sizes = (3, 0, 5)
@@ -142,10 +146,12 @@ def _probe(device: torch.device, dtype: torch.dtype) -> bool:
             weight_grad = torch.stack([rows_ref[s:s + n].T @ grad_ref[s:s + n] for s, n in zip(starts, sizes)])
             rows_grad = torch.cat([grad_ref[s:s + n] @ weight_ref[e].T for e, (s, n) in enumerate(zip(starts, sizes))])
             tol = 1e-4 if dtype in (torch.float32, torch.float64) else 5e-2
-            return bool(
+            matched = bool(
                 torch.allclose(out[:total].float().cpu(), expected, rtol=tol, atol=tol * 10)
                 and torch.allclose(weight.grad.float().cpu(), weight_grad, rtol=tol, atol=tol * 10)
                 and torch.allclose(rows.grad[:total].float().cpu(), rows_grad, rtol=tol, atol=tol * 10)
             )
-    except (RuntimeError, NotImplementedError, TypeError, ValueError):
-        return False
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as error:
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return f"torch's grouped matmul raised {where}: {first_line}"
+    return None if matched else f"a tiny grouped product did not match per-expert matmuls {where}"
