@@ -541,6 +541,32 @@ def test_a_patched_model_compiles_whole_with_fullgraph():
     assert torch.allclose(got, expected, atol=1e-6)
 
 
+@pytest.mark.parametrize("router, options", [("topk", dict(capacity_factor=1.0)), ("batchwise", {})])
+def test_routers_that_leave_slots_out_compile_whole_and_equal_eager(router, options):
+    """A router that may leave a slot empty made the experts find the kept pairs by a host read: a
+    graph break per block. While tracing every slot runs, a left-out one at weight 0: fullgraph=True
+    traces, and the logits and every gradient equal eager's (which runs the kept pairs alone)."""
+    model = tiny().train()
+    blocks = _patch(model, router, check_finite=False, **options)
+    compiled_model = copy.deepcopy(model)
+    left_out = []  # Mixtral's gate answers (logits, weights, experts); E marks a slot left out
+    hooks = [b.gate.register_forward_hook(lambda m, a, out: left_out.append(bool((out[2] == 4).any())))
+             for b in blocks]
+    x = ids(batch=4)
+    expected = model(x).logits
+    for hook in hooks:
+        hook.remove()
+    assert any(left_out), "the case must leave slots out"
+    expected.square().mean().backward()
+    torch._dynamo.reset()
+    got = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")(x).logits
+    got.square().mean().backward()
+    assert torch.allclose(got, expected, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), compiled_model.parameters()):
+        eager_grad, compiled_grad = (torch.zeros_like(p) if g is None else g for g in (p.grad, q.grad))
+        assert torch.allclose(eager_grad, compiled_grad, atol=1e-6, rtol=1e-4), name  # (None: zero)
+
+
 def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="no sparse MoE block"):
         patch_moe(torch.nn.Sequential(torch.nn.Linear(4, 4)), "topk")

@@ -262,7 +262,10 @@ class RoutedExperts:
     every slot holds an expert, the experts' own forward runs unchanged; otherwise it runs on the
     ``P`` kept pairs (``hidden_states[token]``, one expert each) and the outputs are summed per
     token, so the compute is proportional to ``P`` whatever implementation the experts use (twice
-    that for experts that cannot take one slot per row: :meth:`_two_slots`).
+    that for experts that cannot take one slot per row: :meth:`_two_slots`). Under torch.compile,
+    which cannot trace the host read that finds the kept pairs, every slot runs, a left-out one on
+    expert 0 at weight 0: the model compiles whole, equal to eager wherever the experts' outputs are
+    finite, at the dropless compute.
     """
 
     _routelab_num_experts: int
@@ -277,6 +280,9 @@ class RoutedExperts:
         if told:  # the gate's own indices, unchanged, which it knows name an expert in every slot: no sync
             return self._every_slot(hidden_states, top_k_index, top_k_weights)
         routed = (top_k_index >= 0) & (top_k_index < E)
+        if torch.compiler.is_compiling():  # no host read while tracing: every slot runs, the left-out at weight 0
+            return self._every_slot(hidden_states, torch.where(routed, top_k_index, 0),
+                                    torch.where(routed, top_k_weights, 0))
         if bool(routed.all()):  # one host sync
             return self._every_slot(hidden_states, top_k_index, top_k_weights)
         token, slot = routed.nonzero(as_tuple=True)
