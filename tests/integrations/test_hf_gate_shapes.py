@@ -396,3 +396,61 @@ def test_two_slots_keep_an_infinite_expert_output_infinite():
         block.experts.down_proj.abs_().mul_(1e38)  # positive terms: the experts' outputs overflow to +inf
     y = block(x.abs() + 1)  # (weights well above 0: 0 * inf is NaN in any order)
     assert not torch.isnan(y).any() and torch.isinf(y).any()
+
+
+#: Router sizes of released checkpoints (hidden size, experts, k), everything else tiny: the probe
+#: must read the gate's rule at these sizes too (the family tests run at hidden size 32).
+_TINY_REST = dict(vocab_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+                  intermediate_size=8)
+REAL_ROUTER_SIZES = {
+    "Qwen1.5-MoE-A2.7B": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                          dict(hidden_size=2048, moe_intermediate_size=8, shared_expert_intermediate_size=8,
+                               num_experts=60, num_experts_per_tok=4, norm_topk_prob=False)),
+    "OLMoE-1B-7B": ("OlmoeConfig", "OlmoeForCausalLM",
+                    dict(hidden_size=2048, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False)),
+    "Qwen3-30B-A3B": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                      dict(hidden_size=2048, moe_intermediate_size=8, num_experts=128, num_experts_per_tok=8,
+                           norm_topk_prob=True)),
+    "DeepSeek-V2-Lite": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                         dict(hidden_size=2048, moe_intermediate_size=8, n_routed_experts=64, num_experts_per_tok=6,
+                              n_shared_experts=1, kv_lora_rank=8, q_lora_rank=None, qk_rope_head_dim=4,
+                              qk_nope_head_dim=4, v_head_dim=8, first_k_dense_replace=0, n_group=1, topk_group=1,
+                              norm_topk_prob=False, routed_scaling_factor=1.0)),
+    "Jamba-v0.1": ("JambaConfig", "JambaForCausalLM",
+                   dict(hidden_size=4096, num_experts=16, num_experts_per_tok=2, attn_layer_period=1,
+                        attn_layer_offset=0, expert_layer_period=1, expert_layer_offset=0, mamba_d_state=4,
+                        mamba_expand=1, mamba_dt_rank=4)),
+}
+
+
+@pytest.mark.parametrize("checkpoint", list(REAL_ROUTER_SIZES))
+def test_topk_reproduces_blocks_with_the_router_sizes_of_released_checkpoints(checkpoint: str) -> None:
+    """A review case: the probe ran the gate on N(0, 1) inputs, logits of spread sqrt(d) (45 at
+    d = 2048), a one-hot softmax under which renormalising and not fit alike: Qwen1.5-MoE's and
+    DeepSeek-V2-Lite's blocks were silently renormalised (outputs 21-63 % off), Jamba's read as a
+    rule of its own (a false warning, then renormalised, 82 % off). Oracle: the unpatched block,
+    at the model's own initialisation and with a router of logits of order 1."""
+    config_name, model_name, kw = REAL_ROUTER_SIZES[checkpoint]
+    if not (hasattr(tf, config_name) and hasattr(tf, model_name)):
+        pytest.skip(f"transformers {tf.__version__} has no {model_name}")
+    torch.manual_seed(0)
+    model = getattr(tf, model_name)(getattr(tf, config_name)(**{**_TINY_REST, **kw})).eval()
+    patched = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        patch_moe(patched, "topk")
+    assert not [str(w.message) for w in caught if "routing rule" in str(w.message)]
+    block, patched_block = sparse_moe_blocks(model)[0][1], sparse_moe_blocks(patched)[0][1]
+    d = kw["hidden_size"]
+    for weight_std in (None, d ** -0.5):  # the model's own init; a router of logits of order 1
+        if weight_std is not None:
+            with torch.no_grad():
+                weight = torch.randn(routing_child(block)[1].weight.shape,
+                                     generator=torch.Generator().manual_seed(1)) * weight_std
+                routing_child(block)[1].weight.copy_(weight)
+                routing_child(patched_block)[1].weight.copy_(weight)
+        h = torch.randn(2, 8, d, generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            expected, got = block(h), patched_block(h)
+        expected, got = (expected[0], got[0]) if isinstance(expected, tuple) else (expected, got)
+        assert (got - expected).abs().max() <= 1e-5 * expected.abs().max(), (checkpoint, weight_std)

@@ -229,6 +229,15 @@ def _fresh_state(module: nn.Module, dtype: torch.dtype,
     return fresh, buffers
 
 
+def _probe_inputs(tokens: int, d: int, generator: torch.Generator) -> Tensor:
+    """The probe's hidden states ``[tokens, d]``, of variance ``1 / d``: with the fresh N(0, 1) weights
+    the logits are of order 1 at any hidden size. Inputs of variance 1 gave logits of spread
+    ``sqrt(d)`` (about 45 at d = 2048), a one-hot softmax under which a gate that renormalises its
+    top-k weights and one that does not give the same weights (and the k-th probability may
+    underflow to a tie at 0): Qwen2-MoE's and DeepSeek-V2's sizes were read as renormalising."""
+    return torch.randn(tokens, d, generator=generator) / d ** 0.5
+
+
 def _buffer_copy(buffer: Tensor) -> Tensor:
     """A CPU copy of a gate's buffer for the probe: float32 for a floating buffer, its own dtype for
     an integer or bool one (an index table); zeros for a buffer on the meta device."""
@@ -332,7 +341,7 @@ def _roles_with_block_inputs(gate: nn.Module, block: nn.Module | None, extras: t
     if run is None:
         return unread
     probe, fresh = run
-    x = torch.randn(tokens, d, generator=g)
+    x = _probe_inputs(tokens, d, g)
     copies = values
     try:
         with torch.no_grad():
@@ -425,7 +434,7 @@ def probe_gate(gate: nn.Module, tokens: int = 16, seed: int = 0, *, block: nn.Mo
     if run is None:
         return GateRule()
     probe, fresh = run
-    x = torch.randn(tokens, d, generator=g)
+    x = _probe_inputs(tokens, d, g)
     try:
         with torch.no_grad():
             out = type(gate).forward(probe, x)
