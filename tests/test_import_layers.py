@@ -126,3 +126,16 @@ def test_the_parser_sees_relative_and_absolute_imports() -> None:
     assert any(t.startswith("routelab._checks") for t in parsed), parsed
     routers = [".".join(t) for _, t in _imports(ROOT / "routers" / "base.py")]
     assert "routelab.routing.rules" in routers and "routelab.gates.protocol" in routers
+
+
+def test_importing_routelab_leaves_dynamo_and_scipy_linalg_unimported() -> None:
+    """``import routelab`` is about torch's own import time: torch.compile's machinery (Dynamo,
+    imported by ``torch.compiler.disable`` at decoration, ~2 s on a CPU) and scipy.linalg (~0.4 s)
+    load at their first use. A review measured ``import routelab`` at twice ``import torch``."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, routelab; "
+             "print(sorted(m for m in ('torch._dynamo', 'scipy.linalg') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -1,10 +1,11 @@
 """Sweep routelab's ``patch_moe`` over every MoE family of the installed transformers.
 
-For each family it builds a tiny random-init model (hidden 32, 2 layers, 4 experts, top-2, vocab 64;
-the exact config kwargs are in :data:`FAMILIES`, print them with ``--configs``; a few extra rows try
-other routing options of a family: jitter, k = E, scaling factors, grouped routing, sigmoid scoring),
-sets the routing weights to N(0, 1) and scales the experts by 20 (as tests/integrations/test_hf.py
-does, so that a routing difference shows), then:
+For each family it builds a tiny random-init model (hidden 32, or ``--hidden D`` below; 2 layers,
+4 experts, top-2, vocab 64; the exact config kwargs are in :data:`FAMILIES`, print them with
+``--configs``; a few extra rows try other routing options of a family: jitter, k = E, scaling factors,
+grouped routing, sigmoid scoring), sets the routing weights to N(0, 1) (N(0, 1/D) at ``--hidden D``)
+and scales the experts by 20 (as tests/integrations/test_hf.py does, so that a routing difference
+shows), then:
 
 1. counts the blocks ``routelab.integrations.hf.sparse_moe_blocks`` finds, and, independently, the
    MoE-looking modules (an ``experts`` child, or a child whose class looks like a router), so that a
@@ -22,10 +23,29 @@ does, so that a routing difference shows), then:
    fresh copy with a non-top-k router (``--router``, default ``"base"``, BASE layers' balanced
    assignment) and checks that its forward and backward are finite.
 
+``--hidden D`` (default 32) builds every model at hidden size D, so that what depends on the hidden
+size shows: ``probe_gate`` read gates from N(0, 1) inputs, whose logits of spread ``sqrt(d)`` were a
+one-hot softmax at real sizes (2048-4096) but not at 32 (fixed 2026-11-27). Every other size stays as
+at 32: layers, experts, vocabulary, intermediate sizes, and the head sizes the kwargs give (where a
+config derives the head size as ``hidden / heads``, it grows with D). A model that cannot be built or
+run that way (it needs ``hidden = heads * head_dim``, an M-RoPE section must fit ``hidden / heads``,
+Mamba heads must fill ``expand * hidden``) is rebuilt with every head count (every integer kwarg named
+``...heads``) times D / 32, so that each head has its size at hidden 32; footnotes under the table
+name those families and the first try's error (for D a multiple of 32; otherwise it is BUILD FAILED).
+At D other than 32 the routing matrices are N(0, 1/D) instead of N(0, 1): the gate's input is
+normalised (entries of order 1), so its logits are of order 1, as in a trained model; N(0, 1) would
+give logits of spread ``sqrt(D)``, a one-hot softmax under which the unpatched model routes top-1 with
+weight 1 and a misread normalisation or scale barely moves the output (an "equal" that says little).
+The gate's vectors (biases, per-expert scales, score corrections) stay N(0, 1) and the experts are
+still scaled by 20. ``--router-std S`` sets the routing matrices' std at any D (default 1 at hidden 32,
+the sweep as it always ran, else ``1/sqrt(D)``); ``--hidden 32 --router-std 0.177`` runs the small
+models with logits of order 1, which tells a change due to D from one due to the logits' scale.
+
 Every family runs in a subprocess of its own with a time limit, so one hang or crash does not stop
 the sweep. One table row per family::
 
     OMP_NUM_THREADS=1 python tools/hf_family_sweep.py [--family NAME ...] [--jobs 2] [--timeout 300]
+    OMP_NUM_THREADS=1 python tools/hf_family_sweep.py --hidden 2048   # every model at hidden 2048
     python tools/hf_family_sweep.py --configs          # the tiny-config kwargs of every family
     python tools/hf_family_sweep.py --one mixtral      # one family in this process, JSON + details
     python tools/hf_family_sweep.py --details out.json # every result, traces included
@@ -53,7 +73,8 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 VOCAB = 64
-HIDDEN = 32
+HIDDEN = 32  # the default hidden size (--hidden)
+HIDDEN_KEYS = ("hidden_size", "d_model")  # the hidden size's names in the configs
 EXPERTS = 4
 TOPK = 2
 EXPERT_SCALE = 20.0  # experts large enough that a routing difference shows in the output (as tests/integrations)
@@ -263,17 +284,27 @@ _family("ernie4_5_vl_moe_mixed", "Ernie4_5_VLMoeTextConfig", "Ernie4_5_VLMoeText
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
 
 
-def config_kwargs(family: str, config_cls: type) -> dict:
-    """The kwargs the tiny config of ``family`` is built with (GENERIC filtered by the signature, then the family's)."""
+def config_kwargs(family: str, config_cls: type, hidden: int = HIDDEN, heads_scale: int = 1) -> dict:
+    """The kwargs the tiny config of ``family`` is built with (GENERIC filtered by the signature, then the
+    family's), at hidden size ``hidden`` (every other size as in :data:`FAMILIES`), with every head count
+    (every integer kwarg whose name ends in ``heads``) times ``heads_scale``."""
     _, _, kwargs, generic, _ = FAMILIES[family]
-    if not generic:
-        return dict(kwargs)
-    params = inspect.signature(config_cls).parameters
-    generic_kwargs = {k: v for k, v in GENERIC.items() if k in params}
-    if "kv_lora_rank" in params and "num_key_value_heads" in params:
-        # multi-head latent attention: as many key/value heads as heads (SDPA with a padding mask needs it)
-        generic_kwargs["num_key_value_heads"] = generic_kwargs["num_attention_heads"]
-    return {**generic_kwargs, **kwargs}
+    if generic:
+        params = inspect.signature(config_cls).parameters
+        generic_kwargs = {k: v for k, v in GENERIC.items() if k in params}
+        if "kv_lora_rank" in params and "num_key_value_heads" in params:
+            # multi-head latent attention: as many key/value heads as heads (SDPA with a padding mask needs it)
+            generic_kwargs["num_key_value_heads"] = generic_kwargs["num_attention_heads"]
+        kwargs = {**generic_kwargs, **kwargs}
+    kwargs = {**kwargs, **{key: hidden for key in HIDDEN_KEYS if key in kwargs}}
+    return {**kwargs, **{key: value * heads_scale for key, value in kwargs.items()
+                         if key.endswith("heads") and isinstance(value, int) and not isinstance(value, bool)}}
+
+
+def default_router_std(hidden: int) -> float:
+    """The routing weights' standard deviation: 1 at the default hidden size (the sweep as it always ran,
+    logits of spread ``sqrt(32)``), ``1/sqrt(hidden)`` at any other (logits of order 1)."""
+    return 1.0 if hidden == HIDDEN else hidden**-0.5
 
 
 # ------------------------------------------------------------------------------------------ one family
@@ -288,7 +319,8 @@ def _tail(error: BaseException, frames: int = 6) -> str:
     return "".join(traceback.format_exception(type(error), error, error.__traceback__)[-frames:])
 
 
-def _build(family: str):
+def _build(family: str, hidden: int = HIDDEN, heads_scale: int = 1) -> tuple:
+    """``(model, kwargs)``: the tiny model of ``family`` at hidden size ``hidden``, head counts x ``heads_scale``."""
     import torch
     import transformers as tf
 
@@ -296,14 +328,49 @@ def _build(family: str):
     config_cls, model_cls = getattr(tf, config_name, None), getattr(tf, model_name, None)
     if config_cls is None or model_cls is None:
         raise LookupError(f"transformers {tf.__version__} has no {config_name if config_cls is None else model_name}")
-    kwargs = config_kwargs(family, config_cls)
+    kwargs = config_kwargs(family, config_cls, hidden, heads_scale)
     config = config_cls(**kwargs)
     torch.manual_seed(0)
     model = model_cls(config).float()
     return model, kwargs
 
 
-def _inputs(model, family: str):
+def _build_at(family: str, hidden: int) -> tuple:
+    """``(model, kwargs, note)``: :func:`_build` at ``hidden``; at a hidden size other than the default, where that
+    model cannot be built or run (it needs ``hidden = heads * head_dim``, an M-RoPE section must fit
+    ``hidden / heads``, Mamba heads must fill ``expand * hidden``), it is rebuilt with every head count times
+    ``hidden / HIDDEN``, so that each head has its size at hidden 32; ``note`` says so and why (None where the
+    first build ran)."""
+    if hidden == HIDDEN:
+        return (*_build(family, hidden), None)
+    try:
+        model, kwargs = _build(family, hidden)
+        _smoke_run(model, family, hidden)
+        return model, kwargs, None
+    except Exception as error:  # noqa: BLE001 - retried with the heads scaled, else reported
+        if hidden % HIDDEN:
+            raise
+        first = error
+    scale = hidden // HIDDEN
+    try:
+        model, kwargs = _build(family, hidden, scale)
+        _smoke_run(model, family, hidden)
+    except Exception as error:  # noqa: BLE001 - both tries are said
+        raise RuntimeError(f"{_short(first, 200)}; with every head count x{scale}: {_short(error, 200)}") from error
+    note = f"every head count x{scale} (with the heads of hidden {HIDDEN}: {_short(first, 200)})"
+    return model, kwargs, note
+
+
+def _smoke_run(model, family: str, hidden: int) -> None:
+    """One eval forward without gradients, the global random state left as it was (raises if the model cannot run)."""
+    import torch
+
+    with torch.random.fork_rng(), torch.no_grad():
+        model.eval()
+        model(**_inputs(model, family, hidden))
+
+
+def _inputs(model, family: str, hidden: int = HIDDEN):
     import torch
 
     g = torch.Generator().manual_seed(1)
@@ -312,7 +379,7 @@ def _inputs(model, family: str):
     ids = torch.randint(3, VOCAB, (2, 8), generator=g)
     inputs = {"input_ids": ids}
     if family == "qwen3_omni_moe_talker":  # the talker has no token embedding of its own: it takes embeddings
-        return {"inputs_embeds": torch.randn(2, 8, HIDDEN, generator=g)}
+        return {"inputs_embeds": torch.randn(2, 8, hidden, generator=g)}
     if getattr(model.config, "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = torch.randint(3, VOCAB, (2, 6), generator=g)
     if family == "ernie4_5_vl_moe_mixed":  # tokens 2..4 of each sequence are vision tokens
@@ -418,24 +485,30 @@ def _patched_parts(model) -> list[str]:
     return parts + [f"<{len(model._forward_pre_hooks)} forward pre-hooks>"] * bool(model._forward_pre_hooks)
 
 
-def run_family(family: str, other_router: str = "base") -> dict:
+def run_family(family: str, other_router: str = "base", hidden: int = HIDDEN, router_std: float | None = None) -> dict:
+    """Everything the module docstring lists, for one family, as a JSON-able dict (``outcome`` is the table's cell).
+
+    ``router_std``: the standard deviation of the routing matrices (default :func:`default_router_std`)."""
     import torch
 
     import routelab
     from routelab.integrations.hf import patch_moe, routing_child, sparse_moe_blocks
     from routelab.integrations.hf_blocks import scorer_parameter
 
-    result: dict = {"family": family, "tested": FAMILIES[family][4]}
+    router_std = default_router_std(hidden) if router_std is None else router_std
+    result: dict = {"family": family, "tested": FAMILIES[family][4], "hidden": hidden, "router_std": router_std}
     try:
-        model, kwargs = _build(family)
-        inputs = _inputs(model, family)
+        model, kwargs, note = _build_at(family, hidden)
+        if note:
+            result["heads_scaled"] = note
+        inputs = _inputs(model, family, hidden)
         result["kwargs"] = repr(kwargs)
         blocks = sparse_moe_blocks(model)
         with torch.no_grad():
             for _, block in blocks:
                 child = routing_child(block)[1]
                 for p in child.parameters():  # its scoring Linear child's too (HunYuan's wg, DBRX's layer)
-                    p.normal_()
+                    p.normal_(0.0, router_std if p.dim() > 1 else 1.0)  # matrices router_std, vectors (biases) 1
                 for p in block.experts.parameters():
                     if p.dim() > 1 and float(p.abs().max()) < 1e-6:  # left uninitialised (torch.empty) by the model
                         p.normal_(0.0, 0.02)
@@ -596,12 +669,15 @@ def run_family(family: str, other_router: str = "base") -> dict:
 # ------------------------------------------------------------------------------------------ the sweep
 
 
-def _in_subprocess(family: str, timeout: float, other_router: str) -> dict:
+def _in_subprocess(family: str, timeout: float, other_router: str, hidden: int = HIDDEN,
+                   router_std: float | None = None) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    command = [sys.executable, __file__, "--one", family, "--json", "--router", other_router, "--hidden", str(hidden)]
+    if router_std is not None:
+        command += ["--router-std", repr(router_std)]
     start = time.time()
     try:
-        done = subprocess.run([sys.executable, __file__, "--one", family, "--json", "--router", other_router],
-                              capture_output=True, text=True, timeout=timeout, env=env)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"family": family, "outcome": f"TIMEOUT after {timeout:.0f} s", "tested": FAMILIES[family][4]}
     for line in reversed(done.stdout.splitlines()):
@@ -629,6 +705,9 @@ def print_table(results: list[dict], width: int = 150) -> None:
         print(f"{r['family']:<24} {'yes' if r.get('tested') else '':<3} {str(r.get('blocks', '-')):>6} "
               f"{'-' if holders is None else len(holders):>8} {'-' if sens is None else f'{sens:.1e}':>7}  "
               f"{_cell(r.get('outcome', ''), width):<{width}}  {pad:<12}  {_cell(r.get('other', '-'), 90)}")
+    for r in results:
+        if r.get("heads_scaled"):
+            print(f"{r['family']}: built with {r['heads_scaled']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -642,18 +721,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", action="store_true", help="print each family's tiny-config kwargs")
     parser.add_argument("--details", metavar="FILE", help="write every result (traces included) as JSON here")
     parser.add_argument("--width", type=int, default=150, help="width of the outcome column")
+    parser.add_argument("--hidden", type=int, default=HIDDEN, metavar="D",
+                        help=f"the models' hidden size (default {HIDDEN}; every other size stays tiny)")
+    parser.add_argument("--router-std", type=float, metavar="S",
+                        help=f"std of the routing matrices (default 1 at hidden {HIDDEN}, else 1/sqrt(D))")
     args = parser.parse_args(argv)
+    if args.hidden < 1 or (args.router_std is not None and args.router_std <= 0):
+        parser.error("--hidden and --router-std must be positive")
     if args.configs:
         import transformers as tf
 
         for family, (config_name, model_name, *_rest) in FAMILIES.items():
             cls = getattr(tf, config_name, None)
-            kwargs = config_kwargs(family, cls) if cls is not None else FAMILIES[family][2]
+            kwargs = config_kwargs(family, cls, args.hidden) if cls is not None else FAMILIES[family][2]
             print(f"{family}: {config_name} / {model_name}: {kwargs}")
         return 0
     if args.one:
         warnings.filterwarnings("ignore", category=FutureWarning)
-        result = run_family(args.one, args.router)
+        result = run_family(args.one, args.router, args.hidden, args.router_std)
         if args.json:
             print(json.dumps(result))
         else:
@@ -664,7 +749,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        results = list(pool.map(lambda f: _in_subprocess(f, args.timeout, args.router), families))
+        results = list(pool.map(
+            lambda f: _in_subprocess(f, args.timeout, args.router, args.hidden, args.router_std), families))
+    if args.hidden != HIDDEN or args.router_std is not None:
+        std = default_router_std(args.hidden) if args.router_std is None else args.router_std
+        print(f"hidden {args.hidden}, routing matrices N(0, {std:.3g}^2)")
     print_table(results, args.width)
     if args.details:
         with open(args.details, "w") as handle:

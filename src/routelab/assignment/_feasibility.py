@@ -16,8 +16,6 @@ feasible (the sweeps then need more room, not other marginals).
 from __future__ import annotations
 
 import numpy as np
-import scipy.sparse as sp
-from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 __all__ = ["hall_violator"]
 
@@ -36,6 +34,10 @@ def hall_violator(finite: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, n
         ``(rows, cols, room)``: the row indices ``R``, the columns ``C`` they may use, and ``room =
         sum(target[C]) < len(R)``; ``None`` when a feasible matrix exists (to the flow's resolution).
     """
+    # (imported here: scipy.sparse.csgraph, which loads scipy.linalg, adds ~0.5 s to `import routelab`)
+    import scipy.sparse as sp
+    from scipy.sparse.csgraph import breadth_first_order, maximum_flow
+
     n, k = finite.shape
     if n == 0:
         return None

@@ -34,7 +34,6 @@ import math
 
 import numpy as np
 import torch
-from scipy.linalg.lapack import dposv
 from torch import Tensor
 
 from ._tuning import TUNING, SolverTuning
@@ -371,6 +370,8 @@ def _damped_newton_step(
         rhs *= keep
         A *= -(keep[:, :, None] * keep[:, None, :])
         diag += col64 * keep + (1.0 + 1e-6 - keep) * rho[:, None]
+    from scipy.linalg.lapack import dposv  # (imported here: scipy.linalg adds ~0.4 s to `import routelab`)
+
     step = np.empty((B, k))
     for b in range(B):
         # A is symmetric: its transpose is the Fortran-ordered matrix LAPACK wants, without a copy.

@@ -21,5 +21,14 @@ F = TypeVar("F", bound=Callable[..., object])
 
 def eager(fn: F) -> F:
     """``fn`` excluded from ``torch.compile`` tracing (``torch.compiler.disable``, recursively):
-    it runs eagerly, with autograd, whether or not the caller is compiled."""
-    return torch.compiler.disable(fn, recursive=True)  # type: ignore[return-value]
+    it runs eagerly, with autograd, whether or not the caller is compiled.
+
+    Through torch's lazy form of the same decorator where torch has it (``torch._disable_dynamo``,
+    which torch uses for its own functions): Dynamo is imported at the first call, not when
+    routelab is imported (``torch.compiler.disable`` imports it at once: about 2 s of the import of
+    ``routelab`` on a CPU, for users who never compile).
+    """
+    lazy = getattr(torch, "_disable_dynamo", None)
+    if lazy is None:  # (a torch without it)
+        return torch.compiler.disable(fn, recursive=True)  # type: ignore[return-value]
+    return lazy(fn, recursive=True)  # type: ignore[return-value]
