@@ -136,14 +136,17 @@ def difference_bound(a: Stat, b: Stat, confidence: float = CONFIDENCE) -> float 
     return t_quantile(df, confidence) * math.sqrt(va + vb)
 
 
-def spread_note(stat: Stat, scale: float = 1.0, digits: int = 3, unit: str = "seeds") -> str:
-    """``"95 % t bound 0.123 (4.30 s.e., 3 seeds)"``: :func:`spread_bound` of ``stat`` times ``scale`` (e.g. 100
-    for percent points), for a report's measured text; ``"1 seed"`` (``unit`` singular: the ``s`` dropped)
-    without a standard error."""
+def spread_note(stat: Stat, scale: float = 1.0, digits: int = 3, unit: str = "seeds",
+                confidence: float = CONFIDENCE, label: str | None = None) -> str:
+    """``"95 % t bound 0.123 (4.30 s.e., 3 seeds)"``: :func:`spread_bound` of ``stat`` at ``confidence`` times
+    ``scale`` (e.g. 100 for percent points), for a report's measured text; ``"1 seed"`` (``unit`` singular:
+    the ``s`` dropped) without a standard error. ``label`` names the bound (default ``"95 % t bound"`` at
+    95 %, e.g. ``"one-sided 5 % t bound"`` for the 90 % two-sided quantile a one-sided test reads)."""
     if stat.se is None:
         return f"{stat.n} {unit if stat.n != 1 else unit.removesuffix('s')}"
-    t = t_quantile(stat.n - 1)
-    return f"95 % t bound {scale * t * stat.se:.{digits}g} ({t:.2f} s.e., {stat.n} {unit})"
+    t = t_quantile(stat.n - 1, confidence)
+    name = label if label is not None else f"{100 * confidence:g} % t bound"
+    return f"{name} {scale * t * stat.se:.{digits}g} ({t:.2f} s.e., {stat.n} {unit})"
 
 
 def beyond_spread(stat: Stat, confidence: float = CONFIDENCE) -> int | None:

@@ -118,11 +118,16 @@ def _bound(stat: Stat) -> float:
     return spread_bound(stat)
 
 
-def _diff(stat: Stat, digits: int = 4) -> str:
+def _diff(stat: Stat, digits: int = 4, one_sided: bool = False) -> str:
+    """``stat``'s mean with the bound its claim judges it by: the two-sided 95 % one, or (``one_sided``,
+    the "not worse" claims of :func:`_as_good`) the one-sided 5 % one."""
     if stat.n == 0:
         return "no seed finished for both"
-    bound = f" ({spread_note(stat, digits=digits)})" if stat.se is not None else " (one seed)"
-    return f"{stat.mean:+.{digits}f}{bound}"
+    if stat.se is None:
+        return f"{stat.mean:+.{digits}f} (one seed)"
+    note = (spread_note(stat, digits=digits, confidence=ONE_SIDED, label="one-sided 5 % t bound") if one_sided
+            else spread_note(stat, digits=digits))
+    return f"{stat.mean:+.{digits}f} ({note})"
 
 
 #: A "not worse" claim is refuted by one direction only: A significantly worse than B in a one-sided
@@ -205,7 +210,7 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
         if {a, b} <= have:
             d = paired(records, a, b, _test_loss)
             out.append(Claim(id=cid, text=text, paper=paper, criterion=criterion + note,
-                             measured=f"test loss {a} − {b}: {_diff(d)}",
+                             measured=f"test loss {a} − {b}: {_diff(d, one_sided=True)}",
                              verdict=NOT_MEASURED if multi and d.n < 2 else _as_good(d)))
         else:
             out.append(missing(cid, text, paper, (a, b)))
@@ -220,7 +225,7 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
             d = paired(records, "base", other, _test_loss)
             spread.append(d.n >= 2)
             verdicts.append(_as_good(d))
-            parts.append(f"test loss base − {other}: {_diff(d)}")
+            parts.append(f"test loss base − {other}: {_diff(d, one_sided=True)}")
         aux = _stat(records, "base", "aux").mean
         if all(v == HOLDS for v in verdicts):
             verdict = HOLDS
@@ -328,7 +333,7 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
                          criterion="validation loss with the threshold mask (causal, any batch) against that "
                                    f"with the batchwise mask over evaluation batches of {settings.eval_batch} windows, "
                                    "paired by seed. " + AS_GOOD_RULE + "." + note,
-                         measured=f"val loss threshold − batchwise mask: {_diff(diffs)}",
+                         measured=f"val loss threshold − batchwise mask: {_diff(diffs, one_sided=True)}",
                          verdict=NOT_MEASURED if multi and diffs.n < 2 else _as_good(diffs)))
 
     # 8. sparse beats dense at equal wall time.
