@@ -862,3 +862,29 @@ def test_moe_that_keeps_no_token_returns_zeros_inside_the_graph() -> None:
     y.sum().backward()
     assert torch.equal(x.grad, torch.zeros_like(x))
     assert all(p.grad is None or torch.equal(p.grad, torch.zeros_like(p)) for p in layer.experts.parameters())
+
+
+def test_a_numpy_array_where_a_tensor_goes_is_a_type_error_naming_the_argument() -> None:
+    """README's error contract: a wrong type is a TypeError naming the argument and the fix. A review
+    found four entry points raising a ValueError (smooth_step, dselect_weights, a per-example gate)
+    or an AttributeError naming nothing (MixtureOfAttentiveExperts). They raise an
+    ArgumentTypeError, which is also a ValueError (callers catching the old type still do)."""
+    import numpy as np
+
+    from routelab.gates import DSelectK, dselect_weights, smooth_step
+    from routelab.layers import MixtureOfAttentiveExperts
+
+    array = np.zeros((2, 4), dtype=np.float32)
+    cases = {
+        "t": lambda: smooth_step(array),
+        "alpha and z": lambda: dselect_weights(array, array, 4),
+        "x": lambda: DSelectK(4, 2, input_dim=4, per_example=True)(array),
+        "query": lambda: MixtureOfAttentiveExperts(16, 4)(np.zeros((3, 2, 16)), torch.zeros(3, 2, 16),
+                                                          torch.zeros(3, 2, 16)),
+        "value": lambda: MixtureOfAttentiveExperts(16, 4)(torch.zeros(3, 2, 16), torch.zeros(3, 2, 16),
+                                                          np.zeros((3, 2, 16))),
+    }
+    for name, call in cases.items():
+        with pytest.raises(TypeError, match=rf"^{name} must be") as raised:
+            call()
+        assert isinstance(raised.value, ValueError) and "torch.as_tensor" in str(raised.value), name

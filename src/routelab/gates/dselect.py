@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._checks import check_finite, check_k, check_nonneg, check_positive_int, floating_input
+from .._checks import ArgumentTypeError, check_finite, check_k, check_nonneg, check_positive_int, floating_input
 from .mtl_gate import MTLGate, uniform_init
 from .protocol import GateOutput
 from .smooth_step import check_gamma, smooth_step
@@ -108,7 +108,8 @@ def selector_outputs(z: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
 
 def _check_dselect_args(alpha: torch.Tensor, z: torch.Tensor, num_experts: int) -> int:
     if not isinstance(alpha, torch.Tensor) or not isinstance(z, torch.Tensor):
-        raise ValueError("alpha and z must be torch tensors ([..., k] and [..., k, m]).")
+        raise ArgumentTypeError(f"alpha and z must be torch tensors ([..., k] and [..., k, m]), got "
+                                f"{type(alpha).__name__} and {type(z).__name__}; convert them with torch.as_tensor.")
     floating_input(alpha, "alpha", alpha.dtype)  # the floating check only (no cast): softmax needs floats
     check_positive_int("num_experts", num_experts)
     if alpha.dim() < 1:

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from .._checks import (
+    ArgumentTypeError,
     check_finite,
     check_flag,
     check_generator,
@@ -87,10 +88,11 @@ def batch_size_of(x: torch.Tensor | int) -> int:
             raise ValueError(f"batch size must be >= 1, got {x}.")
         return x
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
-        raise ValueError(
-            "x must be a tensor [batch, input_dim] (or an int batch size for a static gate), "
-            f"got {type(x).__name__}{'' if not isinstance(x, torch.Tensor) else tuple(x.shape)}."
-        )
+        if not isinstance(x, torch.Tensor):
+            raise ArgumentTypeError("x must be a tensor [batch, input_dim] (or an int batch size for a static gate), "
+                                    f"got {type(x).__name__}; convert it with torch.as_tensor(x).")
+        raise ValueError(f"x must be a tensor [batch, input_dim] (or an int batch size for a static gate), got "
+                         f"shape {tuple(x.shape)}.")
     return int(x.shape[0])
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .._checks import _real_number
+from .._checks import ArgumentTypeError, _real_number
 
 __all__ = ["GAMMA_RANGE", "smooth_step", "check_gamma"]
 
@@ -52,10 +52,12 @@ def smooth_step(t: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
     Raises:
         ValueError: if gamma is not a finite number in :data:`GAMMA_RANGE`, or ``t`` is not a
             floating tensor.
+        TypeError: if ``t`` is not a tensor (an ``ArgumentTypeError``, also a ValueError).
     """
     gamma = check_gamma(gamma)
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"t must be a torch.Tensor, got {type(t).__name__}.")
+        raise ArgumentTypeError(f"t must be a torch.Tensor, got {type(t).__name__}; convert it with "
+                                "torch.as_tensor(t).")
     if not t.is_floating_point():
         raise ValueError(f"t must be a floating tensor, got {t.dtype}; use t.float().")
     work = t if t.dtype in (torch.float32, torch.float64) else t.float()

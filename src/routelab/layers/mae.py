@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._checks import (
+    ArgumentTypeError,
     GeneratorAttribute,
     check_finite,
     check_flag,
@@ -487,8 +488,13 @@ class MixtureOfAttentiveExperts(nn.Module):
             differentiable w.r.t. the gate only under ``routing="gate"``.
 
         Raises:
+            TypeError: on a query, key or value that is not a tensor (also a ValueError).
             ValueError: on inputs of the wrong rank or size, or bad ``responsibilities``.
         """
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, Tensor):
+                raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}; convert it with "
+                                        "torch.as_tensor(...)")
         if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
             raise ValueError(
                 f"query, key and value must all be 3-D (batched) or 2-D (unbatched), got "
