@@ -82,3 +82,13 @@ def test_single_runs_use_the_seed_spread() -> None:
     assert single_verdict(1.0, 1.5, None, 0) == "holds (one seed, no spread: sign only)"
     with pytest.raises(ValueError, match="dof must be at least 1"):
         single_verdict(1.0, 1.5, 0.01, 0)
+
+
+def test_a_difference_of_differences_of_four_single_runs_uses_twice_the_seed_spread() -> None:
+    """(a - b) - (c - d) of four independent single runs has standard deviation 2 sd, not sqrt(2) sd
+    (review: claims 16 and 20 used sqrt 2, threshold 0.150 instead of 0.212 nats)."""
+    t = scipy_stats.t.ppf(0.975, 8) * 2 * 0.01
+    assert single_verdict(1.0, 1.0 + t * 1.01, 0.01, 8, runs=4) == "holds (one seed)"
+    assert single_verdict(1.0, 1.0 + t * 0.99, 0.01, 8, runs=4).startswith("inconclusive")
+    with pytest.raises(ValueError, match="runs must be a positive integer"):
+        single_verdict(1.0, 1.5, 0.01, 8, runs=0)

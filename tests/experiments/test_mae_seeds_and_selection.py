@@ -95,9 +95,11 @@ def _records(base: list[float], uni: list[float], mae: list[float]) -> Results:
     return Results(runs, analyses, [], 10.0, (0, 1, 2), 32)
 
 
-def test_mae_beats_base_is_not_testable_when_the_experts_cost_is_significant() -> None:
+def test_mae_beats_base_is_judged_also_when_the_experts_cost_is_significant() -> None:
+    """The paper's models pay the experts' cost too (Sec. 4.3, Table 4: UNI-MAE-7 underperforms BASE) and
+    MAE-7 still beats BASE: the cost is context, the claim is judged (it read "not testable" until a review)."""
     rows = {c.text: c for c in claims(_records([4.00, 4.05, 3.98], [4.05, 4.10, 4.03], [4.03, 4.08, 4.01]))}
-    assert rows["MAE-7 beats BASE (Tables 2-4)"].verdict.startswith("not testable at this size")
+    assert rows["MAE-7 beats BASE (Tables 2-4)"].verdict == "does not hold"  # MAE-7 0.03 above BASE at every seed
     assert rows[HEADLINE[0]].verdict == "holds"  # MAE-7 below UNI-MAE-7 at every seed, by 0.02
     assert rows[HEADLINE[1]].verdict == "holds"  # learned gates 0.01 below uniform gates at every seed
     assert rows[HEADLINE[3]].verdict == "holds"  # 12.5% each

@@ -174,6 +174,9 @@ def run(out_dir: Path, s: Settings) -> Path:
     if unknown or not s.seeds or not s.gate_lrs:
         raise ValueError(f"Settings.variants must name variants of {tuple(variants)} (got unknown {unknown}); "
                          f"seeds and gate_lrs must not be empty.")
+    from_records = _render_from_records(out_dir, s, corpus, t_start)
+    if from_records is not None:
+        return from_records
     stamp = CommitStamp("mae")  # the commit on every record written, a warning when resuming another's runs
     models_dir, ckpt_dir = out_dir / "models", out_dir / "checkpoints"
     models_dir.mkdir(exist_ok=True)
@@ -249,15 +252,7 @@ def run(out_dir: Path, s: Settings) -> Path:
         {lr: a for (n, sd, lr), a in analyses.items() if n == "MAE-7" and sd == seed0}, s.gate_lrs[0])
 
     # ---- 2. every variant, paired seeds (Tables 2-4, App. B); 3. larger models
-    plan: list[tuple[str, int, float | None, int]] = []
-    for seed in s.seeds:
-        for name in s.variants:
-            if seed == seed0 or name in s.multi_seed:
-                plan.append(_key(name, seed, chosen if name in _GATED else None, s.dim))
-    for dim in s.scale_dims:
-        for name in s.scale_variants:
-            plan.append(_key(name, seed0, chosen if name in _GATED else None, dim))
-    for key in plan:
+    for key in _plan(s, chosen):
         train_one(*key)
 
     failed_runs = [r for r in done.values() if is_failed(r)]
@@ -313,6 +308,59 @@ def run(out_dir: Path, s: Settings) -> Path:
     report = write_report(out_dir, s, corpus, list(done.values()), list(analyses.values()), pmi_rec,
                           ft_ok, chosen, elapsed)
     return add_failures_to_report(report, ft_failed, len(ft_done), ("method", "fraction"))
+
+
+def _plan(s: Settings, chosen: float) -> list[tuple[str, int, float | None, int]]:
+    """The runs of steps 2 and 3 of :func:`run` at the chosen gate lr: every variant at every seed of
+    ``multi_seed`` (else at ``seeds[0]``), then the larger models at ``seeds[0]``."""
+    seed0 = s.seeds[0]
+    plan = [_key(name, seed, chosen if name in _GATED else None, s.dim)
+            for seed in s.seeds for name in s.variants if seed == seed0 or name in s.multi_seed]
+    plan += [_key(name, seed0, chosen if name in _GATED else None, dim)
+             for dim in s.scale_dims for name in s.scale_variants]
+    return plan
+
+
+def _render_from_records(out_dir: Path, s: Settings, corpus: Any, t_start: float) -> Path | None:
+    """The report written from ``out_dir``'s records alone, when they hold everything it reads (every
+    planned run, none failed, the analyses of every gated model of the main width, the PMI record and
+    every fine-tuning record), else None.
+
+    The trained models are not committed (``models/`` is large), and :func:`run` retrains a recorded
+    run whose model file is missing: without this a rerun of a finished experiment, meant to re-render
+    its report after a change to the report's code, would retrain every model.
+    """
+    from .report import write_report  # lazy: matplotlib
+
+    done = {_rec_key(r): r for r in read_jsonl(out_dir / "runs.jsonl")}
+    records = read_jsonl(out_dir / "analyses.jsonl")
+    analyses = {(r["variant"], r["seed"], r.get("gate_lr")): r for r in records if r.get("name") == "model"}
+    seed0 = s.seeds[0]
+    candidates = [_key("MAE-7", seed0, lr, s.dim) for lr in s.gate_lrs] if "MAE-7" in s.variants else []
+    if not candidates or any(k not in done for k in candidates):
+        return None
+    chosen = _select_gate_lr([done[k] for k in candidates],
+                             {lr: a for (n, sd, lr), a in analyses.items() if n == "MAE-7" and sd == seed0},
+                             s.gate_lrs[0])
+    needed = [*candidates, *_plan(s, chosen)]
+    if any(k not in done or is_failed(done[k]) for k in needed):
+        return None
+    if any((name, seed, lr) not in analyses for name, seed, lr, dim in needed if dim == s.dim and name != "BASE"):
+        return None
+    pmi = next((r for r in records if r.get("name") == "pmi" and r.get("gate_lr") == chosen), None)
+    if pmi is None:
+        return None
+    ft = [r for r in read_jsonl(out_dir / "finetune.jsonl") if r.get("gate_lr") == chosen]
+    if s.ft_epochs:
+        have = {(r["method"], r["fraction"]) for r in ft}
+        wanted = {("NOFT", 0.0), ("NOFT-BASE", 0.0)} | {(m, f) for f, _ in s.ft_epochs for m in FINETUNE_METHODS}
+        if not wanted <= have:
+            return None
+    _log("every run, analysis and fine-tuning is recorded: the report is written from the records")
+    ft_ok, ft_failed = split_failed(ft)
+    report = write_report(out_dir, s, corpus, list(done.values()), list(analyses.values()), pmi, ft_ok, chosen,
+                          time.perf_counter() - t_start)
+    return add_failures_to_report(report, ft_failed, len(ft), ("method", "fraction"))
 
 
 def _select_gate_lr(candidates: list[dict[str, Any]], analyses: dict[float, dict[str, Any]], default: float) -> float:

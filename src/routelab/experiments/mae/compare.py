@@ -18,6 +18,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..._checks import check_positive_int
 from ..kit.claims import HOLDS, NOT_HOLD
 from ..kit.stats import mean_se, spread_bound, t_quantile
 
@@ -86,9 +87,11 @@ def pooled_dof(groups: Sequence[Sequence[float]]) -> int:
     return sum(len(g) - 1 for g in groups if len(g) >= 2)
 
 
-def single_threshold(sd: float, dof: int) -> float:
+def single_threshold(sd: float, dof: int, runs: int = 2) -> float:
     """The tie threshold of a difference of two single runs: the half-width of its 95 % Student-t interval,
-    ``t(0.975, dof) * sqrt(2) * sd`` (``sd``, ``dof``: :func:`pooled_sd`, :func:`pooled_dof`).
+    ``t(0.975, dof) * sqrt(2) * sd`` (``sd``, ``dof``: :func:`pooled_sd`, :func:`pooled_dof`); of a
+    difference of differences of four single runs (``runs=4``), ``t * 2 * sd``: a signed sum of ``runs``
+    independent runs has the standard deviation ``sqrt(runs) * sd``.
 
     Raises:
         ValueError: when ``dof`` is not positive (no seed spread: judge by the sign instead).
@@ -96,19 +99,21 @@ def single_threshold(sd: float, dof: int) -> float:
     if dof < 1:
         raise ValueError(f"dof must be at least 1 (pooled_dof of groups with a seed spread), got {dof}; without a "
                          "seed spread judge by the sign (sd=None).")
-    return t_quantile(dof) * math.sqrt(2.0) * sd
+    check_positive_int("runs", runs)
+    return t_quantile(dof) * math.sqrt(runs) * sd
 
 
-def single_verdict(a: float, b: float, sd: float | None, dof: int) -> str:
+def single_verdict(a: float, b: float, sd: float | None, dof: int, runs: int = 2) -> str:
     """Verdict of the claim ``a < b`` for two single runs, tie threshold :func:`single_threshold`
-    (``sd`` and ``dof`` from :func:`pooled_sd` and :func:`pooled_dof`; ``sd`` ``None``: sign only, labelled).
+    (``sd`` and ``dof`` from :func:`pooled_sd` and :func:`pooled_dof`; ``sd`` ``None``: sign only, labelled);
+    ``runs=4`` where ``a`` and ``b`` are each a difference of two single runs.
 
     Raises:
         ValueError: when ``sd`` is given with ``dof`` below 1.
     """
     if sd is None:
         return f"{HOLDS if a < b else NOT_HOLD} ({ONE_SEED})"
-    t = single_threshold(sd, dof)
+    t = single_threshold(sd, dof, runs)
     if abs(a - b) <= t:
         return f"{INCONCLUSIVE} (|difference| {abs(a - b):.3g} <= seed-spread threshold {t:.3g}; one seed)"
     return f"{HOLDS if a < b else NOT_HOLD} (one seed)"

@@ -199,15 +199,16 @@ def claims(res: Results) -> list[Claim]:
         seeds = res.seeds_of("MAE-7", "BASE", "UNI-MAE-7")
         cost = paired(res.loss("UNI-MAE-7", seeds), res.loss("BASE", seeds))
         gap = paired(res.loss("MAE-7", seeds), res.loss("BASE", seeds))
-        costly = less_verdict(paired(res.loss("BASE", seeds), res.loss("UNI-MAE-7", seeds))).startswith(HOLDS)
+        # The experts' own cost (UNI-MAE-7 - BASE) is context, not a reason to withhold the verdict: the
+        # paper's models pay it too (Sec. 4.3, Table 4: UNI-MAE-7 underperforms BASE) and MAE-7 still wins.
         rows.append(Claim(
             text="MAE-7 beats BASE (Tables 2-4)",
             paper="+0.8 BLEU WMT14, +0.9 BLEU IWSLT14, >0.3 lower ppl WikiText-103",
-            measured=(f"MAE-7 - BASE {_pct(gap.mean)} test ppl; 7-of-8-head experts alone cost "
-                      f"{_pct(cost.mean)} (UNI-MAE-7 - BASE), mean of {len(seeds)} seeds"),
-            verdict=(f"not testable at this size (the experts' cost {_pct(cost.mean)} is itself significant, "
-                     "against a paper gain of 0.3 ppl at WikiText-103 perplexities near 18-20)")
-            if costly else less_verdict(gap)))
+            measured=(f"MAE-7 - BASE {_pct(gap.mean)} test ppl, per seed "
+                      + ", ".join(_pct(d) for d in gap.diffs)
+                      + f"; the 7-of-8-head experts alone cost {_pct(cost.mean)} (UNI-MAE-7 - BASE; the paper's "
+                      f"cost too, Table 4), mean of {len(seeds)} seeds"),
+            verdict=less_verdict(gap)))
     rows.append(_ppl_claim(res, HEADLINE[0], "MAE-7 better than UNI-MAE-7 (WMT14, WikiText-103)",
                            "MAE-7", "UNI-MAE-7"))
     m7 = [(res.an("MAE-7", s), s) for s in res.seeds if res.an("MAE-7", s) and res.run("MAE-7", s)]
@@ -338,7 +339,7 @@ def _ft_claims(res: Results, sd: float | None, dof: int) -> list[Claim]:
         rows.append(Claim(text="with less data the FTG+ - FTALL gap shrinks (Fig. 2)",
                           paper="FTG+ wins below 20% of the data",
                           measured=f"gap {_pct(gap_small)} at {small:.0%} vs {_pct(gap_full)} at {full:.0%}",
-                          verdict=single_verdict(gap_small, gap_full, sd, dof)))
+                          verdict=single_verdict(gap_small, gap_full, sd, dof, runs=4)))
     return rows
 
 
@@ -363,7 +364,7 @@ def _scale_claims(res: Results, sd: float | None, dof: int) -> list[Claim]:
                   paper="MAE-7 beats BASE at the paper's sizes",
                   measured="MAE-7 - BASE test ppl: " + ", ".join(f"d={d}: {_pct(g)}" for d, g, _ in gaps)
                            + f" (seed {res.seeds[0]})",
-                  verdict=single_verdict(g1, g0, sd, dof))]
+                  verdict=single_verdict(g1, g0, sd, dof, runs=4))]
 
 
 def _selection_claims(res: Results) -> list[Claim]:
@@ -392,6 +393,18 @@ def _gate_note(res: Results) -> str:
 
 def _fmt_lr(lr: float | None) -> str:
     return "-" if lr is None else f"{lr:g}"
+
+
+def _corpus_drift(ft: list[dict[str, Any]], nt_train: int) -> str:
+    """A note where the fine-tuning records trained on another number of New Testament windows than
+    the corpus now gives (its text changed since: the figures describe the corpus of today, the
+    records the one they trained on), else ``""``."""
+    recorded = sorted({r["windows"] for r in ft if r.get("fraction") == 1.0 and "windows" in r})
+    if not recorded or recorded == [nt_train]:
+        return ""
+    return (f" **The recorded runs predate a change of the corpus's text**: their fine-tuning on all of the New "
+            f"Testament trained on {', '.join(map(str, recorded))} windows, the corpus now gives {nt_train} (the "
+            "counts above); a rerun would not reproduce the fine-tuning records exactly.")
 
 
 def write_report(out_dir: Path, s: Any, corpus: Any, run_list: list[dict[str, Any]],
@@ -446,7 +459,7 @@ def write_report(out_dir: Path, s: Any, corpus: Any, run_list: list[dict[str, An
         f"test by verse index mod 20 ({corpus.windows['train'].shape[0]} / {corpus.windows['dev'].shape[0]} / "
         f"{corpus.windows['test'].shape[0]} windows). New Testament: the held-out domain of Sec. 5.2 "
         f"({corpus.windows['nt_train'].shape[0]} / {corpus.windows['nt_dev'].shape[0]} / "
-        f"{corpus.windows['nt_test'].shape[0]} windows).",
+        f"{corpus.windows['nt_test'].shape[0]} windows)." + _corpus_drift(ft, corpus.windows["nt_train"].shape[0]),
         f"- **Model**: decoder-only pre-LN transformer, {s.layers} layers, d = {s.dim}, h = {s.heads} heads "
         f"(of dimension {s.dim // s.heads}), FFN {s.ffn}, tied embeddings, dropout 0.1. Every self-attention "
         f"is a `MixtureOfAttentiveExperts` with its own gate (tanh MLP, hidden {s.gate_hidden}). The gate is "
@@ -456,9 +469,13 @@ def write_report(out_dir: Path, s: Any, corpus: Any, run_list: list[dict[str, An
         f"- **Training** (`routelab.layers.bcd.BCDTrainer`): {total_steps} F steps ({sched.epochs} epochs "
         f"of {sched.batches_per_epoch} batches of {sched.batch} windows, {total_steps * sched.batch / n_train:.2f} "
         f"passes over the training windows), Adam lr {sched.lr} (warm-up {sched.warmup} steps, cosine to "
-        f"10%), clipping {sched.clip_norm}. **G steps are scheduled in steps**: one G step before every "
-        f"{sched.g_every_steps}-th F step (the paper's one G update per five F updates), plus a G-only "
-        f"phase of {sched.g_phase} G steps at the end of every epoch; gates by plain SGD (no momentum, as "
+        f"10%), clipping {sched.clip_norm}. **G steps are scheduled in steps, not epochs**: the paper's "
+        "Alg. 3 takes a G step on every batch of the epochs with e mod 5 = 0 (one G update per five F "
+        "updates over its many epochs); with this run's few short epochs that would leave the gates almost "
+        f"untrained, so here one G step comes before every {sched.g_every_steps}-th F step, plus a G-only "
+        f"phase of {sched.g_phase} G steps at the end of every epoch so that the gates catch up with the "
+        "experts (a departure: more G steps than the paper's ratio, the table's G / expert steps column "
+        "counts them); gates by plain SGD (no momentum, as "
         "the paper) at the gate lr selected on dev (below). NOBCD trains gates (SGD, same lr) and "
         "experts jointly on the mixture; UNI-MAE-7 samples a uniform expert per position and averages "
         "at test time; BASE is the same network with uniform responsibilities, i.e. plain multi-head "
@@ -546,11 +563,11 @@ def write_report(out_dir: Path, s: Any, corpus: Any, run_list: list[dict[str, An
         if costs:
             mean_cost = sum(costs) / len(costs)
             L += ["", f"UNI-MAE-7 - BASE, the cost of training 7-of-{s.heads}-head experts with heads of dimension "
-                  f"{s.dim // s.heads}, is {_pct(mean_cost)} on average over {len(costs)} seeds. The paper's whole "
-                  "gain is 0.3 perplexity on WikiText-103 (perplexities near 18-20). Where that cost is "
-                  "significant (claim 1), \"MAE-7 beats BASE\" **cannot be tested at this size**: a gate would "
-                  "first have to recover the cost of the experts, which the paper's models do not pay. What is "
-                  "tested instead: MAE-7 vs UNI-MAE-7, and learned vs uniform gates on the same experts."]
+                  f"{s.dim // s.heads}, is {_pct(mean_cost)} on average over {len(costs)} seeds. The paper's "
+                  "models pay that cost too (Sec. 4.3, Table 4: UNI-MAE-7 underperforms BASE) and MAE-7 still "
+                  "beats BASE there, by 0.3 perplexity on WikiText-103 (perplexities near 18-20): its gates "
+                  "recover more than the experts cost. Claim 1 judges MAE-7 against BASE directly; MAE-7 vs "
+                  "UNI-MAE-7, and learned vs uniform gates on the same experts, isolate the gates' part."]
         gaps = _scale_gaps(res)
         if len(gaps) > 1:
             L += ["", "Whether the gap closes with a larger model (seed " + str(s0) + ", same schedule, h = "
