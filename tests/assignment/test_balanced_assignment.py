@@ -331,6 +331,21 @@ def test_one_infeasible_instance_in_a_batch_raises() -> None:
         balanced_assignment(s)
 
 
+def test_an_infeasible_pattern_at_scale_is_refused_before_the_solve() -> None:
+    """Review: 2048 tokens allowed only on 4 of 8 experts of capacity 511 (2044 places) took the
+    compiled solver ~50 s (its auction raises the allowed experts' prices to the penalty in epsilon
+    steps; minutes at 4096) before the right error; the max-flow check refuses it before the solve,
+    naming the deficient set (the oracle: 2048 tokens, 4 x 511 places)."""
+    n, k, c = 2048, 8, 511
+    s = torch.randn(n, k, generator=torch.Generator().manual_seed(0))
+    s[:, k // 2:] = NEG_INF
+    with pytest.raises(ValueError, match=rf"no feasible assignment with capacity {c} \(batch instance 0\): "
+                                         rf"{n} tokens are allowed only on 4 experts, which hold {4 * c}"):
+        balanced_assignment(s, capacity=c)
+    s[:4, k // 2:] = 0.0  # four tokens may go elsewhere: feasible, and exact
+    check_optimal(s, balanced_assignment(s, capacity=c), c)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

@@ -56,7 +56,8 @@ def amax(x: Tensor) -> Tensor:
 
 
 def argmax(x: Tensor) -> Tensor:
-    """``x.argmax(dim=-1)`` (the first maximiser on ties)."""
+    """``x.argmax(dim=-1)`` (the first maximiser on ties) for NaN-free ``x``: with ``k <= SMALL_K``
+    a NaN is never picked (torch picks it); every caller passes finite or ``-inf`` scores."""
     k = x.shape[-1]
     if k > SMALL_K:
         return x.argmax(dim=-1)

@@ -48,6 +48,7 @@ from torch import Tensor
 from .._checks import check_plain_tensor, check_score_matrix, resolve_capacity
 from . import _compiled
 from ._cycles import cancel_negative_cycles, cycle_tolerance
+from ._feasibility import hall_violator
 from ._graph import expert_graph, release_weight
 from ._groups import slot_table
 from ._normalise import compute_dtype, normalise_scores
@@ -176,6 +177,8 @@ def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "
     work = compute_dtype(scores.dtype)
     normalised, log2_scale = normalise_scores(flat.to(work), out=scratch(NORMALISED, flat.shape, work, dev))
     S, forbidden, scale = _working_scores(normalised)
+    if forbidden is not None:
+        _check_feasible(forbidden, c, name)
     if closed_form(k):
         z = two_expert_assignment(S, c)
         arc_cost, rounds = _graph_of(S, z, c, release_weight(S)), 0
@@ -213,6 +216,31 @@ def solve_balanced(scores: Tensor, capacity: int | None = None, *, name: str = "
         # the penalty.
         arc_cost = _graph_of(normalised, z, c, release_weight(S))
     return BalancedSolution(expert=z, arc_cost=arc_cost, log2_scale=log2_scale, capacity=c, rounds=rounds)
+
+
+def _check_feasible(forbidden: Tensor, c: int, name: str) -> None:
+    """A ValueError naming the batch instance where the ``-inf`` pattern ``forbidden [B, n, k]`` leaves
+    no assignment of every token to an allowed expert with at most ``c`` tokens per expert.
+
+    One max flow per instance with a forbidden pair (:func:`._feasibility.hall_violator`), before the
+    solve: with the penalty in place of ``-inf`` an infeasible instance still solves, only to find a
+    penalised pair in the optimum, and the compiled auction raises the prices of the allowed experts
+    to the penalty's level in steps of its epsilon (minutes at 2048 x 8; a review measured it).
+    """
+    B, n, k = forbidden.shape
+    for b in forbidden.flatten(1).any(-1).nonzero().flatten().tolist():
+        allowed = ~forbidden[b]
+        stranded = (~allowed.any(-1)).nonzero()
+        if stranded.numel():
+            raise ValueError(f"{name}: no feasible assignment: row {int(stranded[0])} of batch instance {b} is -inf "
+                             "everywhere (that token is allowed on no expert). Allow it at least one expert")
+        found = hall_violator(allowed.cpu().numpy(), [float(c)] * k)
+        if found is not None:
+            rows, experts, room = found
+            raise ValueError(
+                f"{name}: the -inf (forbidden) entries leave no feasible assignment with capacity {c} "
+                f"(batch instance {b}): {len(rows)} tokens are allowed only on {len(experts)} experts, which "
+                f"hold {int(room)}. Allow more (token, expert) pairs or raise the capacity")
 
 
 def _to_device(tensors: tuple[Tensor, ...], device: torch.device) -> tuple[Tensor, ...]:
