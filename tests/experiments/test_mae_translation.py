@@ -394,3 +394,14 @@ def test_the_command_line_maps_its_options_onto_the_forms(tmp_path, monkeypatch)
     assert out == tmp_path and quick == mt.QUICK.with_(device="cpu", seeds=(3, 4), variants=("BASE",))
     assert cpu == mt.CPU  # defaults: no option changes the form
     assert gpu == mt.GPU.with_(device="cuda", data_dir="data-cache")
+
+
+def test_the_committed_report_states_its_departures() -> None:
+    """Review: the report did not say that its gate lr departs from the paper's (App. A: SGD at lr 1), nor
+    that its runs (recorded before commit stamps) drew the decoder's expert per target position, while its
+    Scale line said per sentence."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "mae-translation" / "report.md").read_text()
+    assert "the paper's App. A updates the gates by SGD at a fixed lr of 1" in text
+    assert "runs recorded without a commit (before 2026-11-27) drew the decoder's expert per target position" in text

@@ -158,7 +158,8 @@ def write_report(out_dir: Path, s: dict[str, Any], corpus: TranslationCorpus, re
         f"- **Training** (`BCDTrainer`): {sched['epochs'] * sched['batches_per_epoch']} F steps of {sched['batch']} "
         f"pairs ({passes:.1f} passes), Adam lr {sched['lr']} (warm-up {sched['warmup']}, cosine to 10%), label "
         f"smoothing {s['label_smoothing']}, clipping {sched['clip_norm']}; one G step per {sched['g_every_steps']} "
-        f"F steps plus {sched['g_phase']} G steps at the end of every epoch, gates by SGD at lr {s['gate_lr']}.",
+        f"F steps plus {sched['g_phase']} G steps at the end of every epoch, gates by SGD at lr {s['gate_lr']} "
+        "(a departure: the paper's App. A updates the gates by SGD at a fixed lr of 1).",
         f"- **Scoring**: beam {s['beam']}, length penalty {s['len_penalty']}; corpus BLEU by sacrebleu (13a, "
         f"lower-cased text) on the first {bleu_n} dev and test pairs. MAE-7 / MAE-6 / NOBCD decode with their "
         "gates, BASE and UNI-MAE-7 with uniform weights (eq. 5).",
@@ -167,7 +168,12 @@ def write_report(out_dir: Path, s: dict[str, Any], corpus: TranslationCorpus, re
         f"- **Scale**: training stops after {passes:.1f} passes over {train_pairs} pairs; the paper trains "
         "transformer-base to convergence on 4.5M (WMT14) or 160k (IWSLT14) pairs. An F step trains one sampled "
         "expert (7 of 8 heads) per sentence, a structured head dropout (Sec. 3), so the claims compare the "
-        "variants at this budget only.",
+        "variants at this budget only."
+        + (f" The {undated} runs recorded without a commit (before 2026-11-27) drew the decoder's expert per "
+           "target position, not per sentence (the causal gates sampled per position until 2026-11-26; the "
+           "encoder's per sentence), on the corpus of then: the parallel text's extraction changed since "
+           "(2026-11-27), and the pair counts above are today's, which may differ from the runs' by a pair."
+           if (undated := sum("commit" not in r for r in runs.by.values())) else ""),
         "",
         "## Scores",
         "",
