@@ -26,7 +26,7 @@ from ..kit.divergence import train_or_fail
 from ..kit.experiment import Experiment
 from ..kit.failed_runs import add_failures_to_report
 from ..kit.provenance import CommitStamp, software_line
-from ..kit.stats import beyond_spread, mean_se, paired_difference, spread_bound
+from ..kit.stats import beyond_spread, mean_se, paired_difference
 from ..kit.store import append_jsonl_atomic, atomic_write_text, completed_keys, is_failed, read_jsonl, split_failed
 from ..kit.tables import md_table
 from . import common
@@ -349,17 +349,33 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MovieLensSetti
                             criterion="every α: holds; some α: partly" + spread, measured=f"{sm}/{n_a} α{of_alphas}",
                             verdict=verdict(sm)))
 
+        def most_experts(kind: str, a: float) -> float | None:
+            """The largest number of experts per example (averaged over the test examples) that a task's gate
+            of ``kind`` selected, over every run and task at ``a``; None: no run recorded one."""
+            per_task = [e for r in sel(kind, a) if r["experts"] for e in r["experts"]]
+            return max(per_task) if per_task else None
+
         def at_most_k(kind: str, a: float) -> bool:
-            per_run = mean_se(sum(r["experts"]) / len(r["experts"]) for r in sel(kind, a) if r["experts"])
-            return per_run.n > 0 and per_run.mean + spread_bound(per_run) <= s.k
+            # An exact property of each run, with no noise to average out: every run's gates select <= k.
+            most = most_experts(kind, a)
+            return most is not None and most <= s.k
 
         fewer = sum(at_most_k("dselect_static", a) and at_most_k("dselect_per_example", a) for a in s.alphas)
+
+        def fmt(x: float | None) -> str:
+            return "—" if x is None else f"{x:.2f}"
+
+        most = "; ".join(f"α = {a}: {fmt(most_experts('dselect_static', a))} / "
+                         f"{fmt(most_experts('dselect_per_example', a))}" for a in s.alphas)
         claims.append(Claim(text=f"DSelect-k selects at most k = {s.k} experts on average "
                                  "(paper: 1.1–2.7 with k tuned in {2, 4}).",
-                            criterion="both DSelect-k gates ≤ k at every α (the upper end of the 95 % t interval "
-                                      "of their mean, mean + t(0.975, n − 1) s.e.): holds; "
-                                      "some α: partly",
-                            measured=f"{fewer}/{n_a} α{of_alphas}", verdict=verdict(fewer)))
+                            criterion="in every run, each task's DSelect-k gate (static and per-example) selects "
+                                      "≤ k experts per example on average over the test set, at every α: holds; "
+                                      "at some α: partly (the paper's ≤ k is a tuning rule, which this untuned "
+                                      "run does not apply; see below the table)",
+                            measured=f"{fewer}/{n_a} α{of_alphas}; most experts per example of a gate in any run "
+                                     f"(static / per-example): {most}",
+                            verdict=verdict(fewer)))
     lines = [
         "# DSelect-k on MovieLens (Hazimeh et al. 2021, Sec. 4.1, Table 1 / C.5)",
         "",
@@ -421,6 +437,15 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MovieLensSetti
     claims = single_seed(claims, s.reps)  # a one-seed (quick) run's verdicts say so
     if claims:
         lines += ["## Claims", "", claims_markdown(claims), ""]
+        if complete:
+            lines += ["On claim 3: the paper's \"≤ k\" comes from its tuning rule, not from the gate alone. For the "
+                      "static gate it keeps only the hyperparameters whose S(Z) ends binary (Sec. 3.1), which then "
+                      "selects at most k experts; for the per-example gate it keeps only the entropy coefficients "
+                      "that force the average number of selected experts per example to be ≤ k (Sec. 3.2). This run "
+                      f"is not tuned (fixed γ = {s.gamma}, λ = {s.entropy_reg}) and applies neither rule, so the claim "
+                      "checks whether the fixed setting happens to satisfy it: a static gate whose S(Z) did not "
+                      "become binary, or a per-example gate whose selectors are not one-hot on some test examples, "
+                      "can select more than k.", ""]
     write_claims_json(out_dir, claims, experiment="dselect-movielens", paper=common.PAPER, quick=s.quick)
     return atomic_write_text(out_dir / "report.md", "\n".join(lines))
 

@@ -20,12 +20,12 @@ from torch import nn
 from routelab.data import DataUnavailable, make_overlays
 from routelab.layers import MultiGateMoE, SharedBottom, StackedLinear
 
-from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown, write_claims_json
+from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown, single_seed, write_claims_json
 from ..kit.divergence import train_or_fail
 from ..kit.experiment import Experiment
 from ..kit.failed_runs import add_failures_to_report
 from ..kit.provenance import CommitStamp, software_line
-from ..kit.stats import difference_bound, mean_se
+from ..kit.stats import beyond_spread, mean_se, paired_difference, spread_note
 from ..kit.store import (
     append_jsonl_atomic,
     atomic_write_text,
@@ -36,6 +36,7 @@ from ..kit.store import (
     split_failed,
 )
 from ..kit.tables import md_table
+from ..mae.compare import INCONCLUSIVE
 from . import common
 from .common import (
     GATE_LABELS,
@@ -284,39 +285,60 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], s: MultiMnistSett
                                 measured="some models not run", verdict=NOT_MEASURED))
             continue
 
-        def verdict(a: str, b: str) -> str:
-            """holds: a > b beyond the 95 % Welch t interval of the difference (unpaired); partly: a > b within
-            it (or with one repetition, which has no standard error)."""
-            sa, sb = (mean_se((r["acc1"] + r["acc2"]) / 2 for r in sel(name, kind)) for kind in (a, b))
-            if sa.mean <= sb.mean:
-                return NOT_HOLD
-            bound = difference_bound(sa, sb)
-            if bound is not None and sa.mean - sb.mean > bound:
-                return HOLDS
-            return f"{PARTLY} (within the 95 % t interval)"
+        def by_seed(kind: str) -> dict[int, float]:
+            return {r["seed"]: (r["acc1"] + r["acc2"]) / 2 for r in sel(name, kind)}
+
+        def verdict(a: str, b: str) -> tuple[str, str]:
+            """("a beats b" verdict, the paired evidence in words). The models of a repetition share its data
+            (the same overlays), so a and b are compared by repetition: the mean of the per-repetition
+            differences of the mean accuracy, against its 95 % Student-t interval (a paired t-test at 5 %).
+            Above it: holds; below it: does not hold; within it: inconclusive (a tie at this seed spread).
+            With one repetition the sign decides (labelled by :func:`single_seed`)."""
+            d = paired_difference(by_seed(a), by_seed(b))
+            side = beyond_spread(d)
+            if side is None:
+                return NOT_MEASURED, "no repetition measured both"
+            evidence = (f"{GATE_LABELS[a]} − {GATE_LABELS[b]} per repetition: "
+                        + ", ".join(f"{100 * (by_seed(a)[k] - by_seed(b)[k]):+.2f}"
+                                    for k in sorted(by_seed(a).keys() & by_seed(b).keys()))
+                        + f" pts, mean {100 * d.mean:+.2f} pts, "
+                        + spread_note(d, 100, 3, "repetitions", label="95 % t bound (pts)"))
+            if side > 0:
+                return HOLDS, evidence
+            if side < 0:
+                return NOT_HOLD, evidence
+            return f"{INCONCLUSIVE} (within the 95 % t interval of the paired difference)", evidence
+
+        paired_rule = ("; paired by repetition (the models of a repetition share its data): the mean of the "
+                       "per-repetition differences beyond its 95 % Student-t interval (t(0.975, n − 1) s.e. over n "
+                       "repetitions, a paired t-test at 5 %), above it: holds, below it: does not hold, within it: "
+                       "inconclusive")
 
         statics = ("dselect_static", "topk_static", "gumbel_static")
         best_static = max(statics, key=avg)
         runner_up = max((k for k in statics if k != "dselect_static"), key=avg)
+        best, best_evidence = verdict("dselect_static", runner_up)
         claims.append(Claim(
             text=f"{title}: static DSelect-k has the best mean accuracy of the static gates.",
-            criterion="DSelect-k (static) highest, beyond the 95 % Welch t interval of the difference of the "
-                      "means over repetitions: holds; highest within it: partly",
+            criterion="mean accuracy (of the two tasks) of DSelect-k (static) against the best other static gate "
+                      "by mean" + paired_rule,
             measured=f"best static: {GATE_LABELS[best_static]} ({100 * avg(best_static):.2f} %; DSelect-k "
                      f"{100 * avg('dselect_static'):.2f} %, Top-k {100 * avg('topk_static'):.2f} %, Gumbel "
-                     f"{100 * avg('gumbel_static'):.2f} %)",
-            verdict=verdict("dselect_static", runner_up)))
+                     f"{100 * avg('gumbel_static'):.2f} %); {best_evidence}",
+            verdict=best))
+        beats, beats_evidence = verdict("dselect_static", "shared_bottom")
         claims.append(Claim(text=f"{title}: DSelect-k (static) beats the shared bottom.",
-                            criterion="higher mean accuracy, beyond the 95 % Welch t interval of the difference: "
-                                      "holds; higher within it: partly",
-                            measured=f"{100 * avg('dselect_static'):.2f} % vs {100 * avg('shared_bottom'):.2f} %",
-                            verdict=verdict("dselect_static", "shared_bottom")))
+                            criterion="mean accuracy (of the two tasks) of DSelect-k (static) against the shared "
+                                      "bottom" + paired_rule,
+                            measured=f"{100 * avg('dselect_static'):.2f} % vs {100 * avg('shared_bottom'):.2f} %; "
+                                     f"{beats_evidence}",
+                            verdict=beats))
         e = experts_per_run(sel(name, "dselect_static"))
         me = sum(e) / len(e) if e else float("nan")
         claims.append(Claim(text=f"{title}: DSelect-k (static) uses fewer experts than Top-k (paper: 1.7–1.8 vs 4).",
                             criterion=f"mean experts < k = {s.k} (Top-k uses exactly k here): holds; = k: partly",
                             measured=f"{me:.2f}", verdict=HOLDS if me < s.k else (PARTLY if me == s.k else NOT_HOLD)))
-    claims = _too_short_to_judge(claims, s)
+    claims = _too_short_to_judge(single_seed(claims, s.reps), s)  # one repetition: the sign decides, labelled
     bin_rows = []
     for name in DATASETS:
         for kind in ("dselect_static", "dselect_per_example"):
