@@ -13,10 +13,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import time
+from datetime import UTC, datetime
 
 import torch
 
 from routelab.assignment import sinkhorn
+from routelab.machine import cpu_model, load_average
 
 sinkhorn_module = importlib.import_module("routelab.assignment.sinkhorn")  # the package exports the function
 
@@ -44,7 +46,10 @@ def main() -> None:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     n, k = args.n, args.k
-    print(f"n={n}, k={k}, float32, max_iter={args.max_iter}, default tol, torch threads {torch.get_num_threads()}")
+    print(f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {cpu_model()}, torch {torch.__version__}, 1-minute load "
+          f"average {load_average()}")
+    print(f"n={n}, k={k}, float32, max_iter={args.max_iter}, default tol, torch threads {torch.get_num_threads()}, "
+          f"median of {args.repeats} calls after a warm-up")
     print("| logit scale | sinkhorn ms | converged | sweeps alone ms | converged | sweeps / sinkhorn |")
     print("|---:|---:|:---:|---:|:---:|---:|")
     for scale in args.scales:
