@@ -160,4 +160,6 @@ def test_count_verdicts_counts_outcomes() -> None:
     verdicts = [HOLDS, f"{HOLDS} (one seed)", f"{PARTLY} (within 2 s.e.)", NOT_HOLD, f"{NOT_MEASURED} (quick form)",
                 "inconclusive (|d| < 2 s.e.)"]
     claims = [Claim(text=f"c{i}", measured="1", verdict=v) for i, v in enumerate(verdicts)]
-    assert count_verdicts(claims) == "6 claims checked: 2 hold, 1 hold partly, 1 do not hold, 1 not measured"
+    assert count_verdicts(claims) == ("6 claims checked: 2 hold, 1 hold partly, 1 do not hold, 1 not measured, "
+                                      "1 inconclusive")  # (a review: the inconclusive ones were counted nowhere)
+    assert count_verdicts(claims[:5]) == "5 claims checked: 2 hold, 1 hold partly, 1 do not hold, 1 not measured"

@@ -20,7 +20,17 @@ from torch import nn
 from routelab.data import DataUnavailable, make_overlays
 from routelab.layers import MultiGateMoE, SharedBottom, StackedLinear
 
-from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown, single_seed, write_claims_json
+from ..kit.claims import (
+    HOLDS,
+    INCONCLUSIVE,
+    NOT_HOLD,
+    NOT_MEASURED,
+    PARTLY,
+    Claim,
+    claims_markdown,
+    single_seed,
+    write_claims_json,
+)
 from ..kit.divergence import train_or_fail
 from ..kit.experiment import Experiment
 from ..kit.failed_runs import add_failures_to_report
@@ -36,7 +46,6 @@ from ..kit.store import (
     split_failed,
 )
 from ..kit.tables import md_table
-from ..mae.compare import INCONCLUSIVE
 from . import common
 from .common import (
     GATE_LABELS,

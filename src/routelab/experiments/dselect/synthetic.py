@@ -44,7 +44,17 @@ from routelab.gates.dselect import ALPHA_INIT, ENTROPY_EPS, num_code_bits
 from routelab.gates.mtl_gate import uniform_init
 from routelab.layers import StackedLinear
 
-from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown, single_seed, write_claims_json
+from ..kit.claims import (
+    HOLDS,
+    INCONCLUSIVE,
+    NOT_HOLD,
+    NOT_MEASURED,
+    PARTLY,
+    Claim,
+    claims_markdown,
+    single_seed,
+    write_claims_json,
+)
 from ..kit.divergence import check_finite, diverged_on_error, train_or_fail
 from ..kit.experiment import Experiment
 from ..kit.failed_runs import add_failures_to_report
@@ -52,7 +62,6 @@ from ..kit.provenance import CommitStamp, software_line
 from ..kit.stats import Stat, beyond_spread, mean_se, paired_difference, spread_bound
 from ..kit.store import append_jsonl_atomic, atomic_write_text, completed_keys, is_failed, read_jsonl, split_failed
 from ..kit.tables import md_table
-from ..mae.compare import INCONCLUSIVE
 from . import common
 from .common import GATE_LABELS, Timer, log, minibatches, steps_per_epoch, write_csv
 

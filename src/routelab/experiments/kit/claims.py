@@ -24,6 +24,7 @@ from .tables import md_table, md_uncell
 __all__ = [
     "CLAIMS_FILE",
     "HOLDS",
+    "INCONCLUSIVE",
     "NOT_HOLD",
     "NOT_MEASURED",
     "PARTLY",
@@ -52,6 +53,8 @@ _NUMBER = re.compile(r"(?<![\w.])(?<![A-Za-z_][-−])(?:(?<![\d.])[-+−])?"
                      r"(?:\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d*)?|\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
 
 HOLDS, PARTLY, NOT_HOLD, NOT_MEASURED = "holds", "partly", "does not hold", "not measured"
+#: A comparison whose difference lies within its seed spread: neither side shown (every experiment's word for it).
+INCONCLUSIVE = "inconclusive"
 """The verdicts. A verdict may add a qualifier in parentheses, e.g. ``"partly (within the 95 % t interval)"``."""
 
 
@@ -166,11 +169,11 @@ def single_seed(claims: Sequence[Claim], seeds: int) -> list[Claim]:
 
 
 def count_verdicts(claims: Sequence[Claim]) -> str:
-    """``"N claims checked: a hold, b hold partly, c do not hold, d not measured"`` (by outcome; another
-    outcome, such as inconclusive, is counted in N only)."""
-    n = {v: sum(c.outcome == v for c in claims) for v in (HOLDS, PARTLY, NOT_HOLD, NOT_MEASURED)}
+    """``"N claims checked: a hold, b hold partly, c do not hold, d not measured"`` by outcome, with
+    ``", e inconclusive"`` where some are (another outcome is counted in N only)."""
+    n = {v: sum(c.outcome == v for c in claims) for v in (HOLDS, PARTLY, NOT_HOLD, NOT_MEASURED, INCONCLUSIVE)}
     return (f"{len(claims)} claims checked: {n[HOLDS]} hold, {n[PARTLY]} hold partly, {n[NOT_HOLD]} do not hold, "
-            f"{n[NOT_MEASURED]} not measured")
+            f"{n[NOT_MEASURED]} not measured" + (f", {n[INCONCLUSIVE]} inconclusive" if n[INCONCLUSIVE] else ""))
 
 
 def claims_markdown(claims: Sequence[Claim]) -> str:

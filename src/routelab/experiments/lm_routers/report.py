@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from ...machine import cpu_model
-from ..kit.claims import HOLDS, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown, count_verdicts
+from ..kit.claims import HOLDS, INCONCLUSIVE, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown, count_verdicts
 from ..kit.plots import pyplot, router_bars, save_figure
 from ..kit.provenance import software_line
 from ..kit.router_sweep import figures_markdown, invocations_markdown, missing_runs_markdown
-from ..kit.stats import Stat, mean_se, spread_bound, spread_note
+from ..kit.stats import Stat, beyond_spread, mean_se, spread_bound, spread_note
 from ..kit.tables import csv_cell, md_table
 from .model import ROUTER_SPECS, Settings
 
@@ -112,12 +112,6 @@ def paired(records: Sequence[Record], a: str, b: str, value: Callable[[Record], 
     return mean_se(diffs)
 
 
-def _bound(stat: Stat) -> float:
-    """The half-width of the 95 % Student-t interval, t(0.975, n - 1) standard errors (0 with one seed: the
-    sign decides)."""
-    return spread_bound(stat)
-
-
 def _diff(stat: Stat, digits: int = 4, one_sided: bool = False) -> str:
     """``stat``'s mean with the bound its claim judges it by: the two-sided 95 % one, or (``one_sided``,
     the "not worse" claims of :func:`_as_good`) the one-sided 5 % one."""
@@ -133,7 +127,7 @@ def _diff(stat: Stat, digits: int = 4, one_sided: bool = False) -> str:
 #: A "not worse" claim is refuted by one direction only: A significantly worse than B in a one-sided
 #: t-test at 5 % (the upper end of the two-sided 90 % interval, t(0.95, n - 1) s.e.).
 ONE_SIDED = 0.90
-AS_GOOD_RULE = ("holds: A's loss is not above B's (mean paired difference <= 0); partly: above, but not "
+AS_GOOD_RULE = ("holds: A's loss is not above B's (mean paired difference <= 0); inconclusive: above, but not "
                 "significantly (one-sided t-test at 5 %: within t(0.95, n − 1) s.e. over n seeds); does not hold: "
                 "significantly above")
 
@@ -153,7 +147,23 @@ def _as_good(d: Stat) -> str:
     worse, significantly = _worse(d)
     if not worse:
         return HOLDS
-    return f"{PARTLY} (worse, not significantly)" if not significantly else NOT_HOLD
+    return f"{INCONCLUSIVE} (worse, not significantly)" if not significantly else NOT_HOLD
+
+
+def _better(sides: Sequence[int | None]) -> str:
+    """Verdict of a "better" claim from the sides of its parts' paired differences (:func:`beyond_spread`,
+    +1: better beyond the 95 % t interval, -1: worse beyond it, 0: within it), symmetric in the two
+    directions: holds: every part better; partly: some better; does not hold: none better and some worse;
+    inconclusive: every part within its spread (a lead and an equal deficit read the same)."""
+    if any(side is None for side in sides):
+        return NOT_MEASURED
+    if all(side > 0 for side in sides):
+        return HOLDS
+    if any(side > 0 for side in sides):
+        return PARTLY
+    if any(side < 0 for side in sides):
+        return NOT_HOLD
+    return f"{INCONCLUSIVE} (within the seed spread)"
 
 
 def _checkpoints(records: Sequence[Record], fractions: Sequence[float]) -> list[int]:
@@ -227,10 +237,13 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
             verdicts.append(_as_good(d))
             parts.append(f"test loss base − {other}: {_diff(d, one_sided=True)}")
         aux = _stat(records, "base", "aux").mean
-        if all(v == HOLDS for v in verdicts):
+        outcomes = [v.split(" (")[0] for v in verdicts]
+        if all(v == HOLDS for v in outcomes):
             verdict = HOLDS
-        elif all(v == NOT_HOLD for v in verdicts):
+        elif all(v == NOT_HOLD for v in outcomes):
             verdict = NOT_HOLD
+        elif all(v == INCONCLUSIVE for v in outcomes):
+            verdict = f"{INCONCLUSIVE} (above both, not significantly)"
         else:
             verdict = PARTLY
         if multi and not all(spread):  # failed runs left fewer than two shared seeds
@@ -239,8 +252,8 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
                          criterion="BASE's test loss (nats/char) against that of top-1+Switch loss and of top-2, "
                                    "paired by seed (BASE has no aux loss: reported). holds: not above either; does "
                                    "not hold: significantly above both (one-sided t-test at 5 %: beyond "
-                                   "t(0.95, n − 1) s.e. over n seeds); partly: anything between (above one, or "
-                                   "above but not significantly)." + note,
+                                   "t(0.95, n − 1) s.e. over n seeds); inconclusive: above both, not "
+                                   "significantly; partly: anything between." + note,
                          measured="; ".join(parts) + f"; BASE aux loss {aux:g}", verdict=verdict))
     else:
         out.append(missing("base-matches-topk", text, paper, ("base", "top1_switch", "top2")))
@@ -252,21 +265,21 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
              "expert-choice routing (later work, not cited by the four papers)")
     if {"batchwise", "top2"} <= have:
         checks = _checkpoints(records, (0.25, 0.5))
-        parts, oks, signs, spread = [], [], [], []
+        parts, sides, spread = [], [], []
         for step in checks:
             d = paired(records, "top2", "batchwise", lambda r, s=step: _val_loss_at(r, s))
             spread.append(d.n >= 2)
-            oks.append(d.mean > _bound(d))
-            signs.append(d.mean > 0)
+            sides.append(beyond_spread(d))
             parts.append(f"step {step}: val loss top2 − batchwise {_diff(d)}")
-        verdict = HOLDS if all(oks) else (PARTLY if any(oks) or all(signs) else NOT_HOLD)
+        verdict = _better(sides)
         if multi and not (spread and all(spread)):
             verdict = NOT_MEASURED
         out.append(Claim(id="batchwise-converges-faster", text=text, paper=paper,
                          criterion="at the evaluations closest to a quarter and to half of training (steps "
                                    f"{', '.join(map(str, checks))}), the validation loss of batchwise is lower than "
-                                   "top-2's, " + rule_better + ". holds: at each; partly: at some, or lower at each "
-                                   "within the spread; does not hold: otherwise." + note,
+                                   "top-2's, " + rule_better + ". holds: at each; partly: at some; does not hold: at "
+                                   "none, and higher beyond the spread at some; inconclusive: within the spread at "
+                                   "each." + note,
                          measured="; ".join(parts), verdict=verdict))
     else:
         out.append(missing("batchwise-converges-faster", text, paper, ("batchwise", "top2")))
@@ -277,17 +290,17 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
     if {"noisy_top2", "noisy_top2_noloss"} <= have:
         d = paired(records, "noisy_top2_noloss", "noisy_top2", lambda r: summary(r)["proposed_cv"])
         dd = paired(records, "noisy_top2_noloss", "noisy_top2", lambda r: summary(r)["dropped"])
-        a, b = d.mean > _bound(d), dd.mean > _bound(dd)
         cv_with = _stat(records, "noisy_top2", "proposed_cv")
         cv_without = _stat(records, "noisy_top2_noloss", "proposed_cv")
         out.append(Claim(id="noisy-load-loss-evens-load", text=text, paper=paper,
                          criterion="against the same router with both loss coefficients 0, over the last logging "
                                    "window: (a) a lower proposed-load CV, (b) a lower dropped fraction, each "
-                                   + rule_better + ". holds: both; partly: one; does not hold: neither." + note,
+                                   + rule_better + ". holds: both; partly: one; does not hold: neither, and one "
+                                   "higher beyond the spread; inconclusive: both within the spread." + note,
                          measured=f"proposed-load CV with losses {cv_with.fmt(3)}, without {cv_without.fmt(3)}: "
                                   f"difference {_diff(d, 3)}; dropped fraction difference {_diff(dd, 4)}",
                          verdict=NOT_MEASURED if multi and min(d.n, dd.n) < 2 else
-                         HOLDS if a and b else (PARTLY if a or b else NOT_HOLD)))
+                         _better([beyond_spread(d), beyond_spread(dd)])))
     else:
         out.append(missing("noisy-load-loss-evens-load", text, paper, ("noisy_top2", "noisy_top2_noloss")))
 
@@ -355,12 +368,13 @@ def claims(records: Sequence[Record], settings: Settings) -> list[Claim]:
             out.append(Claim(id="sparse-beats-dense-per-time", text=text, paper=paper,
                              criterion="dense's validation loss after top-2's training time (interpolated on its "
                                        "curve) is above top-2's final one, " + rule_better.replace("lower", "above")
-                                       + ": holds; above within the spread: partly; otherwise does not hold. "
+                                       + ": holds; below it beyond the spread: does not hold; within the spread: "
+                                       "inconclusive. "
                                        "A wall-clock comparison: the machine's load moves it between identical "
                                        "runs (the other claims are deterministic)." + note,
                              measured=f"val loss dense@top-2 time − top-2: {_diff(d)}; at equal steps (dense has "
                                       f"{settings.experts}x the expert FLOPs): {_diff(steps_d)}",
-                             verdict=HOLDS if d.mean > _bound(d) else (PARTLY if d.mean > 0 else NOT_HOLD)))
+                             verdict=_better([beyond_spread(d)])))
     if len(settings.seeds) < 2:  # every comparison is judged against the seed spread: none with one seed
         out = [c if c.id == "balanced-routers-exact" or c.verdict == NOT_MEASURED else
                replace(c, measured=f"{c.measured} [the sign alone would say: {c.verdict}]", verdict=NOT_MEASURED)

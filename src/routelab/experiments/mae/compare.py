@@ -19,13 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..._checks import check_positive_int
-from ..kit.claims import HOLDS, NOT_HOLD
+from ..kit.claims import HOLDS, INCONCLUSIVE, NOT_HOLD
 from ..kit.stats import mean_se, spread_bound, t_quantile
 
 __all__ = ["INCONCLUSIVE", "Paired", "less_verdict", "paired", "pooled_dof", "pooled_sd", "single_threshold",
            "single_verdict"]
 
-INCONCLUSIVE = "inconclusive"
 ONE_SEED = "one seed, no spread: sign only"
 
 
