@@ -572,6 +572,10 @@ def render_report(settings: Settings, records: Sequence[Record], *, wall_s: floa
         "std / mean over the experts; kept-load CV after the capacity; dropped = pairs the capacity removed. "
         "Routing share = forward time of the patched gates (router, capacity, statistics) / forward time of the "
         "MoE blocks (hooks; backward not included).",
+        "- Gumbel-Matching (GM-IW) runs with the router's defaults: sampling temperature 1 and no balance loss. "
+        "That is not Kool et al.'s recipe for differentiable gating (Sec. 3.1: a load-balancing loss of weight "
+        "0.01 or 0.03 and a low temperature; this project's kool-toy reproduction solves no cell without that "
+        "loss), so claim 4 tests the router as configured here, not the paper's best setting.",
         "- Comparisons are paired by seed; mean ± standard error over seeds.",
         "",
         "Routers:",

@@ -430,6 +430,9 @@ def render_report(settings: Settings, records: Sequence[Mapping[str, Any]], *, w
         f"factor; at batch size 1 on the first {settings.batch1_images} test images (a single token never "
         "exceeds a capacity, so nothing is dropped), compared with batches on the same images; "
         f"dropless (`capacity_factor=None`) over batches of {settings.batch_size}.",
+        "- Gumbel-Matching runs with importance weights at the router's defaults: sampling temperature 1 and no "
+        "balance loss. Kool et al. Sec. 3.1 train differentiable gating with a load-balancing loss of weight "
+        "0.01 or 0.03 at a low temperature: not that recipe.",
         "- Load: *proposed* load = (token, slot) pairs a router sends to each expert before the capacity; "
         "*kept* load = after it (`routes.stats['tokens_per_expert']`). Load CV = std / mean over the experts "
         "(population std); `routes.stats['load_cv']` is the CV of the kept load, which the capacity caps. "
