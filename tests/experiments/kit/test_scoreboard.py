@@ -119,3 +119,19 @@ def test_agreement_counts_claims_both_runs_judged_by_outcome(tmp_path: Path) -> 
     assert agreement(rows) == {"e1": (1, 2), "e2": (0, 0)}
     text = scoreboard_markdown(["e1", "e2"], out, quick=True, docs_dir=docs)
     assert "**Same outcome as the committed full run on 1 of the 2 claims both judged** (e1 1/2, e2 0/0)" in text
+
+
+def test_the_agreement_says_how_many_run_verdicts_are_one_seed_signs(tmp_path: Path) -> None:
+    """Review: a quick form's one-seed verdicts (the sign of one comparison) counted as judged agreement
+    with the full run's tests, unmarked. The sentence now says how many they are."""
+    from routelab.experiments.kit.claims import SINGLE_SEED, single_seed
+
+    out, docs = tmp_path / "out", tmp_path / "docs"
+    mk = lambda text, verdict: Claim(text=text, measured="1", verdict=verdict)  # noqa: E731
+    _write(out / "e", single_seed([mk("c1", HOLDS), mk("c2", NOT_HOLD)], 1), quick=True)
+    _write(docs / "e", [mk("c1", HOLDS), mk("c2", HOLDS)])
+    text = scoreboard_markdown(["e"], out, quick=True, docs_dir=docs)
+    assert "on 1 of the 2 claims both judged" in text
+    assert f"2 of the 2 were judged on one seed in this run (marked \"{SINGLE_SEED}\")" in text
+    _write(out / "e", [mk("c1", HOLDS), mk("c2", NOT_HOLD)], quick=True)  # a run with a spread: no such sentence
+    assert "judged on one seed" not in scoreboard_markdown(["e"], out, quick=True, docs_dir=docs)

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .claims import CLAIMS_FILE, NOT_MEASURED, Claim, ClaimsFile, read_claims_json
+from .claims import CLAIMS_FILE, NOT_MEASURED, SINGLE_SEED, Claim, ClaimsFile, read_claims_json
 from .tables import md_cell, md_table
 
 __all__ = ["ScoreRow", "agreement", "committed_dir", "scoreboard_markdown", "scoreboard_rows"]
@@ -169,9 +169,13 @@ def scoreboard_markdown(names: Sequence[str], out_dir: Path, *, quick: bool, doc
             "This run's verdicts beside the committed full run's (docs/<experiment>/claims.json). ")
     counts = agreement(rows)
     same, both = (sum(v[i] for v in counts.values()) for i in (0, 1))
+    one_seed = sum(1 for r in rows if SINGLE_SEED in r.run_verdict and _outcome(r.run_verdict) is not None
+                   and _outcome(r.full_verdict) is not None)
     agree = (f"**Same outcome as the committed full run on {same} of the {both} claims both judged** ("
              + ", ".join(f"{name} {a}/{b}" for name, (a, b) in counts.items()) + "); a claim one side does not "
-             "judge (\"—\", not measured) is not counted.") if both else ""
+             "judge (\"—\", not measured) is not counted."
+             + (f" {one_seed} of the {both} were judged on one seed in this run (marked \"{SINGLE_SEED}\"): the "
+                "sign of one comparison, not a test against a seed spread." if one_seed else "")) if both else ""
     return "\n".join(["## Scoreboard", "", note + f"{len(rows)} claims; each experiment's details below, and "
                       "each verdict's criterion and evidence in its report's Claims section.", "", agree, "",
                       table, ""])
