@@ -8,6 +8,7 @@ SWORD packages are not installed.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import os
@@ -21,7 +22,7 @@ import pytest
 
 from routelab.data import parallel_text
 from routelab.data.errors import DataUnavailable
-from routelab.data.parallel_text import load_parallel_text, parse_imp, verse_text
+from routelab.data.parallel_text import VersePair, load_parallel_text, parse_imp, verse_text
 
 _W = '<w lemma="strong:H0430">'  # a Strong's-tagged word's opening tag, as in the modules
 
@@ -294,3 +295,15 @@ def test_the_installed_modules_give_the_documented_verses(tmp_path):
                               "Song of Solomon 8:5", "Revelation of John 22:21"]
         else:
             assert differ == []
+
+
+def test_the_fingerprint_changes_with_any_field_and_only_then():
+    from routelab.data.parallel_text import pairs_fingerprint
+
+    pairs = [VersePair("Genesis", 1, v, 1, f"es {v}", f"en {v}") for v in range(1, 6)]
+    fp = pairs_fingerprint(pairs)
+    assert fp == pairs_fingerprint([VersePair(**vars(p)) for p in pairs]) and len(fp) == 16
+    for field, value in (("book", "Exodus"), ("chapter", 2), ("verse", 9), ("testament", 2), ("es", "x"), ("en", "x")):
+        changed = [dataclasses.replace(p, **{field: value}) if i == 2 else p for i, p in enumerate(pairs)]
+        assert pairs_fingerprint(changed) != fp, field
+    assert pairs_fingerprint(pairs[::-1]) != fp and pairs_fingerprint(pairs[:-1]) != fp

@@ -40,7 +40,7 @@ def corpus() -> CharCorpus:
 
     itos = ["\x00"] + [chr(ord("a") + i) for i in range(11)]
     return CharCorpus(itos, {"train": stream(3000), "val": stream(300), "test": stream(300)},
-                      {"train": ["A"], "val": ["B"], "test": ["C"]})
+                      {"train": ["A"], "val": ["B"], "test": ["C"]}, fingerprint="words-0")
 
 
 def _trained(name: str, corpus: CharCorpus, steps: int = 3) -> torch.nn.Module:
@@ -187,6 +187,7 @@ def test_sweep_records_resumes_and_reports(tmp_path: Path, corpus: CharCorpus, m
     runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
     assert sorted((r["router"], r["seed"]) for r in runs) == sorted((r, s) for r in ALL for s in (0, 1))
     assert len({r["commit"] for r in runs}) == 1  # every record names the code that trained it
+    assert {r["data"] for r in runs} == {corpus.fingerprint}  # ... and the text it trained on
     rows = list(csv.DictReader(io_lines(tmp_path / "results.csv")))
     assert len(rows) == len(ALL) * 2 and {"test_ppl", "proposed_cv", "tokens_per_s"} <= set(rows[0])
     text = report.read_text()

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import routelab.experiments.mae as mae_exp
-from routelab.data.parallel_text import VersePair
-from routelab.experiments.kit.store import failed_record, read_jsonl
+from routelab.data.parallel_text import VersePair, pairs_fingerprint
+from routelab.experiments.kit.store import ResultsFileError, failed_record, read_jsonl
 from routelab.experiments.mae.report import HEADLINE, Results, claims
 from routelab.experiments.mae.train import Schedule
 
@@ -65,6 +65,12 @@ def test_run_selects_the_gate_lr_on_dev_pairs_seeds_and_counts_g_steps(tmp_path:
     # a rerun trains nothing again
     monkeypatch.setattr(mae_exp, "train_variant", lambda *a, **k: pytest.fail("retrained"))
     mae_exp.run(tmp_path, s)
+    # every record names the text it trained on; a rerun after the text changed is refused, not mixed in
+    assert {r.get("data") for r in stamped} == {pairs_fingerprint(_pairs())}
+    changed = [replace(p, en=p.en.upper()) if i == 7 else p for i, p in enumerate(_pairs())]
+    monkeypatch.setattr(mae_exp, "load_parallel_text", lambda: changed)
+    with pytest.raises(ResultsFileError, match="trained on other data"):
+        mae_exp.run(tmp_path, s)
 
 
 def test_quick_form_is_the_full_runs_cells_of_its_variants() -> None:

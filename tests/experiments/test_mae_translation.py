@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routelab.data.parallel_text import VersePair
+from routelab.data.parallel_text import VersePair, pairs_fingerprint
 from routelab.experiments import mae_translation as mt
+from routelab.experiments.kit.store import ResultsFileError
 from routelab.experiments.mae_translation.corpus import BOS, BPE, EOS, PAD, build_corpus, length_batches, split_batch
 from routelab.experiments.mae_translation.decode import beam_search, corpus_bleu, translate
 from routelab.experiments.mae_translation.model import Seq2SeqConfig, TranslationLoss, TranslationModel
@@ -344,6 +345,11 @@ def test_an_out_directory_holds_runs_of_one_configuration(tmp_path, monkeypatch)
     assert [r["variant"] for r in runs] == ["BASE", "MAE-7"] and all(r["machine"] for r in runs)
     with pytest.raises(ValueError, match="differing: dim"):
         mt.run(tmp_path, TINY.with_(dim=24))
+    # every record names the text it trained on; resuming after the text changed is refused, not mixed in
+    assert {r["data"] for r in runs} == {pairs_fingerprint(synthetic_pairs(200))}
+    monkeypatch.setattr(mt, "load_parallel_text", lambda cache_dir=None: synthetic_pairs(200, seed=1))
+    with pytest.raises(ResultsFileError, match="trained on other data"):
+        mt.run(tmp_path, TINY.with_(variants=("BASE", "MAE-7", "NOBCD")))
 
 
 def test_the_committed_report_is_what_its_runs_say() -> None:

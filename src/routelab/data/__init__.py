@@ -10,9 +10,9 @@ from routelab.data.mnist import load_fashion_mnist, load_mnist
 
 __all__ = ["DataUnavailable", "load_fashion_mnist", "load_mnist"]
 
-from routelab.data.parallel_text import VersePair, load_parallel_text  # noqa: E402
+from routelab.data.parallel_text import VersePair, load_parallel_text, pairs_fingerprint  # noqa: E402
 
-__all__ += ["VersePair", "load_parallel_text"]
+__all__ += ["VersePair", "load_parallel_text", "pairs_fingerprint"]
 
 from routelab.data.movielens import MovieLens100k, load_movielens100k  # noqa: E402
 from routelab.data.multimnist import make_overlays  # noqa: E402

@@ -14,6 +14,7 @@ once per cache dir; a cache written by an older parser is rebuilt.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import html
 import json
 import os
@@ -32,6 +33,7 @@ __all__ = [
     "SPANISH_MODULE",
     "VersePair",
     "load_parallel_text",
+    "pairs_fingerprint",
     "parse_imp",
     "verse_text",
 ]
@@ -161,6 +163,20 @@ def _export(module: str) -> str:
             f"install it with `{INSTALL_COMMAND}` (or `make data`)."
         )
     return text
+
+
+def pairs_fingerprint(pairs: list[VersePair]) -> str:
+    """A short fingerprint of the text ``pairs`` hold (the first 16 hex digits of a SHA-256 over every pair's
+    fields, in order).
+
+    Experiments store it in every run record, so that a results directory resumed after the text changed
+    (another parser, other Debian packages) is refused instead of mixing runs on two texts in one report.
+    """
+    h = hashlib.sha256()
+    for p in pairs:
+        h.update(json.dumps(asdict(p), ensure_ascii=False).encode("utf-8"))
+        h.update(b"\n")
+    return h.hexdigest()[:16]
 
 
 def _default_cache_dir() -> Path:

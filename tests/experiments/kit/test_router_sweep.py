@@ -123,3 +123,39 @@ def test_a_settings_key_holding_a_tuple_is_reported_and_not_retrained(tmp_path):
                          seeds=[0]).total == 3
     with pytest.raises(TypeError, match="key must be JSON-serialisable"):
         recorded_runs(tmp_path, key={"epochs": object()}, routers=["a"], seeds=[0])
+
+
+def _fingerprinted(tmp_path, fingerprint, routers=("a", "b")):
+    return train_router_seeds("t", tmp_path, key="k", routers=list(routers), seeds=[0], threads=1,
+                              load_data=lambda: fingerprint, train=lambda r, s, d, say: {"router": r, "seed": s},
+                              summary=lambda r: "ok", progress=False, fingerprint=lambda data: data)
+
+
+def test_runs_name_their_data_and_resuming_on_other_data_is_refused(tmp_path):
+    """A review: resuming lm-routers after the corpus changed reused the old runs and trained the rest on
+    the new text, one report over both. Every record now names its data; another fingerprint is refused."""
+    _fingerprinted(tmp_path, "text-1", routers=["a"])
+    runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert [r["data"] for r in runs] == ["text-1"]
+    with pytest.raises(ResultsFileError, match=r"trained on other data \(text-1 \(1 runs\)\).*text-2"):
+        _fingerprinted(tmp_path, "text-2")
+    assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 1  # nothing trained on the new text
+    _fingerprinted(tmp_path, "text-1")  # the same text resumes
+    assert recorded_runs(tmp_path, key="k", routers=["a", "b"], seeds=[0]).total == 2
+
+
+def test_unstamped_runs_are_resumed_with_a_warning_and_mixed_data_is_never_reported(tmp_path):
+    _write(tmp_path / "runs.jsonl", [{"router": "a", "seed": 0, "settings": "k"}])  # written before stamping
+    with pytest.warns(RuntimeWarning, match="1 recorded run.* carry no data fingerprint"):
+        _fingerprinted(tmp_path, "text-1")
+    _write(tmp_path / "runs.jsonl", [{"router": "a", "seed": 0, "settings": "k", "data": "text-1"},
+                                     {"router": "b", "seed": 0, "settings": "k", "data": "text-2"}])
+    with pytest.raises(ResultsFileError, match="2 different data"):
+        recorded_runs(tmp_path, key="k", routers=["a", "b"], seeds=[0])
+
+
+def test_data_label_counts_runs_per_fingerprint():
+    from routelab.experiments.kit.data_stamp import data_label
+
+    assert data_label([{"data": "x"}, {"data": "x"}, {}]) == "data x (2 runs), data fingerprint not recorded (1 run)"
+    assert data_label([]) == "no runs recorded"

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .data_stamp import DataStamp, check_one_data
 from .divergence import train_or_fail
 from .provenance import COMMIT, CommitStamp, commit_label, load_average
 from .store import ResultsFileError, append_jsonl_atomic, is_failed, missing_keys, read_jsonl, split_failed
@@ -78,6 +79,7 @@ def train_router_seeds(
     train: TrainRun,
     summary: Callable[[dict[str, Any]], str],
     progress: bool = True,
+    fingerprint: Callable[[Any], str] | None = None,
 ) -> SweepResult:
     """Train the ``(router, seed)`` runs missing from ``out_dir/runs.jsonl`` (seed-major order).
 
@@ -92,13 +94,20 @@ def train_router_seeds(
         train: trains one run and returns its record.
         summary: the progress line of a finished run, from its record.
         progress: print progress lines on stderr.
+        fingerprint: the fingerprint of the loaded data (``fingerprint(load_data())``), for data built
+            outside the code (:mod:`.data_stamp`): stamped on every new record, and the recorded runs being
+            resumed must carry the same.
 
     Returns:
         :class:`SweepResult`. Every record gets ``settings`` (the key), ``threads``, ``run_s`` and ``commit``
         (:func:`.provenance.git_commit` at the start; the invocation record too).
 
+    Raises:
+        ResultsFileError: (with ``fingerprint``) the recorded runs it would resume trained on other data.
+
     Warns:
-        RuntimeWarning: when it trains runs next to recorded ones of another commit (naming both).
+        RuntimeWarning: when it trains runs next to recorded ones of another commit (naming both), or (with
+            ``fingerprint``) next to recorded runs that carry no data fingerprint.
     """
     key = _normal_key(key)
     stamp = CommitStamp(name)
@@ -113,15 +122,21 @@ def train_router_seeds(
     plan = [(r, s) for s in seeds for r in routers]
     pending = [(r, s) for r, s, _ in missing_keys([(r, s, key) for r, s in plan], runs_path,
                                                   ("router", "seed", "settings"))]
+    resumed: list[dict[str, Any]] = []
     if pending and len(pending) < len(plan):
         planned = set(plan)
-        stamp.before_training([r for r in read_jsonl(runs_path) if (r.get("router"), r.get("seed")) in planned
-                               and r.get("settings") == key])
+        resumed = [r for r in read_jsonl(runs_path) if (r.get("router"), r.get("seed")) in planned
+                   and r.get("settings") == key]
+        stamp.before_training(resumed)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     trained, finished = 0, False
+    data_stamp: DataStamp | None = None
     try:
         data = load_data() if pending else None
+        if pending and fingerprint is not None:
+            data_stamp = DataStamp(name, fingerprint(data), runs_path)
+            data_stamp.check(resumed)
         for i, (router, seed) in enumerate(pending, 1):
             t_run = time.perf_counter()
 
@@ -134,6 +149,8 @@ def train_router_seeds(
                                    on_fail=lambda why: say(f"FAILED, {why}"))
             record["settings"] = key
             stamp(record)
+            if data_stamp is not None:
+                data_stamp(record)
             record["threads"] = torch.get_num_threads()
             record["run_s"] = round(time.perf_counter() - t_run, 1)
             append_jsonl_atomic(runs_path, record)
@@ -149,6 +166,8 @@ def train_router_seeds(
             invocation = {"started": started, "wall_s": round(time.perf_counter() - t_start, 1),
                           "trained": trained, "settings": key, "load_start": load_start,
                           "load_end": load_average(), "threads": threads, COMMIT: stamp.commit}
+            if data_stamp is not None:
+                data_stamp(invocation)
             if not finished:
                 invocation["interrupted"] = True
             append_jsonl_atomic(out_dir / "invocations.jsonl", invocation)
@@ -179,7 +198,12 @@ class RecordedRuns:
 def recorded_runs(out_dir: Path, *, key: Any, routers: Sequence[str], seeds: Sequence[int]) -> RecordedRuns:
     """The runs of ``routers`` x ``seeds`` recorded in ``out_dir/runs.jsonl`` under settings ``key`` (the
     ``key`` :func:`train_router_seeds` stored, compared as it reads back from JSON), and the invocations that
-    trained them."""
+    trained them.
+
+    Raises:
+        ResultsFileError: a run recorded twice under these settings, or runs trained on different data
+            (:mod:`.data_stamp`).
+    """
     key = _normal_key(key)
     out_dir = Path(out_dir)
     order = {(r, s): i for i, (r, s) in enumerate((r, s) for r in routers for s in seeds)}
@@ -193,6 +217,7 @@ def recorded_runs(out_dir: Path, *, key: Any, routers: Sequence[str], seeds: Seq
                 f"{out_dir / 'runs.jsonl'} records router {r['router']!r} seed {r['seed']} twice under these "
                 "settings (two invocations wrote into one directory?); delete one of the two lines, or rerun "
                 "with `--fresh`", out_dir / "runs.jsonl")
+    check_one_data(records, out_dir / "runs.jsonl")
     records.sort(key=lambda r: order[(r["router"], r["seed"])])
     ok, failed = split_failed(records)
     invocations = [i for i in read_jsonl(out_dir / "invocations.jsonl") if i.get("settings") == key]

@@ -78,7 +78,7 @@ def run_sweep(out_dir: Path, settings: Settings, *, figures: bool = True, progre
                                                           progress=say),
         summary=lambda r: (f"done: val ppl {r['final_val_ppl']:.3f}, test ppl {r['test_ppl']:.3f}, "
                            f"{r['tokens_per_s']:.0f} tokens/s, {r['run_s']:.0f} s"),
-        progress=progress)
+        progress=progress, fingerprint=lambda corpus: corpus.fingerprint)
     return write_outputs(out_dir, settings, wall_s=done.wall_s, figures=figures, resumed=done.resumed)
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...data.parallel_text import load_parallel_text
+from ...data.parallel_text import load_parallel_text, pairs_fingerprint
 
 __all__ = ["CharCorpus", "build_corpus", "split_of_book"]
 
@@ -47,11 +47,14 @@ class CharCorpus:
         itos: the vocabulary (id -> character; id 0 is the unknown character).
         streams: split -> ``LongTensor [chars]`` (the split's books concatenated, each ending in a newline).
         books: split -> the book names in it.
+        fingerprint: the fingerprint of the verse text it was built from
+            (:func:`routelab.data.parallel_text.pairs_fingerprint`; ``""`` when built otherwise).
     """
 
     itos: list[str]
     streams: dict[str, Tensor]
     books: dict[str, list[str]]
+    fingerprint: str = ""
 
     @property
     def vocab(self) -> int:
@@ -102,4 +105,4 @@ def build_corpus(cache_dir: str | None = None) -> CharCorpus:
     itos = [UNK] + sorted(set(train_text))
     stoi = {c: i for i, c in enumerate(itos)}
     streams = {s: torch.tensor([stoi.get(c, 0) for c in "".join(t)], dtype=torch.long) for s, t in texts.items()}
-    return CharCorpus(itos, streams, names)
+    return CharCorpus(itos, streams, names, pairs_fingerprint(pairs))

@@ -22,6 +22,7 @@ from typing import Any
 
 from ...machine import cpu_model
 from ..kit.claims import HOLDS, INCONCLUSIVE, NOT_HOLD, NOT_MEASURED, PARTLY, Claim, claims_markdown, count_verdicts
+from ..kit.data_stamp import data_label
 from ..kit.plots import pyplot, router_bars, save_figure
 from ..kit.provenance import software_line
 from ..kit.router_sweep import figures_markdown, invocations_markdown, missing_runs_markdown
@@ -547,7 +548,8 @@ def render_report(settings: Settings, records: Sequence[Record], *, wall_s: floa
         "- Data: the World English Bible (Debian `sword-text-web`), characters; each of the 66 books is a "
         "document and goes whole to one split: book index mod 8 = 4 validation, = 0 test, else training. "
         f"Validation: {settings.eval_windows} evenly spaced windows of {settings.seq} characters; test: "
-        f"{settings.test_windows} windows.",
+        f"{settings.test_windows} windows. Text of the runs: {data_label(records)}; resuming a directory whose runs "
+        "trained on another text (another `pairs_fingerprint`) is refused.",
         f"- Model: transformers `MixtralForCausalLM`, {settings.layers} layers, d_model {settings.d_model}, "
         f"{settings.heads} heads, RMSNorm, rotary attention, SwiGLU experts; every MoE block patched with "
         "`routelab.integrations.hf.patch_moe(model, router, ...)`. Random init from the seed.",
@@ -629,5 +631,7 @@ def render_report(settings: Settings, records: Sequence[Record], *, wall_s: floa
     L += figures_markdown(figures, FIGURES)
     L += missing_runs_markdown(settings.routers, settings.seeds, records)
     L += ["", "Files: `runs.jsonl` (one JSON line per run, with its curves), `results.csv` (one row per run), "
-              "`claims.json`, `invocations.jsonl` (wall time and machine load of each invocation).", ""]
+              "`claims.json`"
+              + (", `invocations.jsonl` (wall time and machine load of each invocation)" if invocations else "")
+              + ".", ""]
     return "\n".join(L)

@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 
-from routelab.data.parallel_text import load_parallel_text
+from routelab.data.parallel_text import load_parallel_text, pairs_fingerprint
 from routelab.layers.bcd import EVAL_ROUTING
 
+from ..kit.data_stamp import DataStamp
 from ..kit.divergence import RunDiverged, train_or_fail
 from ..kit.experiment import Experiment
 from ..kit.failed_runs import add_failures_to_report
@@ -174,13 +175,20 @@ def run(out_dir: Path, s: Settings) -> Path:
     if unknown or not s.seeds or not s.gate_lrs:
         raise ValueError(f"Settings.variants must name variants of {tuple(variants)} (got unknown {unknown}); "
                          f"seeds and gate_lrs must not be empty.")
+    runs_path = out_dir / "runs.jsonl"
+    # the text of every recorded run must be this one (a refusal when it changed, a warning for unstamped runs)
+    data = DataStamp("mae", pairs_fingerprint(pairs), runs_path)
+    data.check([*read_jsonl(runs_path), *read_jsonl(out_dir / "finetune.jsonl")])
     from_records = _render_from_records(out_dir, s, corpus, t_start)
     if from_records is not None:
         return from_records
-    stamp = CommitStamp("mae")  # the commit on every record written, a warning when resuming another's runs
+    commit = CommitStamp("mae")  # the commit on every record written, a warning when resuming another's runs
+
+    def stamp(record: dict[str, Any]) -> dict[str, Any]:
+        return data(commit(record))
+
     models_dir, ckpt_dir = out_dir / "models", out_dir / "checkpoints"
     models_dir.mkdir(exist_ok=True)
-    runs_path = out_dir / "runs.jsonl"
     done = {_rec_key(r): r for r in read_jsonl(runs_path)}
     models: dict[tuple[str, int, float | None, int], TransformerLM] = {}
 
@@ -198,7 +206,7 @@ def run(out_dir: Path, s: Settings) -> Path:
             models[key] = model.eval()
             return
         sched = replace(s.schedule, seed=seed, gate_lr=gate_lr if gate_lr is not None else s.schedule.gate_lr)
-        stamp.before_training(done.values())
+        commit.before_training(done.values())
         _log(f"training {label} ({v.mode}, drop_heads={v.drop_heads})")
         ident = {"variant": name, "seed": seed, "gate_lr": gate_lr, "dim": dim, "mode": v.mode,
                  "drop_heads": v.drop_heads}
@@ -293,7 +301,7 @@ def run(out_dir: Path, s: Settings) -> Path:
             for method in FINETUNE_METHODS:
                 if (method, frac) in ft_done:
                     continue
-                stamp.before_training([*done.values(), *ft_done.values()])
+                commit.before_training([*done.values(), *ft_done.values()])
                 _log(f"fine-tuning MAE-7 with {method} on {frac:.0%} of the New Testament windows")
                 key = {"method": method, "fraction": frac, "windows": int(sub.shape[0]), "gate_lr": chosen}
                 r = train_or_fail(lambda: finetune(models[main_key], method, sub, nt_dev, nt_test, ft_sched,

@@ -30,10 +30,11 @@ from typing import Any
 import torch
 
 from routelab._checks import is_device_name
-from routelab.data.parallel_text import load_parallel_text
+from routelab.data.parallel_text import load_parallel_text, pairs_fingerprint
 from routelab.layers.bcd import EVAL_ROUTING, BCDTrainer
 from routelab.layers.mae import set_routing
 
+from ..kit.data_stamp import DataStamp
 from ..kit.divergence import RunDiverged
 from ..kit.provenance import CommitStamp
 from ..kit.router_sweep import check_distinct
@@ -232,7 +233,14 @@ def run(out_dir: Path, s: Settings) -> Path:
     runs_path = out_dir / "runs.jsonl"
     recorded = read_jsonl(runs_path)
     done = {_record_key(r) for r in recorded}
-    stamp = CommitStamp("mae-translation")  # the commit on every record, a warning when resuming another's runs
+    # the text of every recorded run must be this one (a refusal when it changed, a warning for unstamped runs)
+    data = DataStamp("mae-translation", pairs_fingerprint(pairs), runs_path)
+    data.check(recorded)
+    commit = CommitStamp("mae-translation")  # the commit on every record, a warning when resuming another's runs
+
+    def stamp(record: dict[str, Any]) -> dict[str, Any]:
+        return data(commit(record))
+
     for seed in s.seeds:
         for name in s.variants:
             if (name, seed) in done:
@@ -242,7 +250,7 @@ def run(out_dir: Path, s: Settings) -> Path:
             sched = replace(s.schedule, seed=seed, gate_lr=s.gate_lr)
             ident = {"variant": name, "seed": seed, "mode": v.mode, "drop_heads": v.drop_heads,
                      "gate_lr": s.gate_lr}
-            stamp.before_training(recorded)
+            commit.before_training(recorded)
             _log(f"translation: training {label} ({v.mode}, drop_heads={v.drop_heads}) on {s.device}")
             torch.manual_seed(seed)
             model = TranslationModel(s.model_config(corpus, v.drop_heads)).to(s.device)
