@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import check_tau
+from .._checks import check_nonneg, check_tau
 from ..routes import Routes
 from ..routing.eager import eager
 from ..routing.masks import masked_rule
@@ -58,6 +58,7 @@ def gumbel_matching_routes(logits: Tensor, capacity: int | None = None, *, metho
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     tau = check_tau(tau, positive=True)
+    balance_coef = check_nonneg("balance_coef", balance_coef)
     n, E = _check_logits(logits).shape
     if n == 0 or not training:
         log_p = torch.log_softmax(logits, -1)

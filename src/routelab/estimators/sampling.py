@@ -185,7 +185,7 @@ def sample_routes(
         keep = torch.ones_like(expert, dtype=torch.bool)
         correction = None
         if method != "sample":
-            keep, load = random_skip(expert, k, c, generator)
+            keep, load = random_skip(expert, k, c, generator, check=False)  # sampled: in range
             correction = skip_correction(method, keep, load.to(log_q.dtype), c)
     else:
         # The solver takes the temperature itself (floored above: BALANCED_TAU_FLOOR), on the

@@ -52,8 +52,12 @@ class EMABaseline:
             raise ValueError(f"EMABaseline averages values of one shape: got {tuple(observed.shape)} after "
                              f"{tuple(self.value.shape)} (use one baseline per shape, or reset it: "
                              f"baseline.value = None)")
-        current = torch.zeros_like(observed) if self.value is None else self.value
-        self.value = observed if self.value is None else self.decay * self.value + (1 - self.decay) * observed
+        # The average is kept in float32 at least: in half precision the update decay * value +
+        # (1 - decay) * observed rounds back to value well short of the mean (a constant 2.0 after a 1.0
+        # stalled at 1.90 in float16), and the baseline's variance reduction with it.
+        acc = observed.to(torch.promote_types(observed.dtype, torch.float32))
+        current = torch.zeros_like(observed) if self.value is None else self.value.to(observed.dtype)
+        self.value = acc if self.value is None else self.decay * self.value + (1 - self.decay) * acc
         return current
 
 

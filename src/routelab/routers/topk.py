@@ -88,4 +88,4 @@ class NoisyTopKRouter(ChoosesK, Router):
         E = self.num_experts
         return noisy_topk_routes(features[:, :E], features[:, E:], self.k, training=self.training,
                                  importance_coef=self.importance_coef, load_coef=self.load_coef,
-                                 generator=self.generator)
+                                 generator=self.generator, check=False)  # softplus + eps > 0

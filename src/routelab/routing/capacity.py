@@ -60,11 +60,18 @@ def skip_correction(load: Tensor, capacity: int) -> Tensor:
 
     Args:
         load: floating ``n_z`` (any shape), candidates that chose the expert before dropping.
-        capacity: ``C >= 0``.
+        capacity: ``C >= 0`` (an int; at ``C = 0`` nothing is kept, and the factor of a kept pair is moot).
 
     Returns:
         The factor, of ``load``'s shape and dtype.
+
+    Raises:
+        ValueError: ``capacity`` is not an integer ``>= 0``.
     """
+    if checks_run():  # (while torch.compile traces, a dynamic capacity is symbolic: checked by the caller)
+        capacity = check_capacity(capacity)
+        if capacity is None:
+            raise ValueError("capacity must be an integer >= 0, got None (eq. 3 needs the expert's capacity C)")
     return load / load.clamp(max=capacity).clamp(min=1)
 
 
@@ -100,7 +107,7 @@ def random_ranks(group: Tensor, num_groups: int, generator: torch.Generator | No
 
 
 def random_skip(expert: Tensor, num_experts: int, capacity: int,
-                generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+                generator: torch.Generator | None = None, *, check: bool = True) -> tuple[Tensor, Tensor]:
     """Every expert keeps at most ``capacity`` of its tokens, a uniformly random subset (:func:`random_ranks`).
 
     Args:
@@ -108,11 +115,33 @@ def random_skip(expert: Tensor, num_experts: int, capacity: int,
         num_experts: ``k``.
         capacity: ``C``.
         generator: the only source of randomness.
+        check: check that every ``expert`` is in ``[0, num_experts)`` (one host synchronisation;
+            skipped while ``torch.compile`` traces). A caller whose experts are in range by
+            construction (a sampler) passes ``False``.
 
     Returns:
         ``(keep, load)``, both ``[..., n]``: ``keep`` bool, ``load`` long ``n_z``, the number of
         tokens that chose each token's expert before skipping (for :func:`skip_correction`).
+
+    Raises:
+        ValueError: a capacity that is not an integer ``>= 0``, ``num_experts < 1``, or (with
+            ``check``) an expert out of range, naming the argument.
     """
+    if checks_run():  # (while torch.compile traces, a dynamic capacity is symbolic: checked by the caller)
+        capacity = check_capacity(capacity)
+        if capacity is None:
+            raise ValueError("capacity must be an integer >= 0, got None; pass the number of tokens for no limit")
+        check_positive_int("num_experts", num_experts)
+    if not isinstance(expert, Tensor) or expert.dim() == 0 or expert.dtype == torch.bool \
+            or expert.is_floating_point() or expert.is_complex():
+        got = f"{expert.dtype} of shape {tuple(expert.shape)}" if isinstance(expert, Tensor) else type(expert).__name__
+        raise ValueError(f"expert must be an integer tensor [..., n] (one expert per token), got {got}")
+    expert = expert.long()
+    if check and expert.numel() and checks_run():
+        lo, hi = torch.stack([expert.amin(), expert.amax()]).tolist()
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"expert must hold expert indices in [0, num_experts={num_experts}), got values "
+                             f"from {lo} to {hi}")
     counts = torch.zeros((*expert.shape[:-1], num_experts), dtype=torch.long, device=expert.device)
     counts.scatter_add_(-1, expert, torch.ones_like(expert))
     keep = random_ranks(expert, num_experts, generator, counts=counts) < capacity

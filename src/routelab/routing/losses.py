@@ -93,6 +93,9 @@ def _z_score(gap: Tensor, noise_std: Tensor) -> Tensor:
 
     The gap is clamped at ``40 noise_std`` *before* the division: clamping the quotient after it
     leaves the division's backward to form ``gap / noise_std^2``, which overflows for finite
-    inputs (a logit gap of 3e35 at noise 0.01) and turns the zero gradient into NaN."""
+    inputs (a logit gap of 3e35 at noise 0.01) and turns the zero gradient into NaN. A scale below
+    the dtype's smallest normal number (exactly 0 where ``softplus`` underflows) counts as that
+    number: the ``noise_std -> 0`` limit, ``+-40`` by the gap's sign (0/0 was NaN)."""
+    noise_std = noise_std.clamp(min=torch.finfo(noise_std.dtype).tiny)
     bound = _Z_SATURATED * noise_std
     return torch.minimum(torch.maximum(gap, -bound), bound) / noise_std

@@ -27,7 +27,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import balanced_quotas, check_capacity, check_k, check_nonneg, check_positive_int, random_tensor
+from .._checks import (
+    balanced_quotas,
+    check_capacity,
+    check_k,
+    check_nonneg,
+    check_positive_int,
+    checks_run,
+    random_tensor,
+)
 from ..assignment import balanced_assignment as _balanced_assignment
 from ..assignment import balanced_b_matching as _balanced_b_matching
 from ..assignment import sinkhorn_balance
@@ -119,6 +127,7 @@ def softmax_routes(logits: Tensor, *, importance_coef: float = 0.0) -> Routes:
         ``Routes [tokens, E]``: slot ``e`` is expert ``e``, gate ``G``, every slot proposed.
     """
     n, E = _check_logits(logits).shape
+    importance_coef = check_nonneg("importance_coef", importance_coef)
     log_p = torch.log_softmax(logits, -1)
     probs = log_p.exp()
     aux = {}
@@ -150,6 +159,7 @@ def topk_routes(logits: Tensor, k: int, *, renormalize: bool = False, balance_co
         ``Routes [tokens, k]``, every slot proposed.
     """
     check_k(k, _check_logits(logits).shape[-1])
+    balance_coef = check_nonneg("balance_coef", balance_coef)
     log_p = torch.log_softmax(logits, -1)
     top_logits, expert = logits.topk(k, dim=-1)
     log_prob = log_p.gather(-1, expert)
@@ -164,7 +174,7 @@ def topk_routes(logits: Tensor, k: int, *, renormalize: bool = False, balance_co
 @masked_rule("logits", "noise_std")
 def noisy_topk_routes(logits: Tensor, noise_std: Tensor, k: int, *, training: bool = True,
                       importance_coef: float = 0.1, load_coef: float = 0.1,
-                      generator: torch.Generator | None = None) -> Routes:
+                      generator: torch.Generator | None = None, check: bool = True) -> Routes:
     """Noisy top-k gating with the importance and load losses of Shazeer et al. (2017).
 
     ``H = logits + eps * noise_std`` with ``eps ~ N(0, 1)`` when ``training`` (eq. 4; the
@@ -174,11 +184,20 @@ def noisy_topk_routes(logits: Tensor, noise_std: Tensor, k: int, *, training: bo
 
     Args:
         logits: ``[tokens, E]`` clean logits (differentiable).
-        noise_std: ``[tokens, E]`` noise scales ``> 0`` (differentiable).
+        noise_std: ``[tokens, E]`` noise scales ``>= 0`` (differentiable; a scale of exactly 0, as
+            ``softplus`` gives far below 0, is the noiseless limit: that expert's load term is a step,
+            without gradient).
         k: experts per token.
         training: add the noise.
-        importance_coef, load_coef: loss weights (the paper uses 0.1 each).
+        importance_coef, load_coef: loss weights ``>= 0`` (the paper uses 0.1 each).
         generator: the noise's only source of randomness.
+        check: check that every noise scale is ``>= 0`` (one host synchronisation; skipped while
+            ``torch.compile`` traces). A router whose scales are ``softplus(...) >= 0`` by
+            construction passes ``False``.
+
+    Raises:
+        ValueError: a negative or NaN noise scale (with ``check``), or a negative or non-finite
+            loss weight, naming the argument.
 
     Returns:
         ``Routes [tokens, k]``, every slot proposed.
@@ -188,6 +207,11 @@ def noisy_topk_routes(logits: Tensor, noise_std: Tensor, k: int, *, training: bo
     if not isinstance(noise_std, Tensor) or noise_std.shape != logits.shape:
         got = tuple(noise_std.shape) if isinstance(noise_std, Tensor) else type(noise_std).__name__
         raise ValueError(f"noise_std must be a tensor of the logits' shape {tuple(logits.shape)}, got {got}")
+    importance_coef = check_nonneg("importance_coef", importance_coef)
+    load_coef = check_nonneg("load_coef", load_coef)
+    if check and noise_std.numel() and checks_run() and not bool((noise_std >= 0).all()):
+        raise ValueError("noise_std must hold noise scales >= 0 (eq. 4 of Shazeer et al.: a standard deviation), "
+                         "got negative or NaN values; compute them as softplus(x @ W_noise), as the paper does")
     if training:
         eps = random_tensor(torch.randn, logits.shape, dtype=logits.dtype, device=logits.device, generator=generator)
         # Logits and noise scales near the dtype's maximum can overflow the sum: keep it at the
@@ -351,6 +375,7 @@ def sinkhorn_routes(logits: Tensor, k: int, *, sweeps: int = 20, balanced: bool 
     n, E = _check_logits(logits).shape
     check_k(k, E)
     check_positive_int("sweeps", sweeps)
+    balance_coef = check_nonneg("balance_coef", balance_coef)
     log_p = torch.log_softmax(logits, -1)
     select = sinkhorn_balanced_log_probs(log_p, sweeps) if (n and balanced) else log_p.detach()
     expert = select.topk(k, dim=-1).indices
