@@ -36,7 +36,8 @@ class EMABaseline:
     The baseline of a step never depends on that step's value: the first call returns 0 (no
     value seen yet; returning the value itself made the first REINFORCE step's gradient exactly
     0, biased) and sets the average to the observed value. Works elementwise on batched values
-    (one baseline per independent run).
+    (one baseline per independent run). The average (``value``) is kept in float32 at least, and the
+    baseline returned in the dtype of the values observed.
     """
 
     def __init__(self, decay: float = 0.99) -> None:
