@@ -410,3 +410,17 @@ def test_targets_within_the_slack_are_scaled_to_add_up_to_n(k: int) -> None:
 def test_tol_may_be_a_zero_dimensional_tensor() -> None:
     log_p = torch.randn(8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(sinkhorn(log_p, tol=torch.tensor(1e-9)), sinkhorn(log_p, tol=1e-9), rtol=0, atol=0)
+
+
+def test_vmap_is_refused_with_the_batch_dimension_as_the_fix():
+    """torch.func.vmap cannot run the host-side stopping rule: the error says so and names the fix (it was
+    torch's "Cannot access data pointer of Tensor that doesn't have storage"); the batch dimension gives
+    what vmap would have, and torch.func.grad works."""
+    x = torch.randn(3, 8, 4, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match="leading batch dimension"):
+        torch.func.vmap(sinkhorn)(x)
+    batched = sinkhorn(x, tol=1e-10)
+    for i in range(3):
+        torch.testing.assert_close(batched[i], sinkhorn(x[i], tol=1e-10), atol=1e-8, rtol=0)
+    g = torch.func.grad(lambda s: sinkhorn(s)[:, 0].exp().sum())(x[0])
+    assert g.shape == (8, 4) and torch.isfinite(g).all()

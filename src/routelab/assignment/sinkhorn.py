@@ -83,7 +83,15 @@ def sinkhorn(
     if out_dtype not in (torch.float32, torch.float64):  # half precision: balance in float32
         log_p = log_p.float()
     # The values in one pass and one synchronisation: NaN/+inf (an error) and -inf (the checks below).
-    lo, hi = torch.stack(torch.aminmax(log_p.detach())).tolist() if log_p.numel() else (0.0, 0.0)
+    try:
+        lo, hi = torch.stack(torch.aminmax(log_p.detach())).tolist() if log_p.numel() else (0.0, 0.0)
+    except RuntimeError as err:
+        if "storage" not in str(err):
+            raise
+        raise NotImplementedError(
+            "sinkhorn does not run under torch.func.vmap: its stopping rule reads the column errors on the host, "
+            "which a vmapped tensor cannot give; pass the instances as a leading batch dimension of log_p "
+            "[..., n, k] instead (one call balances them all)") from None
     if not hi < float("inf"):
         check_score_matrix(log_p, "log_p")  # raises, naming the problem
     target = _target_columns(col_sum, log_p, n, k)
