@@ -79,3 +79,26 @@ def test_the_ema_baseline_reaches_the_mean_in_half_precision(dtype):
     for _ in range(3000):
         out = b(torch.tensor(2.0, dtype=dtype))
     assert out.dtype == dtype and abs(b.value.item() - 2.0) < 1e-4  # float32 rounding: ~eps / (1 - decay)
+
+
+@pytest.mark.parametrize("rule", [
+    lambda x: topk_routes(x, 1),
+    lambda x: noisy_topk_routes(x, torch.ones_like(x), 2),
+    lambda x: sinkhorn_routes(x, 1, balance_coef=0.1),
+    lambda x: gumbel_matching_routes(x, balance_coef=0.1, generator=torch.Generator().manual_seed(0)),
+    lambda x: softmax_routes(x, importance_coef=0.1),
+])
+def test_a_batch_without_tokens_keeps_the_loss_and_stats_keys_at_zero(rule):
+    """A review: with an all-padding batch some rules dropped their aux keys (others gave 0), so logs keyed by
+    name lost them for a step. The keys are the non-empty batch's, every value 0."""
+    full, empty = rule(torch.randn(8, 4)), rule(torch.zeros(0, 4))
+    assert set(empty.aux) == set(full.aux) and set(empty.stats) == set(full.stats)
+    assert all(float(v) == 0.0 for v in [*empty.aux.values(), *empty.stats.values()])
+
+
+def test_batchwise_keeps_its_threshold_loss_key_for_a_batch_without_tokens():
+    from routelab.routing.rules import batchwise_routes
+
+    full = batchwise_routes(torch.randn(8, 4), 2, torch.zeros(4))
+    empty = batchwise_routes(torch.zeros(0, 4), 2, torch.zeros(4))
+    assert set(full.aux) == set(empty.aux) == {"threshold"} and float(empty.aux["threshold"]) == 0.0

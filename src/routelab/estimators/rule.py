@@ -67,9 +67,14 @@ def gumbel_matching_routes(logits: Tensor, capacity: int | None = None, *, metho
         else:
             expert = log_p.argmax(-1)
         log_prob = log_p.gather(-1, expert.unsqueeze(-1))
-        return Routes(expert=expert.unsqueeze(-1), gate=log_prob.exp(),
-                      keep=torch.ones_like(log_prob, dtype=torch.bool), weight=torch.ones_like(log_prob),
-                      log_prob=log_prob)
+        r = Routes(expert=expert.unsqueeze(-1), gate=log_prob.exp(),
+                   keep=torch.ones_like(log_prob, dtype=torch.bool), weight=torch.ones_like(log_prob),
+                   log_prob=log_prob)
+        if training:  # a batch without tokens: the training keys, at 0 (logs keyed by name keep them)
+            zero = logits.new_zeros(())
+            r.aux = {"balance": zero} if balance_coef else {}
+            r.stats = {"weights_clamped": zero.long(), "unreachable_mass": zero}
+        return r
     # Every estimator of Kool et al. samples under a capacity that can hold the batch (the skip
     # methods skip what does not fit; "sample" ignores it): capacity_factor >= 1.
     c = balanced_capacity(n, E, capacity, "gumbel_matching")

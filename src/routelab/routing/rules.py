@@ -225,13 +225,14 @@ def noisy_topk_routes(logits: Tensor, noise_std: Tensor, k: int, *, training: bo
     expert = top_index[:, :k]
     gate = torch.softmax(top_values[:, :k], -1)
     log_prob = torch.log_softmax(noisy, -1).gather(-1, expert)
+    # (a loss its coefficient asks for is always there, 0 for a batch without tokens: logs keyed by name)
     aux = {}
-    if n and importance_coef:
+    if importance_coef:
         full = torch.zeros_like(logits).scatter(-1, expert, gate)
-        aux["importance"] = importance_coef * cv_squared(full.sum(0))
-    if n and load_coef:
-        load = noisy_topk_load(logits, noisy, noise_std, top_values, k)
-        aux["load"] = load_coef * cv_squared(load)
+        aux["importance"] = importance_coef * cv_squared(full.sum(0)) if n else logits.new_zeros(())
+    if load_coef:
+        aux["load"] = (load_coef * cv_squared(noisy_topk_load(logits, noisy, noise_std, top_values, k)) if n
+                       else logits.new_zeros(()))
     return Routes(expert=expert, gate=gate, keep=torch.ones_like(expert, dtype=torch.bool),
                   weight=torch.ones_like(gate), log_prob=log_prob, aux=aux)
 
@@ -292,9 +293,10 @@ def batchwise_routes(logits: Tensor, k: int, thresholds: Tensor, *, training: bo
     kept_log_p = log_p.masked_fill(~live, float("-inf")).masked_fill(~live.any(-1, keepdim=True), 0.0)
     gate = torch.softmax(kept_log_p, -1) * live
     aux = {}
-    if training and n and threshold_coef:
-        loss = batchwise_threshold_loss(probs.detach(), thresholds, mask, check_nan=check_nan)
-        aux["threshold"] = threshold_coef * loss / n
+    if training and threshold_coef:  # (0 for a batch without tokens: logs keyed by name keep the key)
+        aux["threshold"] = (threshold_coef * batchwise_threshold_loss(probs.detach(), thresholds, mask,
+                                                                      check_nan=check_nan) / n
+                            if n else thresholds.new_zeros(()))
     return Routes(expert=expert_grid(n, E, logits.device), gate=gate, keep=mask,
                   weight=torch.ones_like(gate), log_prob=log_p, aux=aux)
 
@@ -385,6 +387,6 @@ def sinkhorn_routes(logits: Tensor, k: int, *, sweeps: int = 20, balanced: bool 
     gate = torch.softmax(log_prob, -1) if renormalize else log_prob.exp()
     keep = torch.ones_like(expert, dtype=torch.bool)
     aux = {}
-    if balance_coef and n:
-        aux["balance"] = balance_coef * switch_balance(log_p.exp())
+    if balance_coef:  # (0 for a batch without tokens: logs keyed by name keep the key)
+        aux["balance"] = balance_coef * switch_balance(log_p.exp()) if n else logits.new_zeros(())
     return Routes(expert=expert, gate=gate, keep=keep, weight=torch.ones_like(gate), log_prob=log_prob, aux=aux)
