@@ -219,3 +219,17 @@ def test_gumbel_matching_against_switch_is_judged_at_equal_test_conditions() -> 
     ahead = [rec("switch", s, 0.90, 0.95, 0.15) for s in range(3)]
     ahead += [rec("gumbel_matching", s, 0.93, 0.95 + g, 0.0) for s, g in enumerate(gaps)]
     assert claim(ahead).verdict == NOT_HOLD
+
+
+def test_dropless_evaluation_of_the_balanced_routers_is_the_argmax(tiny_data) -> None:
+    """The dropless column and claim 6 read "every image goes to its router's argmax expert". Since balanced
+    routers balance at the quota whatever the buffer, base and gumbel_matching (eval_balanced) balanced again
+    in the dropless evaluation (a rerun found it: dropless equal to the capacity-limited accuracy, load CV 0).
+    Oracle: at batch size 1 the balanced solve of one image is its argmax, so over the same images the
+    dropless evaluation must give the batch-1 accuracy and proposed load."""
+    settings = mr.Settings(**{**TINY.__dict__, "routers": ("base", "gumbel_matching"), "batch1_images": 200})
+    for name in settings.routers:
+        rec = mr.train_run(settings.spec(name), 0, settings, tiny_data)
+        assert rec["test_dropless"]["acc"] == rec["test_batch1"]["acc"], name
+        assert rec["test_dropless"]["proposed_load_cv"] == pytest.approx(rec["test_batch1"]["proposed_load_cv"]), name
+        assert rec["test"]["proposed_load_cv"] == pytest.approx(0.0, abs=1e-9)  # balanced at the capacity

@@ -370,12 +370,19 @@ def train_run(spec: RouterSpec, seed: int, settings: Settings, data: tuple[Tenso
     n1 = settings.batch1_images
     b1 = evaluate(model, test_x[:n1], test_y[:n1], 1) if n1 else {}
     subset = evaluate(model, test_x[:n1], test_y[:n1], bs) if n1 else {}  # the same images, batched
+    # Dropless evaluation: the buffer holds every routed token, and every image goes to its argmax expert
+    # (Kool et al.'s test-time rule). A router balanced at inference (eval_balanced) would balance again at
+    # the quota ceil(batch / E), whatever the buffer: it takes the argmax here.
     factor = model.moe.eval_capacity_factor
-    model.moe.eval_capacity_factor = None  # dropless evaluation: the buffer holds every routed token
+    eval_balanced = getattr(model.moe.router, "eval_balanced", False)
+    model.moe.eval_capacity_factor = None
+    model.moe.router.eval_balanced = False if eval_balanced else eval_balanced
     try:
         dropless = evaluate(model, test_x, test_y, bs)
     finally:
         model.moe.eval_capacity_factor = factor
+        if eval_balanced:
+            model.moe.router.eval_balanced = eval_balanced
     record: dict[str, Any] = {
         "router": spec.name, "seed": seed, "steps": step, "epochs": settings.epochs,
         "train": {k: _mean(v) for k, v in last_epoch.items()},

@@ -365,8 +365,8 @@ def observations(records: Sequence[Mapping[str, Any]], settings: Settings) -> li
     out.append("- Dropless minus capacity-limited test accuracy (points): "
                + ", ".join(f"{r} {100 * g:+.2f}" for g, r in gaps) + ". "
                + (f"{', '.join(no_drop)} drop nothing at test, so their difference is not a capacity loss "
-                  "(base and gumbel_matching solve the balanced assignment at test, and with "
-                  "`capacity_factor=None` its capacity is the whole batch: the argmax). " if no_drop else "")
+                  "(base and gumbel_matching solve the balanced assignment at test; their dropless evaluation "
+                  "takes each image's argmax expert). " if no_drop else "")
                + "For the others it is what dropping the pairs above the capacity of the evaluation batch costs.")
     sparse = [r for r in routers if r != "softmax"]
     if "softmax" in routers and sparse:
