@@ -625,3 +625,21 @@ class TestCuda:
         pairs = balanced_assignment(s.cuda(), k=2, on_host=True)
         assert pairs.is_cuda
         assert torch.equal(pairs.cpu(), balanced_assignment(s, k=2))
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3, 1e6])
+@pytest.mark.parametrize("length", [4, 7, 12])
+def test_a_chain_of_forbidden_pairs_with_one_feasible_assignment_is_solved(monkeypatch, compiled, scale, length):
+    """A mutation review: a penalty for -inf pairs of ``lo - (spread + 1)`` (not ``* (n + 1)``) survived the
+    suite, and refused this feasible instance. Token 0 may only take expert 0; token i prefers expert i - 1
+    (score 10) but may take expert i (score 0): at capacity 1 the identity is the only feasible assignment,
+    though every token but the first would gain by moving to its preferred expert."""
+    from routelab.assignment import _compiled
+
+    monkeypatch.setattr(_compiled, "ENABLED", compiled)
+    s = torch.full((length, length), float("-inf"), dtype=torch.float64)
+    s[0, 0] = 0.0
+    for i in range(1, length):
+        s[i, i - 1], s[i, i] = 10.0 * scale, 0.0
+    assert balanced_assignment(s, 1).tolist() == list(range(length))

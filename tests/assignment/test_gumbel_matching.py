@@ -534,3 +534,13 @@ def test_float32_noise_reaches_the_tail_that_the_weights_assume() -> None:
         mp.setattr(torch, "rand", extreme)
         z = gumbel_matching(logits, tau=2.7 / 21, capacity=1, generator=torch.Generator()).expert
     assert int(z[0]) == 1
+
+
+@pytest.mark.parametrize(("n", "k"), [(4, 2), (6, 3), (8, 4), (9, 3)])
+def test_tau_zero_conditionals_split_the_mass_evenly_over_tied_experts(n, k):
+    """tau -> 0: the conditional of a token is uniform over the maximisers of eq. 9 (a mutation review:
+    dropping the renormalisation survived, rows summing to the number of ties). With every score equal,
+    every expert is a maximiser for every token."""
+    gm = gumbel_matching(torch.zeros(n, k), tau=0.0)
+    q = gm.conditional_log_probs.exp()
+    torch.testing.assert_close(q, torch.full((n, k), 1.0 / k))

@@ -91,3 +91,21 @@ def test_eq16_gate_is_zero_not_nan_for_a_token_whose_kept_experts_all_have_proba
     assert routes.gate[routes.keep[:, 1], 1].tolist() == [0.0]
     routes.gate.sum().backward()
     assert torch.isfinite(logits.grad).all()
+
+
+def test_eq19_is_strict_a_probability_equal_to_its_threshold_is_not_kept():
+    """Eq. 19 of Shazeer et al. App. F: ``m_i = 1`` iff ``x_i > T_i`` (a mutation review: ``>=`` survived)."""
+    p = torch.softmax(torch.zeros(3, 2), -1)  # exactly 0.5 each
+    assert not threshold_mask(p, torch.full((2,), 0.5)).any()
+    assert threshold_mask(p, torch.full((2,), 0.5 - 1e-6)).all()
+
+
+@pytest.mark.parametrize(("n", "E", "k"), [(3, 2, 1), (5, 3, 1), (7, 4, 2), (10, 4, 1)])
+def test_batchwise_quota_ties_go_to_the_lower_expert_index(n, E, k):
+    """With every score equal, the ``r = k n mod E`` ceiling quotas go to the lowest expert indices, as
+    documented (a mutation review: the higher-index tie-break survived)."""
+    from routelab.gates import batchwise_mask
+
+    loads = batchwise_mask(torch.full((n, E), 0.5), k).sum(0).tolist()
+    floor, r = divmod(k * n, E)
+    assert loads == [floor + 1] * r + [floor] * (E - r)

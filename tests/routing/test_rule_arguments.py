@@ -102,3 +102,20 @@ def test_batchwise_keeps_its_threshold_loss_key_for_a_batch_without_tokens():
     full = batchwise_routes(torch.randn(8, 4), 2, torch.zeros(4))
     empty = batchwise_routes(torch.zeros(0, 4), 2, torch.zeros(4))
     assert set(full.aux) == set(empty.aux) == {"threshold"} and float(empty.aux["threshold"]) == 0.0
+
+
+def test_gumbel_matching_inference_is_the_argmax_or_the_optimal_balanced_assignment():
+    """A mutation review: argmin in place of argmax at inference, and the balanced solve on -logits (still
+    balanced, so the quota checks passed), both survived. Oracles: argmax, and scipy's optimum of the
+    capacity-tiled problem."""
+    from scipy.optimize import linear_sum_assignment
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(12, 3, generator=g, dtype=torch.float64)
+    r = gumbel_matching_routes(logits, training=False)
+    assert r.expert.squeeze(-1).tolist() == logits.argmax(-1).tolist()
+    torch.testing.assert_close(r.gate.squeeze(-1), torch.softmax(logits, -1).amax(-1))
+    b = gumbel_matching_routes(logits, training=False, eval_balanced=True).expert.squeeze(-1)
+    assert torch.bincount(b, minlength=3).tolist() == [4, 4, 4]
+    rows, cols = linear_sum_assignment(-logits.repeat_interleave(4, dim=1).numpy())
+    assert float(logits.gather(1, b[:, None]).sum()) == pytest.approx(float(logits.numpy()[rows, cols // 4].sum()))
