@@ -374,15 +374,16 @@ def train_run(spec: RouterSpec, seed: int, settings: Settings, data: tuple[Tenso
     # (Kool et al.'s test-time rule). A router balanced at inference (eval_balanced) would balance again at
     # the quota ceil(batch / E), whatever the buffer: it takes the argmax here.
     factor = model.moe.eval_capacity_factor
-    eval_balanced = getattr(model.moe.router, "eval_balanced", False)
+    eval_balanced = bool(spec.router_kwargs.get("eval_balanced", False))  # base, gumbel_matching
     model.moe.eval_capacity_factor = None
-    model.moe.router.eval_balanced = False if eval_balanced else eval_balanced
+    if eval_balanced:
+        model.moe.router.eval_balanced = False
     try:
         dropless = evaluate(model, test_x, test_y, bs)
     finally:
         model.moe.eval_capacity_factor = factor
         if eval_balanced:
-            model.moe.router.eval_balanced = eval_balanced
+            model.moe.router.eval_balanced = True
     record: dict[str, Any] = {
         "router": spec.name, "seed": seed, "steps": step, "epochs": settings.epochs,
         "train": {k: _mean(v) for k, v in last_epoch.items()},
