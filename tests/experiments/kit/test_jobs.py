@@ -96,6 +96,33 @@ def test_run_side_by_side_reports_an_exception_and_a_dead_worker_and_goes_on() -
     assert out[2] == 25
 
 
+def _sleep_then_clean_up(marker: str) -> None:
+    try:
+        time.sleep(120)
+    finally:
+        Path(marker).write_text("finally ran")
+
+
+def test_ctrl_c_lets_every_worker_run_its_finally_blocks(tmp_path: Path) -> None:
+    """A review: Ctrl-C under ``--jobs`` terminated the workers at once, so an experiment's ``finally``
+    (where a sweep records the invocation it interrupted) never ran. Here only the parent is interrupted
+    (as by ``kill -INT``): its workers get SIGTERM after the grace and stop as Ctrl-C stops them."""
+    import _thread
+    import threading
+
+    markers = [tmp_path / f"w{i}" for i in range(2)]
+    timer = threading.Timer(3.0, _thread.interrupt_main)
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_side_by_side([(f"w{i}", _sleep_then_clean_up, (str(m),)) for i, m in enumerate(markers)], jobs=2)
+    finally:
+        timer.cancel()
+    assert [m.read_text() for m in markers] == ["finally ran"] * 2
+    assert time.monotonic() - t0 < 60  # not the workers' 120 s
+
+
 @pytest.mark.parametrize("jobs", [0, -1, 1.5, True])
 def test_run_side_by_side_rejects_bad_jobs(jobs: Any) -> None:
     with pytest.raises(ValueError, match="jobs must be an integer >= 1"):

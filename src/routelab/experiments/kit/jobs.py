@@ -6,7 +6,11 @@ time of the longest rather than of their sum. Each call runs in a fresh ``spawn`
 fork of a parent whose OpenMP pool may be running), dies with the process that started it
 (:func:`~routelab.experiments.kit.workers.die_with_parent`), and sends back its return value or
 its exception as text. A call that does not come back (its process was killed, or crashed)
-is reported as such; the others go on. Ctrl-C stops every worker.
+is reported as such; the others go on. Ctrl-C stops every worker, letting its ``finally`` blocks
+run (an experiment records there the invocation it interrupted): a worker the terminal's Ctrl-C
+reached too stops on its own; one still running after :data:`STOP_GRACE_S` gets ``SIGTERM``, which
+a worker turns into the ``KeyboardInterrupt`` that Ctrl-C raises; one still running after
+:data:`TERM_GRACE_S` more is killed.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import io
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import signal
 import sys
 import time
 import traceback
@@ -31,6 +36,18 @@ BAR_EVERY_S = 15.0
 
 POLL_S = 0.5
 """How often the parent checks that its workers are still alive while it waits for a result."""
+
+STOP_GRACE_S = 3.0
+"""After Ctrl-C, how long the parent waits for its workers to stop on their own (the terminal's Ctrl-C reaches
+them too) before it sends them ``SIGTERM``."""
+
+TERM_GRACE_S = 30.0
+"""How long a worker has, after ``SIGTERM``, to run its ``finally`` blocks before it is killed."""
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """A worker's ``SIGTERM`` handler: stop as Ctrl-C stops, so that ``finally`` blocks run."""
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 class PrefixedLines(io.TextIOBase):
@@ -99,6 +116,7 @@ class JobFailed:
 
 def _worker(index: int, name: str, fn: Callable[..., Any], args: tuple, results: Any, main_pid: int) -> None:
     die_with_parent(main_pid)
+    signal.signal(signal.SIGTERM, _interrupt)
     prefix = f"[{name}] "
     out, err = PrefixedLines(sys.__stdout__, prefix), PrefixedLines(sys.__stderr__, prefix)
     sys.stdout, sys.stderr = out, err
@@ -161,14 +179,24 @@ def run_side_by_side(calls: Sequence[tuple[str, Callable[..., Any], tuple]], job
             for i in [i for i in running if i in answers]:
                 running.pop(i).join()
     except BaseException:
-        for proc in running.values():
-            proc.terminate()
-        for proc in running.values():
-            proc.join()
+        _stop(list(running.values()))
         raise
     finally:
         results.close()
     return [answers[i] for i in range(len(calls))]
+
+
+def _stop(procs: list[Any]) -> None:
+    """Stop the worker processes ``procs`` so that their ``finally`` blocks run (module docstring)."""
+    for grace, send in ((STOP_GRACE_S, "terminate"), (TERM_GRACE_S, "kill")):
+        deadline = time.monotonic() + grace
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in procs:
+            if proc.is_alive():
+                getattr(proc, send)()
+    for proc in procs:
+        proc.join()
 
 
 def _drain(results: Any, answers: dict[int, Any]) -> None:
