@@ -282,7 +282,10 @@ def test_an_earlier_traceback_does_not_outlive_a_later_failure(registry: dict[st
     assert cli.main(["reproduce", "flaky", "--out", str(tmp_path)]) == 1
     assert "RuntimeError: first failure" in log.read_text(encoding="utf-8")
     assert cli.main(["reproduce", "flaky", "--out", str(tmp_path)]) == 1
-    assert not log.exists()
+    # the second failure's own error.txt (README: every failed experiment's traceback is in DIR/NAME/error.txt;
+    # a review found none for a results file it could not resume from)
+    text = log.read_text(encoding="utf-8")
+    assert "ResultsFileError: runs.jsonl:3: not valid JSON" in text and "first failure" not in text
 
 
 def test_a_record_without_a_field_the_report_reads_is_named(registry: dict[str, Any], tmp_path: Path,
@@ -296,3 +299,17 @@ def test_a_record_without_a_field_the_report_reads_is_named(registry: dict[str, 
     assert cli.main(["reproduce", "partial", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "KeyError: 'test_mse' (a record in" in err and "--fresh" in err
+
+
+@pytest.mark.parametrize(("module", "last_words"), [
+    ("routelab.experiments.lm_routers", "16 wide experts (for a GPU)."),
+    ("routelab.experiments.mae_translation", "a carried copy of the cache)."),
+])
+def test_an_experiments_own_help_says_its_whole_paragraph(module, last_words, capsys):
+    """A review: the help took one wrapped line of the docstring ("... does not have: the")."""
+    import importlib
+
+    with pytest.raises(SystemExit):
+        importlib.import_module(f"{module}.__main__").main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert last_words in out and "``" not in out

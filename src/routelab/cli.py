@@ -156,21 +156,27 @@ def _run_experiment(exp: Experiment, exp_dir: Path, quick: bool) -> tuple[Path |
         return report, "", ""
     except DataUnavailable as err:
         return None, "skipped", _one_line(f"its data is not installed: {err}")
-    except ResultsFileError as err:
-        return None, "failed", _one_line(f"cannot resume from its results: {err}")
+    except ResultsFileError as err:  # (the message names the file, the line and the fix)
+        return None, "failed", _one_line(f"cannot resume from its results: {err}{_write_traceback(exp_dir)}")
     except Exception as err:  # noqa: BLE001 - one experiment's bug must not stop the others
-        log = exp_dir / "error.txt"
-        try:
-            atomic_write_text(log, traceback.format_exc())
-            where = f"; traceback in {log}"
-        except OSError:
-            where = ""
+        where = _write_traceback(exp_dir)
         first = (str(err).strip().splitlines() or [""])[0]
         hint = ""
         if isinstance(err, KeyError) and any(exp_dir.glob("*.jsonl")):  # most likely a record without that field
             hint = (f" (a record in {exp_dir}/*.jsonl without the field {first}, from another version or edited? "
                     "`--fresh` moves the old results aside)")
         return None, "failed", _one_line(f"{type(err).__name__}: {first}{hint}{where}")
+
+
+def _write_traceback(exp_dir: Path) -> str:
+    """Write the exception being handled, with its traceback, to ``exp_dir/error.txt``; ``"; traceback in
+    PATH"`` for the one-line reason (``""`` when it cannot be written)."""
+    log = exp_dir / "error.txt"
+    try:
+        atomic_write_text(log, traceback.format_exc())
+    except OSError:
+        return ""
+    return f"; traceback in {log}"
 
 
 def _run_experiments(exps: Sequence[Experiment], out_dir: Path, quick: bool,

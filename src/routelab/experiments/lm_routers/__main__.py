@@ -20,7 +20,8 @@ from . import FULL, LARGE, QUICK, ROUTER_SPECS, run_sweep
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m routelab.experiments.lm_routers", description=__doc__.split("\n")[2])
+    p = argparse.ArgumentParser(prog="python -m routelab.experiments.lm_routers",
+                                description=" ".join(__doc__.split("\n\n")[1].replace("``", "").split()))
     form = p.add_mutually_exclusive_group()
     form.add_argument("--quick", action="store_true", help="the quick form (3 seeds, 60 steps, a tiny model)")
     form.add_argument("--large", action="store_true", help="the larger form meant for a GPU (see LARGE)")

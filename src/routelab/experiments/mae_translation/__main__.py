@@ -22,7 +22,7 @@ from . import CPU, GPU, QUICK, check_settings_can_run, run
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m routelab.experiments.mae_translation",
-                                description=__doc__.split("\n")[3])
+                                description=" ".join(__doc__.split("\n\n")[1].replace("``", "").split()))
     form = p.add_mutually_exclusive_group()
     form.add_argument("--quick", action="store_true", help="the pipeline check (one seed, a tiny model)")
     form.add_argument("--cpu", action="store_true", help="the smaller model for one CPU core (CPU settings)")
