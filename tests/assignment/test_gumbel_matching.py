@@ -427,11 +427,17 @@ def test_bad_logits_raise(logits: torch.Tensor, match: str) -> None:
 # ----------------------------------------------------------------------------- host syncs
 
 
-def test_gumbel_matching_reads_the_values_once_outside_the_solver() -> None:
+def test_gumbel_matching_reads_the_values_once_outside_the_solver(monkeypatch: pytest.MonkeyPatch) -> None:
     """The logits' value check and the overflow test of the perturbed scores share one read (on a
     GPU, one synchronisation); the power-of-two rescalings need none when their exponents are
-    known on the host (the literal scores' are 0)."""
+    known on the host (the literal scores' are 0). On the compiled CPU path, whatever
+    ``ROUTELAB_PURE_TORCH`` says (the PyTorch path reads once more, for the solver's start)."""
     from host_syncs import record_host_syncs
+    from routelab.assignment import _compiled
+
+    if not _compiled.HAVE_NUMBA:
+        pytest.skip("numba is not installed: the compiled path this counts on")
+    monkeypatch.setattr(_compiled, "ENABLED", True)
 
     logits = torch.randn(3, 32, 4, generator=torch.Generator().manual_seed(0))
     gumbel_matching(logits, generator=torch.Generator().manual_seed(1))
