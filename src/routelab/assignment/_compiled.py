@@ -579,8 +579,8 @@ def _solve_one_py(s, c, tol, big, eps, stop_after, z, arc_out):  # noqa: C901
                 r = inf
                 if a != j and count[a] < c and count[j] > 0:
                     # (the auction never fills an expert above c and cancelling keeps count <= c, so the
-                    # -big reward of an over-full expert is a guard that does not fire here: a mutation
-                    # review found removing it changes nothing; it is kept for the PyTorch path's invariant)
+                    # -big reward of an over-full expert does not fire here; a mutation review found that
+                    # removing it changes nothing. It stays as a guard should a start ever over-fill one.)
                     r = -big if count[j] > c else 0.0
                 arc[a, j] = move[a, j] if move[a, j] <= r else r
         # Bellman-Ford from a virtual source with labels dist; a cycle of the predecessor graph
