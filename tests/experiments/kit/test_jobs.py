@@ -97,6 +97,7 @@ def test_run_side_by_side_reports_an_exception_and_a_dead_worker_and_goes_on() -
 
 
 def _sleep_then_clean_up(marker: str) -> None:
+    Path(marker + ".started").write_text("")
     try:
         time.sleep(120)
     finally:
@@ -111,16 +112,26 @@ def test_ctrl_c_lets_every_worker_run_its_finally_blocks(tmp_path: Path) -> None
     import threading
 
     markers = [tmp_path / f"w{i}" for i in range(2)]
-    timer = threading.Timer(3.0, _thread.interrupt_main)
-    timer.start()
+    stop = threading.Event()
+
+    def interrupt_once_both_run() -> None:  # (a worker still importing has no finally of its own to run)
+        deadline = time.monotonic() + 100
+        while not stop.is_set() and time.monotonic() < deadline:
+            if all(Path(f"{m}.started").exists() for m in markers):
+                _thread.interrupt_main()
+                return
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=interrupt_once_both_run, daemon=True)
+    watcher.start()
     t0 = time.monotonic()
     try:
         with pytest.raises(KeyboardInterrupt):
             run_side_by_side([(f"w{i}", _sleep_then_clean_up, (str(m),)) for i, m in enumerate(markers)], jobs=2)
     finally:
-        timer.cancel()
+        stop.set()
     assert [m.read_text() for m in markers] == ["finally ran"] * 2
-    assert time.monotonic() - t0 < 60  # not the workers' 120 s
+    assert time.monotonic() - t0 < 118  # the workers were stopped, not waited for (120 s)
 
 
 @pytest.mark.parametrize("jobs", [0, -1, 1.5, True])
