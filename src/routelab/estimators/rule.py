@@ -35,7 +35,8 @@ def gumbel_matching_routes(logits: Tensor, capacity: int | None = None, *, metho
     (:func:`balanced_capacity`).
     Inference (``training=False``): ``argmax`` of the logits (each token by its own score, so
     its route depends on no other token; the default), or the deterministic balanced
-    assignment (the ``tau -> 0`` limit, BASE) when ``eval_balanced=True``. ``mask``
+    assignment at the same quota ``ceil(tokens / E)`` (the ``tau -> 0`` limit; BASE's floor/ceil
+    quotas only when ``E`` divides ``tokens``) when ``eval_balanced=True``. ``mask``
     (``[tokens]``, ``True`` = real) routes the masked tokens nowhere
     (:mod:`routelab.routing.masks`).
 

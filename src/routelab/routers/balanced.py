@@ -100,8 +100,10 @@ class GumbelMatchingRouter(Router):
     (``"sample_skip_iw"`` etc.). ``gate = p(expert | x)`` (differentiable), ``weight`` the
     importance weight, ``log_prob`` for REINFORCE. The sample balances at the quota
     ``ceil(n / E)`` whatever the layer's buffer capacity. Inference: ``argmax`` (the default; a
-    token's route depends on its own score only), or the deterministic balanced assignment (the
-    ``tau -> 0`` limit, BASE) if ``eval_balanced=True``. Its samples are replayed by activation
+    token's route depends on its own score only), or, if ``eval_balanced=True``, the ``tau -> 0``
+    limit of its sample: the deterministic assignment of the largest total score with at most
+    ``ceil(n / E)`` tokens per expert (BASE's, whose quotas are the floor or ceiling of ``n / E``,
+    when ``E`` divides ``n``; otherwise an expert may take fewer than ``floor(n / E)``). Its samples are replayed by activation
     checkpointing (:class:`~routelab.replay.NoiseReplay`).
 
     Use the layer's ``importance_weighting=True`` to multiply the combine weight by ``weight``:
@@ -124,7 +126,9 @@ class GumbelMatchingRouter(Router):
     # Not declared: the skip estimators (``method="sample_skip*"``) leave tokens out in training.
     stochastic = True
     assigns_every_token = True
-    fills_quotas = True
+    # Not fills_quotas: its quota ceil(n / E) bounds each expert's load from above only (when E does
+    # not divide n an expert may take fewer than floor(n / E)); assigns_every_token already refuses
+    # a capacity_factor below 1.
 
     def __init__(self, d_model: int, num_experts: int, *, tau: float = 1.0, method: str = "gumbel_matching_iw",
                  sinkhorn: bool = False, eval_balanced: bool = False, balance_coef: float = 0.0) -> None:

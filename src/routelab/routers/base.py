@@ -91,7 +91,7 @@ class Router(nn.Module):
     assigns_every_token: bool = False
 
     #: Whether every expert takes its quota, the floor or ceiling of ``k n / E`` tokens, in
-    #: training (batchwise gating, App. F; BASE and Gumbel-Matching too): a ``capacity_factor``
+    #: training (batchwise gating, App. F; BASE too): a ``capacity_factor``
     #: below 1 would drop part of it, so it is refused when the layer is built.
     fills_quotas: bool = False
 
