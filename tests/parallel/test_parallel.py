@@ -199,22 +199,6 @@ def test_constructor_shards_and_replicates():
     assert not torch.equal(full2[0], full2[1])
 
 
-def _diverging_worker(rank: int, world: int) -> None:
-    # Each rank seeds its generator differently: decisions diverge and must be detected.
-    gen = torch.Generator().manual_seed(rank)
-    torch.manual_seed(0)
-    moe = MoE(D, H, 4, router="topk", k=2, capacity_factor=0.5, drop_policy="random", generator=gen)
-    ep = ExpertParallelMoE.from_moe(moe)
-    torch.manual_seed(1)
-    ep(torch.randn(32, D))
-
-
-def test_diverging_decisions_raise_quickly():
-    # A RuntimeError with the ranks' message, not the TimeoutError of a hang: detected, not waited out.
-    with pytest.raises(RuntimeError, match="decisions differ across ranks"):
-        run_workers(_diverging_worker, 2, timeout=30)
-
-
 def _diverging_with_equal_counts_worker(rank: int, world: int) -> None:
     # Found by a review: two tokens per rank, Gumbel-Matching with rank-seeded generators. The ranks'
     # plans send the same number of rows between every pair of ranks, but different tokens in them:

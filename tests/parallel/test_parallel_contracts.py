@@ -190,6 +190,8 @@ def _diverging_counts_worker(rank: int, world: int) -> str:
 
 
 def test_diverging_row_counts_are_reported_as_counts():
+    """Ranks whose decisions diverge raise quickly (each rank's RuntimeError, not the TimeoutError
+    of a hang), and a rank whose received row counts differ from its plan says so with both counts."""
     counted = 0
     for message in run_workers(_diverging_counts_worker, 2, timeout=30):
         m = re.search(r"receiving (\[[\d, ]+\]) rows per rank, the plan says (\[[\d, ]+\])", message)
