@@ -103,8 +103,8 @@ class GumbelMatchingRouter(Router):
     token's route depends on its own score only), or, if ``eval_balanced=True``, the ``tau -> 0``
     limit of its sample: the deterministic assignment of the largest total score with at most
     ``ceil(n / E)`` tokens per expert (BASE's, whose quotas are the floor or ceiling of ``n / E``,
-    when ``E`` divides ``n``; otherwise an expert may take fewer than ``floor(n / E)``). Its samples are replayed by activation
-    checkpointing (:class:`~routelab.replay.NoiseReplay`).
+    when ``E`` divides ``n``; otherwise an expert may take fewer than ``floor(n / E)``). Its samples
+    are replayed by activation checkpointing (:class:`~routelab.replay.NoiseReplay`).
 
     Use the layer's ``importance_weighting=True`` to multiply the combine weight by ``weight``:
     the differentiable gating *with importance weights* of Kool et al. Sec. 3.1, which the paper
