@@ -257,3 +257,43 @@ def test_run_workers_rejects_a_world_size_that_is_not_a_positive_int(world_size)
     """0 ranks would return ``[]`` (every check over the ranks passing vacuously), True one rank."""
     with pytest.raises(ValueError, match="world_size must be a positive integer"):
         run_workers(_rank_worker, world_size, timeout=10)
+
+
+# ---------------------------------------------------------------- ranks that differ in what needs a gradient
+
+def _uneven_grads_worker(rank: int, world: int, case: str) -> dict:
+    # Rank r holds tokens 4r..4r+3 of the global batch. "frozen": rank 1 froze its router copy
+    # (its router features then need no gradient). "no_grad": rank 1 has no router gradient at
+    # all when the reduction starts (set to None after its backward).
+    torch.manual_seed(0)
+    ep = ExpertParallelMoE.from_moe(MoE(D, H, 4, router="topk", k=2))
+    if case == "frozen" and rank == 1:
+        ep.router.requires_grad_(False)
+    torch.manual_seed(1)
+    x = torch.randn(8, D)
+    ep(x[4 * rank:4 * rank + 4])[0].sum().backward()
+    own = None if ep.router.proj.weight.grad is None else ep.router.proj.weight.grad.clone()
+    if case == "no_grad" and rank == 1:
+        ep.router.zero_grad(set_to_none=True)
+    ep.reduce_replicated_grads()
+    return {"own": own, "reduced": ep.router.proj.weight.grad.clone()}
+
+
+@pytest.mark.parametrize("case", ["frozen", "no_grad"])
+def test_a_rank_without_a_router_gradient_neither_hangs_nor_changes_the_sum(case: str):
+    """The reduction sums what the ranks hold: rank 1 contributes nothing, so every rank ends with
+    the router gradient of rank 0's loss alone, which is the single-process layer's gradient of
+    the loss of the global batch's first four tokens (top-k's gate of a token depends on its own
+    logits only). Before the collectives' inputs were made to need a gradient under grad mode,
+    a router frozen on one rank hung the backward: that rank skipped the all-gather's backward
+    the other rank waited in."""
+    out = run_workers(_uneven_grads_worker, 2, case, timeout=60)
+    torch.manual_seed(0)
+    ref = MoE(D, H, 4, router="topk", k=2)
+    torch.manual_seed(1)
+    x = torch.randn(8, D)
+    ref(x)[0][:4].sum().backward()
+    want = ref.router.proj.weight.grad
+    for rank in range(2):
+        torch.testing.assert_close(out[rank]["reduced"], want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[0]["own"], want, rtol=1e-5, atol=1e-6)

@@ -53,6 +53,19 @@ _FINGERPRINT_PRIME = 2**31 - 1
 __all__ = ["ExpertParallelMoE"]
 
 
+def _into_collective(t: Tensor) -> Tensor:
+    """``t`` as the input of a differentiable collective: under grad mode, made to require grad if
+    it does not, so that every rank's backward runs the collective's backward.
+
+    Whether ``t`` requires grad is this rank's own state (its router frozen, ``x`` a leaf), which
+    the other ranks do not see. A rank whose input did not require grad would skip the backward's
+    collective that the others wait in: a hang. The stand-in leaf's gradient is discarded.
+    """
+    if torch.is_grad_enabled() and not t.requires_grad:
+        return t.detach().requires_grad_()
+    return t
+
+
 def _require_initialized() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
@@ -468,7 +481,7 @@ class ExpertParallelMoE(MoE):
                     f"[{mine}, {router.d_model}], got {got}: a forward pre-hook on the router may change the "
                     "tokens' values but not their number (the other ranks expect this rank's count)")
             feats = router.gate(x).scores
-            gathered = all_gather_rows(feats, counts, group)
+            gathered = all_gather_rows(_into_collective(feats), counts, group)
             return router.route_features(gathered, check_capacity(capacity))
 
         # An instance attribute shadows Router.forward for this one call: nn.Module.__call__ then
@@ -579,7 +592,7 @@ class ExpertParallelMoE(MoE):
 
         # Tokens to the experts' ranks; the received ones (in receive order) fill this rank's
         # [E/W, C, d] buffers, laid out as the global plan's rows of its experts.
-        recv_x = all_to_all(compute.reshape(-1, d)[send_tok], send_counts, recv_counts, group)
+        recv_x = all_to_all(_into_collective(compute.reshape(-1, d)[send_tok]), send_counts, recv_counts, group)
         receive = DispatchPlan.from_rows(recv_rows.unsqueeze(-1), El, C)
         out = self.experts(receive.dispatch(recv_x)).reshape(rows_per_rank, -1)
         back = all_to_all(out[recv_rows], recv_counts, send_counts, group)  # in send order
