@@ -35,6 +35,16 @@ def test_shape_mismatch_names_the_field(name: str) -> None:
         Routes(**kwargs)
 
 
+@pytest.mark.parametrize("name", ["gate", "keep", "weight", "log_prob"])
+def test_device_mismatch_names_the_field(name: str) -> None:
+    """A field on another device than ``expert`` (``meta``: another device on any machine)."""
+    r = make_routes()
+    kwargs = {f: getattr(r, f) for f in ("expert", "gate", "keep", "weight", "log_prob")}
+    kwargs[name] = kwargs[name].to("meta")
+    with pytest.raises(ValueError, match=rf"Routes\.{name} is on meta.*{name}\.to\(expert\.device\)"):
+        Routes(**kwargs)
+
+
 def test_expert_must_be_long() -> None:
     r = make_routes()
     with pytest.raises(ValueError, match=r"expert.*torch\.long.*expert\.long\(\)"):

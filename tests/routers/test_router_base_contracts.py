@@ -1,10 +1,14 @@
 """The contracts every router shares, and those of the modules under it.
 
 * :class:`routelab.routers.base.Router`: ``k`` checked at construction and by the setter; ``x``
-  must be ``[tokens, d_model]`` and the error names ``x``; non-finite logits refused by default;
+  must be ``[tokens, d_model]`` and the error names ``x``; an integer or bool ``x`` refused, the
+  error naming ``x.float()``; non-finite logits refused by default;
   masked tokens routed nowhere while the real ones route as alone; a router bias enters the logits
   on both scoring paths; the routing rule runs with autocast off; a ``capacity_factor`` below 1
   refused when a layer with a quota-filling router is built.
+* :func:`routelab.routers.base.proposes_every_slot`: ``False`` for a router with a forward
+  pre-hook (one that injects a ``mask`` makes ``keep`` not all True), and for each routing method
+  (``route``, ``route_features``, ``forward``, ``__call__``) set on the instance.
 * :class:`routelab.replay.NoiseReplay`: one stochastic router used in two checkpointed segments
   gives the gradients of the uncheckpointed computation (the truth).
 * :func:`routelab.routers._scores.float32_linear`: the double backward in the gradient-penalty
@@ -12,7 +16,8 @@
 * :meth:`routelab.Routes.to`: every tensor moves, ``stats`` included (to the ``meta`` device, a
   device other than the CPU on any machine).
 * :func:`routelab.routing.eager.eager`: the function runs eagerly inside a compiled caller (it
-  sees ``torch.compiler.is_compiling()`` False), not traced.
+  sees ``torch.compiler.is_compiling()`` False), not traced, and so do the functions it calls
+  (the exclusion is recursive).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from routelab import Routes
 from routelab.layers import MoE
 from routelab.routers import BASERouter, NoisyTopKRouter, TopKRouter
 from routelab.routers._scores import float32_linear
-from routelab.routers.base import Router
+from routelab.routers.base import Router, proposes_every_slot
 from routelab.routing.eager import eager
 
 D = 8
@@ -56,6 +61,17 @@ def test_x_must_be_two_dimensional_and_the_error_names_x():
     for call in (router, router.gate):
         with pytest.raises(ValueError, match=r"x must have shape \[tokens, d_model=8\]"):
             call(randn(2, 3, D))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool], ids=["int64", "bool"])
+@pytest.mark.parametrize("router_class", [TopKRouter, BASERouter])
+def test_an_x_that_is_not_floating_is_refused_naming_the_fix(router_class, dtype):
+    """Token ids (or a mask) passed by mistake must not be routed as if they were features."""
+    x = torch.randint(0, 5, (3, D), generator=torch.Generator().manual_seed(0)).to(dtype)
+    router = router_class(D, 4)
+    for call in (router, router.gate):
+        with pytest.raises(ValueError, match=r"x must be a floating tensor.*x\.float\(\)"):
+            call(x)
 
 
 def test_nan_logits_are_refused_by_default_naming_the_router_logits():
@@ -114,6 +130,30 @@ def test_a_capacity_factor_below_one_is_refused_when_built(name):
         with pytest.raises(ValueError, match=f"capacity_factor={factor} is below 1"):
             MoE(D, 16, 4, router=name, capacity_factor=factor)
     MoE(D, 16, 4, router=name, capacity_factor=1.0)
+
+
+def test_a_forward_pre_hook_makes_a_router_not_trusted_to_propose_every_slot():
+    """A pre-hook can change the router's inputs: here it injects a token mask, so ``keep`` is no
+    longer all True and the flag (which lets the HF patch skip a host sync) must say so."""
+
+    def inject_mask(module, args, kwargs):
+        return args, {**kwargs, "mask": torch.tensor([True, False, True])}
+
+    router = TopKRouter(D, 4, k=2)
+    assert proposes_every_slot(router)
+    handle = router.register_forward_pre_hook(inject_mask, with_kwargs=True)
+    assert not router(randn(3, D)).keep.all()  # the hook does drop slots
+    assert not proposes_every_slot(router)
+    handle.remove()
+    assert proposes_every_slot(router)
+
+
+@pytest.mark.parametrize("name", ["route", "route_features", "forward", "__call__"])
+def test_a_routing_method_set_on_the_instance_makes_a_router_not_trusted_to_propose_every_slot(name):
+    router = TopKRouter(D, 4, k=2)
+    assert proposes_every_slot(router)
+    setattr(router, name, lambda *args, **kwargs: None)
+    assert not proposes_every_slot(router)
 
 
 # ---------------------------------------------------------------- NoiseReplay (replay.py)
@@ -193,3 +233,25 @@ def test_an_eager_function_runs_eagerly_inside_a_compiled_caller():
     compiled = torch.compile(lambda x: solver(x) + 1, backend="eager", fullgraph=False)
     torch.testing.assert_close(compiled(torch.ones(3)), torch.full((3,), 3.0))
     assert calls == [False]
+
+
+_helper_calls: list[bool] = []
+
+
+def _helper_of_an_eager_function(x: torch.Tensor) -> torch.Tensor:
+    _helper_calls.append(torch.compiler.is_compiling())  # True exactly while Dynamo traces it
+    return x * 2
+
+
+def test_the_functions_an_eager_function_calls_run_eagerly_too():
+    """``eager`` is ``torch.compiler.disable`` *recursively*: a solver's plain helpers must not be
+    traced either (Dynamo would skip only the solver's own frame otherwise)."""
+
+    @eager
+    def solver(x):
+        return _helper_of_an_eager_function(x) + 1
+
+    _helper_calls.clear()
+    compiled = torch.compile(lambda x: solver(x) - 1, backend="eager", fullgraph=False)
+    torch.testing.assert_close(compiled(torch.ones(3)), torch.full((3,), 2.0))
+    assert _helper_calls == [False]
