@@ -24,9 +24,12 @@ import contextlib
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+import routelab
 
 __all__ = ["HostSync", "record_host_syncs"]
 
@@ -58,12 +61,18 @@ class HostSync:
         return f"{self.op} at {self.where}"
 
 
+#: The folder that holds the imported ``routelab`` package (``src/`` in a checkout, ``site-packages``
+#: in an install, or any copy on ``PYTHONPATH``): routelab's own frames are named from it.
+_PACKAGE_ROOT = Path(routelab.__file__).resolve().parent.parent.as_posix() + "/"
+
+
 def _caller() -> str:
-    """The innermost frame outside torch and this module, as ``file:line``."""
+    """The innermost frame outside torch and this module, as ``file:line``: ``routelab/...`` for
+    routelab's own code wherever the package was imported from, otherwise the path as it is."""
     for frame in reversed(traceback.extract_stack()[:-1]):
-        name = frame.filename.replace("\\", "/")
+        name = Path(frame.filename).resolve().as_posix()
         if "/torch/" not in name and name.rsplit("/", 1)[-1] != "host_syncs.py":
-            return f"{name.rsplit('/src/', 1)[-1]}:{frame.lineno}"
+            return f"{name.removeprefix(_PACKAGE_ROOT)}:{frame.lineno}"
     return "?"
 
 
