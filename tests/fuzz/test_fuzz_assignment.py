@@ -259,8 +259,19 @@ def check_gumbel_result(x: torch.Tensor, gm: A.GumbelMatching, c: int, tau: floa
             assert bool((err <= bound).all()), (
                 f"scores != logits / tau + gumbels (max error {float((err - bound).max()):.3g} over bound)"
             )
-    # the sample: optimal for the returned scores (tau == 0: for the logits themselves)
-    Sn = np64(S).reshape(-1, n, k)
+    # the sample: optimal for the perturbed scores a / tau + g (tau == 0: for the logits themselves).
+    # The solver forms them in float64, shifted per token ((a - max_j a) / tau + g: the same
+    # assignment), and so does this oracle. The returned float32 scores round them at the scale of
+    # |a| / tau, which can exceed a row's spread (a row of logits near 7e5 with tau = 1e-3 rounds at
+    # 64 where its entries differ by 1e3): an oracle on those would judge a different problem.
+    # Where a / tau + g overflows, the returned scores are already shifted per token.
+    if overflow:
+        Sn = np64(S).reshape(-1, n, k)
+    else:
+        a = f64(x)
+        top = a.amax(-1, keepdim=True)
+        a = a - torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        Sn = np64(a if tau == 0 else a / tau + f64(gm.gumbels)).reshape(-1, n, k)
     for i, (Si, zi) in enumerate(zip(Sn, gm.expert.reshape(-1, n).numpy())):
         check_assignment(Si, zi, c, S.dtype, f"gumbel_matching instance {i}")
     # conditionals
