@@ -9,36 +9,18 @@ fails instead of stalling the suite.
 
 from __future__ import annotations
 
-import signal
-from contextlib import contextmanager
-
 import numpy as np
 import pytest
 import torch
 from test_balanced_assignment import _np64, check_optimal, exactness_tol, objective, oracle
 from test_gumbel_matching import oracle_conditionals
 
+from hang_guard import returns_within
 from routelab.assignment import balanced_assignment, base_assignment, gumbel_matching, sample_gumbel, sinkhorn
 from routelab.assignment._normalise import ldexp, normalise_scores, perturbed_scores
 from routelab.layers import MoE
 
 NEG_INF = float("-inf")
-
-
-@contextmanager
-def returns_within(seconds: int = 20):
-    """Fail (instead of hanging) when the block runs longer than ``seconds``."""
-
-    def _alarm(*_):
-        raise TimeoutError(f"did not return within {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def gen(seed: int = 0) -> torch.Generator:
@@ -61,7 +43,7 @@ def gen(seed: int = 0) -> torch.Generator:
 )
 def test_extreme_magnitudes_return_the_optimum(scores) -> None:
     s = scores()
-    with returns_within():
+    with returns_within(20):
         z = balanced_assignment(s)
     n, k = s.shape
     counts = torch.bincount(z, minlength=k)
@@ -79,7 +61,7 @@ def test_extreme_magnitudes_return_the_optimum(scores) -> None:
 
 
 def test_tiny_tau_gumbel_matching_returns_a_balanced_sample() -> None:
-    with returns_within():
+    with returns_within(20):
         gm = gumbel_matching(torch.ones(64, 32), tau=1e-30, generator=gen())
     assert torch.bincount(gm.expert, minlength=32).tolist() == [2] * 32
     assert torch.allclose(gm.conditional_log_probs.exp().sum(-1), torch.ones(64))
@@ -90,7 +72,7 @@ def test_huge_float64_logits_give_the_exact_assignment(tau: float) -> None:
     """At 1e300-scale logits the noise is irrelevant for tau <= 1 (ties aside): the sample must be
     the balanced assignment of the logits themselves (a random instance has no ties)."""
     a = torch.randn(12, 4, dtype=torch.float64, generator=gen(5))
-    with returns_within():
+    with returns_within(20):
         gm = gumbel_matching(a * 1e300, tau=tau, generator=gen(6))
     best, _ = oracle(_np64(a), None)
     assert objective(_np64(a), gm.expert.numpy()) == pytest.approx(best, rel=1e-12)
@@ -100,7 +82,7 @@ def test_huge_float64_logits_give_the_exact_assignment(tau: float) -> None:
 def test_moe_with_base_router_on_huge_input_returns() -> None:
     torch.manual_seed(0)
     layer = MoE(16, 8, 4, router="base")
-    with returns_within():
+    with returns_within(20):
         out, routes = layer(torch.randn(8, 16) * 1e38)
     assert torch.isfinite(out).all()
     assert torch.bincount(routes.expert.flatten(), minlength=4).max() <= 2
@@ -203,7 +185,7 @@ def test_infeasible_forbidden_pattern_is_the_documented_value_error() -> None:
     s = torch.tensor([row]).repeat(20, 1)
     _, feasible = oracle(_np64(s), 4)
     assert not feasible
-    with returns_within(), pytest.raises(ValueError, match="no feasible assignment"):
+    with returns_within(20), pytest.raises(ValueError, match="no feasible assignment"):
         balanced_assignment(s, 4)
 
 

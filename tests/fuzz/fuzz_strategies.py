@@ -36,7 +36,6 @@ import contextlib
 import math
 import os
 import re
-import signal
 import traceback
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -51,6 +50,7 @@ from hypothesis import strategies as st
 from scipy.optimize import linear_sum_assignment
 
 import routelab
+from hang_guard import Hang, returns_within
 
 # ----------------------------------------------------------------------------- run length
 
@@ -175,29 +175,6 @@ def assert_finite(t: torch.Tensor, what: str, *, allow_neg_inf: torch.Tensor | N
 # ----------------------------------------------------------------------------- the call guard
 
 
-class Hang(AssertionError):
-    """A library call ran longer than ROUTELAB_FUZZ_TIMEOUT seconds (a hang, or a missing loop bound)."""
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float = TIMEOUT_S, what: str = "call"):
-    if seconds <= 0 or not hasattr(signal, "SIGALRM"):
-        yield
-        return
-
-    def on_alarm(signum, frame):  # noqa: ARG001
-        where = "".join(traceback.format_stack(frame, limit=4))
-        raise Hang(f"{what} did not return within {seconds:g} s (hang?); interrupted at:\n{where}")
-
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
 def names_argument(message: str, names: Iterable[str]) -> bool:
     return any(re.search(rf"(?<![A-Za-z0-9_]){re.escape(n)}(?![A-Za-z0-9_])", message) for n in names)
 
@@ -236,7 +213,7 @@ def call(fn: Callable[..., Any], *args: Any, names: Sequence[str], valid: bool |
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            with time_limit(what=what):
+            with returns_within(TIMEOUT_S, what=what):
                 out = fn(*args, **kwargs)
         except Hang:
             raise
@@ -271,7 +248,7 @@ def guarded(fn: Callable[..., Any], *args: Any, what: str = "call", **kwargs: An
     """Call under the hang guard only (for follow-up work on a result: backward passes etc.)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with time_limit(what=what):
+        with returns_within(TIMEOUT_S, what=what):
             out = fn(*args, **kwargs)
     _no_warnings(caught, what)
     return out
