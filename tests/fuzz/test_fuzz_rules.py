@@ -57,7 +57,8 @@ def test_routers_are_their_rules(name, n, E_, k, training, seed) -> None:
     feats = torch.randn(n, router.features(torch.zeros(1, 6)).shape[-1], generator=g)
     if name == "noisy_topk":
         feats[:, E_:] = feats[:, E_:].abs() + 0.1
-    capacity = max(-(-n // E_), 1)
+    # one slot per token: n / E; batchwise's k slots need App. F's quota ceil(k n / E) (it refuses less)
+    capacity = max(-(-(k if name == "batchwise" else 1) * n // E_), 1)
     router.generator = fresh(seed + 1)
     got = guarded(router.route, feats, capacity, what=f"{name}.route")
     gen = fresh(seed + 1)
