@@ -80,7 +80,6 @@ def gradient_check(seeds: Sequence[int], taus: Sequence[float], *, copies: int =
         for t in taus:
             g = _seed_generator(seed * 1_000_003 + s, f"gradients:{t:g}")
             est = {m: expected_gradient(m, t, s, copies=copies, groups=groups, generator=g) for m in GRADIENT_METHODS}
-            ref = est["sample"].mean(0)
             row: dict = {"seed": s, "tau": t, "copies": copies * groups}
             for part, cols in PARTS.items():
                 ref = est["sample"][:, cols].mean(0)
