@@ -40,6 +40,7 @@ __all__ = [
     "check_finite",
     "check_generator",
     "check_k",
+    "check_token_count",
     "check_nonneg",
     "check_pos",
     "check_positive_int",
@@ -76,6 +77,14 @@ def check_positive_int(name: str, value: Any, *, upper: int | None = None, upper
         raise ValueError(f"{name}={value} is larger than {upper_name}={upper}: {name} must be an integer in "
                          f"[1, {upper}], got {name} = {value}; use {name} <= {upper}")
     return value
+
+
+def check_token_count(num_tokens: Any, meaning: str) -> int:
+    """``num_tokens`` as an ``int`` if it is an integer ``>= 0`` (a Python or NumPy integer, not a
+    bool), else a ValueError naming ``num_tokens`` (``meaning`` says what it counts)."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral) or num_tokens < 0:
+        raise ValueError(f"num_tokens must be an integer >= 0 ({meaning}), got {num_tokens!r}")
+    return int(num_tokens)
 
 
 def check_k(k: Any, num_experts: int) -> int:
@@ -528,8 +537,7 @@ def balanced_quotas(num_tokens: int, num_experts: int, k: int = 1) -> tuple[int,
     Raises:
         ValueError: naming the argument, for a negative ``n``, ``E < 1`` or ``k`` outside ``[1, E]``.
     """
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-        raise ValueError(f"num_tokens must be an integer >= 0 (real tokens in the batch), got {num_tokens!r}")
+    num_tokens = check_token_count(num_tokens, "real tokens in the batch")
     check_positive_int("num_experts", num_experts)
     check_k(k, num_experts)
     pairs = k * num_tokens
@@ -586,8 +594,7 @@ def expert_capacity(num_tokens: int, num_experts: int, slots: float, capacity_fa
             not an integer ``>= 1``, ``slots`` not a finite number ``> 0``, ``capacity_factor``
             ``<= 0`` or not finite.
     """
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-        raise ValueError(f"num_tokens must be an integer >= 0 (tokens in the batch), got {num_tokens!r}")
+    num_tokens = check_token_count(num_tokens, "tokens in the batch")
     check_positive_int("num_experts", num_experts)
     check_pos("slots", slots)
     if capacity_factor is None:

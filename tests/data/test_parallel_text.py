@@ -218,6 +218,18 @@ def test_an_unreadable_cache_is_named(tmp_path, exports):
     assert _as_tuples(load_parallel_text(tmp_path, refresh=True)) == EXPECTED
 
 
+def test_refresh_without_the_tools_says_so_and_keeps_the_cache(tmp_path, exports, monkeypatch):
+    """refresh=True where mod2imp is missing: the error says the rebuild failed (not "no cached
+    parallel text", which the cache's own error message would then contradict), and the cache
+    is still served without refresh (review s42, data finding 2)."""
+    assert _as_tuples(load_parallel_text(tmp_path)) == EXPECTED
+    _no_export(monkeypatch)
+    with pytest.raises(DataUnavailable, match=r"refresh=True rebuilds the parallel-text cache .*parallel_text_es_en"
+                                              r"\.jsonl\.gz, which cannot be done here: mod2imp .*not installed"):
+        load_parallel_text(tmp_path, refresh=True)
+    assert _as_tuples(load_parallel_text(tmp_path)) == EXPECTED
+
+
 def test_two_writers_building_the_cache_at_once_both_succeed(tmp_path, exports, monkeypatch):
     """Review finding 3: every writer wrote ``parallel_text_es_en.jsonl.tmp`` and renamed it, so the
     second rename failed with FileNotFoundError. Here both writers have finished writing before

@@ -101,6 +101,9 @@ def test_make_overlays_positions_and_labels():
         make_overlays(torch.zeros(3, 20, 20, dtype=torch.uint8), labels, 2, g)
     with pytest.raises(ValueError, match="n must"):
         make_overlays(imgs, labels, 0, g)
+    # float images in [0, 1] used to be cast into the uint8 canvas (all 0 or 1 of 255: x.max() 0.004)
+    with pytest.raises(ValueError, match=r"images must be uint8 .* got torch.float32.*\(images \* 255\)"):
+        make_overlays(imgs.float() / 255, labels, 2, g)
 
 
 def test_movielens_negatives_are_unrated():

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from test_routing_rules import best_quota_total
 
 import routelab.routing as R
-from routelab._checks import balanced_quotas
+from routelab._checks import balanced_quotas, expert_capacity
 from routelab.estimators import gumbel_matching_routes
 from routelab.layers import MoE
 from routelab.routers import ROUTERS, make_router
@@ -179,6 +179,17 @@ def test_balanced_quotas_name_bad_arguments() -> None:
         balanced_quotas(-1, 4)
     with pytest.raises(ValueError, match="k=5 is larger than num_experts=4"):
         balanced_quotas(3, 4, 5)
+    for bad in (True, np.bool_(True), 2.0, torch.tensor(3)):
+        with pytest.raises(ValueError, match="num_tokens must be an integer >= 0"):
+            balanced_quotas(bad, 4)
+
+
+def test_token_counts_may_be_numpy_integers() -> None:
+    """np.int64 counts (e.g. from np.bincount) are integers, as for num_experts: review s42 found
+    num_tokens=np.int64(8) refused while num_experts=np.int64(4) was taken in the same call."""
+    assert balanced_quotas(np.int64(9), np.int64(4), 2) == (4, 5)
+    assert expert_capacity(np.int64(8), np.int64(4), 2, 1.0) == 4
+    assert type(expert_capacity(np.int64(8), 4, 1, None)) is int
 
 
 @settings(max_examples=25, deadline=None)

@@ -23,10 +23,15 @@ def make_overlays(images: torch.Tensor, labels: torch.Tensor, n: int,
         x: float32 ``[n, 1, 36, 36]`` in [0, 1]; y: int64 ``[n, 2]`` (top-left, bottom-right).
 
     Raises:
-        ValueError: on bad shapes, n < 1 or fewer than 2 images.
+        ValueError: on bad shapes, images that are not uint8, n < 1 or fewer than 2 images.
     """
     if images.dim() != 3 or images.shape[1:] != (28, 28):
         raise ValueError(f"images must be [N, 28, 28], got {tuple(images.shape)}.")
+    if images.dtype != torch.uint8:
+        raise ValueError(
+            f"images must be uint8 pixel values 0..255 (as load_mnist returns them), got {images.dtype}; "
+            f"for float images in [0, 1] pass (images * 255).round().to(torch.uint8)."
+        )
     if labels.shape != images.shape[:1]:
         raise ValueError(f"labels must be [N] = [{images.shape[0]}], got {tuple(labels.shape)}.")
     if not isinstance(n, int) or n < 1:

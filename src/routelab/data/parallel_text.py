@@ -232,7 +232,8 @@ def load_parallel_text(
     Args:
         cache_dir: where the aligned pairs are cached (default ``$XDG_CACHE_HOME/routelab`` or
             ``~/.cache/routelab``). Several processes may build the same cache at once.
-        refresh: re-export with ``mod2imp`` even if the cache exists.
+        refresh: re-export with ``mod2imp`` even if the cache exists (where ``mod2imp`` is missing
+            this raises, saying so, and the cache is left as it was).
 
     Returns:
         31,077 :class:`VersePair` with the Debian packages of 2026.
@@ -261,6 +262,11 @@ def load_parallel_text(
                 f"parser (its text has known defects), and it cannot be rebuilt here: {err} "
                 f"Rebuild it where the Debian packages are (`make gpu-data` writes data-cache/) "
                 f"and copy it here."
+            ) from err
+        if refresh and path.exists():
+            raise DataUnavailable(
+                f"refresh=True rebuilds the parallel-text cache {path}, which cannot be done here: {err} "
+                f"Without refresh the existing cache is read."
             ) from err
         if cache_dir is None:
             raise
