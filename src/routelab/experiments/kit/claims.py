@@ -241,7 +241,8 @@ def read_claims_json(path: Path) -> ClaimsFile:
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not valid JSON ({err}); rerun the experiment's report step to rewrite it.") \
             from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("claims"), list) or doc.get("format") != _FORMAT:
+    fmt = doc.get("format") if isinstance(doc, dict) else None
+    if not isinstance(doc, dict) or not isinstance(doc.get("claims"), list) or type(fmt) is not int or fmt != _FORMAT:
         raise ValueError(f"{path} is not a claims.json of format {_FORMAT} (an object with a 'claims' list); "
                          "rerun the experiment's report step to rewrite it.")
     try:
