@@ -85,7 +85,7 @@ def gradient_check(seeds: Sequence[int], taus: Sequence[float], *, copies: int =
                 ref = est["sample"][:, cols].mean(0)
                 for name, m in (("skip", "sample_skip"), ("iw", "sample_skip_iw")):
                     e = est[m][:, cols]
-                    per_cos = torch.tensor([_cosine(g_, ref) for g_ in e])
+                    per_cos = torch.tensor([_cosine(g_, ref) for g_ in e], dtype=torch.float64)
                     per_ratio = e.norm(dim=-1) / ref.norm()
                     key = f"{name}_{part}"
                     row[f"cos_{key}"] = _cosine(e.mean(0), ref)
