@@ -255,7 +255,7 @@ def check_tau(tau: Any, *, positive: bool = False, name: str = "tau") -> float:
         isinstance(tau, Tensor) and (tau.is_complex() or tau.dtype == torch.bool)
     ):
         raise _tau_type_error(tau, name, tensors=False)
-    try:  # numbers, and one-element tensors and arrays
+    try:  # numbers, one-element tensors and 0-dim arrays (NumPy 2 refuses float() of [0.5])
         t = float(tau)
     except (TypeError, ValueError, RuntimeError):
         raise _tau_type_error(tau, name, tensors=False) from None
