@@ -41,6 +41,7 @@ from fuzz_strategies import (
     score_cases,
     seeds,
 )
+from routelab.estimators.sampling import BALANCED_TAU_FLOOR
 from routes_view import per_token
 from test_fuzz_rules import COVERED_ESTIMATOR_RULES
 
@@ -205,6 +206,15 @@ def check_routes(x: torch.Tensor, r, method: str, tau, c: int, sinkhorn: bool) -
     if sinkhorn or method in ("gumbel_matching_iw", "gumbel_matching_sh"):
         return  # q is a (partly converged) Sinkhorn marginal or a conditional: checked elsewhere
     T = _tau64(tau, batch)
+    if method == "gumbel_matching":
+        # sample_routes' documented floor: a balanced sample's temperature is at least
+        # BALANCED_TAU_FLOOR times the largest row spread of finite logits of its instance
+        # (make fuzz, seed 31337: logits of 1e10 with tau = 0.3 drew q at a temperature of 27).
+        fin = torch.isfinite(x64)
+        hi = torch.where(fin, x64, -math.inf).amax(-1) * BALANCED_TAU_FLOOR
+        lo = torch.where(fin, x64, math.inf).amin(-1) * BALANCED_TAU_FLOOR
+        floor = (hi - lo).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).amax(-1)
+        T = torch.maximum(T, floor.reshape(*batch, 1, 1) if batch else floor.reshape(1, 1))
     top = x64.amax(-1, keepdim=True)
     lq_all = _log_softmax64((x64 - top) / T)
     lq = lq_all.gather(-1, z.unsqueeze(-1)).squeeze(-1)
