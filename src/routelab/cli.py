@@ -372,34 +372,38 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if given and (args.benchmark != "moe" or args.world_size is not None):
         verb = "applies" if len(given) == 1 else "apply"
         return _error(f"{', '.join(given)} {verb} to `routelab bench moe` (single process) only.")
-    if args.out is not None:  # checked before a benchmark of minutes, not after it
-        problem = _unwritable_table_path(Path(args.out))
-        if problem is not None:
-            return _error(problem)
     if args.benchmark == "moe" and args.world_size is not None and args.threads is not None:
         return _error("--threads does not apply with --world-size: each rank runs one thread.")
-    if args.benchmark == "moe" and args.world_size is not None:
-        from routelab.bench.moe_parallel import run_benchmark as run_moe_parallel  # lazy: starts workers
-
-        if args.device == "cuda":
-            return _error("--world-size starts local gloo (CPU) workers; for GPUs use torchrun (see the README).")
-        try:
-            text = run_moe_parallel(world_sizes=args.world_size, quick=args.quick, out=sys.stdout)
-        except ValueError as err:  # e.g. a world size that does not divide the experts
-            return _error(str(err))
-    elif args.benchmark == "moe":
+    if args.benchmark == "moe" and args.world_size is not None and args.device == "cuda":
+        return _error("--world-size starts local gloo (CPU) workers; for GPUs use torchrun (see the README).")
+    if args.benchmark == "moe" and args.world_size is None:
         from routelab.bench.moe import DTYPES, default_configs, select_configs, select_grid  # lazy: heavy
-        from routelab.bench.moe import run_benchmark as run_moe
 
-        dtype = args.dtype or "float32"
         try:  # the selection is checked before minutes of benchmark, not after
-            configs = default_configs(quick=args.quick, device=args.device, dtype=DTYPES[dtype])
+            configs = default_configs(quick=args.quick, device=args.device, dtype=DTYPES[args.dtype or "float32"])
             if args.d_model is not None:
                 configs = select_configs(configs, args.d_model)
             select_grid(configs, args.experts, args.k)
         except ValueError as err:
             return _error(str(err))
-        text = run_moe(quick=args.quick, threads=args.threads or 1, device=args.device, out=sys.stdout, dtype=dtype,
+    # --out last (it creates the table's directory): an invalid option leaves nothing behind, and an
+    # unwritable table is found before a benchmark of minutes, not after it.
+    if args.out is not None:
+        problem = _unwritable_table_path(Path(args.out))
+        if problem is not None:
+            return _error(problem)
+    if args.benchmark == "moe" and args.world_size is not None:
+        from routelab.bench.moe_parallel import run_benchmark as run_moe_parallel  # lazy: starts workers
+
+        try:
+            text = run_moe_parallel(world_sizes=args.world_size, quick=args.quick, out=sys.stdout)
+        except ValueError as err:  # e.g. a world size that does not divide the experts
+            return _error(str(err))
+    elif args.benchmark == "moe":
+        from routelab.bench.moe import run_benchmark as run_moe
+
+        text = run_moe(quick=args.quick, threads=args.threads or 1, device=args.device, out=sys.stdout,
+                       dtype=args.dtype or "float32",
                        d_models=args.d_model, experts=args.experts, ks=args.k, compile_mode=args.compile)
     elif args.benchmark == "b-matching":
         from routelab.bench.b_matching import FULL_SIZES, QUICK_SIZES, run_b_matching_benchmark  # lazy: scipy
