@@ -171,6 +171,8 @@ def no_benchmarks(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> str:
         pytest.fail("a benchmark ran although its options are invalid")
 
+    from routelab.bench.moe_parallel import benchmark_config
+
     monkeypatch.setattr(cli, "_run_assignment_benchmark", refuse)
     for module, names in {"routelab.bench.peers": ("run_assignment_peers", "run_sinkhorn_peers"),
                           "routelab.bench.moe_parallel": ("run_benchmark",)}.items():
@@ -178,6 +180,7 @@ def no_benchmarks(monkeypatch: pytest.MonkeyPatch) -> None:
         for name in names:
             setattr(fake, name, refuse)
         monkeypatch.setitem(sys.modules, module, fake)
+    sys.modules["routelab.bench.moe_parallel"].benchmark_config = benchmark_config  # the real option check
 
 
 @pytest.mark.parametrize(("argv", "named"), [
@@ -200,7 +203,8 @@ def test_bench_refuses_an_option_that_does_not_apply_and_names_it(argv: list[str
 @pytest.mark.parametrize("argv", [
     ["bench", "moe", "--world-size", "2", "--threads", "2"],
     ["bench", "moe", "--d-model", "7", "--quick"],
-], ids=["threads-with-world-size", "d-model-not-in-the-grid"])
+    ["bench", "moe", "--world-size", "3", "--quick"],
+], ids=["threads-with-world-size", "d-model-not-in-the-grid", "world-size-not-dividing-the-experts"])
 def test_a_refused_bench_leaves_no_directory_behind(argv: list[str], no_benchmarks: None, tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """A bad option is an error "before anything runs": the --out check creates the table's directory,

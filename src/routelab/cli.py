@@ -386,6 +386,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             select_grid(configs, args.experts, args.k)
         except ValueError as err:
             return _error(str(err))
+    if args.benchmark == "moe" and args.world_size is not None:
+        from routelab.bench.moe_parallel import benchmark_config  # lazy: imports the parallel layer
+
+        try:  # a world size that does not divide the experts is refused before --out makes a directory
+            benchmark_config(world_sizes=args.world_size, quick=args.quick)
+        except ValueError as err:
+            return _error(str(err))
     # --out last (it creates the table's directory): an invalid option leaves nothing behind, and an
     # unwritable table is found before a benchmark of minutes, not after it.
     if args.out is not None:
@@ -395,10 +402,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.benchmark == "moe" and args.world_size is not None:
         from routelab.bench.moe_parallel import run_benchmark as run_moe_parallel  # lazy: starts workers
 
-        try:
-            text = run_moe_parallel(world_sizes=args.world_size, quick=args.quick, out=sys.stdout)
-        except ValueError as err:  # e.g. a world size that does not divide the experts
-            return _error(str(err))
+        text = run_moe_parallel(world_sizes=args.world_size, quick=args.quick, out=sys.stdout)
     elif args.benchmark == "moe":
         from routelab.bench.moe import run_benchmark as run_moe
 

@@ -249,6 +249,27 @@ def _header(cfg: ParallelBenchConfig, quick: bool, ds: tuple[bool, str], backend
     ]
 
 
+def benchmark_config(*, world_sizes: Sequence[int] | None = None, quick: bool = False,
+                     config: ParallelBenchConfig | None = None) -> ParallelBenchConfig:
+    """The configuration :func:`run_benchmark` measures, its world sizes checked.
+
+    Raises:
+        ValueError: a world size that is not a positive integer, or that does not divide the experts
+            (each rank holds E/W of them).
+    """
+    cfg = config or (QUICK if quick else FULL)
+    if world_sizes:
+        cfg = replace(cfg, world_sizes=tuple(world_sizes))
+    for w in cfg.world_sizes:
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ValueError(f"world sizes must be positive integers, got {w!r} in {list(cfg.world_sizes)}")
+        if cfg.experts % w:
+            raise ValueError(
+                f"world size {w} does not divide the {cfg.experts} experts; use a divisor of {cfg.experts}"
+            )
+    return cfg
+
+
 def run_benchmark(*, world_sizes: Sequence[int] | None = None, quick: bool = False, deepspeed: bool = True,
                   config: ParallelBenchConfig | None = None, out: TextIO | None = None) -> str:
     """Run the benchmark on local gloo workers (one process group per world size).
@@ -263,16 +284,7 @@ def run_benchmark(*, world_sizes: Sequence[int] | None = None, quick: bool = Fal
     Returns:
         The markdown report (header, throughput table, equality table).
     """
-    cfg = config or (QUICK if quick else FULL)
-    if world_sizes:
-        cfg = replace(cfg, world_sizes=tuple(world_sizes))
-    for w in cfg.world_sizes:
-        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
-            raise ValueError(f"world sizes must be positive integers, got {w!r} in {list(cfg.world_sizes)}")
-        if cfg.experts % w:
-            raise ValueError(
-                f"world size {w} does not divide the {cfg.experts} experts; use a divisor of {cfg.experts}"
-            )
+    cfg = benchmark_config(world_sizes=world_sizes, quick=quick, config=config)
     ds = deepspeed_available() if deepspeed else (False, "disabled")
     results: dict[int, dict] = {}
     backend = "gloo"
