@@ -44,6 +44,7 @@ from .._checks import positive_int_arg
 from ..assignment import balanced_b_matching
 from ..assignment.b_matching import b_matching_quotas
 from ..machine import load_average
+from ._checks import check_device_and_threads
 from .peers import _header
 
 __all__ = ["ortools_b_matching", "run_b_matching_benchmark", "scipy_b_matching"]
@@ -172,12 +173,17 @@ def run_b_matching_benchmark(
 
     Returns:
         The markdown report.
+
+    Raises:
+        ValueError: a size that is not ``(n, E, k[, f])``, ``seeds < 1`` or ``threads < 1``.
     """
     for size in sizes:
         if len(size) not in (3, 4):
             raise ValueError(f"sizes: every size is (n, E, k) or (n, E, k, capacity_factor), got {size!r}")
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise ValueError(f"seeds must be an integer >= 1 (instances per size), got {seeds!r}")
+    if threads is not None:
+        check_device_and_threads("cpu", threads)
     old = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
