@@ -140,6 +140,10 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.dtype not in SAME_RTOL:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype}")
+        # the grid is experts x ks: a k above any E is refused here, before any size is measured
+        if self.experts and self.ks and max(self.ks) > min(self.experts):
+            raise ValueError(f"k={max(self.ks)} is larger than E={min(self.experts)} in the benchmark grid "
+                             f"(experts={self.experts} x ks={self.ks}); every k must be at most every E")
 
     @property
     def same_rtol(self) -> float:
@@ -999,8 +1003,6 @@ def _benchmark(cfg: BenchConfig, *, device: str = "cpu", out: TextIO | None = No
     rows = []
     for E in cfg.experts:
         for k in cfg.ks:
-            if k > E:
-                raise ValueError(f"k={k} is larger than E={E} in the benchmark grid")
             row = _measure(E, k, cfg, device)
             rows.append(row)
             emit(render_row(row, cfg.tokens, cfg.same_rtol))

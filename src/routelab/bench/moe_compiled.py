@@ -40,6 +40,7 @@ from routelab.layers import MoE
 from .moe import (
     OVERHEAD_TARGET,
     PEER_TARGET,
+    ROUTE_AGREEMENT,
     BenchConfig,
     PeerRow,
     _dtype_name,
@@ -258,7 +259,8 @@ def render_row(row: CompiledRow, tokens: int, rtol: float) -> str:
     diffs = ", ".join(f"{n} {d:.1e}" for n, d in row.max_rel_diff.items())
     if row.route_agreement < 1.0:
         diffs += f"; block on the {row.route_agreement:.2%} of tokens routed alike"
-    same = all(d <= rtol for d in row.max_rel_diff.values())
+    # as the eager transformers table: outputs compared on too few tokens routed alike are no agreement
+    same = all(d <= rtol for d in row.max_rel_diff.values()) and row.route_agreement >= ROUTE_AGREEMENT
     first = f"{row.first_s.get('compiled', 0):.0f}" + (f", {row.first_s['block']:.0f}" if "block" in row.first_s
                                                          else "")
     cells = [
@@ -293,8 +295,6 @@ def benchmark_compiled(cfg: BenchConfig, *, device: str = "cpu", mode: str = "de
     rows = []
     for E in cfg.experts:
         for k in cfg.ks:
-            if k > E:
-                raise ValueError(f"k={k} is larger than E={E} in the benchmark grid")
             row = _measure(E, k, cfg, device, mode)
             rows.append(row)
             emit(render_row(row, cfg.tokens, cfg.same_rtol))
@@ -326,5 +326,6 @@ def benchmark_compiled(cfg: BenchConfig, *, device: str = "cpu", mode: str = "de
          "SwiGLU dropless / block: the routelab layer computing transformers' Mixtral sparse block and the block "
          "(its default experts implementation), both compiled; layer time / block's < 1: the layer is faster. "
          f"same outputs: y and dL/dx within {cfg.same_rtol:g} (relative) of the eager layer's, and the block's of "
-         "the SwiGLU layer's.")
+         f"the SwiGLU layer's on the tokens both route to the same experts, and those at least {ROUTE_AGREEMENT:.0%} "
+         "of the tokens.")
     return "\n".join(lines) + "\n", rows
