@@ -114,12 +114,14 @@ def evaluate(model: nn.Module, windows: Tensor, routing: str, *, batch: int = 64
     model.eval()
     set_routing(model, routing, generator)
     total, count = 0.0, 0
-    for i in range(0, windows.shape[0], batch):
-        b = windows[i: i + batch]
-        n = targets(b)
-        total += float(loss_fn(model, b)) * n
-        count += n
-    model.train(was)
+    try:
+        for i in range(0, windows.shape[0], batch):
+            b = windows[i: i + batch]
+            n = targets(b)
+            total += float(loss_fn(model, b)) * n
+            count += n
+    finally:  # the caller's mode back, also after an error in the loss
+        model.train(was)
     return total / count
 
 
