@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -253,8 +253,10 @@ def gradients_markdown(gradients: Sequence[Mapping]) -> str:
 def _chunk_walls(records: Sequence[Mapping], chunks: Sequence[Mapping]) -> dict[str, tuple[float, int, dict, str]]:
     """``{chunk: (wall seconds, runs, seconds per phase, routelab version)}``, the last record of each chunk."""
     out: dict[str, tuple[float, int, dict, str]] = {}
-    for r in records:  # runs recorded without a chunks.jsonl entry
-        out[r.get("chunk", "?")] = (float(r.get("chunk_wall_s", float("nan"))), 0, {}, "?")
+    counts = Counter(r.get("chunk", "?") for r in records)
+    for r in records:  # runs recorded without a chunks.jsonl entry: their own count
+        chunk = r.get("chunk", "?")
+        out[chunk] = (float(r.get("chunk_wall_s", float("nan"))), counts[chunk], {}, "?")
     for c in chunks:
         out[c["chunk"]] = (float(c["wall_s"]), int(c["runs"]), dict(c.get("timings_s", {})), c.get("routelab", "?"))
     return out
