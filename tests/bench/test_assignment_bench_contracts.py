@@ -258,3 +258,36 @@ def test_feasibility_is_judged_on_every_timed_batch(monkeypatch: pytest.MonkeyPa
     assert size.auction_infeasible > 0
     assert size.methods["batched"].feasible is True and size.methods["loop"].feasible is True
 
+
+
+def test_fewer_timed_batches_are_noted_only_where_fewer_were_made() -> None:
+    """The batched notes' "N timed batch(es) instead of R" appears for a size whose methods timed fewer
+    batches than requested, and for no other size (review s43, leftovers: A31)."""
+    def size(n: int, runs: int) -> bench.BatchedSize:
+        methods = {key: bench.BatchedMethod(name=key, timing=bench.Timing(1.0, runs), feasible=True)
+                   for key in ("batched", "device", "loop", "auction")}
+        return bench.BatchedSize(b=2, n=n, k=4, methods=methods, instances=2 * runs, requested=3)
+
+    assert not any("instead of" in line for line in bench._batched_notes([size(32, 3)], device="cpu"))
+    [line] = [line for line in bench._batched_notes([size(32, 3), size(64, 1)], device="cpu") if "instead of" in line]
+    assert "n=64" in line and "1 timed batch(es) instead of 3" in line
+
+
+# ------------------------------------------------------------------ threads
+
+
+def test_run_benchmark_sets_its_threads_and_restores_torchs_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``threads``: torch's intra-op threads while measuring, restored afterwards. With torch at 2
+    threads (the one-thread test environment would hide a missing restore), a run with threads=1
+    reports 1 in its header and leaves torch at 2 (review s43, leftovers: A26)."""
+    monkeypatch.setattr(bench, "QUICK_NS", (16,))
+    monkeypatch.setattr(bench, "KS", (4,))
+    monkeypatch.setattr(bench, "QUICK_REPEATS", {16: 1})
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        text = bench.run_benchmark(quick=True, threads=1)
+        assert "torch threads: 1" in text
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

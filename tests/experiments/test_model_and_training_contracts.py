@@ -422,3 +422,72 @@ def test_toy_matching_routes_drop_nothing() -> None:
     """Gumbel-Matching assigns the 100 points 50 / 50 at capacity 50: no point is ever dropped."""
     (rec,) = train_chunk([RunSpec("reinforce", "gumbel_matching_iw", 1.0, 0)], 3)
     assert rec["dropped"] == 0.0 and rec["tokens_per_expert"] == [50, 50]
+
+
+# ----------------------------------------------------------------------------- leftovers of the round (review s43)
+
+
+def test_lm_training_backpropagates_the_routers_aux_loss_with_weight_one(corpus, monkeypatch) -> None:
+    """The LM trains on ``ce + aux_loss(model)`` (the coefficients live inside the routers' aux losses): a probe
+    added to the aux loss receives the gradient d loss / d aux = 1 on every step (LM10: a run on ``ce`` alone
+    would silently train the Switch/GShard routers without their balance loss)."""
+    real_aux = lm_model.aux_loss
+    grads: list[float] = []
+
+    def probed(model):
+        probe = torch.zeros((), requires_grad=True)
+        probe.register_hook(lambda g: grads.append(float(g)))
+        return real_aux(model) + probe
+
+    monkeypatch.setattr(lm_model, "aux_loss", probed)
+    settings = LM_TINY.with_(steps=2, eval_every=2)
+    lm_model.train_run(settings.spec("top2"), 0, settings, corpus)
+    assert grads == [1.0, 1.0]
+
+
+def test_lm_tokens_per_second_counts_every_character_of_every_window(corpus, monkeypatch) -> None:
+    """``tokens_per_s`` = steps x batch x seq / training seconds. A fake clock that moves 0.25 s per reading makes
+    the training seconds exact, so the identity holds exactly (LM11: without ``seq`` it is 16x too small)."""
+    clock = [0.0]
+
+    def tick() -> float:
+        clock[0] += 0.25
+        return clock[0]
+
+    monkeypatch.setattr(lm_model, "time", SimpleNamespace(perf_counter=tick))
+    settings = LM_TINY.with_(steps=2, eval_every=2)
+    rec = lm_model.train_run(settings.spec("top2"), 0, settings, corpus)
+    assert rec["train_s"] > 0
+    assert rec["tokens_per_s"] * rec["train_s"] == pytest.approx(2 * settings.batch * settings.seq, rel=1e-12)
+
+
+def test_mnist_tokens_dropped_counts_the_images_with_no_expert_kept_not_those_missing_one(tiny_data) -> None:
+    """``tokens_dropped`` is the fraction of images with *no* expert kept. With top-2 and a small capacity some
+    images keep one of their two experts: they are not dropped (MR5: counting every image that lost a pair)."""
+    settings = replace(MR_TINY, capacity_factor=0.5)
+    torch.manual_seed(0)
+    model = mr_model.MnistMoE(settings.spec("top2"), settings)
+    x, y = tiny_data[2], tiny_data[3]
+    r = mr_model.evaluate(model, x, y, settings.batch_size)
+    kept_per_image = []
+    with torch.no_grad():
+        for i in range(0, x.shape[0], settings.batch_size):
+            kept_per_image += model(x[i:i + settings.batch_size])[1].keep.sum(-1).tolist()
+    assert set(kept_per_image) <= {0, 1, 2} and 1 in kept_per_image  # the case that tells "none" from "not all"
+    assert r["tokens_dropped"] == kept_per_image.count(0) / len(kept_per_image)
+    assert r["experts_per_token"] == sum(kept_per_image) / len(kept_per_image)
+
+
+def test_mnist_batchwise_diagnostics_give_the_router_its_inference_mode_back(tiny_data) -> None:
+    """The diagnostics evaluate with ``inference="batchwise"`` and then put back the router's own mode: the
+    batch-1 accuracy is the threshold mask's, one image at a time, and the router is left on
+    "threshold" (MR9: left on "batchwise", the "threshold" numbers are batchwise ones)."""
+    torch.manual_seed(0)
+    model = mr_model.MnistMoE(MR_TINY.spec("batchwise"), MR_TINY)
+    router = model.moe.router
+    assert router.inference == "threshold"
+    x, y = tiny_data[2][:40], tiny_data[3][:40]
+    want = mr_model.evaluate(model, x, y, 1)["acc"]  # the threshold mask, one image at a time
+    d = mr_model.batchwise_diagnostics(model, x, y, MR_TINY)
+    assert router.inference == "threshold"
+    assert d["acc_threshold_batch1"] == want
