@@ -91,11 +91,12 @@ def train_chunks(
         for chunk in chunks:
             timings: dict[str, float] = {}
             t0 = time.perf_counter()
-            try:
+            try:  # a library error in training is the chunk's record; one in on_done is the caller's
                 results = train(chunk.runs, steps, chunk_seed=chunk.seed, progress=on_progress, timings=timings)
-                on_done(ChunkResult(chunk, results, timings, time.perf_counter() - t0))
             except ValueError as err:
                 on_done(ChunkResult(chunk, None, timings, time.perf_counter() - t0, f"{type(err).__name__}: {err}"))
+                continue
+            on_done(ChunkResult(chunk, results, timings, time.perf_counter() - t0))
         return
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "routelab.experiments.kool_toy.model"])
