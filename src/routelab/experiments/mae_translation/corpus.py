@@ -7,9 +7,9 @@ vocabularies), learned on the training split with HF ``tokenizers`` and saved ne
 a resumed run reads exactly the same pieces. The pre-tokeniser is ``Metaspace`` (a word boundary
 is a piece ``▁``), so :meth:`BPE.decode` gives back the normalised text exactly.
 
-A pair whose source or target has more than ``max_len`` pieces is left out of every split (the
-count is recorded in :attr:`TranslationCorpus.dropped`; at ``max_len`` 128 it is a handful of
-verses, among them the glossary appended to the last verse of the English module).
+A pair whose source or target has more than ``max_len`` pieces, or no piece at all (an empty verse),
+is left out of every split (the count is recorded in :attr:`TranslationCorpus.dropped`; at ``max_len``
+128 it is a handful of verses, among them the glossary appended to the last verse of the English module).
 
 Tensors: one row per pair, ``[n, src_len + tgt_len]`` int64, padded with :data:`PAD`: the first
 ``src_len`` columns are the source pieces then :data:`EOS`; the rest are :data:`BOS`, the target
@@ -110,7 +110,7 @@ class TranslationCorpus:
         data: split name (``train``, ``dev``, ``test``) -> ``[n, src_len + tgt_len]`` (module docstring).
         refs: split name -> the normalised English references, one per row of ``data``.
         src_len: source columns (longest source + EOS).
-        dropped: pairs left out for having more than ``max_len`` pieces on a side.
+        dropped: pairs left out for having more than ``max_len`` pieces, or none, on a side.
     """
 
     src_bpe: BPE
