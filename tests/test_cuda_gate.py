@@ -8,6 +8,8 @@ session stops when there is no CUDA, and a skip for lack of CUDA becomes a failu
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,19 @@ import torch
 import conftest as gate
 
 CONFTEST = (Path(__file__).parent / "conftest.py").read_text()
+
+
+@pytest.fixture(autouse=True)
+def _triton_interpret_restored() -> Iterator[None]:
+    """The inner conftest, seeing no CUDA, sets TRITON_INTERPRET=1 in this process's environment: on
+    a GPU machine that leaked into the worker's later tests, whose Triton kernels then ran half in
+    the interpreter ("Cannot call @triton.jit'd outside of the scope of a kernel")."""
+    before = os.environ.get("TRITON_INTERPRET")
+    yield
+    if before is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = before
 
 # Collected by the inner session after it started: from here on CUDA "disappears" (the pretend
 # GPU machine passed the session-start check; its tests then meet a machine without CUDA).

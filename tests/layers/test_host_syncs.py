@@ -152,6 +152,65 @@ def test_an_unchecked_multigate_moe_with_per_example_gates_reads_only_its_flags(
         MultiGateMoE([torch.nn.Linear(8, 4)], [SoftmaxGate(1)], check_finite=None)
 
 
+def _moe_step(moe: MoE, x: torch.Tensor) -> None:
+    """One forward + backward; every tensor of the routes (their statistics too) on the input's device."""
+    y, routes = moe(x)
+    y.sum().backward()
+    tensors = {f"stats[{k!r}]": v for k, v in routes.stats.items()}
+    tensors.update((f"aux[{k!r}]", v) for k, v in routes.aux.items())
+    tensors.update(expert=routes.expert, weight=routes.weight, keep=routes.keep)
+    for name, value in tensors.items():
+        if isinstance(value, torch.Tensor):
+            assert value.device == x.device, (name, value.device)
+
+
+def _default_device_cases():
+    """(name, build, inputs, step) for each layer: ``step(layer, inputs())`` is one forward + backward."""
+    from routelab.gates import DSelectK, SoftmaxGate
+    from routelab.layers import MixtureOfAttentiveExperts, MultiGateMoE
+    from routelab.routers import ROUTERS
+
+    def moe_case(router, cf, train):
+        return (f"{router}-capacity-{cf}-{'train' if train else 'eval'}",
+                lambda: MoE(D, H, E, router=router, capacity_factor=cf, check_finite=False).train(train),
+                lambda: (torch.randn(N, D, requires_grad=True),),
+                _moe_step)
+
+    def mae_inputs():
+        return torch.randn(3, 6, 16), torch.triu(torch.ones(6, 6, dtype=torch.bool), diagonal=1)
+
+    cases = [moe_case(router, cf, train) for router in ROUTERS for cf in (1.0, None) for train in (True, False)]
+    cases.append(("mae-causal", lambda: MixtureOfAttentiveExperts(16, 4, batch_first=True, check_finite=False),
+                  mae_inputs, lambda mae, x, m: mae(x, x, x, attn_mask=m, causal_gate=True)[0].sum().backward()))
+    cases.append(("multigate-dselect-softmax-per-example",
+                  lambda: MultiGateMoE([torch.nn.Linear(8, 4) for _ in range(6)],
+                                       [DSelectK(6, 2, per_example=True, input_dim=8),
+                                        SoftmaxGate(6, per_example=True, input_dim=8)]),
+                  lambda: (torch.randn(5, 8),), lambda moe, x: sum(o.sum() for o in moe(x)).backward()))
+    return cases
+
+
+@pytest.mark.parametrize(("name", "build", "inputs", "step"), _default_device_cases(),
+                         ids=[case[0] for case in _default_device_cases()])
+def test_a_step_makes_no_tensor_on_the_default_device(name, build, inputs, step, monkeypatch) -> None:
+    """A tensor made without a device (``torch.zeros(())`` in an operation with the layer's tensors)
+    is a copy from the host each step on CUDA, a host sync (batchwise's threshold loss had one:
+    found by torch's sync debug mode on an H200, 2026-11-27), and under a user's
+    ``torch.set_default_device("cuda")`` a host-side buffer lands on the GPU (the assignment
+    solvers' scratch, Sinkhorn's numba output, the grouped-matmul probe's references had that).
+    With ``meta`` as the default device such a tensor lands on ``meta`` and does not mix with the
+    CPU layer's: the step fails here. The first step (the probe run afresh) and a later one."""
+    import routelab.layers._grouped as grouped
+
+    monkeypatch.setattr(grouped, "_PROBED", {})
+    torch.manual_seed(0)
+    layer = build()
+    for _ in range(2):
+        args = inputs()
+        with torch.device("meta"):
+            step(layer, *args)
+
+
 @pytest.mark.requires_cuda
 @pytest.mark.parametrize(("router", "kw"), SYNC_FREE_ROUTERS, ids=[r for r, _ in SYNC_FREE_ROUTERS])
 def test_the_same_training_step_makes_no_host_sync_on_cuda(router, kw) -> None:

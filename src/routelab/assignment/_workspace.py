@@ -56,7 +56,7 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
         # A normal tensor even when created under torch.inference_mode(): an inference tensor
         # could not be written to by a later call made outside inference mode.
         with torch.inference_mode(False):
-            buffer = torch.empty(numel, dtype=dtype)
+            buffer = torch.empty(numel, dtype=dtype, device=device)  # (the CPU: not the default device)
         slots[key] = buffer
     return buffer[:numel].view(shape)
 

@@ -239,7 +239,7 @@ def _small_cpu_first_round(log_p: Tensor, tol: float, max_iter: int) -> tuple[Te
     # the targets as _target_columns makes them (n / k in log_p's dtype), widened to float64 as
     # scaling_sinkhorn does
     t = np.full((lp.shape[0], k), np.array(n / k, dtype=lp.dtype), dtype=np.float64)
-    out = torch.empty(log_p.shape, dtype=dtype)
+    out = torch.empty(log_p.shape, dtype=dtype, device="cpu")  # numba writes it through numpy
     err = _compiled.scaling_sinkhorn_host(K_host, t, eff_tol, sweeps, x_host, out.numpy().reshape(lp.shape))
     return None if err is None else (out, err, err <= eff_tol)
 

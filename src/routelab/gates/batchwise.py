@@ -155,6 +155,6 @@ def batchwise_threshold_loss(scores: Tensor, thresholds: Tensor, mask: Tensor, *
     diff = above.to(scores.dtype) - mask.to(scores.dtype)
     # Only the disagreements count: where the masks agree the term is 0 even for an infinite
     # score or threshold (0 * inf would be NaN; T = +inf switches an expert off).
-    terms = torch.where(above != mask, diff * (scores - thresholds), torch.zeros((), dtype=diff.dtype))
+    terms = torch.where(above != mask, diff * (scores - thresholds), diff.new_zeros(()))  # (on the device: no copy)
     return terms.sum()
 

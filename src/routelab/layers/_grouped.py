@@ -124,11 +124,12 @@ def _probe(device: torch.device, dtype: torch.dtype) -> str | None:
     gen = torch.Generator().manual_seed(0)
     a, b = 16, 8
     sizes = (3, 0, 5)
-    offsets = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
+    cpu = torch.device("cpu")  # the references live on the host, whatever the default device
+    offsets = torch.tensor(sizes, dtype=torch.int32, device=cpu).cumsum(0).to(torch.int32)
     total = int(offsets[-1])
-    rows_ref = torch.randn(total + 2, a, generator=gen)
-    weight_ref = torch.randn(len(sizes), a, b, generator=gen)
-    grad_ref = torch.randn(total, b, generator=gen)
+    rows_ref = torch.randn(total + 2, a, generator=gen, device=cpu)
+    weight_ref = torch.randn(len(sizes), a, b, generator=gen, device=cpu)
+    grad_ref = torch.randn(total, b, generator=gen, device=cpu)
     try:
         # Its own autograd graph, out of any caller's: no autocast, and no saved-tensor hooks (a
         # first forward under activation checkpointing would count the probe's saved tensors, which

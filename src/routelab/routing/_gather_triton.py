@@ -30,14 +30,15 @@ slot count, a handful in a model. On an H200 at 64k tokens x 4096 in bfloat16, t
 kernels take 2.2 ms where the PyTorch operators took 11.0 ms (``tools/gpu_kernel_probe.py``,
 2026-11-26; each kernel near 3.6 TB/s).
 
-The kernels are built on first use (:func:`_kernels`), so that a test can run them in Triton's
-interpreter on the CPU (``TRITON_INTERPRET=1``, read when a kernel is decorated).
+A test can run the kernels in Triton's interpreter on CPU tensors: ``TRITON_INTERPRET=1`` set
+before routelab is imported (Triton reads it when ``triton.language`` is imported and when a kernel
+is decorated, so the kernels are decorated here, at import, under the same setting; a later change
+of the variable would mix compiled and interpreted Triton in one kernel).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import Sequence
 from types import SimpleNamespace
@@ -89,7 +90,7 @@ def usable(*tensors: Tensor, indices: Sequence[Tensor] = ()) -> bool:
                for t in (*tensors, *indices))
 
 
-# --- kernel bodies (decorated by _kernels) ---------------------------------------------------
+# --- kernel bodies (decorated below) ---------------------------------------------------------
 
 def _gather_rows_body(src_ptr, index_ptr, out_ptr, n_src, D: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
@@ -139,13 +140,12 @@ def _combine_backward_body(rows_ptr, grad_y_ptr, token_ptr, weight_ptr, grad_row
         tl.store(dots_ptr + r, tl.sum(dot, axis=0))
 
 
-@functools.cache
-def _kernels(interpret: bool) -> SimpleNamespace:
-    """The three kernels, decorated once per interpreter setting (``interpret`` is only the
-    cache's key: ``triton.jit`` reads ``TRITON_INTERPRET`` itself)."""
-    del interpret
-    return SimpleNamespace(gather_rows=triton.jit(_gather_rows_body), slot_sum=triton.jit(_slot_sum_body),
-                           combine_backward=triton.jit(_combine_backward_body))
+#: Whether the kernels run in Triton's interpreter: ``TRITON_INTERPRET`` as it was at import.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+#: The three kernels, decorated at import (see the module's docstring); None without Triton.
+_KERNELS = None if triton is None else SimpleNamespace(
+    gather_rows=triton.jit(_gather_rows_body), slot_sum=triton.jit(_slot_sum_body),
+    combine_backward=triton.jit(_combine_backward_body))
 
 
 def _launch(kernel_name: str, device: torch.device, rows: int, d: int, *args, **constexprs) -> None:
@@ -154,10 +154,9 @@ def _launch(kernel_name: str, device: torch.device, rows: int, d: int, *args, **
     if rows == 0:
         return
     block = min(_MAX_BLOCK, triton.next_power_of_2(max(d, 1)))
-    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    kernel = getattr(_kernels(interpret), kernel_name)
+    kernel = getattr(_KERNELS, kernel_name)
     # No fused multiply-adds: in float32 a product and its sum are rounded apart, as PyTorch's.
-    options = {} if interpret else {"num_warps": _NUM_WARPS, "enable_fp_fusion": False}
+    options = {} if _INTERPRET else {"num_warps": _NUM_WARPS, "enable_fp_fusion": False}
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         kernel[(rows,)](*args, BLOCK=block, **constexprs, **options)
 
