@@ -6,7 +6,7 @@ The order (a unit may import units of strictly lower rank, and itself):
 ====  ===============================================================
 rank  units (top-level modules and packages of ``src/routelab``)
 ====  ===============================================================
-0     ``_checks``, ``_float32_out``, ``routes``, ``machine``
+0     ``_checks``, ``_float32_out``, ``_autograd``, ``routes``, ``machine``
 1     ``assignment``, ``replay``
 2     ``gates``
 3     ``routing``
@@ -38,7 +38,7 @@ import routelab
 ROOT = Path(routelab.__file__).resolve().parent
 
 RANKS: dict[str, int] = {
-    "_checks": 0, "_float32_out": 0, "routes": 0, "machine": 0,
+    "_checks": 0, "_float32_out": 0, "_autograd": 0, "routes": 0, "machine": 0,
     "assignment": 1, "replay": 1,
     "gates": 2,
     "routing": 3,

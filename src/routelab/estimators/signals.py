@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import _autograd
 from .._checks import check_finite
 from ..routes import Routes
 
@@ -90,7 +91,7 @@ class _ScoreFunction(torch.autograd.Function):
 def _score_function(log_prob: Tensor) -> Tensor:
     """``[...]`` zeros whose derivative (reverse and forward mode) is ``log_prob``'s: the
     score-function term of eq. 2."""
-    return _ScoreFunction.apply(log_prob)
+    return _autograd.apply(_ScoreFunction, log_prob)
 
 
 def reinforce_objective(routes: Routes, loss: Tensor, baseline: Tensor | float = 0.0) -> Tensor:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import _float32_out
+from .. import _autograd, _float32_out
 
 __all__ = ["float32_linear", "full_precision"]
 
@@ -133,4 +133,4 @@ def float32_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Ten
     with full_precision(x.device):
         if x.dtype == torch.float32 and weight.dtype == torch.float32:
             return F.linear(x, weight, None if bias is None else bias.float())
-        return _Float32Linear.apply(x, weight, bias)
+        return _autograd.apply(_Float32Linear, x, weight, bias)

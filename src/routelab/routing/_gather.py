@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import _float32_out
+from .. import _autograd, _float32_out
 from . import _gather_triton
 
 __all__ = ["dispatch_rows", "combine_rows"]
@@ -213,7 +213,7 @@ def dispatch_rows(x: Tensor, token_of_row: Tensor, row_of_slot: Tensor, *, adjoi
         ``[R, d]``.
     """
     if adjoint if adjoint is not None else _adjoint_by_default(x):
-        return _Dispatch.apply(x, token_of_row, row_of_slot)
+        return _autograd.apply(_Dispatch, x, token_of_row, row_of_slot)
     return _with_zero_row(x).index_select(0, token_of_row)
 
 
@@ -233,5 +233,5 @@ def combine_rows(rows: Tensor, weight: Tensor, row_of_slot: Tensor, token_of_row
         float32 and rounded once, on both paths.
     """
     if adjoint if adjoint is not None else _adjoint_by_default(rows):
-        return _Combine.apply(rows, weight, row_of_slot, token_of_row)
+        return _autograd.apply(_Combine, rows, weight, row_of_slot, token_of_row)
     return torch.bmm(weight.unsqueeze(1), _slot_rows(rows, row_of_slot)).squeeze(1)
