@@ -7,13 +7,13 @@
 #
 # 15 minutes of device time do not fit every step: the suite alone takes about 4 minutes.
 #
-# Writes up to 9 files to $OUT (or ./gpu-checks when OUT is unset): log.txt (with the Triton
-# gathers' CUDA tests), bench-bf16-d4096-e64-k2.md, suite.log, bench-bf16-d1024.md,
-# bench-assignment.md, bench-fp32-d2048.md, bench-compiled-bf16-d1024.md (default and
-# reduce-overhead), probe.txt, prof-d4096.txt; lm.tgz replaces the probe's file when data-cache/ is
-# there. (The device returns at most 8: one call's budget reaches about five of them.) Each step
-# gets the time left before the deadline (a step that would start with under 30 s left is skipped
-# and said so), so the most important results come back even when the budget is short.
+# Writes to $OUT (or ./gpu-checks when OUT is unset): log.txt, suite.log, prof-d1024-ab.txt,
+# bench-bf16-d1024.md, bench-bf16-d4096-e64-k2.md, bench-assignment.md, bench-fp32-d2048.md,
+# bench-compiled-bf16-d1024.md (reduce-overhead), probe.txt, prof-d4096.txt; lm.tgz replaces the
+# probe's file when data-cache/ is there. One call's budget reaches about the first five steps; a
+# second call goes on with FIRST. Each step gets the time left before the deadline (a step that
+# would start with under 30 s left is skipped and said so), so the most important results come back
+# even when the budget is short.
 # Needs routelab's src on the machine's python3 (make test-gpu installs it --no-deps). The lm-routers
 # step needs the parallel text's cache: run `make gpu-data` on a machine with the data, and carry
 # data-cache/ along (the device tool's `carry`); without it the step is skipped.
@@ -38,28 +38,31 @@ nvidia-smi --query-gpu=name,memory.used --format=csv | tee -a "$L"
 # its deadline still says which tests failed;
 # pytest-timeout (in the GPU image) ends a hung test instead of the whole step.
 targs="-vv --durations=40 --tb=short"; python3 -c "import pytest_timeout" 2>/dev/null && targs="$targs --timeout=120"
-step "the fused Triton gathers on CUDA (tests/routing/test_gather_triton.py, test_gather.py)" 60 \
-  bash -c "python3 -m pytest -q -p no:cacheprovider $targs tests/routing/test_gather_triton.py \
-tests/routing/test_gather.py 2>&1 | tail -25 >> '$L'"
-step "bench moe bf16 d_model 4096, E = 64, top-2 (2.3x naive with the Triton gathers; the first run of the event-timed non-expert share)" 150 \
-  bash -c "python3 -m routelab bench moe --device cuda --dtype bfloat16 --d-model 4096 --experts 64 --k 2 \
-> '$out/bench-bf16-d4096-e64-k2.md' 2>>'$L'"
-step "whole suite (make test-gpu; 233 s on an H200 machine, 2026-11-26 afternoon; cut at 99 % after 280 s in the evening)" 330 \
+step "whole suite (make test-gpu; 301 s on the H200 machine, 2026-11-27: 3846 passed, 4 failed, each fixed since and checked \
+on the CPU with torch 2.11 + transformers 5.17)" 330 \
   bash -c "make test-gpu PYTEST_ARGS='$targs' > '$out/suite.log' 2>&1"
 [ -f "$out/suite.log" ] && grep -E "FAILED|ERROR|Timeout|passed|failed" "$out/suite.log" | grep -v " PASSED" | tail -30 | tee -a "$L"
-step "bench moe bf16 d_model 1024, 8k tokens, E in {8, 64}, top-1/top-2 (before the Triton gathers and the event-timed \
-share: docs/bench-moe-gpu-bf16-d1024.md)" 150 \
+step "host-bound A/B at d_model 1024, 8k tokens, top-1: the profile with and without the Triton gathers (the layer \
+ran 1.14-1.49M tok/s on 2026-11-27 against 2.0-2.4M on 2026-11-26; the CPU's host-time proxy found 12 % more host work since, \
+tools/layer_host_time.py)" 150 \
+  bash -c "python3 tools/gpu_layer_profile.py '$out/prof-d1024-ab.txt' --brief > /dev/null 2>>'$L'; \
+python3 tools/gpu_layer_profile.py '$out/prof-d1024-no-triton.txt' --brief --no-triton > /dev/null 2>>'$L'; \
+cat '$out/prof-d1024-no-triton.txt' >> '$out/prof-d1024-ab.txt'; rm -f '$out/prof-d1024-no-triton.txt'"
+step "bench moe bf16 d_model 1024, 8k tokens, E in {8, 64}, top-1/top-2 (2026-11-27: 1.14M tok/s at E = 8, top-1, event-timed \
+non-expert share 74-86 %; before the host-time cut of routelab._autograd)" 150 \
   bash -c "python3 -m routelab bench moe --device cuda --dtype bfloat16 --d-model 1024 > '$out/bench-bf16-d1024.md' 2>>'$L'"
-step "bench assignment on the GPU: the host policy against on_host=False; 64 x 4096 x 64 was 94 ms, 72 before the fifth session (the sixth cut its operators 3145 -> 2602 a call, counted on the CPU)" 180 \
+step "bench moe bf16 d_model 4096, E = 64, top-2 (2026-11-27: 2.3x naive, event-timed non-expert share 14.6 %)" 150 \
+  bash -c "python3 -m routelab bench moe --device cuda --dtype bfloat16 --d-model 4096 --experts 64 --k 2 \
+> '$out/bench-bf16-d4096-e64-k2.md' 2>>'$L'"
+step "bench assignment on the GPU: 64 x 4096 x 64 on the device was 94.2 ms on 2026-11-27, as in the fifth session (94), \
+72 on 2026-11-25: the sixth session's operator cut did not show" 180 \
   bash -c "python3 -m routelab bench assignment --device cuda > '$out/bench-assignment.md' 2>>'$L'"
-step "bench moe fp32 d_model 2048" 200 \
+step "bench moe fp32 d_model 2048 (2026-11-27: cut at 90 s before transformers' E = 64 rows)" 200 \
   bash -c "python3 -m routelab bench moe --device cuda --dtype float32 --d-model 2048 > '$out/bench-fp32-d2048.md' 2>>'$L'"
-step "bench moe --compile, bf16 d_model 1024, top-1 (measured 2026-11-26)" 150 \
-  bash -c "python3 -m routelab bench moe --device cuda --dtype bfloat16 --d-model 1024 --k 1 --compile \
-> '$out/bench-compiled-bf16-d1024.md' 2>>'$L'"
-step "bench moe --compile reduce-overhead (CUDA graphs), bf16 d_model 1024, top-1 (measured 2026-11-26)" 120 \
+step "bench moe --compile reduce-overhead (CUDA graphs), bf16 d_model 1024, top-1 (measured 2026-11-26; the default \
+mode again on 2026-11-27)" 120 \
   bash -c "python3 -m routelab bench moe --device cuda --dtype bfloat16 --d-model 1024 --k 1 \
---compile reduce-overhead >> '$out/bench-compiled-bf16-d1024.md' 2>>'$L'"
+--compile reduce-overhead > '$out/bench-compiled-bf16-d1024.md' 2>>'$L'"
 step "kernel probe: candidate forms of the largest non-expert operations, the Triton gathers (tools/gpu_kernel_probe.py)" 60 \
   bash -c "python3 tools/gpu_kernel_probe.py > '$out/probe.txt' 2>&1"
 step "profile at d_model 4096, 64k tokens, E = 64, top-2, with kernel tables (the fifth session's: \

@@ -1,7 +1,7 @@
 """Where the MoE layer's time goes on a GPU: eager time, host issue time, CUDA-graph replay, kernels.
 
 usage: python tools/gpu_layer_profile.py OUTFILE [--brief] [--fp32] [--d-model N] [--d-hidden N] [--tokens N]
-       [--cases E:K ...]
+       [--cases E:K ...] [--no-triton]
 
 For E in {8, 64} and top-1/top-2 at d_model 1024, d_hidden 4096, 8192 tokens unless given (bfloat16
 unless --fp32), one forward + backward of: the MoE layer (capacity factor 1, `auto` and each layout
@@ -38,7 +38,16 @@ _parser.add_argument("--d-hidden", type=int, default=None, help="default 4096 (1
 _parser.add_argument("--tokens", type=int, default=None, help="default 8192 (512 without CUDA)")
 _parser.add_argument("--cases", nargs="+", metavar="E:K", default=None,
                      help="the (experts, top-k) cases to run, e.g. 64:1 (default 8:1 64:1 64:2; --brief 8:1 64:1)")
+_parser.add_argument("--no-triton", action="store_true",
+                     help="the gathers on PyTorch's operators, not the fused Triton kernels (an A/B of their cost)")
 _args = _parser.parse_args()
+if _args.no_triton:
+    try:
+        from routelab.routing import _gather_triton
+    except ImportError:  # a checkout from before the kernels
+        pass
+    else:
+        _gather_triton.usable = lambda *tensors, indices=(): False
 out_path = _args.out
 brief = _args.brief
 dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,7 +55,8 @@ dt = torch.float32 if _args.fp32 else torch.bfloat16
 d, h, n = (1024, 4096, 8192) if dev == "cuda" else (64, 128, 512)
 d, h, n = _args.d_model or d, _args.d_hidden or h, _args.tokens or n
 lines = [f"routelab from {routelab.__file__}; torch {torch.__version__}; device {dev} "
-         f"{torch.cuda.get_device_name() if dev == 'cuda' else ''}; dtype {dt}; d {d} h {h} tokens {n}"]
+         f"{torch.cuda.get_device_name() if dev == 'cuda' else ''}; dtype {dt}; d {d} h {h} tokens {n}"
+         + ("; Triton gathers off (--no-triton)" if _args.no_triton else "")]
 results = {}
 
 
