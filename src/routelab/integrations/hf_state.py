@@ -53,6 +53,8 @@ def load_router_state_dict(model: nn.Module, state: Mapping[str, Tensor], strict
         ValueError: ``model`` has no patched block; with ``strict``, keys of ``state`` that no
             router holds or routers' keys that ``state`` lacks (both listed: a model patched with
             another router, or another model).
+        RuntimeError: a tensor of ``state`` whose shape differs from the router's (from
+            ``nn.Module.load_state_dict``: e.g. a state saved from a model with other ``num_experts``).
     """
     routers = _patched_routers(model)
     if not routers:
