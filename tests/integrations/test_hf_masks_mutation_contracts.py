@@ -27,33 +27,9 @@ from torch import nn
 
 from routelab.integrations.hf_masks import CallMasks, mask_sources, takes_attention_mask
 
-tf = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
-VOCAB, D, E, K = 64, 32, 4, 2
-
-
-def mixtral(seed: int = 0) -> nn.Module:
-    """A tiny random-init Mixtral (2 layers, 4 experts, top-2) with N(0, 1) gate weights."""
-    torch.manual_seed(seed)
-    config = tf.MixtralConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4,
-                              num_key_value_heads=2, max_position_embeddings=64, intermediate_size=48,
-                              num_local_experts=E, num_experts_per_tok=K)
-    model = tf.MixtralForCausalLM(config)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_()
-    return model
-
-
-def ids(batch: int = 2, seq: int = 8, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
-
-
-def left_padded(x: torch.Tensor, pad: int = 3) -> torch.Tensor:
-    """An attention mask for ``x [2, seq]`` whose second row starts with ``pad`` padding positions."""
-    mask = torch.ones_like(x)
-    mask[1, :pad] = 0
-    return mask
+from test_hf_contracts import D, K, ids, left_padded, mixtral  # noqa: E402 (after the importorskip)
 
 
 def routed_pairs(model: nn.Module, name: str) -> int:
