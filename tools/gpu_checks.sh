@@ -43,7 +43,7 @@ on the CPU with torch 2.11 + transformers 5.17)" 330 \
   bash -c "make test-gpu PYTEST_ARGS='$targs' > '$out/suite.log' 2>&1"
 [ -f "$out/suite.log" ] && grep -E "FAILED|ERROR|Timeout|passed|failed" "$out/suite.log" | grep -v " PASSED" | tail -30 | tee -a "$L"
 step "host-bound A/B at d_model 1024, 8k tokens, top-1: the profile with and without the Triton gathers (the layer \
-ran 1.14-1.49M tok/s on 2026-11-27 against 2.0-2.4M on 2026-11-26; the CPU's host-time proxy found 12 % more host work since, \
+ran 1.14-1.49M tok/s on 2026-11-27 against 2.0-2.4M on 2026-11-26; the CPU's host-time proxy found 11 % more host work since, \
 tools/layer_host_time.py)" 150 \
   bash -c "python3 tools/gpu_layer_profile.py '$out/prof-d1024-ab.txt' --brief > /dev/null 2>>'$L'; \
 python3 tools/gpu_layer_profile.py '$out/prof-d1024-no-triton.txt' --brief --no-triton > /dev/null 2>>'$L'; \
