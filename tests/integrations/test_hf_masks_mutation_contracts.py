@@ -54,6 +54,28 @@ def in_backward(fn):
     return out[0]
 
 
+def record_forward(masks: CallMasks, source: nn.Module, carrier: nn.Module, mask: torch.Tensor,
+                   inputs: tuple, kwargs: dict | None = None) -> None:
+    """One source call under ``mask`` in which ``carrier`` receives ``inputs`` (and ``kwargs``)."""
+    enter(masks, source, mask)
+    masks.enter_carrier(carrier, inputs, kwargs or {})
+    masks.leave_call(source, (), None)
+
+
+def recomputed_tokens(masks: CallMasks, carrier: nn.Module, inputs: tuple, kwargs: dict | None = None,
+                      *, quiet: bool = False) -> torch.Tensor | None:
+    """The real-token mask a recomputation of ``carrier`` on ``inputs`` routes under (inside a
+    backward pass); ``quiet``: any warning (e.g. "ambiguous") is an error."""
+    def recompute():
+        masks.enter_carrier(carrier, inputs, kwargs or {})
+        return masks.tokens(8)
+
+    with warnings.catch_warnings():
+        if quiet:
+            warnings.simplefilter("error")
+        return in_backward(recompute)
+
+
 MASK_A = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
 MASK_B = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
 
@@ -189,18 +211,8 @@ def test_one_tensor_in_two_calls_with_equal_masks_is_no_ambiguity():
     source, carrier = nn.Module(), nn.Module()
     x = torch.randn(8, 4, requires_grad=True)
     for mask in (MASK_A, MASK_A.clone()):
-        enter(masks, source, mask)
-        masks.enter_carrier(carrier, (x,), {})
-        masks.leave_call(source, (), None)
-
-    def recompute():
-        masks.enter_carrier(carrier, (x,), {})
-        return masks.tokens(8)
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        got = in_backward(recompute)
-    assert torch.equal(got, MASK_A.reshape(-1).bool())
+        record_forward(masks, source, carrier, mask, (x,))
+    assert torch.equal(recomputed_tokens(masks, carrier, (x,), quiet=True), MASK_A.reshape(-1).bool())
 
 
 def test_a_per_call_tensor_inside_a_tuple_input_decides_the_recomputed_call():
@@ -214,18 +226,9 @@ def test_a_per_call_tensor_inside_a_tuple_input_decides_the_recomputed_call():
     embeddings = {}
     for mask in (MASK_A, MASK_B):
         embeddings[id(mask)] = (torch.randn(4, 2), torch.randn(4, 2))
-        enter(masks, source, mask)
-        masks.enter_carrier(carrier, (x,), {"position_embeddings": embeddings[id(mask)]})
-        masks.leave_call(source, (), None)
+        record_forward(masks, source, carrier, mask, (x,), {"position_embeddings": embeddings[id(mask)]})
     for mask in (MASK_A, MASK_B, MASK_A):
-
-        def recompute(mask=mask):
-            masks.enter_carrier(carrier, (x,), {"position_embeddings": embeddings[id(mask)]})
-            return masks.tokens(8)
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            got = in_backward(recompute)
+        got = recomputed_tokens(masks, carrier, (x,), {"position_embeddings": embeddings[id(mask)]}, quiet=True)
         assert torch.equal(got, mask.reshape(-1).bool())
 
 
@@ -235,19 +238,9 @@ def test_a_forward_forgets_the_call_the_previous_backward_recomputed():
     masks = CallMasks()
     source, carrier = nn.Module(), nn.Module()
     x = torch.randn(8, 4, requires_grad=True)
-    enter(masks, source, MASK_A)
-    masks.enter_carrier(carrier, (x,), {})
-    masks.leave_call(source, (), None)
-
-    def recompute():
-        masks.enter_carrier(carrier, (x,), {})
-        return masks.tokens(8)
-
-    assert torch.equal(in_backward(recompute), MASK_A.reshape(-1).bool())
-    other = torch.randn(8, 4, requires_grad=True)
-    enter(masks, source, MASK_B)
-    masks.enter_carrier(carrier, (other,), {})
-    masks.leave_call(source, (), None)
+    record_forward(masks, source, carrier, MASK_A, (x,))
+    assert torch.equal(recomputed_tokens(masks, carrier, (x,)), MASK_A.reshape(-1).bool())
+    record_forward(masks, source, carrier, MASK_B, (torch.randn(8, 4, requires_grad=True),))
     with pytest.warns(UserWarning, match="no recorded forward matches"):
         got = in_backward(lambda: masks.tokens(8))
     assert torch.equal(got, MASK_B.reshape(-1).bool())
@@ -265,21 +258,11 @@ def test_past_the_record_limit_the_oldest_records_are_forgotten(monkeypatch):
     source, carrier = nn.Module(), nn.Module()
     inputs = [torch.randn(8, 4, requires_grad=True) for _ in range(3)]
     for x, mask in zip(inputs, (MASK_A, MASK_A, MASK_B), strict=True):
-        enter(masks, source, mask)
-        masks.enter_carrier(carrier, (x,), {})
-        masks.leave_call(source, (), None)
+        record_forward(masks, source, carrier, mask, (x,))
     assert len(masks.records) == 2
     enter(masks, source, MASK_A)  # a later call that records nothing (the latest call's mask: A)
     masks.leave_call(source, (), None)
-
-    def recompute():
-        masks.enter_carrier(carrier, (inputs[2],), {})
-        return masks.tokens(8)
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        got = in_backward(recompute)
-    assert torch.equal(got, MASK_B.reshape(-1).bool())
+    assert torch.equal(recomputed_tokens(masks, carrier, (inputs[2],), quiet=True), MASK_B.reshape(-1).bool())
 
 
 def test_a_copy_or_pickle_of_the_masks_starts_afresh():
