@@ -1052,6 +1052,7 @@ def test_a_pickled_logits_only_block_routes_with_its_own_gate():
 
 _FRESH_PROCESS_LOAD = """
 import sys, torch, routelab
+torch.set_num_threads(int(sys.argv[4]))  # the parent's: the same reductions, bit for bit
 model = torch.load(sys.argv[1], weights_only=False)
 model.eval()
 with torch.no_grad():
@@ -1077,10 +1078,12 @@ def test_a_patched_model_saves_whole_and_loads_in_a_fresh_process(family, tmp_pa
     model.eval()
     with torch.no_grad():
         expected = model(ids(seed=2)).logits
+    # The child computes with the parent's thread count: a CPU matmul split over another number of
+    # threads may round differently (it did with 1 against 2), and the logits are compared exactly.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": str(torch.get_num_threads())}
     done = subprocess.run([sys.executable, "-c", _FRESH_PROCESS_LOAD, str(tmp_path / "model.pt"),
-                           str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt")],
+                           str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt"), str(torch.get_num_threads())],
                           capture_output=True, text=True, env=env, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=0, atol=0)
