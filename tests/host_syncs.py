@@ -10,7 +10,13 @@ they are called:
   ``nonzero``, ``masked_select``, ``unique``, ``bincount``, ``repeat_interleave`` without
   ``output_size``, ``equal``, and indexing by a boolean mask (a ``nonzero`` inside);
 * Python-level reads of a tensor's data that bypass the dispatcher on the CPU: ``tolist()``,
-  ``numpy()``, ``cpu()`` and ``to("cpu")`` with a literal ``"cpu"`` (a copy to the host from a GPU).
+  ``numpy()``, ``cpu()`` and ``to("cpu")`` with a literal ``"cpu"`` (a copy to the host from a GPU);
+* copies of host data to the device: ``torch.tensor(data, device=d)``, ``torch.as_tensor(data,
+  device=d)`` of Python or NumPy data, and ``t.new_tensor(data)``. These build the tensor on the
+  host and copy it with ``non_blocking=False``, which on CUDA waits for the stream (pytorch#190217:
+  ``torch.tensor(3.14, device="cuda")`` syncs, ``torch.full((), 3.14, device="cuda")`` does not).
+  The CPU cannot tell ``d`` = the caller's CUDA device from a deliberate host tensor, so every such
+  call with a ``device`` other than the literal string ``"cpu"`` is recorded.
 
 Known over-report: ``F.one_hot(x, num_classes)`` checks its indices' range with ``item()`` on the CPU
 only (its CUDA kernel does not when ``num_classes`` is given), and this recorder sees that check.
@@ -48,6 +54,9 @@ _INDEXING_OPS = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.d
 
 #: Tensor methods that read data on the host without a dispatcher call on the CPU.
 _HOST_READS = ("tolist", "numpy", "cpu")
+
+#: Factories that build a tensor from host data (and copy it to ``device=`` when given one).
+_HOST_DATA_FACTORIES = ("tensor", "as_tensor")
 
 
 @dataclass(frozen=True)
@@ -121,14 +130,38 @@ def record_host_syncs() -> Iterator[list[HostSync]]:
             found.append(HostSync("Tensor.to(cpu)", _caller()))
         return original_to(self, *args, **kwargs)
 
-    original_to = torch.Tensor.to
+    def copying(name: str):  # noqa: ANN202
+        factory = factories[name]
+
+        def build(data, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            device = kwargs.get("device")
+            host_data = not isinstance(data, torch.Tensor)
+            if host_data and device is not None and not (isinstance(device, str) and device == "cpu"):
+                found.append(HostSync(f"torch.{name}(host data, device=)", _caller()))
+            return factory(data, *args, **kwargs)
+
+        return build
+
+    def new_tensor(self: torch.Tensor, data, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if not isinstance(data, torch.Tensor):
+            found.append(HostSync("Tensor.new_tensor(host data)", _caller()))
+        return original_new_tensor(self, data, *args, **kwargs)
+
+    original_to, original_new_tensor = torch.Tensor.to, torch.Tensor.new_tensor
+    factories = {name: getattr(torch, name) for name in _HOST_DATA_FACTORIES}
     for name in _HOST_READS:
         setattr(torch.Tensor, name, recording(name))
+    for name in _HOST_DATA_FACTORIES:
+        setattr(torch, name, copying(name))
     torch.Tensor.to = to_host
+    torch.Tensor.new_tensor = new_tensor
     try:
         with _Recorder(found):
             yield found
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
+        for name, factory in factories.items():
+            setattr(torch, name, factory)
         torch.Tensor.to = original_to
+        torch.Tensor.new_tensor = original_new_tensor

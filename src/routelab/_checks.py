@@ -1,4 +1,4 @@
-"""Every argument check of routelab, once (layer 0: imports nothing but torch).
+"""Every argument check of routelab, once (layer 0: imports nothing but torch and :mod:`._scalars`).
 
 Bad input fails early with a ``ValueError`` (``TypeError`` for a wrong type) whose message names
 the argument and says how to fix it. Each rule below has exactly one home; the packages
@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
+
+from ._scalars import device_scalar
 
 __all__ = [
     "ArgumentTypeError",
@@ -286,7 +288,8 @@ def tau_tensor(tau: Any, batch: torch.Size, like: Tensor, name: str = "tau") -> 
         isinstance(tau, Tensor) and not (tau.is_floating_point() or tau.dtype in (torch.int32, torch.int64))
     ):
         raise _tau_type_error(tau, name, tensors=True)
-    t = torch.as_tensor(tau, dtype=like.dtype, device=like.device)
+    # (a number filled in on the device: torch.as_tensor(number, device=...) is a sync on CUDA)
+    t = device_scalar(tau, like) if isinstance(tau, numbers.Real) else tau.to(dtype=like.dtype, device=like.device)
     if t.ndim > 0 and t.shape != batch:
         raise ValueError(f"{name} must be a number or a tensor of the batch shape {tuple(batch)}, got shape "
                          f"{tuple(t.shape)}")

@@ -64,6 +64,27 @@ def test_the_recorder_sees_what_syncs_on_cuda_and_nothing_else() -> None:
     assert all("test_host_syncs.py" in s.where for s in found)
 
 
+def test_the_recorder_sees_copies_of_host_data_to_the_device() -> None:
+    """``torch.tensor(3.14, device="cuda")`` waits for the stream (pytorch#190217); a fill does not.
+    On the CPU a ``device=`` argument is taken as the caller's device (a GPU's in a GPU run) unless
+    it is the literal ``"cpu"``."""
+    t = torch.tensor([0.0, 1.0, 2.0])
+    with record_host_syncs() as found:
+        torch.full((), 3.0, device=t.device)
+        t.new_full((), 3.0)
+        torch.tensor(3.0)  # (stays on the host: no device named)
+        torch.tensor([1, 2], device="cpu")
+        torch.as_tensor(t, device=t.device)  # (a tensor already: no host data)
+    assert found == []
+    with record_host_syncs() as found:
+        torch.tensor(3.0, device=t.device)
+        torch.as_tensor([1.0, 2.0], dtype=torch.float32, device=t.device)
+        t.new_tensor(2.0)
+    assert [s.op for s in found] == ["torch.tensor(host data, device=)", "torch.as_tensor(host data, device=)",
+                                     "Tensor.new_tensor(host data)"]
+    assert torch.tensor is not None and torch.tensor(1.0).item() == 1.0  # the factories are restored
+
+
 @pytest.mark.parametrize(("router", "kw"), SYNC_FREE_ROUTERS, ids=[r for r, _ in SYNC_FREE_ROUTERS])
 def test_an_unchecked_layer_with_capacity_makes_no_host_sync(router, kw, gather_path) -> None:
     torch.manual_seed(0)

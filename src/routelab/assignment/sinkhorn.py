@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from .._checks import check_positive_int, check_score_matrix
+from .._scalars import device_scalar
 from . import _compiled, _newton
 from ._feasibility import hall_violator
 from ._newton import newton_balance
@@ -525,8 +526,9 @@ def _target_columns(col_sum: float | Tensor | None, log_p: Tensor, n: int, k: in
         bad = f"col_sum must be a number or a [..., k] tensor, got {type(col_sum).__name__}"
         if isinstance(col_sum, (bool, str, bytes)):
             raise ValueError(bad)
-        try:
-            target = torch.as_tensor(col_sum, dtype=log_p.dtype, device=log_p.device)
+        try:  # (a number is filled in on the device: as_tensor would copy it from the host, a sync on CUDA)
+            target = device_scalar(col_sum, log_p) if isinstance(col_sum, numbers.Real) else \
+                torch.as_tensor(col_sum, dtype=log_p.dtype, device=log_p.device)
         except (TypeError, ValueError, RuntimeError):
             raise ValueError(bad) from None
         if target.ndim == 0:

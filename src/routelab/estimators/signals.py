@@ -18,11 +18,14 @@ and single-choice :class:`~routelab.routes.Routes`: one slot per token, ``[..., 
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor
 
 from .. import _autograd
 from .._checks import check_finite
+from .._scalars import device_scalar
 from ..routes import Routes
 
 __all__ = ["EMABaseline", "reinforce_objective", "gating_objective"]
@@ -114,8 +117,13 @@ def reinforce_objective(routes: Routes, loss: Tensor, baseline: Tensor | float =
     # In a floating dtype: an integer loss (a 0/1 reward) would truncate a baseline of 0.7 to 0.
     dtype = loss.dtype if loss.is_floating_point() else weight.dtype
     loss = loss.to(dtype)
-    b = torch.as_tensor(baseline, device=loss.device).to(dtype)
+    # A number is checked on the host and filled in on the device: no copy from the host (a sync on
+    # CUDA) and no device check; a tensor or an array is converted and checked (one sync).
+    number = isinstance(baseline, numbers.Real)
+    b = torch.tensor(baseline, dtype=dtype) if number else torch.as_tensor(baseline, device=loss.device).to(dtype)
     check_finite(b, "baseline values", "pass a finite baseline (a number, or a tensor without NaN/inf)")
+    if number:
+        b = device_scalar(b.item(), loss, dtype)
     if 0 < b.ndim < loss.ndim:
         if b.shape != loss.shape[:-1]:
             raise ValueError(

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .._checks import check_capacity, check_positive_int, floating_input, token_mask
+from .._scalars import device_scalar
 from ..layers.config import MoEConfig
 from ..layers.experts import StackedExperts
 from ..layers.moe import MoE
@@ -545,7 +546,7 @@ class ExpertParallelMoE(MoE):
         local_routes = Routes(
             expert=routes.expert[lo:lo + n], gate=routes.gate[lo:lo + n], keep=routes.keep[lo:lo + n],
             weight=routes.weight[lo:lo + n], log_prob=routes.log_prob[lo:lo + n], aux=routes.aux,
-            stats={**routes.stats, "global_tokens": torch.tensor(N, device=routes.expert.device)},
+            stats={**routes.stats, "global_tokens": device_scalar(N, routes.expert, torch.long)},
         )
         C = plan.capacity
         if C == 0:  # no real token on any rank: a zero output that stays in the graph, as MoE's does

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._scalars import device_scalar
 from .capacity import CapacityDecision
 
 __all__ = ["load_stats"]
@@ -38,7 +39,7 @@ def load_stats(proposed: Tensor, decision: CapacityDecision, capacity: int | Ten
         "load_cv": kept.new_zeros(()) if single else kept.std(unbiased=False) / kept.mean().clamp(min=1e-12),
         "dropped_fraction": (proposed_pairs - keep.sum()) / proposed_pairs.clamp(min=1),
         "tokens_dropped": _tokens_without_expert(keep, tokens) if n else kept.new_zeros(()),
-        "capacity": capacity if isinstance(capacity, Tensor) else torch.tensor(capacity, device=kept.device),
+        "capacity": capacity if isinstance(capacity, Tensor) else device_scalar(capacity, decision.kept),
     }
 
 
