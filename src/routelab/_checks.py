@@ -153,6 +153,15 @@ def positive_int_arg(text: str) -> int:
     return value
 
 
+def seed_arg(text: str) -> int:
+    """An argparse ``type``: a seed as :func:`check_seed` takes it, an integer in ``[0, 2**64)``
+    (else a usage error, status 2, before anything runs)."""
+    try:
+        return check_seed(int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a seed, an integer in [0, 2**64), got {text!r}") from None
+
+
 def device_arg(text: str) -> str:
     """An argparse ``type``: ``cpu``, ``cuda`` or ``cuda:N``."""
     if not is_device_name(text):

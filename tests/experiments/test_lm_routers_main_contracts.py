@@ -5,7 +5,8 @@ the other tests let through).
 * With no form flag the run is the full form; ``--quick`` and ``--large`` are exclusive; ``--large``
   alone runs on the CPU (the device is its own option).
 * ``--out`` defaults to ``results/lm-routers`` (the directory ``routelab reproduce lm-routers`` writes).
-* ``--seeds`` takes any int, seed 0 included, and at least one; ``--steps 0`` is refused by the option.
+* ``--seeds`` takes seeds as ``check_seed`` does (integers in [0, 2**64), seed 0 included), at least one;
+  ``--steps 0`` is refused by the option.
 
 Independent truths: the module docstring and option help, and the forms QUICK / LARGE / FULL themselves.
 """
@@ -80,3 +81,16 @@ def test_steps_below_one_is_refused_by_the_option_itself(seen, tmp_path, capsys)
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "argument --steps: expected a positive integer" in err
     assert seen == []
+
+
+@pytest.mark.parametrize("seed", ["-3", str(2**64), "1.5"])
+def test_a_seed_outside_check_seeds_range_is_a_usage_error(seed, seen, tmp_path, capsys):
+    """A seed ``torch.Generator.manual_seed`` would wrap (a negative one) or refuse is refused by the
+    option (status 2, naming the range) before anything runs, and by the settings' own check."""
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--quick", "--seeds", seed, "--out", str(tmp_path)])
+    assert stop.value.code == 2 and seen == []
+    assert "[0, 2**64)" in capsys.readouterr().err
+    if seed != "1.5":
+        with pytest.raises(ValueError, match=r"seeds must be an integer in \[0, 2\*\*64\)"):
+            lm.QUICK.with_(seeds=(int(seed),)).validate()

@@ -273,3 +273,16 @@ def test_the_report_states_its_numbers_from_the_records(tmp_path) -> None:
     assert len(table5) == 1
     assert "per-seed MAE-7 - NOBCD: -0.40, -0.50, -0.60" in table5[0].measured
     assert table5[0].verdict.startswith("holds")
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64])
+def test_a_seed_outside_check_seeds_range_is_refused(seed, tmp_path, capsys) -> None:
+    """Seeds as ``check_seed`` takes them, in the settings and on the command line (status 2)."""
+    from routelab.experiments.mae_translation import __main__ as cli
+
+    with pytest.raises(ValueError, match=r"Settings.seeds must be an integer in \[0, 2\*\*64\)"):
+        mt.check_settings_can_run(mt.QUICK.with_(seeds=(seed,), device="cpu"))
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--quick", "--device", "cpu", "--seeds", str(seed), "--out", str(tmp_path)])
+    assert stop.value.code == 2 and "[0, 2**64)" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())

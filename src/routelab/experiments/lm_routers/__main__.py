@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..._checks import positive_int_arg
+from ..._checks import positive_int_arg, seed_arg
 from ..kit.cli_options import given_options
 from ..kit.lock import run_locked
 from . import FULL, LARGE, QUICK, ROUTER_SPECS, run_sweep
@@ -27,7 +27,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     form.add_argument("--large", action="store_true", help="the larger form meant for a GPU (see LARGE)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--out", type=Path, default=Path("results/lm-routers"))
-    p.add_argument("--seeds", type=int, nargs="+", help="seeds (default: the form's)")
+    p.add_argument("--seeds", type=seed_arg, nargs="+", help="seeds (default: the form's)")
     p.add_argument("--steps", type=positive_int_arg, help="training steps (default: the form's)")
     p.add_argument("--routers", nargs="+", choices=[s.name for s in ROUTER_SPECS], metavar="ROUTER",
                    help=f"routers (default: all; of {', '.join(s.name for s in ROUTER_SPECS)})")

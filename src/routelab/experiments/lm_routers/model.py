@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..._checks import check_seed
 from ...routing import aux_loss, routing_stats
 from ..kit.divergence import check_finite, diverged_on_error
 from ..kit.router_sweep import check_distinct
@@ -165,6 +166,8 @@ class Settings:
             raise ValueError("seeds must name at least one seed")
         check_distinct("routers", self.routers)
         check_distinct("seeds", self.seeds)
+        for seed in self.seeds:
+            check_seed(seed, "seeds")
         for name in ("steps", "batch", "seq", "d_model", "layers", "heads", "experts", "unit_hidden", "eval_every",
                      "eval_windows", "eval_batch", "test_windows", "threads"):
             value = getattr(self, name)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from routelab._checks import is_device_name
+from routelab._checks import check_seed, is_device_name
 from routelab.data.parallel_text import load_parallel_text, pairs_fingerprint
 from routelab.layers.bcd import EVAL_ROUTING, BCDTrainer
 from routelab.layers.mae import set_routing
@@ -190,6 +190,8 @@ def check_settings_can_run(s: Settings) -> None:
         raise ValueError("Settings.seeds must name at least one seed")
     check_distinct("Settings.variants", s.variants)
     check_distinct("Settings.seeds", s.seeds)
+    for seed in s.seeds:
+        check_seed(seed, "Settings.seeds")
     if not is_device_name(s.device):
         raise ValueError(f"Settings.device must be 'cpu', 'cuda' or 'cuda:N', got {s.device!r}")
     if s.device.startswith("cuda") and not torch.cuda.is_available():

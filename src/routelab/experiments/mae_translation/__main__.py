@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..._checks import device_arg
+from ..._checks import device_arg, seed_arg
 from ..kit.cli_options import given_options
 from ..kit.lock import run_locked
 from ..mae.train import VARIANTS
@@ -29,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", default=None, type=device_arg,
                    help="cpu or cuda (default: cuda for the GPU size, else cpu)")
     p.add_argument("--out", type=Path, default=Path("results/mae-translation"))
-    p.add_argument("--seeds", type=int, nargs="+", help="seeds (default: the form's)")
+    p.add_argument("--seeds", type=seed_arg, nargs="+", help="seeds (default: the form's)")
     p.add_argument("--variants", nargs="+", choices=[v.name for v in VARIANTS], metavar="VARIANT",
                    help=f"variants (default: all five: {', '.join(v.name for v in VARIANTS)})")
     p.add_argument("--data-dir", help="cache directory of the parallel text (default: ~/.cache/routelab)")
