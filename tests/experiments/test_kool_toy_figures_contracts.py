@@ -184,6 +184,20 @@ def test_curves_fraction_of_runs_strictly_below_threshold(rec: _Calls, tmp_path:
     assert ax0.get_legend() is not None and ax1.get_legend() is None
 
 
+def test_curves_of_different_lengths_pool_where_they_meet(rec: _Calls, tmp_path: Path) -> None:
+    """Runs of different lengths or evaluation intervals (a resumed sweep with more steps, another
+    eval_every): the fraction at each step is over the runs that recorded it (it raised IndexError, or
+    read the first run's steps off every other run's positions)."""
+    records = [
+        _r("reinforce", "sample", 0.1, 0.0, mse_curve=[(0, 0.5), (20, 0.01)]),
+        _r("reinforce", "sample", 1.0, 0.0, mse_curve=[(0, 0.01), (10, 0.01), (20, 0.03), (30, 0.001)]),
+    ]
+    F.plot_curves(tmp_path / "c.png", records, [("reinforce", "R")])
+    ((steps, frac), _), = rec.of("plot", rec.fig.axes[0])
+    _close(steps, [0, 10, 20, 30])
+    _close(frac, [0.5, 1.0, 0.5, 1.0])
+
+
 def test_marginals_error_bars(rec: _Calls, tmp_path: Path) -> None:
     """Marginals figure: max |diff| with its own standard error; mean |diff| with error bar
     ``mean_se / sqrt(n * matrices)``; the unbalanced mean and the noise floor as plain lines, against n."""

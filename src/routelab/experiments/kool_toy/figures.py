@@ -143,7 +143,10 @@ def plot_importance_weights(path, records: Sequence[Mapping], config: str = "rei
 
 
 def plot_curves(path, records: Sequence[Mapping], configs: Sequence[tuple[str, str]]) -> None:
-    """Fraction of runs with MSE < 0.02 during training, per method (all temperatures pooled)."""
+    """Fraction of runs with MSE < 0.02 during training, per method (all temperatures pooled).
+
+    Each run's ``mse_curve`` is ``[(step, mse), ...]``; the fraction at a step is over the runs that
+    recorded that step (runs of different lengths or evaluation intervals pool where they meet)."""
     fig, axes = _figure(1, len(configs), size=(4.6, 3.4))
     for ax, (config, title) in zip(axes[0], configs):
         for m in METHODS:
@@ -151,8 +154,12 @@ def plot_curves(path, records: Sequence[Mapping], configs: Sequence[tuple[str, s
                       if r["config"] == config and r["method"] == m and r.get("mse_curve")]
             if not curves:
                 continue
-            steps = [s for s, _ in curves[0]]
-            frac = [np.mean([c[i][1] < SUCCESS_MSE for c in curves]) for i in range(len(steps))]
+            at_step: dict[int, list[bool]] = {}
+            for curve in curves:
+                for step, mse in curve:
+                    at_step.setdefault(step, []).append(mse < SUCCESS_MSE)
+            steps = sorted(at_step)
+            frac = [np.mean(at_step[step]) for step in steps]
             color, ls, marker = _STYLE[m]
             ax.plot(steps, frac, color=color, ls=ls, marker=marker, ms=3, label=METHOD_LABELS[m])
         ax.set_ylim(-0.02, 1.02)
