@@ -14,6 +14,7 @@ from ..routers import Router, router_options
 from ..routers.base import check_capacity_for
 from ..routes import Routes
 from ..routing import DispatchPlan, GroupedPlan, apply_capacity, expert_capacity, load_stats
+from ..routing.dropless import decide_and_plan_dropless
 from ..routing.masks import real_tokens, scatter_routes
 from ..routing.record import RoutingRecord
 from .config import MoEConfig, _groups
@@ -430,13 +431,21 @@ class MoE(RoutingRecord, nn.Module):
         # they are sized C = tokens, so a router that names an expert twice for a token must not
         # place more than that. (``capacity``, the token count, is also what the router was told.)
         limit = proposed.expert.numel() if self.active_capacity_factor is None and grouped else capacity
-        with self._replay.draw(self.generator if random else None):
-            decision = apply_capacity(proposed.expert, proposed.keep, limit, E, policy=self.drop_policy,
-                                      score=proposed.gate, generator=self.generator, check=self.router.check_finite)
+        if limit >= proposed.expert.numel() and grouped and self.drop_policy != "score":
+            # Nothing can drop: the decision and the plan from one sort (the same as below, in
+            # half the operations; "random" draws nothing at this limit).
+            decision, plan = decide_and_plan_dropless(proposed.expert, proposed.keep, E,
+                                                      check=self.router.check_finite)
+        else:
+            with self._replay.draw(self.generator if random else None):
+                decision = apply_capacity(proposed.expert, proposed.keep, limit, E, policy=self.drop_policy,
+                                          score=proposed.gate, generator=self.generator,
+                                          check=self.router.check_finite)
+            plan = GroupedPlan.build(proposed.expert, decision.keep, decision.position, decision.kept, E) \
+                if grouped else None
         keep = decision.keep
         weight = proposed.weight * decision.skip_weight.to(proposed.weight.dtype)
         if grouped:
-            plan = GroupedPlan.build(proposed.expert, keep, decision.position, decision.kept, E)
             # Dropless: the capacity statistic is the largest load, kept on the device (no sync).
             stat_capacity = decision.kept.max() if self.active_capacity_factor is None else capacity
             stats = {**proposed.stats, **load_stats(proposed.keep, decision, stat_capacity)}

@@ -169,6 +169,38 @@ class CapacityDecision:
     skip_weight: Tensor
 
 
+def checked_pairs(expert: Tensor, candidate: Tensor, num_experts: int, *, check: bool = True,
+                  score: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``(expert, candidate)`` of :func:`apply_capacity` checked (and ``expert`` read as long).
+
+    The types, dtypes and shapes always (TypeError/ValueError naming the argument, as
+    :func:`apply_capacity` documents); with ``check``, also the values in one host sync (skipped
+    while ``torch.compile`` traces): every expert in ``[0, num_experts)``, and no NaN in ``score``
+    (the priorities of ``policy="score"``, given only for that policy).
+    """
+    check_positive_int("num_experts", num_experts)
+    expert = index_tensor(expert, "expert")
+    candidate = mask_tensor(candidate, "candidate", expert.shape)
+    if score is not None:
+        if not isinstance(score, Tensor):
+            raise TypeError(f"score must be a tensor [tokens, slots], got {type(score).__name__}")
+        if score.shape != expert.shape or score.is_complex():
+            raise ValueError(f"score must be a real tensor of the shape of expert [tokens, slots] = "
+                             f"{tuple(expert.shape)}, got {score.dtype} of shape {tuple(score.shape)}")
+    if check and expert.numel() and checks_run():
+        # One host sync for every value check: min and max of expert, and whether a score is NaN.
+        flags = [expert.amin(), expert.amax()]
+        if score is not None and score.is_floating_point():
+            flags.append(torch.isnan(score).any().long())
+        lo, hi, *nan = torch.stack(flags).tolist()
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"expert must hold expert indices in [0, num_experts={num_experts}), got values "
+                             f"from {lo} to {hi}")
+        if nan and nan[0]:
+            raise ValueError("score contains NaN; NaN priorities cannot be ranked (fix the router's gates)")
+    return expert, candidate
+
+
 def apply_capacity(
     expert: Tensor,
     candidate: Tensor,
@@ -214,28 +246,10 @@ def apply_capacity(
     if capacity is None:
         raise ValueError("capacity must be a non-negative integer, got None; pass the number of tokens for no limit")
     check_generator(generator)
-    check_positive_int("num_experts", num_experts)
-    expert = index_tensor(expert, "expert")
-    candidate = mask_tensor(candidate, "candidate", expert.shape)
-    if policy == "score":
-        if score is None:
-            raise ValueError("policy='score' needs score= [tokens, slots] priorities")
-        if not isinstance(score, Tensor):
-            raise TypeError(f"score must be a tensor [tokens, slots], got {type(score).__name__}")
-        if score.shape != expert.shape or score.is_complex():
-            raise ValueError(f"score must be a real tensor of the shape of expert [tokens, slots] = "
-                             f"{tuple(expert.shape)}, got {score.dtype} of shape {tuple(score.shape)}")
-    if check and expert.numel() and checks_run():
-        # One host sync for every value check: min and max of expert, and whether a score is NaN.
-        flags = [expert.amin(), expert.amax()]
-        if policy == "score" and score.is_floating_point():
-            flags.append(torch.isnan(score).any().long())
-        lo, hi, *nan = torch.stack(flags).tolist()
-        if lo < 0 or hi >= num_experts:
-            raise ValueError(f"expert must hold expert indices in [0, num_experts={num_experts}), got values "
-                             f"from {lo} to {hi}")
-        if nan and nan[0]:
-            raise ValueError("score contains NaN; NaN priorities cannot be ranked (fix the router's gates)")
+    if policy == "score" and score is None:
+        raise ValueError("policy='score' needs score= [tokens, slots] priorities")
+    expert, candidate = checked_pairs(expert, candidate, num_experts, check=check,
+                                      score=score if policy == "score" else None)
     n, s = expert.shape
     device = expert.device
     # Slot-major flattening: all first choices come before all second choices.
