@@ -38,15 +38,16 @@ def rank_within_groups(group: Tensor, priority: Tensor | None, num_groups: int, 
         raise ValueError(f"num_groups must be an integer >= 1, got {num_groups!r}")
     group = group.long()
     if priority is None:
-        order = torch.argsort(group, stable=True)
+        sorted_group, order = torch.sort(group, stable=True)
     else:
-        order = torch.argsort(priority, descending=True, stable=True)
-        order = order[torch.argsort(group[order], stable=True)]
+        by_priority = torch.argsort(priority, descending=True, stable=True)
+        sorted_group, within = torch.sort(group[by_priority], stable=True)
+        order = by_priority[within]
     if counts is None:
         counts = torch.zeros(num_groups, dtype=torch.long, device=group.device)
         counts.scatter_add_(0, group, torch.ones_like(group))
     start = torch.cumsum(counts, 0) - counts
-    rank_sorted = torch.arange(group.numel(), device=group.device) - start[group[order]]
+    rank_sorted = torch.arange(group.numel(), device=group.device) - start[sorted_group]
     return torch.empty_like(group).scatter_(0, order, rank_sorted)
 
 
