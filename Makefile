@@ -16,6 +16,8 @@
 #               packages (mae-translation there: --data-dir data-cache)
 #   make gpu-wheels  on a machine with network: download the wheels the GPU machine lacks
 #               (GPU_WHEEL_PKGS, for Python GPU_PY) into wheels/, which `make test-gpu` installs
+#   make ab-base [AB_REF=2120db2]  routelab's src at AB_REF into .ab-base/ (ignored), for the GPU
+#               checks' A/B profile of the layer's host time against that commit (carry .ab-base)
 #   make clean  remove the venv, build outputs and results
 #
 # torch is pinned here, not in pyproject.toml: `torch==2.13.0` resolves to the
@@ -33,7 +35,7 @@ OUT ?= results
 # Experiments run side by side, one per core (most train on one torch thread).
 JOBS ?= $(shell nproc 2>/dev/null || echo 1)
 
-.PHONY: all venv data run test test-gpu gpu-data gpu-wheels fuzz bench clean
+.PHONY: all venv data run test test-gpu gpu-data gpu-wheels ab-base fuzz bench clean
 
 all: run
 
@@ -129,6 +131,11 @@ test-gpu:
 # `python -m routelab.experiments.mae_translation --device cuda --data-dir data-cache` there.
 gpu-data: $(DATA_STAMP)
 	$(BIN)/python -c "from routelab.data import load_parallel_text; 		print(len(load_parallel_text('data-cache')), 'verse pairs cached in data-cache/')"
+
+# The commit before the d_model 1024 layer became host-bound on the H200 (2.0-2.4M tok/s there on 2026-11-26).
+AB_REF ?= 2120db2
+ab-base:
+	rm -rf .ab-base && mkdir .ab-base && git archive $(AB_REF) src | tar -x -C .ab-base && echo $(AB_REF) > .ab-base/REF
 
 # Run where there is network, with GPU_PY the GPU machine's Python (major.minor); copy wheels/ over.
 # Dependencies come along (those the GPU machine has already are not reinstalled: pip resolves

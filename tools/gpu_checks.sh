@@ -10,7 +10,7 @@
 # Writes to $OUT (or ./gpu-checks when OUT is unset): log.txt, suite.log, prof-d1024-ab.txt,
 # bench-bf16-d1024.md, bench-bf16-d4096-e64-k2.md, bench-assignment.md, bench-fp32-d2048.md,
 # bench-compiled-bf16-d1024.md (reduce-overhead), probe.txt, prof-d4096.txt; lm.tgz replaces the
-# probe's file when data-cache/ is there. One call's budget reaches about the first five steps; a
+# probe's file when data-cache/ is there. With .ab-base/ (make ab-base; carry it) step 2 also profiles that commit. One call's budget reaches about the first five steps; a
 # second call goes on with FIRST. Each step gets the time left before the deadline (a step that
 # would start with under 30 s left is skipped and said so), so the most important results come back
 # even when the budget is short.
@@ -44,10 +44,13 @@ on the CPU with torch 2.11 + transformers 5.17)" 330 \
 [ -f "$out/suite.log" ] && grep -E "FAILED|ERROR|Timeout|passed|failed" "$out/suite.log" | grep -v " PASSED" | tail -30 | tee -a "$L"
 step "host-bound A/B at d_model 1024, 8k tokens, top-1: the profile with and without the Triton gathers (the layer \
 ran 1.14-1.49M tok/s on 2026-11-27 against 2.0-2.4M on 2026-11-26; the CPU's host-time proxy found 11 % more host work since, \
-tools/layer_host_time.py)" 150 \
+tools/layer_host_time.py), and the commit of 2026-11-26 in the same call where make ab-base wrote .ab-base/ (carry it)" 200 \
   bash -c "python3 tools/gpu_layer_profile.py '$out/prof-d1024-ab.txt' --brief > /dev/null 2>>'$L'; \
 python3 tools/gpu_layer_profile.py '$out/prof-d1024-no-triton.txt' --brief --no-triton > /dev/null 2>>'$L'; \
-cat '$out/prof-d1024-no-triton.txt' >> '$out/prof-d1024-ab.txt'; rm -f '$out/prof-d1024-no-triton.txt'"
+cat '$out/prof-d1024-no-triton.txt' >> '$out/prof-d1024-ab.txt'; rm -f '$out/prof-d1024-no-triton.txt'; \
+if [ -d .ab-base/src ]; then PYTHONPATH=\$PWD/.ab-base/src python3 tools/gpu_layer_profile.py '$out/prof-d1024-base.txt' --brief \
+> /dev/null 2>>'$L' && { echo \"== base: \$(cat .ab-base/REF)\"; cat '$out/prof-d1024-base.txt'; } >> '$out/prof-d1024-ab.txt'; \
+rm -f '$out/prof-d1024-base.txt'; fi"
 step "bench moe bf16 d_model 1024, 8k tokens, E in {8, 64}, top-1/top-2 (2026-11-27: 1.14M tok/s at E = 8, top-1, event-timed \
 non-expert share 74-86 %; before the host-time cut of routelab._autograd)" 150 \
   bash -c "python3 -m routelab bench moe --device cuda --dtype bfloat16 --d-model 1024 > '$out/bench-bf16-d1024.md' 2>>'$L'"
