@@ -12,32 +12,13 @@ import math
 
 import pytest
 import torch
+from test_dselect_entropy_and_init import _selector
+from test_dselect_entropy_and_init import _smooth_step as _s
 
 from routelab.gates import DSelectK, dselect_weights, smooth_step
 from routelab.gates.dselect import ENTROPY_EPS, UNUSED_FLOOR
 
 torch.set_num_threads(1)
-
-
-def _s(t: float, gamma: float) -> float:
-    """The smooth-step of eq. 3, written out."""
-    if t <= -gamma / 2:
-        return 0.0
-    if t >= gamma / 2:
-        return 1.0
-    return -2 / gamma**3 * t**3 + 3 / (2 * gamma) * t + 0.5
-
-
-def _selector(z: list[float], gamma: float) -> list[float]:
-    """r(S(z)) over all 2^m codes (eq. 4; bit j of code e is z_(j+1), the paper's z_m ... z_1)."""
-    out = []
-    for e in range(2 ** len(z)):
-        p = 1.0
-        for j, zj in enumerate(z):
-            s = _s(zj, gamma)
-            p *= s if (e >> j) & 1 else 1.0 - s
-        out.append(p)
-    return out
 
 
 # ---------------------------------------------------------------------------- penalty dtype

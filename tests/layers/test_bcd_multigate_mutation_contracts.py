@@ -10,34 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_bcd_step_schedule import L, Tiny, V, loss_fn
 from torch import nn
 
 from routelab.gates import SoftmaxGate, TopKGate
-from routelab.layers import MixtureOfAttentiveExperts, MultiGateMoE
+from routelab.layers import MultiGateMoE
 from routelab.layers.bcd import BCDTrainer, gate_parameter_names
 
 torch.set_num_threads(1)
 
-D, H, V, L = 8, 4, 7, 5
-
-
-class Tiny(nn.Module):
-    """Embedding -> MAE self-attention -> linear head over V classes per position."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(V, D)
-        self.att = MixtureOfAttentiveExperts(D, H, batch_first=True)
-        self.head = nn.Linear(D, V)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        e = self.emb(x)
-        return self.head(self.att(e, e, e)[0] + e)
-
-
-def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return nn.functional.cross_entropy(model(x).reshape(-1, V), y.reshape(-1))
 
 
 def _batch(seed: int, n: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
