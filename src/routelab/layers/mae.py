@@ -374,6 +374,8 @@ class MixtureOfAttentiveExperts(nn.Module):
         routing = self.routing
         if routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}.")
+        if self.sample_per not in SAMPLE_PER:  # (an attribute: it may have been set since construction)
+            raise ValueError(f"sample_per must be one of {SAMPLE_PER}, got {self.sample_per!r}.")
         lead = tuple(summary.shape[:-1])
         n = self.num_experts
         if routing == "uniform":
