@@ -5,8 +5,9 @@ and the two general steps compute the same thing twice: :func:`~routelab.routing
 ranks the pairs of every expert in (slot, token) order with one stable sort of their expert ids,
 and :meth:`GroupedPlan.build <routelab.routing.GroupedPlan.build>` then places each kept pair at
 ``starts[e] + rank``, which is its index in that same sort. :func:`decide_and_plan_dropless`
-reads both from the sort itself: 25 operations where the two steps take 49 (a GPU layer at
-d_model 1024 is bound by the host's launches, docs/gpu-profile-h200.md). Its decision and plan
+reads both from the sort itself: 20 operators where the two steps take 37 at one slot, 25 against
+45 at two (views excluded; a GPU layer at d_model 1024 is bound by the host's launches,
+docs/gpu-profile-h200.md). Its decision and plan
 equal theirs field for field (``tests/routing/test_dropless.py``), except where the value of a
 non-candidate pair is documented as arbitrary: its ``position`` (in range) and which of the last
 rows, the rows of no expert, it takes.
