@@ -50,7 +50,10 @@ def _split_bfloat16(g: Tensor) -> Tensor:
 
     The split is exact to about 2^-17 relatively where ``|g| >= 2^-110`` (about 8e-34). Below, ``lo``
     is a bfloat16 subnormal: the error is at most 2^-134 absolutely (the float32 path's own
-    float32 gradient is subnormal below 2^-126)."""
+    float32 gradient is subnormal below 2^-126). A product of a part with the weight below
+    float32's smallest normal (2^-126) may be flushed to zero by the matmul, as the float32 path's
+    own products may: at most 2^-126 per product (a gradient of ~1e-35 came out one bfloat16 ulp
+    off)."""
     top = torch.finfo(torch.bfloat16).max
     hi = torch.where(g.isinf(), g, g.clamp(-top, top)).to(torch.bfloat16)
     lo = (g - hi.float()).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).to(torch.bfloat16)
@@ -71,8 +74,9 @@ class _Float32Linear(torch.autograd.Function):
     cannot hold the parts) and a backward that builds a graph (double backward; ``torch.func.grad``
     and ``jacrev``, whose forward may take the kernels) take the float32 path.
 
-    Written with ``setup_context`` and a generated vmap rule, so ``torch.func`` transforms
-    (``grad``, ``vmap``, ``jacrev``) work through it as through ``F.linear``.
+    Written with ``setup_context``, a generated vmap rule and a ``jvp``, so ``torch.func``
+    transforms (``grad``, ``vmap``, ``jacrev``, ``jvp``, ``jacfwd``) work through it as through
+    ``F.linear``.
     """
 
     generate_vmap_rule = True
@@ -88,7 +92,18 @@ class _Float32Linear(torch.autograd.Function):
     def setup_context(ctx, inputs: tuple[Tensor, Tensor, Tensor | None], output: Tensor) -> None:
         x, weight, bias = inputs
         ctx.save_for_backward(x, weight)
+        ctx.save_for_forward(x, weight)
         ctx.bias_dtype = None if bias is None else bias.dtype
+
+    @staticmethod
+    def jvp(ctx, x_t: Tensor | None, weight_t: Tensor | None, bias_t: Tensor | None) -> Tensor | None:
+        """Forward mode: the float32 tangent ``x_t W^T + x W_t^T + b_t`` (bilinear, as F.linear's)."""
+        x, weight = ctx.saved_tensors
+        terms = [t for t in (None if x_t is None else F.linear(x_t.float(), weight.float()),
+                             None if weight_t is None else F.linear(x.float(), weight_t.float()),
+                             None if bias_t is None else bias_t.float().expand(*x.shape[:-1], weight.shape[0]))
+                 if t is not None]
+        return sum(terms[1:], terms[0]) if terms else None
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # type: ignore[override]

@@ -68,6 +68,13 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
         ctx.save_for_backward(inputs[2])
+        ctx.save_for_forward(inputs[1], inputs[2])
+
+    @staticmethod
+    def jvp(ctx, x_t: Tensor | None, *_: None) -> Tensor | None:
+        """Forward mode (``torch.func.jvp``, ``forward_ad``): dispatch is linear in ``x``."""
+        token_of_row, row_of_slot = ctx.saved_tensors
+        return None if x_t is None else _Dispatch.forward(x_t, token_of_row, row_of_slot)
 
     @staticmethod
     def backward(ctx, grad_rows: Tensor) -> tuple[Tensor, None, None]:
@@ -146,6 +153,19 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs: tuple[Tensor, Tensor, Tensor, Tensor], output: Tensor) -> None:
         ctx.save_for_backward(*inputs)
+        ctx.save_for_forward(*inputs)
+
+    @staticmethod
+    def jvp(ctx, rows_t: Tensor | None, weight_t: Tensor | None, *_: None) -> Tensor | None:
+        """Forward mode: combine is bilinear in ``(rows, weight)``, so its tangent is
+        ``combine(rows_t, weight) + combine(rows, weight_t)``."""
+        rows, weight, row_of_slot, token_of_row = ctx.saved_tensors
+        terms = []
+        if rows_t is not None:
+            terms.append(_Combine.forward(rows_t, weight, row_of_slot, token_of_row))
+        if weight_t is not None:
+            terms.append(_Combine.forward(rows, weight_t, row_of_slot, token_of_row))
+        return None if not terms else terms[0] if len(terms) == 1 else terms[0] + terms[1]
 
     @staticmethod
     def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
