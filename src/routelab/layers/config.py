@@ -7,10 +7,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .._checks import check_capacity_factor, check_flag, check_positive_int
+from .._checks import ArgumentTypeError, check_capacity_factor, check_flag, check_positive_int
 from ..routers import Router, check_router_arguments, make_router
 from ..routing import DROP_POLICIES
 from .experts import resolve_activation
@@ -123,8 +124,10 @@ class MoEConfig:
             check_capacity_factor(self.eval_capacity_factor)
         except ValueError as err:
             raise ValueError(str(err).replace("capacity_factor", "eval_capacity_factor", 1)) from None
-        if self.check_finite is not None and not isinstance(self.check_finite, bool):
-            raise ValueError(f"check_finite must be True, False or None, got {self.check_finite!r}")
+        if self.check_finite is not None:  # a Python or NumPy bool, as every flag (check_flag)
+            if not isinstance(self.check_finite, (bool, np.bool_)):
+                raise ArgumentTypeError(f"check_finite must be True, False or None, got {self.check_finite!r}")
+            object.__setattr__(self, "check_finite", bool(self.check_finite))
         if self.dispatch not in DISPATCH_MODES:
             raise ValueError(f"dispatch must be one of {', '.join(DISPATCH_MODES)}, got {self.dispatch!r}")
         if self.dispatch == "grouped" and self.experts is not None and not _groups(self.experts):

@@ -249,7 +249,10 @@ class StackedExperts(nn.Module):
         return y if y.dtype == rows.dtype else y.to(rows.dtype)
 
     def expert(self, e: int, x: Tensor) -> Tensor:
-        """Expert ``e`` alone on ``x [tokens, d_model]`` (for references and tests)."""
+        """Expert ``e`` alone on ``x [tokens, d_model]`` (for references and tests): computed in the
+        parameters' dtype and returned in ``x``'s, as :meth:`forward`."""
+        dtype = x.dtype if isinstance(x, Tensor) else None
+        x = floating_input(x, "x", self.w1.dtype)
         h = x @ self.w1[e]
         if self.b1 is not None:
             h = h + self.b1[e, 0]
@@ -259,7 +262,7 @@ class StackedExperts(nn.Module):
         y = h @ self.w2[e]
         if self.b2 is not None:
             y = y + self.b2[e, 0]
-        return y
+        return y if y.dtype == dtype else y.to(dtype)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, d_model={self.d_model}, d_hidden={self.d_hidden}, "
