@@ -40,7 +40,9 @@ def test_the_report_splits_experts_from_the_rest(args: list[str], capsys: pytest
     assert set(units) == {"total", "experts", "rest"}
     assert units["experts"] > 0 and units["rest"] > 0
     assert units["total"] == pytest.approx(units["experts"] + units["rest"], abs=0.2)
-    assert "aten::" in out.split("largest first")[1]
+    # (operators by name: ATen's, and where Triton is installed the fused gathers, which on the small
+    # dropless layer can fill the top rows)
+    assert re.search(r"(aten|triton)::\w+", out.split("largest first")[1])
 
 
 def test_it_leaves_the_gathers_and_the_half_kernels_as_it_found_them(monkeypatch: pytest.MonkeyPatch) -> None:

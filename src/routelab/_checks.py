@@ -1,4 +1,4 @@
-"""Every argument check of routelab, once (layer 0: imports nothing but torch and :mod:`._scalars`).
+"""Every argument check of routelab, once (layer 0: imports nothing but torch).
 
 Bad input fails early with a ``ValueError`` (``TypeError`` for a wrong type) whose message names
 the argument and says how to fix it. Each rule below has exactly one home; the packages
@@ -10,7 +10,8 @@ re-export the ones that are part of their public API (``routelab.routing.expert_
 * the temperature contract: :func:`check_tau` (a number), :func:`tau_tensor` (a number or one
   temperature per batch instance, validated on the device in the caller's one host sync);
 * tensors: :func:`check_score_matrix`, :func:`check_finite`, :func:`floating_input`,
-  :func:`index_tensor`, :func:`mask_tensor`, :func:`checks_run`;
+  :func:`index_tensor`, :func:`mask_tensor`, :func:`checks_run`; a number argument on the device
+  without a copy from the host: :func:`device_scalar`;
 * token masks: :func:`token_mask` (``True`` = a real token, ``False`` = padding);
 * capacity: :func:`resolve_capacity` (tokens per expert of a balanced problem),
   :func:`balanced_quotas` (the floor/ceil quotas ``k * n / E`` of balanced routers),
@@ -31,8 +32,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ._scalars import device_scalar
-
 __all__ = [
     "ArgumentTypeError",
     "random_tensor",
@@ -50,6 +49,7 @@ __all__ = [
     "check_seed",
     "check_tau",
     "checks_run",
+    "device_scalar",
     "balanced_quotas",
     "token_mask",
     "expert_capacity",
@@ -381,6 +381,29 @@ def check_score_matrix(x: Tensor, name: str, *, allow_neg_inf: bool = True, valu
     check_score_maximum(float(x.detach().amax()), name)
     if not allow_neg_inf and float(x.detach().amin()) == float("-inf"):
         raise ValueError(f"{name} contains -inf, which is not allowed here; clamp it to a finite value")
+
+
+def device_scalar(value: numbers.Real, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """``value`` as a 0-dim tensor on ``like``'s device, in ``dtype`` (default ``like``'s), filled
+    there: ``torch.tensor(x, device="cuda")`` and ``torch.as_tensor(x, device="cuda")`` build the
+    tensor on the host and copy it with ``non_blocking=False``, so the host waits for everything
+    queued on the CUDA stream, a sync in the middle of a step (pytorch#190217; it cost the layer's
+    capacity statistic one per training step). The CPU test suite finds such copies
+    (``tests/host_syncs.py``).
+
+    A floating ``dtype`` takes the value as ``torch.as_tensor`` would: an integer beyond a
+    float64's range becomes ``+-inf``, a finite one beyond the dtype's range rounds to ``+-inf``."""
+    dtype = like.dtype if dtype is None else dtype
+    if dtype.is_floating_point:
+        try:
+            value = float(value)
+        except OverflowError:  # an integer beyond float64
+            value = math.inf if value > 0 else -math.inf
+        if math.isfinite(value) and abs(value) > torch.finfo(dtype).max:
+            # rounded as a conversion rounds it (to inf, or to the largest finite value within half
+            # a unit of it): new_full refuses a value it cannot represent
+            value = torch.tensor(value, dtype=torch.float64).to(dtype).item()
+    return like.new_full((), value, dtype=dtype)
 
 
 def check_finite(tensors: Tensor | Sequence[Tensor], what: str, fix: str) -> None:

@@ -9,8 +9,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .._checks import check_positive_int, check_score_matrix
-from .._scalars import device_scalar
+from .._checks import check_positive_int, check_score_matrix, device_scalar
 from . import _compiled, _newton
 from ._feasibility import hall_violator
 from ._newton import newton_balance

@@ -24,8 +24,7 @@ import torch
 from torch import Tensor
 
 from .. import _autograd
-from .._checks import check_finite
-from .._scalars import device_scalar
+from .._checks import check_finite, device_scalar
 from ..routes import Routes
 
 __all__ = ["EMABaseline", "reinforce_objective", "gating_objective"]

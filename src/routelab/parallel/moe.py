@@ -37,8 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .._checks import check_capacity, check_positive_int, floating_input, token_mask
-from .._scalars import device_scalar
+from .._checks import check_capacity, check_positive_int, device_scalar, floating_input, token_mask
 from ..layers.config import MoEConfig
 from ..layers.experts import StackedExperts
 from ..layers.moe import MoE

@@ -74,9 +74,9 @@ class _Float32Linear(torch.autograd.Function):
     cannot hold the parts) and a backward that builds a graph (double backward; ``torch.func.grad``
     and ``jacrev``, whose forward may take the kernels) take the float32 path.
 
-    Written with ``setup_context``, a generated vmap rule and a ``jvp``, so ``torch.func``
-    transforms (``grad``, ``vmap``, ``jacrev``, ``jvp``, ``jacfwd``) work through it as through
-    ``F.linear``.
+    Written with ``setup_context`` and a generated vmap rule (and, eagerly, a ``jvp``:
+    :class:`_Float32LinearForwardMode`), so ``torch.func`` transforms (``grad``, ``vmap``,
+    ``jacrev``, ``jvp``, ``jacfwd``) work through it as through ``F.linear``.
     """
 
     generate_vmap_rule = True
@@ -92,18 +92,7 @@ class _Float32Linear(torch.autograd.Function):
     def setup_context(ctx, inputs: tuple[Tensor, Tensor, Tensor | None], output: Tensor) -> None:
         x, weight, bias = inputs
         ctx.save_for_backward(x, weight)
-        ctx.save_for_forward(x, weight)
         ctx.bias_dtype = None if bias is None else bias.dtype
-
-    @staticmethod
-    def jvp(ctx, x_t: Tensor | None, weight_t: Tensor | None, bias_t: Tensor | None) -> Tensor | None:
-        """Forward mode: the float32 tangent ``x_t W^T + x W_t^T + b_t`` (bilinear, as F.linear's)."""
-        x, weight = ctx.saved_tensors
-        terms = [t for t in (None if x_t is None else F.linear(x_t.float(), weight.float()),
-                             None if weight_t is None else F.linear(x.float(), weight_t.float()),
-                             None if bias_t is None else bias_t.float().expand(*x.shape[:-1], weight.shape[0]))
-                 if t is not None]
-        return sum(terms[1:], terms[0]) if terms else None
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # type: ignore[override]
@@ -130,6 +119,26 @@ class _Float32Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
+class _Float32LinearForwardMode(_Float32Linear):
+    """:class:`_Float32Linear` with its ``jvp``, for eager calls (Dynamo cannot trace a Function
+    that defines one: traced calls take the class above)."""
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple[Tensor, Tensor, Tensor | None], output: Tensor) -> None:
+        _Float32Linear.setup_context(ctx, inputs, output)
+        ctx.save_for_forward(inputs[0], inputs[1])
+
+    @staticmethod
+    def jvp(ctx, x_t: Tensor | None, weight_t: Tensor | None, bias_t: Tensor | None) -> Tensor | None:
+        """The float32 tangent ``x_t W^T + x W_t^T + b_t`` (bilinear, as F.linear's)."""
+        x, weight = ctx.saved_tensors
+        terms = [t for t in (None if x_t is None else F.linear(x_t.float(), weight.float()),
+                             None if weight_t is None else F.linear(x.float(), weight_t.float()),
+                             None if bias_t is None else bias_t.float().expand(*x.shape[:-1], weight.shape[0]))
+                 if t is not None]
+        return sum(terms[1:], terms[0]) if terms else None
+
+
 def float32_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x @ weight.T + bias`` computed in float32, with autocast off.
 
@@ -148,4 +157,5 @@ def float32_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Ten
     with full_precision(x.device):
         if x.dtype == torch.float32 and weight.dtype == torch.float32:
             return F.linear(x, weight, None if bias is None else bias.float())
-        return _autograd.apply(_Float32Linear, x, weight, bias)
+        fn = _Float32Linear if torch.compiler.is_compiling() else _Float32LinearForwardMode
+        return _autograd.apply(fn, x, weight, bias)

@@ -68,13 +68,6 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
         ctx.save_for_backward(inputs[2])
-        ctx.save_for_forward(inputs[1], inputs[2])
-
-    @staticmethod
-    def jvp(ctx, x_t: Tensor | None, *_: None) -> Tensor | None:
-        """Forward mode (``torch.func.jvp``, ``forward_ad``): dispatch is linear in ``x``."""
-        token_of_row, row_of_slot = ctx.saved_tensors
-        return None if x_t is None else _Dispatch.forward(x_t, token_of_row, row_of_slot)
 
     @staticmethod
     def backward(ctx, grad_rows: Tensor) -> tuple[Tensor, None, None]:
@@ -153,19 +146,6 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs: tuple[Tensor, Tensor, Tensor, Tensor], output: Tensor) -> None:
         ctx.save_for_backward(*inputs)
-        ctx.save_for_forward(*inputs)
-
-    @staticmethod
-    def jvp(ctx, rows_t: Tensor | None, weight_t: Tensor | None, *_: None) -> Tensor | None:
-        """Forward mode: combine is bilinear in ``(rows, weight)``, so its tangent is
-        ``combine(rows_t, weight) + combine(rows, weight_t)``."""
-        rows, weight, row_of_slot, token_of_row = ctx.saved_tensors
-        terms = []
-        if rows_t is not None:
-            terms.append(_Combine.forward(rows_t, weight, row_of_slot, token_of_row))
-        if weight_t is not None:
-            terms.append(_Combine.forward(rows, weight_t, row_of_slot, token_of_row))
-        return None if not terms else terms[0] if len(terms) == 1 else terms[0] + terms[1]
 
     @staticmethod
     def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
@@ -196,6 +176,43 @@ class _Combine(torch.autograd.Function):
             # pair (uninitialised after a grouped matmul) give dots that no slot reads.
             grad_weight = _dots_by_slot(_row_dots(rows, grad_of_row), row_of_slot).to(weight.dtype)
         return grad_rows, grad_weight, None, None
+
+
+# Forward mode. Dynamo cannot trace an autograd.Function that defines ``jvp`` (a graph break, an error
+# under fullgraph=True), so the eager calls take these subclasses, which add it, and traced calls
+# the classes above (forward-mode AD through a compiled layer is not supported by torch either).
+
+
+class _DispatchForwardMode(_Dispatch):
+    @staticmethod
+    def setup_context(ctx, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
+        _Dispatch.setup_context(ctx, inputs, output)
+        ctx.save_for_forward(inputs[1], inputs[2])
+
+    @staticmethod
+    def jvp(ctx, x_t: Tensor | None, *_: None) -> Tensor | None:
+        """``torch.func.jvp``, ``forward_ad``: dispatch is linear in ``x``."""
+        token_of_row, row_of_slot = ctx.saved_tensors
+        return None if x_t is None else _Dispatch.forward(x_t, token_of_row, row_of_slot)
+
+
+class _CombineForwardMode(_Combine):
+    @staticmethod
+    def setup_context(ctx, inputs: tuple[Tensor, Tensor, Tensor, Tensor], output: Tensor) -> None:
+        _Combine.setup_context(ctx, inputs, output)
+        ctx.save_for_forward(*inputs)
+
+    @staticmethod
+    def jvp(ctx, rows_t: Tensor | None, weight_t: Tensor | None, *_: None) -> Tensor | None:
+        """Combine is bilinear in ``(rows, weight)``: its tangent is ``combine(rows_t, weight) +
+        combine(rows, weight_t)``."""
+        rows, weight, row_of_slot, token_of_row = ctx.saved_tensors
+        terms = []
+        if rows_t is not None:
+            terms.append(_Combine.forward(rows_t, weight, row_of_slot, token_of_row))
+        if weight_t is not None:
+            terms.append(_Combine.forward(rows, weight_t, row_of_slot, token_of_row))
+        return None if not terms else terms[0] if len(terms) == 1 else terms[0] + terms[1]
 
 
 def _dots_by_slot(dots: Tensor, row_of_slot: Tensor) -> Tensor:
@@ -233,7 +250,8 @@ def dispatch_rows(x: Tensor, token_of_row: Tensor, row_of_slot: Tensor, *, adjoi
         ``[R, d]``.
     """
     if adjoint if adjoint is not None else _adjoint_by_default(x):
-        return _autograd.apply(_Dispatch, x, token_of_row, row_of_slot)
+        fn = _Dispatch if torch.compiler.is_compiling() else _DispatchForwardMode
+        return _autograd.apply(fn, x, token_of_row, row_of_slot)
     return _with_zero_row(x).index_select(0, token_of_row)
 
 
@@ -253,5 +271,6 @@ def combine_rows(rows: Tensor, weight: Tensor, row_of_slot: Tensor, token_of_row
         float32 and rounded once, on both paths.
     """
     if adjoint if adjoint is not None else _adjoint_by_default(rows):
-        return _autograd.apply(_Combine, rows, weight, row_of_slot, token_of_row)
+        fn = _Combine if torch.compiler.is_compiling() else _CombineForwardMode
+        return _autograd.apply(fn, rows, weight, row_of_slot, token_of_row)
     return torch.bmm(weight.unsqueeze(1), _slot_rows(rows, row_of_slot)).squeeze(1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._scalars import device_scalar
+from .._checks import device_scalar
 from .capacity import CapacityDecision
 
 __all__ = ["load_stats"]

@@ -1,4 +1,4 @@
-"""routelab._scalars.device_scalar: a host number on the device by a fill, equal to torch.as_tensor's."""
+"""routelab._checks.device_scalar: a host number on the device by a fill, equal to torch.as_tensor's."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from host_syncs import record_host_syncs
-from routelab._scalars import device_scalar
+from routelab._checks import device_scalar
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64]
 
