@@ -1,4 +1,4 @@
-"""Contracts of routelab._float32_out, routelab._autograd and routelab.routing.dropless that the
+"""Contracts of routelab._float32_out and routelab._autograd that the
 other tests leave open (found by mutation testing).
 
 The CUDA branches of ``_float32_out`` are checked on this CPU through ``FakeTensorMode``: fake CUDA
