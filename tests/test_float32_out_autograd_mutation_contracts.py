@@ -17,6 +17,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from routelab import _autograd, _float32_out
+from test_autograd_apply import _Scaled
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -121,27 +122,6 @@ def test_cpu_stand_ins_keep_the_exact_products(dtype: torch.dtype) -> None:
 # --- _autograd.apply ----------------------------------------------------------------------------
 
 
-class _Scaled(torch.autograd.Function):
-    """``x * w * scale`` with a separate setup_context (the torch.func form)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x: Tensor, w: Tensor, scale: float) -> Tensor:  # type: ignore[override]
-        return x * w * scale
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        x, w, scale = inputs
-        ctx.save_for_backward(x, w)
-        ctx.scale = scale
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
-        x, w = ctx.saved_tensors
-        return grad * w * ctx.scale, grad * x * ctx.scale, None
-
-
 def test_apply_unwraps_tensors_escaped_from_a_finished_transform() -> None:
     """A tensor that escaped torch.func.grad (a dead wrapper) is unwrapped first, as Function.apply
     does: the same values, and no graph on a result whose inputs need no gradient."""
@@ -157,9 +137,8 @@ def test_apply_unwraps_tensors_escaped_from_a_finished_transform() -> None:
     assert got.grad_fn is None
 
 
-def test_apply_under_functorch_transforms_is_function_apply(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under a torch.func transform apply goes through Function.apply (the custom-function path the
-    transforms need): it is called, and gives its gradients."""
+def _count_function_apply(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one at every ``_Scaled.apply`` (Function.apply) call."""
     calls: list[int] = []
     real = _Scaled.apply.__func__
 
@@ -168,6 +147,13 @@ def test_apply_under_functorch_transforms_is_function_apply(monkeypatch: pytest.
         return real(cls, *args)
 
     monkeypatch.setattr(_Scaled, "apply", classmethod(counting))
+    return calls
+
+
+def test_apply_under_functorch_transforms_is_function_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a torch.func transform apply goes through Function.apply (the custom-function path the
+    transforms need): it is called, and gives its gradients."""
+    calls = _count_function_apply(monkeypatch)
     x, w = torch.randn(5), torch.randn(5)
     grad = torch.func.grad(lambda a: _autograd.apply(_Scaled, a, w, 3.0).sum())(x)
     assert calls and torch.equal(grad, w * 3.0)
@@ -179,14 +165,7 @@ def test_apply_under_functorch_transforms_is_function_apply(monkeypatch: pytest.
 def test_apply_while_compiling_is_function_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     """While torch.compile traces, apply calls Function.apply as it is (what Dynamo knows how to
     trace)."""
-    calls: list[int] = []
-    real = _Scaled.apply.__func__
-
-    def counting(cls, *args):
-        calls.append(1)
-        return real(cls, *args)
-
-    monkeypatch.setattr(_Scaled, "apply", classmethod(counting))
+    calls = _count_function_apply(monkeypatch)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     x, w = torch.randn(5), torch.randn(5)
     out = _autograd.apply(_Scaled, x, w, 3.0)

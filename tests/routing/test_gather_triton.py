@@ -11,8 +11,6 @@ even), so its bfloat16 results are compared within one bfloat16 ulp, the GPU's b
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from test_gather import _buffers_plan, _grouped_plan
@@ -20,24 +18,19 @@ from test_gather import _buffers_plan, _grouped_plan
 from routelab.layers import MoE
 from routelab.routing import _gather, _gather_triton
 from routelab.routing._gather import combine_rows, dispatch_rows
+from triton_devices import KERNEL_DEVICES, kernel_device
 
 pytest.importorskip("triton")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-KERNEL_DEVICES = ("cuda", "cpu") if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda",)
 
 
 @pytest.fixture
 def dev(monkeypatch: pytest.MonkeyPatch) -> str:
     """The device the kernels run on here: CUDA, else the CPU in Triton's interpreter."""
-    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        return "cuda"
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no CUDA device, and Triton's interpreter is off (TRITON_INTERPRET)")
-    monkeypatch.setattr(_gather_triton, "DEVICE_TYPES", KERNEL_DEVICES)
-    return "cpu"
+    return kernel_device(monkeypatch)
 
 
 def _assert_same(got: torch.Tensor, want: torch.Tensor) -> None:

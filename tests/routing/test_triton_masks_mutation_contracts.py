@@ -10,29 +10,19 @@ errors (naming the argument).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 import routelab.routing as R
 from routelab.routing import _gather_triton
 from routelab.routing.masks import real_tokens, scatter_routes
-
-KERNEL_DEVICES = ("cuda", "cpu") if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda",)
+from triton_devices import kernel_device
 
 
 @pytest.fixture
 def dev(monkeypatch: pytest.MonkeyPatch) -> str:
     """The device the kernels run on here: CUDA, else the CPU in Triton's interpreter."""
-    if _gather_triton.triton is None:
-        pytest.skip("Triton is not installed")
-    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        return "cuda"
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no CUDA device, and Triton's interpreter is off (TRITON_INTERPRET)")
-    monkeypatch.setattr(_gather_triton, "DEVICE_TYPES", KERNEL_DEVICES)
-    return "cpu"
+    return kernel_device(monkeypatch)
 
 
 def _slot_sum_reference(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
