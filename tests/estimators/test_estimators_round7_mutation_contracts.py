@@ -12,17 +12,9 @@ import math
 
 import pytest
 import torch
+from test_two_experts import _one_thread  # noqa: F401 (the autouse one-thread fixture)
 
 from routelab.estimators import EMABaseline, gating_objective, reinforce_objective, sample_routes
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 # ----------------------------------------------------------------------------- EMA baseline
 
