@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
@@ -133,8 +134,14 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, timeout: fl
                                 timeout=timedelta(seconds=timeout))
         try:
             out = fn(rank, world, *args)
-        finally:
-            dist.destroy_process_group()
+        except BaseException:  # noqa: BLE001 - reported to the parent
+            # Before the group is torn down: a peer waiting in a collective then fails with a lost
+            # connection, and the parent lists the errors as they arrive, the cause first.
+            results.put((rank, False, traceback.format_exc()))
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+            return
+        dist.destroy_process_group()
         # Plain pickle (by value): torch's shared-memory reductions would need this process alive.
         results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - reported to the parent
