@@ -107,7 +107,7 @@ GPU_PLATFORM ?= manylinux_2_28_x86_64
 PYTEST_ARGS ?=
 # pytest-xdist workers for make test-gpu where xdist is installed (the GPU image has it): the whole
 # suite took 212 s (233 s with the install) with 14 workers on the H200 machine (16 cores), 2026-11-26,
-# and 301 s on 2026-11-27; its three slowest tests compile with inductor (50-72 s each). Those runs left each worker torch's
+# 301 s on 2026-11-27, and past 330 s (4164 of 4170 tests) on 2026-11-28; its three slowest tests compile with inductor (50-72 s each). Those runs left each worker torch's
 # default of one intra-op thread per core (14 x 16 threads on 16 cores); each worker now gets
 # ceil(cores / workers) threads (OMP_NUM_THREADS, unless set), so that they share the cores.
 GPU_TEST_WORKERS ?= 14

@@ -13,7 +13,11 @@ block, and that block (`grouped_mm` experts). Per variant it prints
   (issue time close to the wall time: the step is bound by the host's kernel launches);
 * CUDA graph: the step replayed from a CUDA graph, i.e. the GPU's own time without launch
   overhead (the layer's default host checks cannot be captured: they synchronise);
-* (without --brief) torch.profiler's table of the kernels, sorted by device time.
+* the host's own time by operator: torch.profiler's table of the operators sorted by their self
+  CPU time (the 12 largest with --brief), to say which operations make a host-bound step slow;
+* (without --brief) torch.profiler's table of the kernels, sorted by device time;
+* a second pass over the variants in reverse order (eager and back-to-back again), so that a
+  difference between two variants that comes from the order they ran in shows as such.
 
 Run it with routelab importable (PYTHONPATH=src); run it again with another checkout's src on
 PYTHONPATH for an A/B comparison in the same session. On a machine without CUDA it runs tiny sizes
@@ -153,6 +157,8 @@ def profile(fn, label):
     kernel_us = sum(getattr(e, attr) for e in (kernels or ka)) / 3
     cpu_ops = sum(e.count for e in ka if e.key.startswith("aten::")) / 3
     log(f"  [{label}] device time per step {kernel_us / 1e3:.3f} ms; aten ops per step (incl. nested) {cpu_ops:.0f}")
+    lines.append(f"  host time by operator [{label}], 3 steps:")
+    lines.append(ka.table(sort_by="self_cpu_time_total", row_limit=12 if brief else 30, max_name_column_width=60))
     if not brief:
         sort = "self_cuda_time_total" if dev == "cuda" else "self_cpu_time_total"
         try:
@@ -208,8 +214,10 @@ def variants(E, k):
     return out
 
 
-def measure(name: str, mod: torch.nn.Module, E: int, k: int, x0: torch.Tensor, g0: torch.Tensor) -> None:
-    """Time and profile one variant; log a line and record its figures."""
+def measure(name: str, mod: torch.nn.Module, E: int, k: int, x0: torch.Tensor, g0: torch.Tensor,
+            again: bool = False) -> None:
+    """Time and profile one variant; log a line and record its figures (again: the second pass, its
+    eager and back-to-back times only)."""
     wrapped = YOnly(mod)
     hf = name.startswith("HF")
     x = (x0.view(1, n, d) if hf else x0).clone().requires_grad_(True)
@@ -224,6 +232,11 @@ def measure(name: str, mod: torch.nn.Module, E: int, k: int, x0: torch.Tensor, g
     try:
         eager = median_ms(step)
         issue, allms = issue_ms(step)
+        if again:
+            log(f"{name:36s} eager {eager:7.3f} ms | back-to-back: CPU issue {issue:7.3f} ms, wall {allms:7.3f} ms "
+                "(second pass)")
+            results[f"E{E}k{k} {name}"].update(eager2_ms=eager, issue2_ms=issue)
+            return
         kern = profile(step, name)
         graph = graph_ms(wrapped, x, g)
         shown = graph if isinstance(graph, str) or graph is None else f"{graph:7.3f} ms"
@@ -247,8 +260,13 @@ def main() -> None:
             _parser.error(f"--cases takes E:K pairs such as 64:1, got {' '.join(_args.cases)}")
     for E, k in grid:
         log(f"\n=== E={E} k={k} ===")
-        for name, mod in variants(E, k).items():
+        mods = variants(E, k)
+        for name, mod in mods.items():
             measure(name, mod, E, k, x0, g0)
+        log("  second pass, reverse order:")
+        for name, mod in reversed(mods.items()):
+            if f"E{E}k{k} {name}" in results:
+                measure(name, mod, E, k, x0, g0, again=True)
         if dev == "cuda":
             torch.cuda.empty_cache()
     with open(out_path, "w") as f:
