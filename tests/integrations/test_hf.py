@@ -431,7 +431,12 @@ def test_an_unchecked_dropless_patched_model_routes_without_a_host_sync():
     assert _routelab_syncs(model) == []
     checked = tiny()
     _patch(checked, "topk")
-    assert len(_routelab_syncs(checked)) == 2 * len(sparse_moe_blocks(checked))  # the two checks per block
+    # the default checks: the finite check of the scores; the routes' value check is skipped for a
+    # built-in router (its experts are in range by construction) unless the drop policy ranks by gates
+    assert len(_routelab_syncs(checked)) == len(sparse_moe_blocks(checked))
+    by_score = tiny()
+    _patch(by_score, "topk", drop_policy="score")
+    assert len(_routelab_syncs(by_score)) == 2 * len(sparse_moe_blocks(by_score))
     with pytest.raises(TypeError, match="check_finite must be True or False"):
         patch_moe(tiny(), "topk", check_finite="no")
 
@@ -450,11 +455,11 @@ def test_a_patched_block_that_may_drop_still_looks_at_its_slots():
 
 def test_a_padding_mask_adds_two_host_syncs_per_block():
     """The README's count: a padding mask adds two syncs per block (the real tokens' count, the
-    router's selection of them) to the experts' two (padded slots are left out), and the two checks
-    of check_finite come on top."""
+    router's selection of them) to the experts' two (padded slots are left out), and the finite
+    check of check_finite comes on top."""
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[1, :3] = 0
-    for check_finite, per_block in ((False, 4), (True, 6)):
+    for check_finite, per_block in ((False, 4), (True, 5)):
         model = tiny()
         _patch(model, "topk", check_finite=check_finite)
         syncs = _routelab_syncs(model, mask)

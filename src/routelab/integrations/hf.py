@@ -67,7 +67,7 @@ from torch import Tensor, nn
 from .._checks import check_capacity_factor, check_flag, check_generator, check_positive_int
 from ..replay import NoiseReplay
 from ..routers import ROUTERS, Router, make_router, router_name, router_options
-from ..routers.base import check_capacity_for, proposes_every_slot
+from ..routers.base import check_capacity_for, proposes_every_slot, routes_need_value_check
 from ..routing import DROP_POLICIES, RoutingRecord, apply_capacity, expert_capacity, load_stats
 from .hf_blocks import (
     CONTRACT,
@@ -224,7 +224,7 @@ class RoutedGate(RoutingRecord):
         with self._routelab_replay.draw(self._routelab_generator if random else None):
             decision = apply_capacity(proposed.expert, candidate, limit, E, policy=self.drop_policy,
                                       score=proposed.gate, generator=self._routelab_generator,
-                                      check=router.check_finite)
+                                      check=routes_need_value_check(router, self.drop_policy))
         keep = decision.keep
         combine = proposed.gate.float()
         if self.combine_scale != 1.0:  # the model's routed_scaling_factor (GateRule.scale)
@@ -507,9 +507,12 @@ def patch_moe(
         router_kwargs: other options of the router's constructor (e.g. ``balance_coef``).
         aux_coef: multiplies the routers' weighted auxiliary losses seen by ``routelab.aux_loss``.
         generator: randomness of stochastic routers and of ``drop_policy="random"``.
-        check_finite: check the router scores for NaN/inf and the capacity step's indices on
-            every call (two host syncs per block); ``False`` drops both (as ``MoE(check_finite=False)``):
-            a block with a top-k-style router and no capacity or mask then routes without a host sync.
+        check_finite: check the router scores for NaN/inf on every call (one host sync per block;
+            a second, the capacity step's check of the routes, with ``drop_policy="score"`` or a
+            router that does not declare ``experts_in_range``:
+            :func:`~routelab.routers.base.routes_need_value_check`); ``False`` drops both (as
+            ``MoE(check_finite=False)``): a block with a top-k-style router and no capacity or mask
+            then routes without a host sync.
 
     Returns:
         The patched blocks, in module order. Their ``gate.router`` is the routelab router.

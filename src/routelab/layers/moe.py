@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from .._checks import check_generator, checks_run, floating_input, token_mask
 from ..replay import NoiseReplay
 from ..routers import Router, router_options
-from ..routers.base import check_capacity_for
+from ..routers.base import check_capacity_for, routes_need_value_check
 from ..routes import Routes
 from ..routing import DispatchPlan, GroupedPlan, apply_capacity, expert_capacity, load_stats
 from ..routing.dropless import decide_and_plan_dropless
@@ -64,8 +64,11 @@ class MoE(RoutingRecord, nn.Module):
 
     Host synchronisations: with ``check_finite=False`` and grouped dispatch (or a set capacity
     factor), the forward of the ``topk``, ``switch``, ``noisy_topk`` and ``softmax`` routers runs
-    without one; each check costs one, as do a ``mask`` (the number of real tokens) and dropless
-    buffers (the largest load).
+    without one. The default checks cost one, the router's finite check of its scores, and a
+    second (the value check of the routes before the capacity step) with a router that does not
+    declare :attr:`~routelab.routers.Router.experts_in_range` or with ``drop_policy="score"``
+    (:func:`~routelab.routers.base.routes_need_value_check`). A ``mask`` (the number of real
+    tokens) and dropless buffers (the largest load) cost one each.
 
     Every forward records its weighted auxiliary losses and statistics
     (:class:`routelab.routing.RoutingRecord`): ``routelab.aux_loss(model)`` sums those of every
@@ -125,7 +128,8 @@ class MoE(RoutingRecord, nn.Module):
             ``layer.generator`` later sets the router's too.
         check_finite: the router's NaN/inf check of its scores (``None``: the router's setting,
             ``True`` unless changed; ``False`` saves its host sync and that of the capacity
-            step's index check).
+            step's check of the routes, which runs where the router does not vouch for them:
+            :func:`~routelab.routers.base.routes_need_value_check`).
         dispatch: ``"auto"`` (default), ``"grouped"`` or ``"buffers"``: how the tokens are laid
             out for the experts (step 3 above; :data:`routelab.layers.config.DISPATCH_MODES`).
 
@@ -431,16 +435,16 @@ class MoE(RoutingRecord, nn.Module):
         # they are sized C = tokens, so a router that names an expert twice for a token must not
         # place more than that. (``capacity``, the token count, is also what the router was told.)
         limit = proposed.expert.numel() if self.active_capacity_factor is None and grouped else capacity
+        # The routes' value check (a host sync), where the router cannot vouch for them.
+        check = routes_need_value_check(self.router, self.drop_policy)
         if limit >= proposed.expert.numel() and grouped and self.drop_policy != "score":
             # Nothing can drop: the decision and the plan from one sort (the same as below, in
             # half the operations; "random" draws nothing at this limit).
-            decision, plan = decide_and_plan_dropless(proposed.expert, proposed.keep, E,
-                                                      check=self.router.check_finite)
+            decision, plan = decide_and_plan_dropless(proposed.expert, proposed.keep, E, check=check)
         else:
             with self._replay.draw(self.generator if random else None):
                 decision = apply_capacity(proposed.expert, proposed.keep, limit, E, policy=self.drop_policy,
-                                          score=proposed.gate, generator=self.generator,
-                                          check=self.router.check_finite)
+                                          score=proposed.gate, generator=self.generator, check=check)
             plan = GroupedPlan.build(proposed.expert, decision.keep, decision.position, decision.kept, E) \
                 if grouped else None
         keep = decision.keep

@@ -39,6 +39,7 @@ class BASERouter(ChoosesK, Router):
     """
 
     proposes_every_slot = True
+    experts_in_range = True
     assigns_every_token = True
     fills_quotas = True
 
@@ -72,6 +73,7 @@ class SinkhornRouter(ChoosesK, Router):
     """
 
     proposes_every_slot = True
+    experts_in_range = True
 
     def __init__(self, d_model: int, num_experts: int, k: int = 1, *, sweeps: int = 20,
                  renormalize: bool = False, eval_balanced: bool = False, balance_coef: float = 0.0) -> None:
@@ -125,6 +127,7 @@ class GumbelMatchingRouter(Router):
 
     # Not declared: the skip estimators (``method="sample_skip*"``) leave tokens out in training.
     stochastic = True
+    experts_in_range = True
     assigns_every_token = True
     # Not fills_quotas: its quota ceil(n / E) bounds each expert's load from above only (when E does
     # not divide n an expert may take fewer than floor(n / E)); assigns_every_token already refuses

@@ -36,8 +36,8 @@ from ..routing.masks import real_tokens, scatter_routes
 from ..routing.rules import expert_grid
 from ._scores import float32_linear, full_precision
 
-__all__ = ["Router", "check_capacity_for", "check_finite_features", "check_positive_int", "expert_grid",
-           "proposes_every_slot"]
+__all__ = ["Router", "check_capacity_for", "check_finite_features", "check_positive_int", "declares", "expert_grid",
+           "experts_in_range", "proposes_every_slot", "routes_need_value_check"]
 
 
 def check_finite_features(features: Tensor) -> None:
@@ -84,6 +84,14 @@ class Router(nn.Module):
     #: through :func:`proposes_every_slot`, which does not trust it for a subclass that overrides
     #: the routing without declaring it again.
     proposes_every_slot: bool = False
+
+    #: Whether this class's :meth:`route` names experts in ``[0, E)`` by construction (the indices
+    #: of a top-k, an argmax or an assignment), as every built-in router does. A layer whose drop
+    #: policy does not rank by the gates then skips its value check of the routes (the experts'
+    #: range: a host sync, the second of a forward with ``check_finite`` on). ``False`` for routers
+    #: that do not say; read it through :func:`experts_in_range`, which does not trust it for a
+    #: subclass that overrides the routing without declaring it again.
+    experts_in_range: bool = False
 
     #: Whether the router assigns every token in training (a balanced solve at the quota
     #: ``ceil(k n / E)``, BASE and Gumbel-Matching): the layer's capacity must hold that quota,
@@ -216,10 +224,34 @@ _ROUTING_METHODS = ("route", "route_features", "forward", "__call__")
 
 def proposes_every_slot(router: nn.Module) -> bool:
     """Whether ``router``'s routing proposes every slot (``keep`` all True) by its class's own
-    declaration (:attr:`Router.proposes_every_slot`).
+    declaration (:attr:`Router.proposes_every_slot`); see :func:`declares` for what voids it."""
+    return declares(router, "proposes_every_slot")
+
+
+def experts_in_range(router: nn.Module) -> bool:
+    """Whether ``router``'s routing names experts in ``[0, E)`` by its class's own declaration
+    (:attr:`Router.experts_in_range`); see :func:`declares` for what voids it."""
+    return declares(router, "experts_in_range")
+
+
+def routes_need_value_check(router: Router, drop_policy: str) -> bool:
+    """Whether a layer checks the values of ``router``'s routes before its capacity step (one host
+    sync: the experts' range, and NaN in the gates where ``drop_policy="score"`` ranks by them).
+
+    Not with ``router.check_finite`` off (the user's choice of no host sync), nor where nothing
+    could fail: a router that declares :func:`experts_in_range`, under a policy that does not read
+    the gates. So a layer with a built-in router and its default checks makes one host sync per
+    forward, the router's finite check of its scores.
+    """
+    return bool(router.check_finite) and (drop_policy == "score" or not experts_in_range(router))
+
+
+def declares(router: nn.Module, flag: str) -> bool:
+    """Whether ``router``'s class declares the routing property ``flag`` (a class attribute of
+    :class:`Router` that is ``True``), in a way that still holds for this instance.
 
     Anything that could change the routing after the declaration makes the answer ``False`` (a
-    host sync where one could be saved, never a wrong route):
+    host sync or a check where one could be saved, never a wrong route):
 
     * a subclass that overrides ``route``, ``route_features``, ``forward`` or ``__call__`` without
       declaring the flag again (the declaration counts only from the class that defines the
@@ -228,7 +260,7 @@ def proposes_every_slot(router: nn.Module) -> bool:
       ``False``);
     * routing methods set on the instance, and forward hooks on the router.
     """
-    if getattr(router, "proposes_every_slot", False) is not True:
+    if getattr(router, flag, False) is not True:
         return False
     if any(name in vars(router) for name in _ROUTING_METHODS):
         return False
@@ -239,8 +271,8 @@ def proposes_every_slot(router: nn.Module) -> bool:
     def first_definer(name: str) -> type | None:
         return next((c for c in cls.__mro__ if name in c.__dict__), None)
 
-    declared = first_definer("proposes_every_slot")
-    if declared is None or declared.__dict__["proposes_every_slot"] is not True:
+    declared = first_definer(flag)
+    if declared is None or declared.__dict__[flag] is not True:
         return False
     return all(issubclass(declared, definer) for definer in map(first_definer, _ROUTING_METHODS)
                if definer is not None and definer is not nn.Module)

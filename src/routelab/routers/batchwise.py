@@ -39,6 +39,7 @@ class BatchwiseRouter(ChoosesK, Router):
     """
 
     fills_quotas = True  # in training: a capacity_factor below 1 is refused (Router.fills_quotas)
+    experts_in_range = True
 
     def __init__(self, d_model: int, num_experts: int, k: int = 1, *, threshold_coef: float = 1.0,
                  inference: str = "threshold") -> None:

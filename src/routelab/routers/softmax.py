@@ -25,6 +25,7 @@ class SoftmaxRouter(Router):
     """
 
     proposes_every_slot = True
+    experts_in_range = True
 
     def __init__(self, d_model: int, num_experts: int, *, importance_coef: float = 0.0) -> None:
         super().__init__(d_model, num_experts, num_experts)

@@ -31,6 +31,7 @@ class TopKRouter(ChoosesK, Router):
     """
 
     proposes_every_slot = True
+    experts_in_range = True
 
     def __init__(self, d_model: int, num_experts: int, k: int = 1, *, renormalize: bool = False,
                  balance_coef: float = 0.01) -> None:
@@ -67,6 +68,7 @@ class NoisyTopKRouter(ChoosesK, Router):
     """
 
     proposes_every_slot = True
+    experts_in_range = True
     stochastic = True
 
     def __init__(self, d_model: int, num_experts: int, k: int = 2, *, importance_coef: float = 0.1,
