@@ -16,7 +16,12 @@ they are called:
   host and copy it with ``non_blocking=False``, which on CUDA waits for the stream (pytorch#190217:
   ``torch.tensor(3.14, device="cuda")`` syncs, ``torch.full((), 3.14, device="cuda")`` does not).
   The CPU cannot tell ``d`` = the caller's CUDA device from a deliberate host tensor, so every such
-  call with a ``device`` other than the literal string ``"cpu"`` is recorded.
+  call with a ``device`` other than the literal string ``"cpu"`` is recorded;
+* the same copy made in two steps: ``t.to(d)`` (or ``t.to(device=d)``) of a tensor built from host
+  data (``torch.from_numpy``, or ``torch.tensor`` / ``torch.as_tensor`` of Python or NumPy data
+  without a device, and what ``.to`` makes of those without naming a device), with ``d`` not the
+  literal ``"cpu"`` and without ``non_blocking=True``. (With ``non_blocking=True`` from pinned memory,
+  as :func:`routelab._checks.to_device` copies, CUDA does not wait.)
 
 Known over-report: ``F.one_hot(x, num_classes)`` checks its indices' range with ``item()`` on the CPU
 only (its CUDA kernel does not when ``num_classes`` is given), and this recorder sees that check.
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,23 +128,40 @@ def record_host_syncs() -> Iterator[list[HostSync]]:
 
         return read
 
+    # Tensors that hold host data (by id: a WeakSet would compare tensors with ==).
+    host_data: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+    def holds_host_data(t: torch.Tensor) -> torch.Tensor:
+        host_data[id(t)] = t
+        return t
+
     def to_host(self: torch.Tensor, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         # Only a literal "cpu": on the CPU, t.to(t.device) or t.to(other) cannot be told from a
         # copy to the host, and on a GPU they are none.
         target = kwargs.get("device", args[0] if args else None)
         if isinstance(target, str) and torch.device(target).type == "cpu":
             found.append(HostSync("Tensor.to(cpu)", _caller()))
-        return original_to(self, *args, **kwargs)
+        out = original_to(self, *args, **kwargs)
+        if host_data.get(id(self)) is self:
+            if not isinstance(target, (str, torch.device)):  # a dtype, or nothing: still host data
+                holds_host_data(out)
+            elif not (isinstance(target, str) and target == "cpu") and kwargs.get("non_blocking") is not True:
+                found.append(HostSync("Tensor.to(device) of host data", _caller()))
+        return out
+
+    def from_numpy(array):  # noqa: ANN001, ANN202
+        return holds_host_data(original_from_numpy(array))
 
     def copying(name: str):  # noqa: ANN202
         factory = factories[name]
 
         def build(data, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
             device = kwargs.get("device")
-            host_data = not isinstance(data, torch.Tensor)
-            if host_data and device is not None and not (isinstance(device, str) and device == "cpu"):
+            from_host = not isinstance(data, torch.Tensor)
+            if from_host and device is not None and not (isinstance(device, str) and device == "cpu"):
                 found.append(HostSync(f"torch.{name}(host data, device=)", _caller()))
-            return factory(data, *args, **kwargs)
+            out = factory(data, *args, **kwargs)
+            return holds_host_data(out) if from_host and device is None else out
 
         return build
 
@@ -147,7 +170,7 @@ def record_host_syncs() -> Iterator[list[HostSync]]:
             found.append(HostSync("Tensor.new_tensor(host data)", _caller()))
         return original_new_tensor(self, data, *args, **kwargs)
 
-    original_to, original_new_tensor = torch.Tensor.to, torch.Tensor.new_tensor
+    original_to, original_new_tensor, original_from_numpy = torch.Tensor.to, torch.Tensor.new_tensor, torch.from_numpy
     factories = {name: getattr(torch, name) for name in _HOST_DATA_FACTORIES}
     for name in _HOST_READS:
         setattr(torch.Tensor, name, recording(name))
@@ -155,6 +178,7 @@ def record_host_syncs() -> Iterator[list[HostSync]]:
         setattr(torch, name, copying(name))
     torch.Tensor.to = to_host
     torch.Tensor.new_tensor = new_tensor
+    torch.from_numpy = from_numpy
     try:
         with _Recorder(found):
             yield found
@@ -165,3 +189,4 @@ def record_host_syncs() -> Iterator[list[HostSync]]:
             setattr(torch, name, factory)
         torch.Tensor.to = original_to
         torch.Tensor.new_tensor = original_new_tensor
+        torch.from_numpy = original_from_numpy

@@ -1,16 +1,18 @@
-"""routelab._checks.device_scalar: a host number on the device by a fill, equal to torch.as_tensor's."""
+"""routelab._checks.device_scalar and to_device: host numbers and host tensors on the device without a
+host sync (a fill; a pinned, non-blocking copy), equal to what the blocking forms give."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from host_syncs import record_host_syncs
-from routelab._checks import device_scalar
+from routelab._checks import device_scalar, to_device
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64]
 
@@ -62,3 +64,48 @@ def test_a_fill_on_cuda_does_not_sync() -> None:
         device_scalar(5, like, torch.long)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float32, torch.float64, torch.bfloat16, torch.int64])
+def test_to_device_on_the_cpu_is_the_conversion(dtype) -> None:
+    """On the CPU no copy is needed: the host tensor itself, converted as ``.to(dtype)`` would."""
+    host = torch.from_numpy(np.array([[0.1, -2.5], [3e38, 7.0]]))
+    got = to_device(host, torch.device("cpu"), dtype)
+    want = host if dtype is None else host.to(dtype)
+    assert got.dtype == want.dtype and got.device.type == "cpu" and torch.equal(got, want)
+    if dtype is None:
+        assert got is host
+
+
+def test_to_device_makes_no_blocking_copy_of_host_data() -> None:
+    """The recorder sees ``torch.from_numpy(a).to(d)`` (on CUDA a copy that waits for the stream)
+    and not :func:`to_device` of the same data."""
+    device = torch.zeros(1).device  # (a torch.device: on a GPU run it would be the GPU's)
+    with record_host_syncs() as found:
+        torch.from_numpy(np.ones(3)).to(device=device, dtype=torch.float32)
+    assert [f.op for f in found] == ["Tensor.to(device) of host data"]
+    with record_host_syncs() as found:
+        to_device(torch.from_numpy(np.ones(3)), device, torch.float32)
+    assert found == []
+
+
+@pytest.mark.requires_cuda
+def test_to_device_on_cuda_does_not_sync_and_owns_its_data() -> None:
+    """On CUDA: equal values, on the device, no sync even behind queued work; the host array may
+    change right after the call (the copy reads the pinned staging block, not the array)."""
+    big = torch.randn(4096, 4096, device="cuda")
+    array = np.arange(12, dtype=np.float64).reshape(3, 4)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            big = big @ big  # queued work the copy must not wait for
+        got = to_device(torch.from_numpy(array), "cuda", torch.float32)
+        bits = to_device(torch.arange(5), torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    array[:] = -1.0
+    torch.cuda.synchronize()
+    assert got.is_cuda and got.dtype == torch.float32 and bits.is_cuda and bits.dtype == torch.int64
+    assert torch.equal(got.cpu(), torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    assert torch.equal(bits.cpu(), torch.arange(5))

@@ -50,6 +50,7 @@ __all__ = [
     "check_tau",
     "checks_run",
     "device_scalar",
+    "to_device",
     "balanced_quotas",
     "token_mask",
     "expert_capacity",
@@ -404,6 +405,27 @@ def device_scalar(value: numbers.Real, like: Tensor, dtype: torch.dtype | None =
             # a unit of it): new_full refuses a value it cannot represent
             value = torch.tensor(value, dtype=torch.float64).to(dtype).item()
     return like.new_full((), value, dtype=dtype)
+
+
+def to_device(host: Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> Tensor:
+    """``host`` (a CPU tensor) on ``device``, in ``dtype`` (default its own), without a host sync.
+
+    ``t.to("cuda")`` copies from pageable host memory with ``non_blocking=False``: the host waits for
+    everything queued on the CUDA stream (as :func:`device_scalar` says of ``torch.tensor(x,
+    device="cuda")``). Here the data goes through pinned memory and is copied with
+    ``non_blocking=True``: torch's caching host allocator keeps the pinned block until the copy has
+    run, so ``host`` (or the NumPy array under it) may change right after. The dtype is converted on
+    the host first (for the small tensors this is for: per-instance prices, temperatures, offsets).
+    A CPU ``device`` returns ``host`` itself (converted); other devices take a plain copy.
+    """
+    device = torch.device(device)
+    if dtype is not None and host.dtype != dtype:
+        host = host.to(dtype)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def check_finite(tensors: Tensor | Sequence[Tensor], what: str, fix: str) -> None:

@@ -85,6 +85,28 @@ def test_the_recorder_sees_copies_of_host_data_to_the_device() -> None:
     assert torch.tensor is not None and torch.tensor(1.0).item() == 1.0  # the factories are restored
 
 
+def test_the_recorder_sees_host_data_moved_to_the_device_in_a_second_step() -> None:
+    """``torch.from_numpy(a).to(d)`` and ``torch.tensor(data).to(d)`` are the same blocking copy as
+    ``torch.tensor(data, device=d)``; a dtype-only ``.to`` keeps the data on the host (still
+    watched), ``non_blocking=True`` (from pinned memory) is no wait, and a tensor made or computed
+    by an operator is not host data."""
+    import numpy as np
+
+    device = torch.zeros(1).device
+    with record_host_syncs() as found:
+        torch.from_numpy(np.zeros(3)).to(device)
+        torch.tensor([1, 2]).to(torch.float64).to(dtype=torch.float32).to(device=device)
+        torch.as_tensor(np.ones(2)).to(device, torch.float32)
+    assert [f.op for f in found] == ["Tensor.to(device) of host data"] * 3
+    assert all("test_host_syncs.py" in f.where for f in found)
+    with record_host_syncs() as found:
+        torch.from_numpy(np.zeros(3)).to(device, non_blocking=True)
+        torch.zeros(3).to(device)
+        (torch.tensor([1.0]) + 1).to(device)
+    assert found == []
+    assert torch.from_numpy is not None and torch.from_numpy(np.ones(1)).item() == 1.0  # restored
+
+
 @pytest.mark.parametrize(("router", "kw"), SYNC_FREE_ROUTERS, ids=[r for r, _ in SYNC_FREE_ROUTERS])
 def test_an_unchecked_layer_with_capacity_makes_no_host_sync(router, kw, gather_path) -> None:
     torch.manual_seed(0)

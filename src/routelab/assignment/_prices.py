@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .._checks import to_device
 from ._tuning import TUNING, SolverTuning
 from ._workspace import SCORES_A, SCORES_B, scratch
 
@@ -278,7 +279,7 @@ def approximate_prices(
     while level < len(schedule) and steps < max_steps:
         T_host = spread_host * schedule[level]
         scale = _logit_scale(T_host, S)
-        u = torch.from_numpy(u_host).to(dtype=S.dtype, device=S.device).view(B, 1, k)
+        u = to_device(torch.from_numpy(u_host), S.device, S.dtype).view(B, 1, k)
         steps += 1
         at_level += 1
         if active is not None:
@@ -311,14 +312,14 @@ def approximate_prices(
     bad = ~np.isfinite(u_host).all(-1)
     if bad.any():
         u_host[bad] = 0.0
-    return torch.from_numpy(u_host).to(dtype=S.dtype, device=S.device)
+    return to_device(torch.from_numpy(u_host), S.device, S.dtype)
 
 
 def _logit_scale(T: np.ndarray, S: Tensor) -> float | Tensor:
     """``log2(e) / T``: a number for one instance (no tensor operation), else ``[B, 1, 1]``."""
     if T.shape[0] == 1:
         return float(LOG2E / T[0])
-    return torch.from_numpy(LOG2E / T).to(dtype=S.dtype, device=S.device).view(-1, 1, 1)
+    return to_device(torch.from_numpy(LOG2E / T), S.device, S.dtype).view(-1, 1, 1)
 
 
 def _damped_newton_step(

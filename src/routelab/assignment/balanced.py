@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._checks import check_plain_tensor, check_score_matrix, resolve_capacity
+from .._checks import check_plain_tensor, check_score_matrix, resolve_capacity, to_device
 from . import _compiled
 from ._cycles import cancel_negative_cycles, cycle_tolerance
 from ._feasibility import hall_violator
@@ -131,7 +131,7 @@ def balanced_assignment(scores: Tensor, capacity: int | None = None, *, k: int =
         from .b_matching import balanced_b_matching  # the sibling module builds on this one
 
         if on_host and isinstance(scores, Tensor) and scores.device.type != "cpu":
-            return balanced_b_matching(scores.to("cpu"), k, capacity).to(scores.device)
+            return to_device(balanced_b_matching(scores.to("cpu"), k, capacity), scores.device)
         return balanced_b_matching(scores, k, capacity)
     sol = solve_balanced(scores, capacity, on_host=on_host)
     return sol.expert.view(scores.shape[:-1])
@@ -244,11 +244,11 @@ def _check_feasible(forbidden: Tensor, c: int, name: str) -> None:
 
 
 def _to_device(tensors: tuple[Tensor, ...], device: torch.device) -> tuple[Tensor, ...]:
-    """Host tensors of 8-byte dtypes (long, float64) copied to ``device`` in one transfer (a copy
-    from pageable host memory synchronises once; three copies would synchronise three times),
-    bit for bit: the float64 ones travel as their int64 bit patterns."""
+    """Host tensors of 8-byte dtypes (long, float64) copied to ``device`` in one transfer through
+    pinned memory (:func:`~routelab._checks.to_device`: no host sync), bit for bit: the float64
+    ones travel as their int64 bit patterns."""
     flat = [t.reshape(-1).view(torch.int64) for t in tensors]
-    moved = torch.cat(flat).to(device).split([f.numel() for f in flat])
+    moved = to_device(torch.cat(flat), device).split([f.numel() for f in flat])
     return tuple(m.view(t.dtype).view(t.shape) for m, t in zip(moved, tensors))
 
 

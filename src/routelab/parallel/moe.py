@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .._checks import check_capacity, check_positive_int, device_scalar, floating_input, token_mask
+from .._checks import check_capacity, check_positive_int, device_scalar, floating_input, to_device, token_mask
 from ..layers.config import MoEConfig
 from ..layers.experts import StackedExperts
 from ..layers.moe import MoE
@@ -558,7 +558,7 @@ class ExpertParallelMoE(MoE):
         El = self.local_experts
         rows_per_rank = El * C
         tok = plan.token_of_row.to(dev)  # [E*C] = [W * rows_per_rank], N where the row is empty
-        bounds = torch.tensor(off[1:], device=dev)
+        bounds = to_device(torch.tensor(off[1:]), dev)  # (through pinned memory: no host sync)
         src = torch.bucketize(tok, bounds, right=True)  # rank owning each row's token (W if empty)
         mine = src == r  # rows holding my tokens; ascending row order = grouped by destination rank
         send_counts_t = mine.view(W, rows_per_rank).sum(1)  # [W] rows to each expert rank
