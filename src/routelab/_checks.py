@@ -416,14 +416,15 @@ def to_device(host: Tensor, device: torch.device | str, dtype: torch.dtype | Non
     ``non_blocking=True``: torch's caching host allocator keeps the pinned block until the copy has
     run, so ``host`` (or the NumPy array under it) may change right after. The dtype is converted on
     the host first (for the small tensors this is for: per-instance prices, temperatures, offsets).
-    A CPU ``device`` returns ``host`` itself (converted); other devices take a plain copy.
+    A CPU ``device`` returns ``host`` itself (converted); other devices, and a ``torch.compile``
+    trace (which places its own copies), take a plain copy.
     """
     device = torch.device(device)
     if dtype is not None and host.dtype != dtype:
         host = host.to(dtype)
     if device.type == "cpu":
         return host
-    if device.type == "cuda":
+    if device.type == "cuda" and not torch.compiler.is_compiling():
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
 

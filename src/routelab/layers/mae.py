@@ -46,6 +46,7 @@ from .._checks import (
     check_positive_int,
     checks_run,
     floating_input,
+    to_device,
 )
 from ..replay import NoiseReplay
 
@@ -382,7 +383,7 @@ class MixtureOfAttentiveExperts(nn.Module):
             return summary.new_full((*lead, n), 1.0 / n)
         if routing == "uniform_sample":
             with self._replay.draw(self.generator):  # checkpointing's recomputation redraws the same experts
-                idx = torch.randint(n, lead, generator=self.generator, device="cpu").to(summary.device)
+                idx = to_device(torch.randint(n, lead, generator=self.generator, device="cpu"), summary.device)
             return F.one_hot(idx, n).to(summary.dtype)
         if routing == "gate":
             return self.gate(summary)
