@@ -196,14 +196,16 @@ def random_tensor(sample: Any, shape: Any, *, dtype: torch.dtype, device: Any,
     """``sample(shape, dtype=, device=, generator=)`` (``torch.rand``, ``torch.randn``) on ``device``.
 
     A generator draws on its own device: a CPU generator (the library's default advice) with CUDA
-    tensors draws on the CPU and the result is moved, so the same seed gives the same numbers on
-    every device; a generator of ``device`` draws there directly.
+    tensors draws on the CPU and the result is moved (through pinned memory, :func:`to_device`: a
+    plain copy from the host would wait for the CUDA stream every step), so the same seed gives the
+    same numbers on every device; a generator of ``device`` draws there directly.
     """
     if generator is None:  # no generator= keyword: that overload rejects the symbolic shapes of torch.compile(dynamic)
         return sample(shape, dtype=dtype, device=device)
     if generator.device.type == torch.device(device if device is not None else "cpu").type:
         return sample(shape, dtype=dtype, device=device, generator=generator)
-    return sample(shape, dtype=dtype, device=generator.device, generator=generator).to(device)
+    drawn = sample(shape, dtype=dtype, device=generator.device, generator=generator)
+    return to_device(drawn, device) if drawn.device.type == "cpu" else drawn.to(device)
 
 
 class GeneratorAttribute:

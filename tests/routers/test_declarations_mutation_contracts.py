@@ -120,6 +120,18 @@ def test_the_solvers_host_results_reach_the_device_in_one_non_blocking_copy_bit_
         assert torch.equal(got.view(torch.int64), want.view(torch.int64))
 
 
+def test_noise_from_a_cpu_generator_reaches_cuda_through_pinned_memory(fake_cuda_copy):
+    """The library's advice for reproducible noise is a seeded CPU generator; with a CUDA layer the
+    noise is drawn on the host (the same numbers on every device) and sent as :func:`to_device`
+    sends: pinned, non-blocking (a plain copy would wait for the stream at every step)."""
+    from routelab._checks import random_tensor
+
+    got = random_tensor(torch.randn, (3, 4), dtype=torch.float32, device="cuda",
+                        generator=torch.Generator().manual_seed(5))
+    assert fake_cuda_copy == [{"pinned": True, "dtype": torch.float32, "non_blocking": True, "dtype_arg": None}]
+    assert torch.equal(got, torch.randn(3, 4, generator=torch.Generator().manual_seed(5)))
+
+
 def _rank_offsets_worker(rank: int, world: int) -> list[str]:
     from routelab.parallel import ExpertParallelMoE
 
