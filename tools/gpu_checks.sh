@@ -42,7 +42,7 @@ targs="-vv --durations=40 --tb=short"; python3 -c "import pytest_timeout" 2>/dev
 # The NCCL tests first (the whole suite ran past its deadline on 2026-11-28 with exactly these left:
 # xdist had scheduled them last), then the rest of the suite.
 step "the NCCL tests (ExpertParallelMoE at world size 1 over NCCL, gloo against NCCL), then the whole suite \
-(make test-gpu; 2026-11-28: 4164 of 4170 tests in 330 s, 0 failed, the 6 NCCL tests not reached)" 370 \
+(make test-gpu; 2026-11-28: 4164 of 4170 tests in 330 s, 0 failed, the 6 NCCL tests not reached)" 420 \
   bash -c "make test-gpu PYTEST_ARGS='$targs tests/parallel/test_parallel_backends.py' > '$out/suite-nccl.log' 2>&1; \
 make test-gpu PYTEST_ARGS='$targs --ignore=tests/parallel/test_parallel_backends.py' > '$out/suite.log' 2>&1"
 for f in "$out/suite-nccl.log" "$out/suite.log"; do
