@@ -19,9 +19,9 @@ they are called:
   call with a ``device`` other than the literal string ``"cpu"`` is recorded;
 * the same copy made in two steps: ``t.to(d)`` (or ``t.to(device=d)``) of a tensor built from host
   data (``torch.from_numpy``, or ``torch.tensor`` / ``torch.as_tensor`` of Python or NumPy data
-  without a device, and what ``.to`` makes of those without naming a device), with ``d`` not the
-  literal ``"cpu"`` and without ``non_blocking=True``. (With ``non_blocking=True`` from pinned memory,
-  as :func:`routelab._checks.to_device` copies, CUDA does not wait.)
+  without a device, and their views, reshapes, clones and casts), with ``d`` (or another tensor's
+  device) not the literal ``"cpu"`` and without ``non_blocking=True``. (With ``non_blocking=True``
+  from pinned memory, as :func:`routelab._checks.to_device` copies, CUDA does not wait.)
 
 Known over-report: ``F.one_hot(x, num_classes)`` checks its indices' range with ``item()`` on the CPU
 only (its CUDA kernel does not when ``num_classes`` is given), and this recorder sees that check.
@@ -63,6 +63,10 @@ _HOST_READS = ("tolist", "numpy", "cpu")
 
 #: Factories that build a tensor from host data (and copy it to ``device=`` when given one).
 _HOST_DATA_FACTORIES = ("tensor", "as_tensor")
+
+#: Tensor methods whose result of host data is host data too (views, reshapes, casts).
+_HOST_DATA_KEEPERS = ("view", "reshape", "flatten", "unsqueeze", "squeeze", "t", "contiguous", "clone",
+                      "double", "float", "long", "int", "half", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -143,11 +147,23 @@ def record_host_syncs() -> Iterator[list[HostSync]]:
             found.append(HostSync("Tensor.to(cpu)", _caller()))
         out = original_to(self, *args, **kwargs)
         if host_data.get(id(self)) is self:
-            if not isinstance(target, (str, torch.device)):  # a dtype, or nothing: still host data
+            # to(device, dtype, non_blocking) / to(dtype, non_blocking) / to(other, non_blocking)
+            non_blocking = kwargs.get("non_blocking", next((a for a in args if isinstance(a, bool)), False))
+            if not isinstance(target, (str, torch.device, torch.Tensor)):  # a dtype, or nothing: still host data
                 holds_host_data(out)
-            elif not (isinstance(target, str) and target == "cpu") and kwargs.get("non_blocking") is not True:
+            elif not (isinstance(target, str) and target == "cpu") and non_blocking is not True:
+                # (to(other): other's device, taken as the caller's GPU as a device= is)
                 found.append(HostSync("Tensor.to(device) of host data", _caller()))
         return out
+
+    def keeping_host_data(name: str):  # noqa: ANN202
+        original = view_likes[name]
+
+        def same_data(self: torch.Tensor, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            out = original(self, *args, **kwargs)
+            return holds_host_data(out) if host_data.get(id(self)) is self else out
+
+        return same_data
 
     def from_numpy(array):  # noqa: ANN001, ANN202
         return holds_host_data(original_from_numpy(array))
@@ -172,6 +188,9 @@ def record_host_syncs() -> Iterator[list[HostSync]]:
 
     original_to, original_new_tensor, original_from_numpy = torch.Tensor.to, torch.Tensor.new_tensor, torch.from_numpy
     factories = {name: getattr(torch, name) for name in _HOST_DATA_FACTORIES}
+    view_likes = {name: getattr(torch.Tensor, name) for name in _HOST_DATA_KEEPERS}
+    for name in _HOST_DATA_KEEPERS:
+        setattr(torch.Tensor, name, keeping_host_data(name))
     for name in _HOST_READS:
         setattr(torch.Tensor, name, recording(name))
     for name in _HOST_DATA_FACTORIES:
@@ -190,3 +209,5 @@ def record_host_syncs() -> Iterator[list[HostSync]]:
         torch.Tensor.to = original_to
         torch.Tensor.new_tensor = original_new_tensor
         torch.from_numpy = original_from_numpy
+        for name, original in view_likes.items():
+            setattr(torch.Tensor, name, original)

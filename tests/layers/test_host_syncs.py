@@ -97,10 +97,14 @@ def test_the_recorder_sees_host_data_moved_to_the_device_in_a_second_step() -> N
         torch.from_numpy(np.zeros(3)).to(device)
         torch.tensor([1, 2]).to(torch.float64).to(dtype=torch.float32).to(device=device)
         torch.as_tensor(np.ones(2)).to(device, torch.float32)
-    assert [f.op for f in found] == ["Tensor.to(device) of host data"] * 3
+        torch.from_numpy(np.zeros((2, 3))).double().reshape(3, 2).t().to(device)  # views and casts
+        torch.from_numpy(np.zeros(3)).to(device, torch.float32, False)  # (positional non_blocking)
+        torch.tensor([1.0]).to(torch.zeros(1))  # (another tensor's device)
+    assert [f.op for f in found] == ["Tensor.to(device) of host data"] * 6
     assert all("test_host_syncs.py" in f.where for f in found)
     with record_host_syncs() as found:
         torch.from_numpy(np.zeros(3)).to(device, non_blocking=True)
+        torch.from_numpy(np.zeros(3)).to(device, torch.float32, True)
         torch.zeros(3).to(device)
         (torch.tensor([1.0]) + 1).to(device)
     assert found == []
