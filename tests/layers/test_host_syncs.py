@@ -100,7 +100,9 @@ def test_the_recorder_sees_host_data_moved_to_the_device_in_a_second_step() -> N
         torch.from_numpy(np.zeros((2, 3))).double().reshape(3, 2).t().to(device)  # views and casts
         torch.from_numpy(np.zeros(3)).to(device, torch.float32, False)  # (positional non_blocking)
         torch.tensor([1.0]).to(torch.zeros(1))  # (another tensor's device)
-    assert [f.op for f in found] == ["Tensor.to(device) of host data"] * 6
+        torch.randn(3, generator=torch.Generator().manual_seed(0), device=device).to(device)  # drawn on the host
+        torch.rand(2).to(device)
+    assert [f.op for f in found] == ["Tensor.to(device) of host data"] * 8
     assert all("test_host_syncs.py" in f.where for f in found)
     with record_host_syncs() as found:
         torch.from_numpy(np.zeros(3)).to(device, non_blocking=True)

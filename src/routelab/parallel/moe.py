@@ -618,7 +618,7 @@ class ExpertParallelMoE(MoE):
         weights = self._fingerprint_weights
         if weights is None or weights.numel() != rows or weights.device != token_of_row.device:
             weights = torch.randint(1, _FINGERPRINT_PRIME, (rows,), generator=torch.Generator().manual_seed(0))
-            weights = self._fingerprint_weights = weights.to(token_of_row.device)
+            weights = self._fingerprint_weights = to_device(weights, token_of_row.device)  # (no host sync)
         terms = (token_of_row.long() % _FINGERPRINT_PRIME + 1) * weights % _FINGERPRINT_PRIME  # < 2^31 each
         return terms.sum() % _FINGERPRINT_PRIME  # a sum of < 2^32 terms of < 2^31: no overflow
 
