@@ -19,10 +19,10 @@ they are called:
   call with a ``device`` other than the literal string ``"cpu"`` is recorded;
 * the same copy made in two steps: ``t.to(d)`` (or ``t.to(device=d)``) of a tensor built from host
   data (``torch.from_numpy``, or ``torch.tensor`` / ``torch.as_tensor`` of Python or NumPy data
-  without a device, a random draw on the host, and their views, reshapes, clones and casts), with
-  ``d`` (or another tensor's device) not the literal ``"cpu"`` and without ``non_blocking=True``.
-  (With ``non_blocking=True`` from pinned memory, as :func:`routelab._checks.to_device` copies, CUDA
-  does not wait.)
+  without a device, a factory's or a random draw's tensor made on the host, and their views,
+  reshapes, clones and casts), with ``d`` (or another tensor's device) not the literal ``"cpu"`` and
+  without ``non_blocking=True``. (With ``non_blocking=True`` from pinned memory, as
+  :func:`routelab._checks.to_device` copies, CUDA does not wait.)
 
 Known over-report: ``F.one_hot(x, num_classes)`` checks its indices' range with ``item()`` on the CPU
 only (its CUDA kernel does not when ``num_classes`` is given), and this recorder sees that check.
@@ -65,9 +65,10 @@ _HOST_READS = ("tolist", "numpy", "cpu")
 #: Factories that build a tensor from host data (and copy it to ``device=`` when given one).
 _HOST_DATA_FACTORIES = ("tensor", "as_tensor")
 
-#: Random factories: a draw without a device, on the literal "cpu" or by a CPU generator is made on
-#: the host (the same numbers on every device), so moving it to the device is a copy of host data.
-_HOST_DRAWS = ("rand", "randn", "randint", "randperm")
+#: Factories that make their tensor on the host when given no device or the literal "cpu" (and a
+#: random draw by a CPU generator, made on the host for the same numbers on every device): moving
+#: the result to the device is a copy of host data.
+_HOST_MADE = ("rand", "randn", "randint", "randperm", "arange", "zeros", "ones", "empty", "full", "eye", "linspace")
 
 #: Tensor methods whose result of host data is host data too (views, reshapes, casts).
 _HOST_DATA_KEEPERS = ("view", "reshape", "flatten", "unsqueeze", "squeeze", "t", "contiguous", "clone",
@@ -206,8 +207,8 @@ def record_host_syncs() -> Iterator[list[HostSync]]:
     original_to, original_new_tensor, original_from_numpy = torch.Tensor.to, torch.Tensor.new_tensor, torch.from_numpy
     factories = {name: getattr(torch, name) for name in _HOST_DATA_FACTORIES}
     view_likes = {name: getattr(torch.Tensor, name) for name in _HOST_DATA_KEEPERS}
-    randoms = {name: getattr(torch, name) for name in _HOST_DRAWS}
-    for name in _HOST_DRAWS:
+    randoms = {name: getattr(torch, name) for name in _HOST_MADE}
+    for name in _HOST_MADE:
         setattr(torch, name, drawing(name))
     for name in _HOST_DATA_KEEPERS:
         setattr(torch.Tensor, name, keeping_host_data(name))
