@@ -418,17 +418,24 @@ def to_device(host: Tensor, device: torch.device | str, dtype: torch.dtype | Non
     ``non_blocking=True``: torch's caching host allocator keeps the pinned block until the copy has
     run, so ``host`` (or the NumPy array under it) may change right after. The dtype is converted on
     the host first (for the small tensors this is for: per-instance prices, temperatures, offsets).
-    A CPU ``device`` returns ``host`` itself (converted); other devices, and a ``torch.compile``
-    trace (which places its own copies), take a plain copy.
+    A CPU ``device`` returns ``host`` itself (converted); other devices, a ``torch.compile`` trace
+    (which places its own copies) and a CUDA graph capture take a plain copy. (A captured copy from
+    a pinned block would replay from that block after the allocator gave it to someone else; the
+    plain copy cannot be captured and says so.)
     """
     device = torch.device(device)
     if dtype is not None and host.dtype != dtype:
         host = host.to(dtype)
     if device.type == "cpu":
         return host
-    if device.type == "cuda" and not torch.compiler.is_compiling():
+    if device.type == "cuda" and not torch.compiler.is_compiling() and not _capturing():
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a CUDA graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def check_finite(tensors: Tensor | Sequence[Tensor], what: str, fix: str) -> None:

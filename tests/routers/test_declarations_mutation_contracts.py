@@ -104,6 +104,17 @@ def test_to_device_on_cuda_converts_on_the_host_and_copies_from_pinned_memory_wi
     assert torch.equal(got, ints)
 
 
+def test_to_device_takes_the_plain_copy_while_a_cuda_graph_is_captured(fake_cuda_copy, monkeypatch):
+    """Under CUDA graph capture the pinned, non-blocking copy would be captured reading a pinned
+    block that the caching allocator hands on after the call, so each replay would read whatever is
+    there then: :func:`to_device` takes the plain copy, which cannot be captured and raises there."""
+    import routelab._checks
+
+    monkeypatch.setattr(routelab._checks, "_capturing", lambda: True)
+    to_device(torch.arange(4), "cuda")
+    assert fake_cuda_copy == [{"pinned": False, "dtype": torch.int64, "non_blocking": False, "dtype_arg": None}]
+
+
 def test_the_solvers_host_results_reach_the_device_in_one_non_blocking_copy_bit_for_bit(fake_cuda_copy):
     """``assignment.balanced._to_device`` (the host solve's answer on its way back to a GPU): one
     transfer through :func:`to_device` (pinned, non-blocking), and every float64 bit pattern
