@@ -17,7 +17,11 @@ is only adopted where it computes the same thing:
 * the four gathers of dispatch and combine at top-2 (maps of a random assignment, 1/16 of the
   pairs dropped), forward and backward: the PyTorch operators of ``routelab.routing._gather``
   against its fused Triton kernels (``routelab.routing._gather_triton``), and the combine's kernel
-  under other column blocks and warp counts.
+  under other column blocks and warp counts;
+* the experts' bias in the buffers layout (``[E, C, d] @ [E, d, h] + b [E, 1, h]``, top-2 at capacity
+  factor 1): ``baddbmm`` with the bias (the layer's: torch expands the bias into the output, a copy
+  by a generic strided kernel, 1.24 ms a call at d_model 4096 in the fifth session's kernel table)
+  against ``bmm`` then the bias added in place (rounded twice), and the matmul alone.
 
 Without CUDA it runs tiny sizes on the CPU (a smoke test: the ``out_dtype`` forms are CUDA-only).
 """
@@ -125,6 +129,25 @@ def main() -> None:
         "(x.float() * g.float()).sum(-1)": lambda: (x.float() * g.float()).sum(-1),
     })
     probe_gathers(x, g, gen)
+    probe_expert_bias(a.tokens, a.d_model, a.experts, dev, dt, gen)
+
+
+def probe_expert_bias(tokens: int, d: int, experts: int, dev: str, dt: torch.dtype, gen: torch.Generator) -> None:
+    """The first expert matmul with its bias on ``[E, C, d]`` buffers (C = 2 tokens / E, d_hidden = d_model):
+    ``baddbmm`` (routelab.layers.experts) against ``bmm`` + in-place bias, and the matmul alone."""
+    C = max(1, 2 * tokens // experts)
+    try:
+        buffers = torch.randn(experts, C, d, device=dev, generator=gen).to(dt)
+        w = (torch.randn(experts, d, d, device=dev, generator=gen) * d ** -0.5).to(dt)
+        b = torch.randn(experts, 1, d, device=dev, generator=gen).to(dt)
+    except torch.OutOfMemoryError:
+        print(f"\nexpert bias: buffers [{experts}, {C}, {d}] do not fit in memory")
+        return
+    compare(f"expert matmul + bias [E={experts}, C={C}, {d}] @ [E, {d}, {d}]", {
+        "baddbmm(b, x, w) (the layer's)": lambda: torch.baddbmm(b, buffers, w),
+        "bmm(x, w).add_(b) (rounded twice)": lambda: torch.bmm(buffers, w).add_(b),
+    })
+    compare("  the matmul alone, for the bias's share", {"bmm(x, w)": lambda: torch.bmm(buffers, w)})
 
 
 def _maps(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

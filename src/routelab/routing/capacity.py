@@ -72,7 +72,8 @@ def skip_correction(load: Tensor, capacity: int) -> Tensor:
         capacity = check_capacity(capacity)
         if capacity is None:
             raise ValueError("capacity must be an integer >= 0, got None (eq. 3 needs the expert's capacity C)")
-    return load / load.clamp(max=capacity).clamp(min=1)
+    # max(min(n_z, C), 1) in one clamp: min(max(n_z, 1), max(C, 1)) is the same for every n_z >= 0
+    return load / load.clamp(min=1, max=max(capacity, 1))
 
 
 def random_ranks(group: Tensor, num_groups: int, generator: torch.Generator | None = None, *,
@@ -255,7 +256,7 @@ def apply_capacity(
     # Slot-major flattening: all first choices come before all second choices.
     flat_expert = expert.t().reshape(-1)
     flat_cand = candidate.t().reshape(-1)
-    group = torch.where(flat_cand, flat_expert, torch.full_like(flat_expert, num_experts))
+    group = torch.where(flat_cand, flat_expert, num_experts)
     # Counts by scatter-add, not bincount: a static shape, so torch.compile traces it.
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
     counts.scatter_add_(0, group, torch.ones_like(group))

@@ -124,7 +124,7 @@ class DispatchPlan(_TokenPlan):
             placed = keep & ~bad_expert & ~bad_position
         else:
             placed = keep
-        row = torch.where(placed, expert * capacity + position, torch.full_like(expert, rows))
+        row = torch.where(placed, position.add(expert, alpha=capacity), rows)  # expert * C + position
         token_of_row = torch.full((rows + 1,), n, dtype=torch.long, device=expert.device)
         token_ids = torch.arange(n, device=expert.device).unsqueeze(-1).expand(n, s)
         token_of_row.scatter_(0, row.reshape(-1), token_ids.reshape(-1))

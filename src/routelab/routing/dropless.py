@@ -52,7 +52,7 @@ def decide_and_plan_dropless(expert: Tensor, candidate: Tensor, num_experts: int
     # the pairs that are not candidates form group E, after every expert.
     flat_expert = expert.t().reshape(-1)
     flat_cand = candidate.t().reshape(-1)
-    group = torch.where(flat_cand, flat_expert, torch.full_like(flat_expert, E))
+    group = torch.where(flat_cand, flat_expert, E)
     counts = torch.zeros(E + 1, dtype=torch.long, device=expert.device)
     counts.scatter_add_(0, group, torch.ones_like(group))
     sorted_group, pair_of_row = torch.sort(group, stable=True)

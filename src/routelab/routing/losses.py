@@ -39,7 +39,7 @@ def switch_balance(probs: Tensor) -> Tensor:
     top = probs.detach().argmax(-1)  # [..., n]
     counts = torch.zeros((*batch, E), dtype=probs.dtype, device=probs.device)
     counts.scatter_add_(-1, top, torch.ones(top.shape, dtype=probs.dtype, device=probs.device))
-    return E * ((counts / n) * probs.mean(-2)).sum(-1)
+    return (counts * probs.mean(-2)).sum(-1) * (E / n)  # E sum_e (counts_e / n) P_e
 
 
 def cv_squared(x: Tensor, eps: float = 1e-10) -> Tensor:

@@ -88,7 +88,9 @@ class RoutingRecord:
         consumed = None
         if self._routelab_consumed is not None and recomputing:
             consumed = self._routelab_consumed  # the recomputation of the step the backward consumed
-        object.__setattr__(self, "_routelab_record", (aux, {name: value.detach() for name, value in stats.items()}))
+        # (a statistic without a graph is kept as it is: a detached alias is one operator more per value)
+        stats = {name: value.detach() if value.requires_grad else value for name, value in stats.items()}
+        object.__setattr__(self, "_routelab_record", (aux, stats))
         object.__setattr__(self, "_routelab_consumed", consumed)
         # a training forward without gradient (reentrant checkpointing): its losses train nothing
         object.__setattr__(self, "_routelab_blind", bool(getattr(self, "training", False))

@@ -33,10 +33,14 @@ def load_stats(proposed: Tensor, decision: CapacityDecision, capacity: int | Ten
     n = proposed.shape[0]
     proposed_pairs = proposed.sum()
     keep = decision.keep
-    single = kept.numel() <= 1
+    if kept.numel() <= 1:
+        load_cv = kept.new_zeros(())
+    else:
+        std, mean = torch.std_mean(kept, correction=0)  # (one reduction for both)
+        load_cv = std / mean.clamp(min=1e-12)
     return {
         "tokens_per_expert": decision.kept,
-        "load_cv": kept.new_zeros(()) if single else kept.std(unbiased=False) / kept.mean().clamp(min=1e-12),
+        "load_cv": load_cv,
         "dropped_fraction": (proposed_pairs - keep.sum()) / proposed_pairs.clamp(min=1),
         "tokens_dropped": _tokens_without_expert(keep, tokens) if n else kept.new_zeros(()),
         "capacity": capacity if isinstance(capacity, Tensor) else device_scalar(capacity, decision.kept),
