@@ -6,6 +6,7 @@ Importable from every test directory (pytest puts ``tests/`` on ``sys.path``).
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -19,5 +20,7 @@ def load_tool(name: str) -> ModuleType:
     """``tools/{name}.py`` as a fresh module (its top-level code runs again on every call)."""
     spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    # (registered before it runs, as an import does: dataclasses look their module up by name)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module

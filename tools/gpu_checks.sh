@@ -8,7 +8,8 @@
 # 15 minutes of device time do not fit every step: the suite alone takes about 6 minutes.
 #
 # Writes to $OUT (or ./gpu-checks when OUT is unset): log.txt, suite-nccl.log, suite.log,
-# bench-bf16-d4096-e64-k2.md, prof-d1024.txt, bench-compiled-bf16-d1024.md (reduce-overhead),
+# bench-bf16-d4096-e64-k2.md, prof-d1024.txt (with each variant's GPU idle time by the host work it
+# waited for; the traces in traces-d1024/), bench-compiled-bf16-d1024.md (reduce-overhead),
 # bench-bf16-d1024.md, bench-fp32-d4096.md, bench-assignment.md, prof-d1024-ab.txt (without the Triton
 # gathers, and with .ab-base/ from make ab-base, carried, that commit), probe.txt, prof-d4096.txt;
 # lm.tgz replaces the probe's file when data-cache/ is there. One call's budget reaches about the
@@ -54,8 +55,9 @@ the target is < 10 %; cut at 33 s on 2026-11-28)" 110 \
 > '$out/bench-bf16-d4096-e64-k2.md' 2>>'$L'"
 step "host time by operator at d_model 1024, 8k tokens, top-1, and a second pass in reverse order: on 2026-11-28 the \
 layer with its finite check (a host sync) issued its step in 4.8 ms, the same layer unchecked in 6.2-7.5 ms, on \
-the CPU the other way round (tools/gpu_layer_profile.py --brief)" 120 \
-  bash -c "python3 tools/gpu_layer_profile.py '$out/prof-d1024.txt' --brief > /dev/null 2>>'$L'"
+the CPU the other way round (tools/gpu_layer_profile.py --brief; new: the GPU's idle time and the host \
+operators it waited for)" 120 \
+  bash -c "python3 tools/gpu_layer_profile.py '$out/prof-d1024.txt' --brief --traces '$out/traces-d1024' > /dev/null 2>>'$L'"
 step "bench moe --compile reduce-overhead (CUDA graphs), bf16 d_model 1024, top-1 (measured 2026-11-26; the default \
 mode again on 2026-11-27; cut at 46 s on 2026-11-28)" 150 \
   bash -c "python3 -m routelab bench moe --device cuda --dtype bfloat16 --d-model 1024 --k 1 \
@@ -79,7 +81,8 @@ step "kernel probe: candidate forms of the largest non-expert operations, the Tr
   bash -c "python3 tools/gpu_kernel_probe.py > '$out/probe.txt' 2>&1"
 step "profile at d_model 4096, 64k tokens, E = 64, top-2, with kernel tables (the fifth session's: \
 docs/gpu-profile-h200-d4096-e64-k2-triton-gathers.txt)" 120 \
-  python3 tools/gpu_layer_profile.py "$out/prof-d4096.txt" --cases 64:2 --d-model 4096 --tokens 65536
+  python3 tools/gpu_layer_profile.py "$out/prof-d4096.txt" --cases 64:2 --d-model 4096 --tokens 65536 \
+  --traces "$out/traces-d4096"
 if [ -f data-cache/parallel_text_es_en.jsonl.gz ]; then
   mkdir -p /tmp/lm
   step "lm-routers --large, 1 seed, 100 steps" 200 bash -c "python3 -m routelab.experiments.lm_routers --large \

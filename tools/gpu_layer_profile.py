@@ -1,7 +1,7 @@
 """Where the MoE layer's time goes on a GPU: eager time, host issue time, CUDA-graph replay, kernels.
 
 usage: python tools/gpu_layer_profile.py OUTFILE [--brief] [--fp32] [--d-model N] [--d-hidden N] [--tokens N]
-       [--cases E:K ...] [--no-triton]
+       [--cases E:K ...] [--no-triton] [--traces DIR]
 
 For E in {8, 64} and top-1/top-2 at d_model 1024, d_hidden 4096, 8192 tokens unless given (bfloat16
 unless --fp32), one forward + backward of: the MoE layer (capacity factor 1, `auto` and each layout
@@ -16,6 +16,10 @@ block, and that block (`grouped_mm` experts). Per variant it prints
 * the host's own time by operator: torch.profiler's table of the operators sorted by their self
   CPU time (the 12 largest with --brief), to say which operations make a host-bound step slow;
 * (without --brief) torch.profiler's table of the kernels, sorted by device time;
+* on CUDA, the GPU's idle time in the profiled steps and the host work it waited for
+  (``tools/gpu_trace_gaps.py`` on the profile's trace: each idle gap charged to the innermost
+  operator or CUDA call of the thread that launched the kernel ending it); ``--traces DIR`` keeps
+  the traces (gzipped) for a closer look;
 * a second pass over the variants in reverse order (eager and back-to-back again), so that a
   difference between two variants that comes from the order they ran in shows as such.
 
@@ -24,9 +28,14 @@ PYTHONPATH for an A/B comparison in the same session. On a machine without CUDA 
 on the CPU (a smoke test: no graph, no device times). Used for the README's "On a GPU".
 """
 import argparse
+import gzip
 import json
+import shutil
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -44,6 +53,8 @@ _parser.add_argument("--cases", nargs="+", metavar="E:K", default=None,
                      help="the (experts, top-k) cases to run, e.g. 64:1 (default 8:1 64:1 64:2; --brief 8:1 64:1)")
 _parser.add_argument("--no-triton", action="store_true",
                      help="the gathers on PyTorch's operators, not the fused Triton kernels (an A/B of their cost)")
+_parser.add_argument("--traces", metavar="DIR", default=None,
+                     help="keep each variant's profiler trace there (CUDA; Chrome trace, gzipped)")
 _args = _parser.parse_args()
 if _args.no_triton:
     try:
@@ -157,6 +168,8 @@ def profile(fn, label):
     kernel_us = sum(getattr(e, attr) for e in (kernels or ka)) / 3
     cpu_ops = sum(e.count for e in ka if e.key.startswith("aten::")) / 3
     log(f"  [{label}] device time per step {kernel_us / 1e3:.3f} ms; aten ops per step (incl. nested) {cpu_ops:.0f}")
+    if dev == "cuda":
+        idle_report(prof, label)
     lines.append(f"  host time by operator [{label}], 3 steps:")
     lines.append(ka.table(sort_by="self_cpu_time_total", row_limit=12 if brief else 30, max_name_column_width=60))
     if not brief:
@@ -167,6 +180,36 @@ def profile(fn, label):
             table = ka.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70)
         lines.append(table)
     return kernel_us / 1e3
+
+
+def _trace_gaps():
+    """tools/gpu_trace_gaps.py, imported from beside this script wherever it runs from."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import gpu_trace_gaps
+    return gpu_trace_gaps
+
+
+def idle_report(prof, label: str) -> None:
+    """Log where the GPU waited for the host in the profiled steps (and keep the trace with --traces)."""
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(path))
+            report = _trace_gaps().analyse(_trace_gaps().load_events(path))
+            if _args.traces:
+                Path(_args.traces).mkdir(parents=True, exist_ok=True)
+                name = "".join(c if c.isalnum() else "-" for c in label).strip("-")
+                with open(path, "rb") as src, gzip.open(Path(_args.traces) / f"{name}.json.gz", "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+    except Exception as e:  # noqa: BLE001 (a trace this torch cannot export: say so, go on)
+        log(f"  [{label}] GPU idle time: not measured ({type(e).__name__}: {str(e)[:160]})")
+        return
+    lines_ = report.lines(steps=3, top=8 if brief else 15)
+    log(f"  [{label}] {lines_[0]}")
+    for line in lines_[1:]:
+        log(f"  {line}")
 
 
 class YOnly(torch.nn.Module):
