@@ -69,7 +69,7 @@ step "bench moe fp32 d_model 4096 (never measured)" 200 \
   bash -c "python3 -m routelab bench moe --device cuda --dtype float32 --d-model 4096 > '$out/bench-fp32-d4096.md' 2>>'$L'"
 step "bench assignment on the GPU: 64 x 4096 x 64 on the device 92.8 ms and 151 host syncs on 2026-11-28 (94.2 on \
 2026-11-27, 72 on 2026-11-25); since fb16091 expected 126 syncs there (25 blocking copies of the prices gone) \
-and 1 instead of 2 on the host rows" 100 \
+and 1 instead of 2 on the host rows; new: the syncs by the line of routelab that made them, under each table" 100 \
   bash -c "python3 -m routelab bench assignment --device cuda > '$out/bench-assignment.md' 2>>'$L'"
 step "A/B at d_model 1024: without the Triton gathers, and the commit of 2026-11-26 where make ab-base wrote .ab-base/ \
 (carry it; inconclusive on 2026-11-28: transformers' block, the same code in each, varied 3.9-5.5 ms between passes)" 160 \

@@ -150,6 +150,46 @@ def test_count_host_syncs_is_none_off_cuda() -> None:
     assert called == []
 
 
+def test_sync_sites_name_the_innermost_frame_inside_the_package(tmp_path) -> None:
+    """host_sync_sites' counting, without a GPU: warnings with torch's sync-debug text counted by the
+    innermost frame under the package directory; other warnings passed on after the call."""
+    import importlib.util
+    import warnings
+
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "mod.py").write_text(
+        "import warnings\n"
+        "def inner():\n"
+        "    warnings.warn('called a synchronizing CUDA operation')\n"
+        "def outer():\n"
+        "    inner()\n"
+        "    inner()\n"
+        "    warnings.warn('called a synchronizing CUDA operation')\n")
+    spec = importlib.util.spec_from_file_location("pkg_mod_for_sites", package / "mod.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def fn() -> None:
+        mod.outer()
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)  # from no frame of the package
+        warnings.warn("an unrelated warning", UserWarning, stacklevel=1)
+
+    with pytest.warns(UserWarning, match="an unrelated warning"):
+        sites = bench._sync_warning_sites(fn, str(package))
+    assert sites == {"pkg/mod.py:3": 2, bench.OUTSIDE: 1, "pkg/mod.py:7": 1}
+    assert list(sites) == ["pkg/mod.py:3", "(outside routelab)", "pkg/mod.py:7"]  # most frequent first, then by name
+    assert bench.host_sync_sites(fn, device="cpu") is None
+
+
+def test_the_batched_table_lists_the_sync_sites() -> None:
+    m = bench.BatchedMethod("routelab on the device", timing=bench.Timing(median_ms=2.0, runs=1),
+                            host_syncs=3, sync_sites={"routelab/a.py:1": 2, "routelab/b.py:9": 1}, feasible=True)
+    size = bench.BatchedSize(b=2, n=8, k=2, methods={"batched": m})
+    text = "\n".join(bench._render_batched(size))
+    assert "- routelab on the device: `routelab/a.py:1` 2, `routelab/b.py:9` 1" in text
+
+
 @pytest.mark.requires_no_cuda
 def test_count_host_syncs_needs_cuda_for_cuda() -> None:
     with pytest.raises(ValueError, match="CUDA"):
@@ -170,6 +210,11 @@ def test_count_host_syncs_on_cuda() -> None:
     with pytest.raises(RuntimeError, match="boom"):
         bench.count_host_syncs(fails, device="cuda")
     assert torch.cuda.get_sync_debug_mode() == before
+    # where: the line of routelab that read the value back (check_finite's float(top))
+    from routelab._checks import check_finite
+
+    sites = bench.host_sync_sites(lambda: check_finite(torch.ones(3, device="cuda"), "x", "fix"), device="cuda")
+    assert len(sites) == 1 and next(iter(sites)).startswith("routelab/_checks.py:"), sites
 
 
 @pytest.mark.requires_cuda

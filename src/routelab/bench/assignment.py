@@ -39,6 +39,8 @@ of the whole batch for the batched and host rows, of instance 0 for the per-inst
 (CPU)" off CUDA), whether every result respects the capacity, and the objective: the routelab rows
 must equal the batched call's float64 objective on every instance to relative :data:`OPTIMUM_RTOL`;
 the auction's row gives its mean and largest relative gap ``(routelab - auction) / |routelab|``.
+Under each table, the batched rows' host syncs by the line of routelab that made them
+(:func:`host_sync_sites`), so that a count that differs between machines can be traced.
 
 Entry point: :func:`run_benchmark`. The measuring itself is :func:`_benchmark`, which takes the
 grid and the number of repeats as parameters (the tests run it on a tiny grid), and
@@ -53,6 +55,7 @@ import platform
 import re
 import statistics
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -72,7 +75,7 @@ from ..machine import load_average
 from ._checks import check_device_and_threads
 from .peers import fairseq_auction
 
-__all__ = ["count_host_syncs", "run_benchmark"]
+__all__ = ["count_host_syncs", "host_sync_sites", "run_benchmark"]
 
 #: The grid of the full benchmark: every n with every k.
 FULL_NS: tuple[int, ...] = (256, 1024, 4096, 16384)
@@ -557,9 +560,9 @@ def count_host_syncs(fn: Callable[[], Any], *, device: str | torch.device) -> in
     On CUDA, ``fn`` runs once under ``torch.cuda.set_sync_debug_mode("warn")``; torch then warns
     at every synchronizing operation (``.item()``, ``bool()`` of a CUDA tensor, a copy to the
     host, a blocking copy from pageable host memory, ``nonzero`` and the like), and the warnings
-    are caught (``warnings.catch_warnings(record=True)``, ``simplefilter("always")``) and counted.
-    The previous debug mode is restored afterwards, also when ``fn`` raises. Pending GPU work is
-    finished before counting (outside the count). Only syncs raised on the calling thread are seen.
+    are caught and counted. The previous debug mode is restored afterwards, also when ``fn``
+    raises. Pending GPU work is finished before counting (outside the count). Only syncs raised on
+    the calling thread are seen. :func:`host_sync_sites` says where they are.
 
     Args:
         fn: the call to count, without arguments; its result is discarded.
@@ -572,24 +575,71 @@ def count_host_syncs(fn: Callable[[], Any], *, device: str | torch.device) -> in
     Raises:
         ValueError: ``device`` is CUDA but CUDA is not available.
     """
+    sites = host_sync_sites(fn, device=device)
+    return None if sites is None else sum(sites.values())
+
+
+def host_sync_sites(fn: Callable[[], Any], *, device: str | torch.device) -> dict[str, int] | None:
+    """The synchronizing operations of one call of ``fn()`` by the line of routelab that made them.
+
+    As :func:`count_host_syncs` (one call under ``torch.cuda.set_sync_debug_mode("warn")``), each
+    sync counted under the innermost frame of routelab's own source on the Python stack when
+    torch warned (``"routelab/assignment/_prices.py:212"``; ``"(outside routelab)"`` when there is
+    none), most frequent first.
+
+    Returns:
+        ``{site: syncs}``, or ``None`` when ``device`` is not CUDA.
+
+    Raises:
+        ValueError: ``device`` is CUDA but CUDA is not available.
+    """
     if torch.device(device).type != "cuda":
         return None
     if not torch.cuda.is_available():
         raise ValueError("count_host_syncs: device is CUDA but torch.cuda.is_available() is False")
     torch.cuda.synchronize()
     previous = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings(record=True) as caught:
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        return _sync_warning_sites(fn, _PACKAGE_DIR)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+#: routelab's source directory, whose frames name a sync's site.
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(routelab.__file__))
+
+#: The site of a sync made with no frame of routelab's on the stack.
+OUTSIDE = "(outside routelab)"
+
+
+def _sync_warning_sites(fn: Callable[[], Any], package_dir: str) -> dict[str, int]:
+    """Run ``fn`` and count torch's sync warnings by the innermost stack frame under
+    ``package_dir`` (named relative to its parent directory) at the moment each was raised;
+    other warnings of ``fn`` are passed on, not swallowed."""
+    sites: dict[str, int] = {}
+    others: list[tuple[Any, ...]] = []
+    root = os.path.dirname(package_dir)
+
+    def record(message: Warning | str, category: type[Warning], filename: str, lineno: int, *_: Any) -> None:
+        if _SYNC_WARNING not in str(message):
+            others.append((message, category, filename, lineno))
+            return
+        site = OUTSIDE
+        for frame in reversed(traceback.extract_stack()):
+            path = os.path.abspath(frame.filename)
+            if path.startswith(package_dir + os.sep):
+                site = f"{os.path.relpath(path, root)}:{frame.lineno}"
+                break
+        sites[site] = sites.get(site, 0) + 1
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
-    syncs = [w for w in caught if _SYNC_WARNING in str(w.message)]
-    for w in caught:  # other warnings of fn are passed on, not swallowed
-        if _SYNC_WARNING not in str(w.message):
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return len(syncs)
+        warnings.showwarning = record
+        fn()
+    for message, category, filename, lineno in others:
+        warnings.warn_explicit(message, category, filename, lineno)
+    return dict(sorted(sites.items(), key=lambda item: (-item[1], item[0])))
 
 
 @dataclass
@@ -603,6 +653,7 @@ class BatchedMethod:
         host_syncs: synchronizing operations in one call (see :func:`count_host_syncs`): of the
             whole batch for the batched rows, of instance 0 alone for the per-instance rows;
             ``None`` off CUDA or when not run.
+        sync_sites: those syncs by the line of routelab that made them (:func:`host_sync_sites`).
         per_instance_calls: whether the method is called once per instance (a Python loop).
         feasible: every returned assignment has shape ``[b, n]``, experts in ``[0, k)`` and at
             most ``n / k`` tokens per expert; ``None`` when not run.
@@ -612,6 +663,7 @@ class BatchedMethod:
     name: str
     timing: Timing | None = None
     host_syncs: int | None = None
+    sync_sites: dict[str, int] | None = None
     per_instance_calls: bool = False
     feasible: bool | None = None
     skipped: str | None = None
@@ -733,7 +785,9 @@ def _measure_batched(
     }
     for key in fns:
         methods[key].timing = timings[key]
-        methods[key].host_syncs = count_host_syncs(counted[key], device=device)
+        sites = host_sync_sites(counted[key], device=device)
+        methods[key].sync_sites = sites
+        methods[key].host_syncs = None if sites is None else sum(sites.values())
         methods[key].feasible = all(_batch_feasible(z.cpu(), b, n, k) for z in results[key])
     size.methods = methods
 
@@ -800,7 +854,21 @@ def _render_batched(size: BatchedSize) -> list[str]:
         cells = [m.name, _ms(m.timing.median_ms), _ms_small(m.timing.median_ms / size.b),
                  _speedup(m.timing.median_ms / base.median_ms), syncs, "yes" if m.feasible else "NO", objective]
         lines.append("| " + " | ".join(cells) + " |")
+    sited = [m for key, m in size.methods.items() if key in SITED_METHODS and m.sync_sites]
+    if sited:
+        lines += ["", "Host syncs by the line of routelab that made them (one untimed call):", ""]
+        for m in sited:
+            shown = [f"`{site}` {count}" for site, count in list(m.sync_sites.items())[:SITES_SHOWN]]
+            more = len(m.sync_sites) - SITES_SHOWN
+            lines.append(f"- {m.name}: " + ", ".join(shown) + (f", and {more} more sites" if more > 0 else ""))
     return lines
+
+
+#: The rows whose host syncs are listed by site under the table (the batched calls).
+SITED_METHODS = ("batched", "device", "host")
+
+#: Sites listed per row, most frequent first.
+SITES_SHOWN = 12
 
 
 def _batched_notes(sizes: Sequence[BatchedSize], *, device: str) -> list[str]:
