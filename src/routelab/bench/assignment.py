@@ -626,7 +626,7 @@ def _sync_warning_sites(fn: Callable[[], Any], package_dir: str) -> dict[str, in
             others.append((message, category, filename, lineno))
             return
         site = OUTSIDE
-        for frame in reversed(traceback.extract_stack()):
+        for frame in reversed(traceback.extract_stack()[:-1]):  # (not this function's own frame)
             path = os.path.abspath(frame.filename)
             if path.startswith(package_dir + os.sep):
                 site = f"{os.path.relpath(path, root)}:{frame.lineno}"
