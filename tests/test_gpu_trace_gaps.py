@@ -96,3 +96,25 @@ def test_the_layer_profile_reports_the_idle_time_of_a_trace_and_keeps_it(tmp_pat
     assert profile_tool.lines[-1] == "  [a variant, E=8] no GPU activity in the trace"
     kept = tmp_path / "traces" / "a-variant--E-8.json.gz"
     assert gaps.analyse(gaps.load_events(kept)).window_us == 0
+
+
+def test_activities_of_no_duration_end_their_gaps_and_a_gap_without_a_launch_is_charged_to_nobody() -> None:
+    """Found by a mutation review: a kernel of no duration that ends a gap charges it to its own launcher
+    (not to the next activity's), and one at the window's end still ends its gap, so that with no
+    threshold the listed gaps sum to the idle time; a gap ended by an activity whose launch is not in the
+    trace is charged to no thread; a window without activity lists its whole length as the lead."""
+    trace = [_x("cpu_op", "aten::a", 0, 10), _x("cuda_runtime", "cudaLaunchKernel", 5, 1, corr=1),
+             _x("cpu_op", "aten::b", 0, 30, tid=2), _x("cuda_runtime", "cudaLaunchKernel", 25, 1, tid=2, corr=2),
+             _x("kernel", "k1", 20, 0, tid=7, corr=1), _x("kernel", "k2", 30, 5, tid=7, corr=2),
+             _x("gpu_memset", "Memset", 40, 0, tid=8)]  # no launch recorded, the window's last activity
+    report = gaps.analyse(trace, min_gap_us=0)
+    assert report.window_us == 40 and report.busy_us == 5
+    assert report.gaps == [(0, 20), (20, 10), (35, 5)]
+    assert sum(length for _, length in report.gaps) == report.idle_us
+    by = {name: t for name, t, _ in report.by_host_event}
+    # [0, 20) waits for thread 1 (k1's launcher): aten::a [0, 5) + [6, 10), its launch [5, 6), then Python
+    # [20, 30) waits for thread 2 (k2's): aten::b around its launch [25, 26)
+    assert by == {"aten::a": 9, "cudaLaunchKernel in aten::a": 1, gaps.NO_OPERATOR: 10, "aten::b": 9,
+                  "cudaLaunchKernel in aten::b": 1, gaps.NO_LAUNCH: 5}
+    empty = gaps.analyse([_x("cpu_op", "aten::a", 0, 10), _x("kernel", "k", 50, 5, corr=1)], window=(0, 40))
+    assert empty.busy_us == 0 and empty.lead_us == 40 and empty.gaps == [(0, 40)] and empty.by_host_event == []

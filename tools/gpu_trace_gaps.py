@@ -14,7 +14,8 @@ time on, not which of it the GPU waited for. This reads a Chrome trace written b
 * the idle time attributed to host work: each gap belongs to the thread that launched the activity
   ending it (the GPU waited for that thread), and its time to that thread's innermost event at each
   instant (an operator such as ``aten::topk``, or a runtime call inside one, reported as
-  ``cudaLaunchKernel in aten::topk``); time in no event is ``(no operator: Python)``.
+  ``cudaLaunchKernel in aten::topk``); time in no event is ``(no operator: Python)``, and a gap ended
+  by an activity whose launch the trace does not hold is ``(launch not in the trace)``.
 
 Used by ``tools/gpu_layer_profile.py`` (its per-variant "GPU idle" lines); runs anywhere on a saved
 trace (the CPU included: it only reads JSON).
@@ -44,6 +45,9 @@ API_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
 
 #: The name of idle time during which the issuing thread ran no recorded event.
 NO_OPERATOR = "(no operator: Python)"
+
+#: The name of a gap ended by an activity whose launch is not in the trace (no thread to charge).
+NO_LAUNCH = "(launch not in the trace)"
 
 
 @dataclass
@@ -172,7 +176,8 @@ def analyse(events: list[dict[str, Any]], *, min_gap_us: float = 5.0,
         starts = [float(e["ts"]) for e in host if e.get("cat") == "cpu_op"] or [busy[0][0]]
         window = (min(min(starts), busy[0][0]), busy[-1][1])
     w0, w1 = window
-    busy = [(max(s, w0), min(e, w1)) for s, e in busy if e > w0 and s < w1]
+    # (an activity of no duration inside the window still ends a gap; one ending at the window's start is before it)
+    busy = [(max(s, w0), min(e, w1)) for s, e in busy if (e > w0 and s < w1) or (s == e and w0 < s <= w1)]
     busy_us = sum(e - s for s, e in busy)
     # Which thread launched each device activity (by the correlation id of its CUDA call).
     launcher = {}
@@ -184,7 +189,8 @@ def analyse(events: list[dict[str, Any]], *, min_gap_us: float = 5.0,
     device.sort(key=lambda e: float(e["ts"]))
     i = 0
     for start, _end in busy:
-        while i < len(device) and float(device[i]["ts"]) + float(device[i]["dur"]) <= start:
+        # (the activities that start before this interval belong to earlier ones: merged intervals are disjoint)
+        while i < len(device) and float(device[i]["ts"]) < start:
             i += 1
         corr = (device[i].get("args") or {}).get("correlation") if i < len(device) else None
         first_of_interval.append(launcher.get(corr))
@@ -201,6 +207,10 @@ def analyse(events: list[dict[str, Any]], *, min_gap_us: float = 5.0,
         gaps.append((gap[0] - w0, gap[1] - gap[0]))
         covered = 0.0
         names = set()
+        if thread is None:  # nobody to charge: the launch is not in the trace
+            attributed[NO_LAUNCH] += gap[1] - gap[0]
+            appears[NO_LAUNCH] += 1
+            continue
         for s, e, name in leaves.get(thread, ()):
             overlap = min(e, gap[1]) - max(s, gap[0])
             if overlap > 0:
@@ -213,6 +223,8 @@ def analyse(events: list[dict[str, Any]], *, min_gap_us: float = 5.0,
         for name in names:
             appears[name] += 1
     lead = busy[0][0] - w0 if busy else w1 - w0
+    if not busy and lead >= min_gap_us:
+        gaps.append((0.0, lead))  # the whole window is the lead, ended by no activity: charged to nobody
     ranked = sorted(((name, t, appears[name]) for name, t in attributed.items()), key=lambda r: -r[1])
     return GapReport(window_us=w1 - w0, busy_us=busy_us, lead_us=lead, gaps=gaps, by_host_event=ranked)
 
