@@ -21,12 +21,12 @@ def test_the_probe_prints_every_form_and_the_forms_that_run_agree(capsys: pytest
     titles = ["router logits [tokens, E] float32", "router input gradient", "a zero row appended",
               "combine's weighted sum over 2 slots", "per-row dots", "dispatch forward", "combine forward:",
               "dispatch backward", "combine backward", "the dots", "other launch settings",
-              "expert matmul + bias", "the matmul alone"]
+              "expert matmul + bias", "the matmul alone", "router top-2 experts"]
     for title in titles:
         assert title in out
     timed = r"([\d.]+) ms +max \|difference\| from the first ([\d.e+-]+)"
     rows = re.findall(rf"^  (.+?) +(?:{timed}|failed: (.*))$", out, re.M)
-    assert len(rows) >= 13 + 18
+    assert len(rows) >= 14 + 20
     for name, ms, diff, failure in rows:
         if failure:  # the out_dtype forms have CUDA kernels only
             assert "out_dtype" in name, (name, failure)
