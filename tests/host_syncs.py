@@ -19,10 +19,11 @@ they are called:
   call with a ``device`` other than the literal string ``"cpu"`` is recorded;
 * the same copy made in two steps: ``t.to(d)`` (or ``t.to(device=d)``) of a tensor built from host
   data (``torch.from_numpy``, or ``torch.tensor`` / ``torch.as_tensor`` of Python or NumPy data
-  without a device, a factory's or a random draw's tensor made on the host, and their views,
-  reshapes, clones and casts), with ``d`` (or another tensor's device) not the literal ``"cpu"`` and
-  without ``non_blocking=True``. (With ``non_blocking=True`` from pinned memory, as
-  :func:`routelab._checks.to_device` copies, CUDA does not wait.)
+  without a device, a factory's or a random draw's tensor made on the host, their views, reshapes,
+  clones and casts, and the results of any operator whose tensor inputs are all host data), with
+  ``d`` (or another tensor's device) not the literal ``"cpu"`` and without ``non_blocking=True``.
+  (With ``non_blocking=True`` from pinned memory, as :func:`routelab._checks.to_device` copies,
+  CUDA does not wait.)
 
 Known over-report: ``F.one_hot(x, num_classes)`` checks its indices' range with ``item()`` on the CPU
 only (its CUDA kernel does not when ``num_classes`` is given), and this recorder sees that check.
@@ -102,9 +103,16 @@ def _caller() -> str:
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, found: list[HostSync]) -> None:
+    def __init__(self, found: list[HostSync], host_data: weakref.WeakValueDictionary[int, torch.Tensor]) -> None:
         super().__init__()
         self.found = found
+        self.host_data = host_data
+
+    def _all_host(self, values: object) -> bool:
+        """Whether every tensor among ``values`` (nested in lists and tuples) holds host data, and
+        there is at least one."""
+        tensors = [v for v in _flat(values) if isinstance(v, torch.Tensor)]
+        return bool(tensors) and all(self.host_data.get(id(t)) is t for t in tensors)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -116,7 +124,26 @@ class _Recorder(TorchDispatchMode):
             syncs = any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
         if syncs:
             self.found.append(HostSync(str(func), _caller()))
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if self._all_host((args, kwargs)):
+            # An operation on host data alone runs on the host: its results are host data too (on a
+            # GPU, an operation mixing host and device tensors is an error, or a 0-dim host scalar's).
+            for t in _flat(out):
+                if isinstance(t, torch.Tensor):
+                    self.host_data[id(t)] = t
+        return out
+
+
+def _flat(values: object) -> Iterator[object]:
+    """The leaves of nested lists, tuples and dicts (values)."""
+    if isinstance(values, (list, tuple)):
+        for v in values:
+            yield from _flat(v)
+    elif isinstance(values, dict):
+        for v in values.values():
+            yield from _flat(v)
+    else:
+        yield values
 
 
 @contextlib.contextmanager
@@ -220,7 +247,7 @@ def record_host_syncs() -> Iterator[list[HostSync]]:
     torch.Tensor.new_tensor = new_tensor
     torch.from_numpy = from_numpy
     try:
-        with _Recorder(found):
+        with _Recorder(found, host_data):
             yield found
     finally:
         for name, original in originals.items():
@@ -234,3 +261,10 @@ def record_host_syncs() -> Iterator[list[HostSync]]:
             setattr(torch.Tensor, name, original)
         for name, original in randoms.items():
             setattr(torch, name, original)
+        # torch.compile's trace rules look torch's functions and Tensor methods up by name once and
+        # cache them: built while this block's wrappers stood in for torch.arange & co. (a compile
+        # inside the block), they would refuse the restored originals in every later compile of the
+        # process ("Dynamo does not know how to trace the builtin ... arange"). Rebuilt on demand.
+        trace_rules = getattr(getattr(torch, "_dynamo", None), "trace_rules", None)
+        if trace_rules is not None and hasattr(trace_rules, "clear_lru_cache"):
+            trace_rules.clear_lru_cache()
