@@ -16,9 +16,11 @@ def test_one_line_per_case_and_the_switches_restored(capsys: pytest.CaptureFixtu
     load_tool("layer_host_time").main(["--reps", "3", "--cases", "4:1", "4:2", "--dtype", "float32"])
     out = capsys.readouterr().out
     assert "float32, router topk" in out
-    steps = re.findall(r"^E=(\d+) k=(\d+): (\d+) us per step \(median of 3\)$", out, re.M)
-    assert [(e, k) for e, k, _ in steps] == [("4", "1"), ("4", "2")]
-    assert all(int(us) > 0 for _, _, us in steps)
+    steps = re.findall(r"^E=(\d+) k=(\d+): (\d+) us per step \(median of 3\); (\d+) operators, (\d+) that compute$",
+                       out, re.M)
+    assert [(e, k) for e, k, *_ in steps] == [("4", "1"), ("4", "2")]
+    assert all(int(us) > 0 and int(every) > int(computing) > 0 for _, _, us, every, computing in steps)
+    assert int(steps[1][3]) > int(steps[0][3])  # two slots take more operators than one
     assert (gather._adjoint_by_default, torch.get_num_threads()) == before
 
 

@@ -9,8 +9,11 @@ microseconds, so the step's time is mostly the host's. The GPU's code paths are 
 CPU can take them (the adjoint gathers of dispatch and combine, as on CUDA); the CUDA-only
 kernels (Triton gathers, the router's float32-out matmul) are not.
 
-Prints the median step time (forward + backward) per case. Run it again with another checkout's
-src on PYTHONPATH for an A/B comparison on the same machine, e.g. before and after a change:
+Prints the median step time (forward + backward) per case, and the operators one step dispatches:
+all of them, and those that compute (not views or aliases; on a GPU, each launches one kernel or
+more). The counts are exact and the same on every machine, so they show a change too small for the
+times' noise. Run it again with another checkout's src on PYTHONPATH for an A/B comparison on the
+same machine, e.g. before and after a change:
 
     PYTHONPATH=src python tools/layer_host_time.py
     PYTHONPATH=/tmp/old/src python tools/layer_host_time.py
@@ -24,9 +27,24 @@ import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import routelab
 from routelab.layers import MoE
+
+
+class _CountOperators(TorchDispatchMode):
+    """Counts the operators dispatched inside it: all, and those that compute (not views or aliases)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.all = self.computing = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.all += 1
+        if not func.is_view and func not in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+            self.computing += 1
+        return func(*args, **(kwargs or {}))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -72,7 +90,11 @@ def _run(args: argparse.Namespace) -> None:
             y, _ = moe(x)
             y.backward(g)
             times.append(time.perf_counter() - start)
-        print(f"E={E} k={k}: {statistics.median(times) * 1e6:.0f} us per step (median of {args.reps})", flush=True)
+        with _CountOperators() as ops:
+            y, _ = moe(x)
+            y.backward(g)
+        print(f"E={E} k={k}: {statistics.median(times) * 1e6:.0f} us per step (median of {args.reps}); "
+              f"{ops.all} operators, {ops.computing} that compute", flush=True)
 
 
 if __name__ == "__main__":
