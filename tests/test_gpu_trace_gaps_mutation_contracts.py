@@ -8,16 +8,10 @@ to the tool that breaks one of them is caught.
 
 from __future__ import annotations
 
+from test_gpu_trace_gaps import _x  # one trace event (tests/ is on sys.path)
 from tool_modules import load_tool
 
 gaps = load_tool("gpu_trace_gaps")
-
-
-def _x(cat: str, name: str, ts: float, dur: float, tid: int = 1, corr: int | None = None) -> dict:
-    event = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
-    if corr is not None:
-        event["args"] = {"correlation": corr}
-    return event
 
 
 def _by(report) -> dict[str, tuple[float, int]]:
