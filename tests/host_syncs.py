@@ -10,7 +10,9 @@ they are called:
   ``nonzero``, ``masked_select``, ``unique``, ``bincount``, ``repeat_interleave`` without
   ``output_size``, ``equal``, and indexing by a boolean mask (a ``nonzero`` inside);
 * Python-level reads of a tensor's data that bypass the dispatcher on the CPU: ``tolist()``,
-  ``numpy()``, ``cpu()`` and ``to("cpu")`` with a literal ``"cpu"`` (a copy to the host from a GPU);
+  ``numpy()``, ``cpu()`` and ``to("cpu")`` with a literal ``"cpu"`` (a copy to the host from a GPU),
+  unless the tensor holds host data (below): what ``cpu()`` returns does, so ``t.cpu().numpy()`` is
+  one sync;
 * copies of host data to the device: ``torch.tensor(data, device=d)``, ``torch.as_tensor(data,
   device=d)`` of Python or NumPy data, and ``t.new_tensor(data)``. These build the tensor on the
   host and copy it with ``non_blocking=False``, which on CUDA waits for the stream (pytorch#190217:
@@ -160,8 +162,14 @@ def record_host_syncs() -> Iterator[list[HostSync]]:
         original = originals[name]
 
         def read(self: torch.Tensor, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            found.append(HostSync(f"Tensor.{name}", _caller()))
-            return original(self, *args, **kwargs)
+            if host_data.get(id(self)) is not self:  # (reading host data waits for no GPU)
+                found.append(HostSync(f"Tensor.{name}", _caller()))
+            out = original(self, *args, **kwargs)
+            if not isinstance(out, torch.Tensor):
+                return out
+            # What .cpu() returns is host data: t.cpu().numpy() is one sync, not two. (On the CPU it
+            # returns t itself, which is not: an alias of it is, as a GPU's copy would be.)
+            return holds_host_data(out.view_as(out) if out is self else out)
 
         return read
 
@@ -176,9 +184,12 @@ def record_host_syncs() -> Iterator[list[HostSync]]:
         # Only a literal "cpu": on the CPU, t.to(t.device) or t.to(other) cannot be told from a
         # copy to the host, and on a GPU they are none.
         target = kwargs.get("device", args[0] if args else None)
-        if isinstance(target, str) and torch.device(target).type == "cpu":
+        if isinstance(target, str) and torch.device(target).type == "cpu" and host_data.get(id(self)) is not self:
             found.append(HostSync("Tensor.to(cpu)", _caller()))
         out = original_to(self, *args, **kwargs)
+        if isinstance(target, str) and torch.device(target).type == "cpu":
+            # on the host now, wherever it came from (an alias where the CPU returns t itself, as above)
+            out = holds_host_data(out.view_as(out) if out is self else out)
         if host_data.get(id(self)) is self:
             # to(device, dtype, non_blocking) / to(dtype, non_blocking) / to(other, non_blocking)
             non_blocking = kwargs.get("non_blocking", next((a for a in args if isinstance(a, bool)), False))

@@ -163,13 +163,19 @@ def test_expert_parallel_sends_its_rank_offsets_to_the_device_without_a_blocking
     assert run_workers(_rank_offsets_worker, 2, timeout=60) == [[], []]
 
 
-def test_host_data_sent_to_the_literal_cpu_is_one_record():
-    """``torch.from_numpy(a).to("cpu")`` is recorded once, as the literal-``"cpu"`` copy: the
-    host-data rule leaves ``"cpu"`` alone (it would count the same call twice)."""
+def test_host_data_sent_to_the_literal_cpu_is_no_record_and_device_data_one():
+    """``torch.from_numpy(a).to("cpu")`` reads no GPU (its data is on the host already): no record,
+    neither as a copy to the host nor as one of host data. A tensor made on the device, sent to the
+    literal ``"cpu"``, is one record, and what it returns is host data (reading it again is none)."""
+    device = torch.zeros(1).device
     with record_host_syncs() as found:
         torch.from_numpy(np.zeros(3)).to("cpu")
         torch.tensor([1.0, 2.0]).to(device="cpu")
-    assert [f.op for f in found] == ["Tensor.to(cpu)"] * 2
+        back = torch.zeros(3, device=device).to("cpu")
+        back.numpy()
+        back.tolist()
+        torch.ones(2, device=device).cpu().numpy()
+    assert [f.op for f in found] == ["Tensor.to(cpu)", "Tensor.cpu"]
 
 
 def test_a_factory_given_a_device_is_one_record_however_it_is_moved_after():
